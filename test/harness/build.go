@@ -1,0 +1,178 @@
+package harness
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"runtime/debug"
+	"strings"
+	"sync"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// ReferencePluginsModule is the module the reference plugins come from; its
+// version is the one go.mod pins.
+const ReferencePluginsModule = "github.com/containernetworking/plugins"
+
+// BinDirEnv names a directory holding prebuilt plugin and command binaries;
+// when set, ReferencePlugins and BuildOwn use it and build nothing.
+const BinDirEnv = "AETHER_CNI_BIN_DIR"
+
+var referencePlugins = map[string]string{
+	"host-local": "plugins/ipam/host-local",
+	"static":     "plugins/ipam/static",
+	"macvlan":    "plugins/main/macvlan",
+	"bridge":     "plugins/main/bridge",
+}
+
+// ModuleRoot returns the directory of this module's go.mod.
+func ModuleRoot() string {
+	_, file, _, _ := runtime.Caller(0)
+	return filepath.Clean(filepath.Join(filepath.Dir(file), "..", ".."))
+}
+
+// CacheDir returns the per-machine cache directory for test artefacts
+// ($AETHER_TEST_CACHE, else ~/.cache/aether-node).
+func CacheDir() string {
+	if d := os.Getenv("AETHER_TEST_CACHE"); d != "" {
+		return d
+	}
+	d, err := os.UserCacheDir()
+	if err != nil {
+		d = os.TempDir()
+	}
+	return filepath.Join(d, "aether-node")
+}
+
+func moduleVersion(path string) string {
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		for _, m := range bi.Deps {
+			if m.Path == path {
+				if m.Replace != nil {
+					return m.Replace.Version
+				}
+				return m.Version
+			}
+		}
+	}
+	return "unknown"
+}
+
+// ReferencePlugins builds host-local, static, macvlan and bridge from
+// containernetworking/plugins at the version go.mod pins into a cache
+// directory (once per machine and version) and returns that directory.
+//
+// When AETHER_CNI_BIN_DIR is set (inside the VM lane, where there is no Go
+// toolchain) that directory is returned instead and nothing is built.
+func ReferencePlugins(tb testing.TB) string {
+	tb.Helper()
+	if d := os.Getenv(BinDirEnv); d != "" {
+		return d
+	}
+	dir := filepath.Join(CacheDir(), "cni-plugins", moduleVersion(ReferencePluginsModule))
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		tb.Fatal(err)
+	}
+	unlock, err := lockDir(dir)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer unlock()
+	var missing []string
+	for name, pkg := range referencePlugins {
+		if _, err := os.Stat(filepath.Join(dir, name)); err != nil {
+			missing = append(missing, ReferencePluginsModule+"/"+pkg)
+		}
+	}
+	if len(missing) > 0 {
+		if err := goBuild(dir, missing...); err != nil {
+			tb.Fatalf("failed to build reference plugins: %v", err)
+		}
+	}
+	return dir
+}
+
+var (
+	ownMu    sync.Mutex
+	ownBuilt = map[string]string{}
+	ownDir   string
+)
+
+// BuildOwn builds this module's commands (for example "eni-vlan" for
+// ./cmd/eni-vlan) once per test process and returns the directory holding
+// them. When AETHER_CNI_BIN_DIR is set, that directory is returned instead
+// and nothing is built.
+func BuildOwn(tb testing.TB, cmds ...string) string {
+	tb.Helper()
+	if d := os.Getenv(BinDirEnv); d != "" {
+		return d
+	}
+	ownMu.Lock()
+	defer ownMu.Unlock()
+	if ownDir == "" {
+		d, err := os.MkdirTemp("", "aether-bin-")
+		if err != nil {
+			tb.Fatal(err)
+		}
+		ownDir = d
+	}
+	var pkgs []string
+	for _, c := range cmds {
+		if _, ok := ownBuilt[c]; !ok {
+			pkgs = append(pkgs, "./cmd/"+c)
+		}
+	}
+	if len(pkgs) > 0 {
+		if err := goBuild(ownDir, pkgs...); err != nil {
+			tb.Fatalf("failed to build %v: %v", cmds, err)
+		}
+		for _, c := range cmds {
+			ownBuilt[c] = filepath.Join(ownDir, c)
+		}
+	}
+	return ownDir
+}
+
+// CleanupOwn removes the binaries BuildOwn made; Main calls it.
+func CleanupOwn() {
+	ownMu.Lock()
+	defer ownMu.Unlock()
+	if ownDir != "" {
+		_ = os.RemoveAll(ownDir)
+	}
+}
+
+func goBuild(outDir string, pkgs ...string) error {
+	args := append([]string{"build", "-trimpath", "-o", outDir + "/"}, pkgs...)
+	cmd := exec.Command("go", args...)
+	cmd.Dir = ModuleRoot()
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("go %s: %w\n%s", strings.Join(args, " "), err, out)
+	}
+	return nil
+}
+
+func lockDir(dir string) (func(), error) {
+	f, err := os.OpenFile(filepath.Join(dir, ".lock"), os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("failed to open lock in %s: %w", dir, err)
+	}
+	for {
+		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
+		if !errors.Is(err, unix.EINTR) {
+			break
+		}
+	}
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("failed to lock %s: %w", dir, err)
+	}
+	return func() { _ = unix.Flock(int(f.Fd()), unix.LOCK_UN); f.Close() }, nil
+}
