@@ -105,7 +105,7 @@ func AsCNIError(err error) *types.Error {
 	if errors.As(err, &te) {
 		return te
 	}
-	code := uint(types.ErrInternal)
+	code := types.ErrInternal
 	switch {
 	case errors.Is(err, ErrInvalidConfig):
 		code = types.ErrInvalidNetworkConfig

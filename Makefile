@@ -1,0 +1,60 @@
+# aether-node. Every tool version is pinned: Go modules and tools in go.mod,
+# golangci-lint below. Run as root for `test`, `bench` and `demo`.
+SHELL := /bin/bash
+GO ?= go
+export GOFLAGS ?= -buildvcs=false
+
+CACHE ?= $(HOME)/.cache/aether-node
+GOLANGCI_VERSION := v2.15.0
+GOLANGCI := $(CACHE)/tools/golangci-lint-$(GOLANGCI_VERSION)/golangci-lint
+TOOLS := bin/tools
+TEST_TIMEOUT ?= 45m
+BENCH ?= .
+BENCHTIME ?= 1s
+
+.PHONY: all build test bench demo generate lint tools deps clean
+
+all: build
+
+## build: all binaries into bin/
+build:
+	CGO_ENABLED=0 $(GO) build -trimpath -o bin/ ./cmd/...
+
+## tools: protoc-gen-go and protoc-gen-go-grpc at the versions go.mod pins
+tools:
+	$(GO) build -o $(TOOLS)/ google.golang.org/protobuf/cmd/protoc-gen-go google.golang.org/grpc/cmd/protoc-gen-go-grpc
+
+## generate: Go code and docs/api from api/**/*.proto (no network, no protoc)
+generate: tools
+	$(GO) run ./tools/protogen -proto-root api -docs docs/api \
+		-protoc-gen-go $(TOOLS)/protoc-gen-go -protoc-gen-go-grpc $(TOOLS)/protoc-gen-go-grpc
+
+$(GOLANGCI):
+	GOBIN=$(dir $(GOLANGCI)) $(GO) install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_VERSION)
+
+## lint: golangci-lint (errorlint, forbidigo, sloglint, gofumpt, ...) and go vet
+lint: $(GOLANGCI)
+	$(GO) vet ./...
+	$(GOLANGCI) run ./...
+
+## deps: Debian packages the test lanes, benchmarks and demo need (as root)
+deps:
+	./scripts/install-deps.sh
+
+## test: every test lane (unit, netns, containerd, kube-apiserver, VM); as root
+test: deps
+	@if [ "$$(id -u)" != 0 ]; then echo "make test needs root (network namespaces, mounts, qemu lane)"; exit 1; fi
+	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...
+
+## bench: every comparison benchmark, one table (bench/out/results.json)
+bench: deps
+	@mkdir -p bench/out
+	$(GO) test -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -timeout 60m ./... | tee bench/out/raw.txt
+	$(GO) run ./tools/benchreport -in bench/out/raw.txt -goals bench/goals -out bench/out
+
+## demo: the whole-node demo
+demo: deps build
+	./scripts/demo.sh
+
+clean:
+	rm -rf bin bench/out

@@ -1,0 +1,158 @@
+package cniv1_test
+
+import (
+	"strings"
+	"testing"
+
+	"buf.build/go/protovalidate"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	cniv1 "aether.io/node/api/aether/cni/v1"
+)
+
+func validPod() *cniv1.CNIPod {
+	return &cniv1.CNIPod{
+		Name:             "web-0",
+		Namespace:        "shop",
+		NetworkNamespace: "/run/aether/netns/abc",
+		ContainerId:      "abc",
+		Ips:              []string{"10.0.0.5", "fd00::5"},
+		Labels:           map[string]string{"aether.io/managed": "true"},
+		Annotations:      map[string]string{"endpoint.aether.io/uds-socket": "mesh/app.sock"},
+		Pid:              wrapperspb.UInt32(42),
+		ServiceAccount:   "web",
+		Terminating:      true,
+		Uid:              "0ae5c03d-5fb3-4eb9-9de8-2bd4b51606ba",
+		UdsCsiVolume:     "mesh",
+		Volumes:          []string{"mesh", "data"},
+		UdsCsiVolumes:    1,
+	}
+}
+
+func timings() *cniv1.PluginTimings {
+	return &cniv1.PluginTimings{
+		Started:             timestamppb.Now(),
+		PreCall:             durationpb.New(1e6),
+		ReadinessProbe:      durationpb.New(2e6),
+		ReadinessProbeError: "connection refused",
+		CaptureDivert:       durationpb.New(3e6),
+		CaptureDivertError:  "netlink: operation not permitted",
+		Total:               durationpb.New(9e6),
+	}
+}
+
+// TestRoundTrip marshals and unmarshals every message of the package with
+// every field set.
+func TestRoundTrip(t *testing.T) {
+	msgs := []proto.Message{
+		validPod(),
+		&cniv1.AddPodRequest{Pod: validPod()},
+		&cniv1.AddPodResponse{Result: cniv1.AddPodResponse_RESULT_IGNORED},
+		&cniv1.RemovePodRequest{Name: "web-0", Namespace: "shop", ContainerId: "abc"},
+		&cniv1.RemovePodResponse{Result: cniv1.RemovePodResponse_RESULT_SUCCESS},
+		timings(),
+		&cniv1.ReportAddResultRequest{ContainerId: "abc", Name: "web-0", Namespace: "shop", Timings: timings()},
+		&cniv1.ReportAddResultResponse{},
+		&cniv1.GetPodRequest{ContainerId: "abc"},
+		&cniv1.GetPodResponse{Pod: validPod(), Managed: true, Registered: true, Uncaptured: true, LastTimings: timings()},
+	}
+	covered := map[protoreflect.FullName]bool{}
+	for _, m := range msgs {
+		covered[m.ProtoReflect().Descriptor().FullName()] = true
+		b, err := proto.Marshal(m)
+		if err != nil {
+			t.Fatalf("marshal %T: %v", m, err)
+		}
+		got := m.ProtoReflect().New().Interface()
+		if err := proto.Unmarshal(b, got); err != nil {
+			t.Fatalf("unmarshal %T: %v", m, err)
+		}
+		if !proto.Equal(m, got) {
+			t.Fatalf("%T did not survive a round trip", m)
+		}
+	}
+	fd := cniv1.File_aether_cni_v1_cni_proto
+	for i := range fd.Messages().Len() {
+		if name := fd.Messages().Get(i).FullName(); !covered[name] {
+			t.Errorf("message %s has no round-trip case", name)
+		}
+	}
+}
+
+// TestCNIPodFieldNumbers pins the field numbers shared with the Aether project.
+func TestCNIPodFieldNumbers(t *testing.T) {
+	want := map[string]protoreflect.FieldNumber{
+		"name": 1, "namespace": 2, "network_namespace": 3, "container_id": 4, "ips": 5,
+		"labels": 6, "annotations": 7, "pid": 8, "service_account": 9, "terminating": 10,
+		"uid": 11, "uds_csi_volume": 12, "volumes": 13, "uds_csi_volumes": 14,
+	}
+	fields := (&cniv1.CNIPod{}).ProtoReflect().Descriptor().Fields()
+	if fields.Len() != len(want) {
+		t.Fatalf("CNIPod has %d fields, want %d", fields.Len(), len(want))
+	}
+	for name, num := range want {
+		f := fields.ByName(protoreflect.Name(name))
+		if f == nil || f.Number() != num {
+			t.Errorf("CNIPod.%s: got %v, want number %d", name, f, num)
+		}
+	}
+	rm := (&cniv1.RemovePodRequest{}).ProtoReflect().Descriptor().Fields()
+	for name, num := range map[string]protoreflect.FieldNumber{"name": 1, "namespace": 2, "container_id": 4} {
+		if f := rm.ByName(protoreflect.Name(name)); f == nil || f.Number() != num {
+			t.Errorf("RemovePodRequest.%s: want number %d", name, num)
+		}
+	}
+	for name, num := range map[string]protoreflect.EnumNumber{"RESULT_UNSPECIFIED": 0, "RESULT_SUCCESS": 1, "RESULT_ERROR": 2, "RESULT_IGNORED": 3} {
+		if v := cniv1.AddPodResponse_Result(0).Descriptor().Values().ByName(protoreflect.Name(name)); v == nil || v.Number() != num {
+			t.Errorf("AddPodResponse.Result.%s: want %d", name, num)
+		}
+	}
+}
+
+func TestValidationRejectsMissingIdentity(t *testing.T) {
+	v, err := protovalidate.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := v.Validate(&cniv1.AddPodRequest{Pod: validPod()}); err != nil {
+		t.Fatalf("a valid AddPod was rejected: %v", err)
+	}
+	cases := map[string]func(*cniv1.CNIPod){
+		"name":              func(p *cniv1.CNIPod) { p.Name = "" },
+		"namespace":         func(p *cniv1.CNIPod) { p.Namespace = "" },
+		"network_namespace": func(p *cniv1.CNIPod) { p.NetworkNamespace = "" },
+		"container_id":      func(p *cniv1.CNIPod) { p.ContainerId = "" },
+	}
+	for field, mutate := range cases {
+		p := validPod()
+		mutate(p)
+		err := v.Validate(&cniv1.AddPodRequest{Pod: p})
+		if err == nil {
+			t.Errorf("AddPod without %s was accepted", field)
+			continue
+		}
+		if !strings.Contains(err.Error(), field) {
+			t.Errorf("AddPod without %s: error %q does not name the field", field, err)
+		}
+	}
+	if err := v.Validate(&cniv1.AddPodRequest{}); err == nil {
+		t.Error("AddPod without a pod was accepted")
+	}
+	bad := validPod()
+	bad.NetworkNamespace = "relative/path"
+	if err := v.Validate(&cniv1.AddPodRequest{Pod: bad}); err == nil {
+		t.Error("a relative network_namespace was accepted")
+	}
+	bad = validPod()
+	bad.Ips = []string{"10.0.0.300"}
+	if err := v.Validate(&cniv1.AddPodRequest{Pod: bad}); err == nil {
+		t.Error("an invalid IP was accepted")
+	}
+	if err := v.Validate(&cniv1.RemovePodRequest{Name: "a", Namespace: "b"}); err == nil {
+		t.Error("RemovePod without container_id was accepted")
+	}
+}

@@ -1,0 +1,202 @@
+package workload_test
+
+import (
+	"net/netip"
+	"testing"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+
+	"aether.io/node/api/istio/workload"
+)
+
+func fullWorkload() *workload.Workload {
+	v4 := netip.MustParseAddr("10.1.2.3").AsSlice()
+	v6 := netip.MustParseAddr("fd00::3").AsSlice()
+	return &workload.Workload{
+		Uid:                   "Kubernetes//Pod/shop/web-0",
+		Name:                  "web-0",
+		Namespace:             "shop",
+		Addresses:             [][]byte{v4, v6},
+		Hostname:              "web-0.web.shop.svc.cluster.local", // both set only to exercise every field's encoding
+		Network:               "net1",
+		TunnelProtocol:        workload.TunnelProtocol_HBONE,
+		TrustDomain:           "cluster.local",
+		ServiceAccount:        "web",
+		Waypoint:              &workload.GatewayAddress{Destination: &workload.GatewayAddress_Address{Address: &workload.NetworkAddress{Network: "net1", Address: v4}}, HboneMtlsPort: 15008},
+		NetworkGateway:        &workload.GatewayAddress{Destination: &workload.GatewayAddress_Hostname{Hostname: &workload.NamespacedHostname{Namespace: "istio-system", Hostname: "eastwest.example.com"}}},
+		Node:                  "node-a",
+		CanonicalName:         "web",
+		CanonicalRevision:     "v1",
+		WorkloadType:          workload.WorkloadType_JOB,
+		WorkloadName:          "web",
+		NativeTunnel:          true,
+		ApplicationTunnel:     &workload.ApplicationTunnel{Protocol: workload.ApplicationTunnel_PROXY, Port: 8080},
+		Services:              map[string]*workload.PortList{"shop/web.shop.svc.cluster.local": {Ports: []*workload.Port{{ServicePort: 80, TargetPort: 8080}}}},
+		AuthorizationPolicies: []string{"shop/allow-web"},
+		Status:                workload.WorkloadStatus_UNHEALTHY,
+		ClusterId:             "Kubernetes",
+		Locality:              &workload.Locality{Region: "eu", Zone: "eu-1a", Subzone: "rack7"},
+		NetworkMode:           workload.NetworkMode_HOST_NETWORK,
+	}
+}
+
+// TestRoundTrip marshals and unmarshals every message of the package.
+func TestRoundTrip(t *testing.T) {
+	w := fullWorkload()
+	msgs := []proto.Message{
+		w, w.Locality, w.Services["shop/web.shop.svc.cluster.local"], w.Services["shop/web.shop.svc.cluster.local"].Ports[0],
+		w.ApplicationTunnel, w.Waypoint, w.NetworkGateway, w.Waypoint.GetAddress(), w.NetworkGateway.GetHostname(),
+		&workload.BootstrapExtension{ConfigSource: &corev3.ConfigSource{ConfigSourceSpecifier: &corev3.ConfigSource_Ads{Ads: &corev3.AggregatedConfigSource{}}}},
+	}
+	covered := map[protoreflect.FullName]bool{}
+	for _, m := range msgs {
+		covered[m.ProtoReflect().Descriptor().FullName()] = true
+		b, err := proto.Marshal(m)
+		if err != nil {
+			t.Fatalf("marshal %T: %v", m, err)
+		}
+		got := m.ProtoReflect().New().Interface()
+		if err := proto.Unmarshal(b, got); err != nil {
+			t.Fatalf("unmarshal %T: %v", m, err)
+		}
+		if !proto.Equal(m, got) {
+			t.Fatalf("%T did not survive a round trip", m)
+		}
+	}
+	fd := workload.File_istio_workload_discovery_proto
+	for i := range fd.Messages().Len() {
+		if name := fd.Messages().Get(i).FullName(); !covered[name] {
+			t.Errorf("message %s has no round-trip case", name)
+		}
+	}
+}
+
+// upstream lists istio.workload.Workload's field numbers and wire types as in
+// ztunnel's proto/workload.proto (the file istio/proxy's discovery.proto is
+// derived from): number -> (name, wire type, repeated).
+var upstream = map[protowire.Number]struct {
+	name     string
+	wire     protowire.Type
+	repeated bool
+}{
+	20: {"uid", protowire.BytesType, false},
+	1:  {"name", protowire.BytesType, false},
+	2:  {"namespace", protowire.BytesType, false},
+	3:  {"addresses", protowire.BytesType, true},
+	21: {"hostname", protowire.BytesType, false},
+	4:  {"network", protowire.BytesType, false},
+	5:  {"tunnel_protocol", protowire.VarintType, false},
+	6:  {"trust_domain", protowire.BytesType, false},
+	7:  {"service_account", protowire.BytesType, false},
+	8:  {"waypoint", protowire.BytesType, false},
+	19: {"network_gateway", protowire.BytesType, false},
+	9:  {"node", protowire.BytesType, false},
+	10: {"canonical_name", protowire.BytesType, false},
+	11: {"canonical_revision", protowire.BytesType, false},
+	12: {"workload_type", protowire.VarintType, false},
+	13: {"workload_name", protowire.BytesType, false},
+	14: {"native_tunnel", protowire.VarintType, false},
+	23: {"application_tunnel", protowire.BytesType, false},
+	22: {"services", protowire.BytesType, true},
+	16: {"authorization_policies", protowire.BytesType, true},
+	17: {"status", protowire.VarintType, false},
+	18: {"cluster_id", protowire.BytesType, false},
+	24: {"locality", protowire.BytesType, false},
+	25: {"network_mode", protowire.VarintType, false},
+}
+
+// TestWorkloadDecodesWithUpstreamFieldNumbers encodes a Workload with our code
+// and decodes the raw wire bytes with the upstream field numbers.
+func TestWorkloadDecodesWithUpstreamFieldNumbers(t *testing.T) {
+	w := fullWorkload()
+	b, err := proto.Marshal(w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[protowire.Number]int{}
+	var addrs [][]byte
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			t.Fatalf("bad tag: %v", protowire.ParseError(n))
+		}
+		b = b[n:]
+		want, ok := upstream[num]
+		if !ok {
+			t.Fatalf("field %d is not in the upstream Workload", num)
+		}
+		if typ != want.wire {
+			t.Fatalf("field %d (%s): wire type %d, upstream %d", num, want.name, typ, want.wire)
+		}
+		seen[num]++
+		var val []byte
+		if typ == protowire.BytesType {
+			val, n = protowire.ConsumeBytes(b)
+		} else {
+			_, n = protowire.ConsumeVarint(b)
+		}
+		if n < 0 {
+			t.Fatalf("bad value for field %d", num)
+		}
+		b = b[n:]
+		switch num {
+		case 20:
+			if string(val) != w.Uid {
+				t.Errorf("uid decoded as %q", val)
+			}
+		case 3:
+			addrs = append(addrs, append([]byte(nil), val...))
+		case 9:
+			if string(val) != "node-a" {
+				t.Errorf("node decoded as %q", val)
+			}
+		}
+	}
+	for num, f := range upstream {
+		if seen[num] == 0 {
+			t.Errorf("upstream field %d (%s) not encoded", num, f.name)
+		}
+		if seen[num] > 1 && !f.repeated {
+			t.Errorf("singular field %d (%s) encoded %d times", num, f.name, seen[num])
+		}
+	}
+	if len(addrs) != 2 || len(addrs[0]) != 4 || len(addrs[1]) != 16 {
+		t.Fatalf("addresses must be raw 4- and 16-byte IPs, got %v", addrs)
+	}
+	// Every field of our Workload maps to an upstream number with the same name.
+	fields := w.ProtoReflect().Descriptor().Fields()
+	for i := range fields.Len() {
+		f := fields.Get(i)
+		if u, ok := upstream[f.Number()]; !ok || u.name != string(f.Name()) {
+			t.Errorf("our field %s=%d does not match upstream", f.Name(), f.Number())
+		}
+	}
+}
+
+func TestEnumNumbers(t *testing.T) {
+	checks := []struct {
+		got  protoreflect.EnumNumber
+		want protoreflect.EnumNumber
+	}{
+		{workload.WorkloadStatus_HEALTHY.Number(), 0},
+		{workload.WorkloadStatus_UNHEALTHY.Number(), 1},
+		{workload.WorkloadType_DEPLOYMENT.Number(), 0},
+		{workload.WorkloadType_CRONJOB.Number(), 1},
+		{workload.WorkloadType_POD.Number(), 2},
+		{workload.WorkloadType_JOB.Number(), 3},
+		{workload.TunnelProtocol_NONE.Number(), 0},
+		{workload.TunnelProtocol_HBONE.Number(), 1},
+		{workload.NetworkMode_STANDARD.Number(), 0},
+		{workload.NetworkMode_HOST_NETWORK.Number(), 1},
+		{workload.ApplicationTunnel_NONE.Number(), 0},
+		{workload.ApplicationTunnel_PROXY.Number(), 1},
+	}
+	for i, c := range checks {
+		if c.got != c.want {
+			t.Errorf("case %d: enum number %d, want %d", i, c.got, c.want)
+		}
+	}
+}

@@ -1,0 +1,211 @@
+// Package report parses `go test -bench` output and builds the comparison
+// rows of the project's benchmark table (see docs/CONTRIBUTING.md).
+package report
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+)
+
+// Result is one benchmark line: its full name and its metrics by unit.
+type Result struct {
+	Name    string
+	Metrics map[string]float64
+}
+
+var procSuffix = regexp.MustCompile(`-\d+$`)
+
+// Parse reads benchmark lines ("BenchmarkX/ours-2  10  123 ns/op  4 p50-ns").
+// Other lines are ignored. The GOMAXPROCS suffix is dropped from names; when
+// a name repeats (-count), the last value wins.
+func Parse(r io.Reader) (map[string]Result, error) {
+	out := map[string]Result{}
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		if len(f) < 4 || !strings.HasPrefix(f[0], "Benchmark") {
+			continue
+		}
+		if _, err := strconv.ParseInt(f[1], 10, 64); err != nil {
+			continue
+		}
+		res := Result{Name: procSuffix.ReplaceAllString(f[0], ""), Metrics: map[string]float64{}}
+		for i := 2; i+1 < len(f); i += 2 {
+			v, err := strconv.ParseFloat(f[i], 64)
+			if err != nil {
+				return nil, fmt.Errorf("bad value %q in %q", f[i], sc.Text())
+			}
+			res.Metrics[f[i+1]] = v
+		}
+		out[res.Name] = res
+	}
+	return out, sc.Err()
+}
+
+// Goal is the judged metric of one comparison and the allowed ratio ours/peer.
+type Goal struct {
+	Metric   string   `json:"metric"`
+	MaxRatio *float64 `json:"max_ratio,omitempty"`
+	MinRatio *float64 `json:"min_ratio,omitempty"`
+	// Note explains the goal (for example what the peer is).
+	Note string `json:"note,omitempty"`
+}
+
+// LoadGoals reads every *.json in dir: objects mapping a comparison name
+// (or a name prefix ending at a '/') to its Goal.
+func LoadGoals(dir string) (map[string]Goal, error) {
+	goals := map[string]Goal{}
+	files, err := filepath.Glob(filepath.Join(dir, "*.json"))
+	if err != nil {
+		return nil, err
+	}
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			return nil, err
+		}
+		var g map[string]Goal
+		if err := json.Unmarshal(b, &g); err != nil {
+			return nil, fmt.Errorf("failed to parse goals %q: %w", f, err)
+		}
+		for k, v := range g {
+			if v.Metric == "" || (v.MaxRatio == nil && v.MinRatio == nil) {
+				return nil, fmt.Errorf("goal %q in %q needs a metric and max_ratio or min_ratio", k, f)
+			}
+			goals[k] = v
+		}
+	}
+	return goals, nil
+}
+
+// Row is one line of the table.
+type Row struct {
+	Name    string  `json:"name"`
+	Metric  string  `json:"metric"`
+	Ours    float64 `json:"ours"`
+	Peer    float64 `json:"peer"`
+	Ratio   float64 `json:"ratio"`
+	Goal    string  `json:"goal,omitempty"`
+	Verdict string  `json:"verdict"`
+}
+
+// Rows pairs every "<name>/ours" with "<name>/peer" and emits one row per
+// metric both report ("ns/op", "B/op" and "allocs/op" only when no custom
+// metric exists). Benchmarks without a peer are listed with peer 0.
+func Rows(results map[string]Result, goals map[string]Goal) []Row {
+	var rows []Row
+	for name, ours := range results {
+		base, ok := strings.CutSuffix(name, "/ours")
+		if !ok {
+			continue
+		}
+		peer, hasPeer := results[base+"/peer"]
+		goal, hasGoal := findGoal(goals, base)
+		for _, metric := range metrics(ours) {
+			r := Row{Name: base, Metric: metric, Ours: ours.Metrics[metric], Verdict: "info"}
+			if hasPeer {
+				p, ok := peer.Metrics[metric]
+				if !ok {
+					continue
+				}
+				r.Peer = p
+				if p != 0 {
+					r.Ratio = r.Ours / p
+				}
+			} else {
+				r.Verdict = "no peer"
+			}
+			if hasGoal && goal.Metric == metric && hasPeer {
+				r.Goal, r.Verdict = judge(goal, r.Ratio)
+			}
+			rows = append(rows, r)
+		}
+	}
+	slices.SortFunc(rows, func(a, b Row) int {
+		if c := strings.Compare(a.Name, b.Name); c != 0 {
+			return c
+		}
+		return strings.Compare(a.Metric, b.Metric)
+	})
+	return rows
+}
+
+func metrics(r Result) []string {
+	var custom, std []string
+	for m := range r.Metrics {
+		switch m {
+		case "ns/op", "B/op", "allocs/op":
+			std = append(std, m)
+		default:
+			custom = append(custom, m)
+		}
+	}
+	if len(custom) == 0 {
+		custom = std
+	}
+	slices.Sort(custom)
+	return custom
+}
+
+func findGoal(goals map[string]Goal, base string) (Goal, bool) {
+	if g, ok := goals[base]; ok {
+		return g, true
+	}
+	best := ""
+	for k := range goals {
+		if strings.HasPrefix(base, k+"/") && len(k) > len(best) {
+			best = k
+		}
+	}
+	g, ok := goals[best]
+	return g, ok && best != ""
+}
+
+func judge(g Goal, ratio float64) (goal, verdict string) {
+	verdict = "pass"
+	var parts []string
+	if g.MaxRatio != nil {
+		parts = append(parts, fmt.Sprintf("≤ %.2f×", *g.MaxRatio))
+		if ratio > *g.MaxRatio {
+			verdict = "MISS"
+		}
+	}
+	if g.MinRatio != nil {
+		parts = append(parts, fmt.Sprintf("≥ %.2f×", *g.MinRatio))
+		if ratio < *g.MinRatio {
+			verdict = "MISS"
+		}
+	}
+	return strings.Join(parts, " and "), verdict
+}
+
+// PrintTable writes rows as an aligned text table.
+func PrintTable(w io.Writer, rows []Row) {
+	tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "NAME\tMETRIC\tOURS\tPEER\tRATIO\tGOAL\tVERDICT")
+	for _, r := range rows {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%.3f\t%s\t%s\n", r.Name, r.Metric, num(r.Ours), num(r.Peer), r.Ratio, r.Goal, r.Verdict)
+	}
+	tw.Flush()
+}
+
+func num(v float64) string {
+	switch {
+	case v == 0:
+		return "-"
+	case v >= 1e6:
+		return strconv.FormatFloat(v, 'e', 3, 64)
+	default:
+		return strconv.FormatFloat(v, 'f', -1, 64)
+	}
+}
