@@ -41,7 +41,9 @@ func main() {
 		fail(err)
 	}
 	rows := report.Rows(results, goals)
-	report.PrintTable(os.Stdout, rows)
+	if err := report.PrintTable(os.Stdout, rows); err != nil {
+		fail(err)
+	}
 	if err := os.MkdirAll(*outDir, 0o755); err != nil {
 		fail(err)
 	}

@@ -190,13 +190,17 @@ func judge(g Goal, ratio float64) (goal, verdict string) {
 }
 
 // PrintTable writes rows as an aligned text table.
-func PrintTable(w io.Writer, rows []Row) {
+func PrintTable(w io.Writer, rows []Row) error {
 	tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "NAME\tMETRIC\tOURS\tPEER\tRATIO\tGOAL\tVERDICT")
+	var b strings.Builder
+	b.WriteString("NAME\tMETRIC\tOURS\tPEER\tRATIO\tGOAL\tVERDICT\n")
 	for _, r := range rows {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%.3f\t%s\t%s\n", r.Name, r.Metric, num(r.Ours), num(r.Peer), r.Ratio, r.Goal, r.Verdict)
+		fmt.Fprintf(&b, "%s\t%s\t%s\t%s\t%.3f\t%s\t%s\n", r.Name, r.Metric, num(r.Ours), num(r.Peer), r.Ratio, r.Goal, r.Verdict)
 	}
-	tw.Flush()
+	if _, err := io.WriteString(tw, b.String()); err != nil {
+		return err
+	}
+	return tw.Flush()
 }
 
 func num(v float64) string {
