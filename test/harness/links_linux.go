@@ -7,6 +7,7 @@ import (
 
 	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 )
 
 func setLoUp() error {
@@ -113,7 +114,7 @@ func AddAddr(tb testing.TB, n *NS, name, cidr string) {
 		}
 		// IPv6 test addresses skip DAD so they are usable at once.
 		if a.IP.To4() == nil {
-			a.Flags |= 0x80 // IFA_F_NODAD
+			a.Flags |= unix.IFA_F_NODAD
 		}
 		return netlink.AddrAdd(l, a)
 	})
