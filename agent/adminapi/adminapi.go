@@ -1,0 +1,97 @@
+// Package adminapi is the agent's read-only admin API on its admin unix
+// socket (HTTP, mode 0600, peers checked with SO_PEERCRED), used by
+// aetherctl:
+//
+//	GET /v1/pods                   every stored record
+//	GET /v1/pods/{namespace}/{name} the records of one pod (404 if none)
+package adminapi
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"time"
+)
+
+// DefaultSocket is the agent's default admin socket.
+const DefaultSocket = "/run/aether/admin.sock"
+
+// Pod is one stored record as the admin API returns it.
+type Pod struct {
+	Namespace       string            `json:"namespace"`
+	Name            string            `json:"name"`
+	ContainerID     string            `json:"container_id"`
+	UID             string            `json:"uid,omitempty"`
+	IPs             []string          `json:"ips"`
+	NetworkNS       string            `json:"network_namespace"`
+	ServiceAccount  string            `json:"service_account,omitempty"`
+	Labels          map[string]string `json:"labels,omitempty"`
+	Managed         bool              `json:"managed"`
+	Terminating     bool              `json:"terminating"`
+	Registered      bool              `json:"registered"`
+	Healthy         bool              `json:"healthy"`
+	Uncaptured      bool              `json:"uncaptured"`
+	UncapturedError string            `json:"uncaptured_error,omitempty"`
+	UDSPath         string            `json:"uds_path,omitempty"`
+	UDSRefusal      string            `json:"uds_refusal,omitempty"`
+	Volumes         []string          `json:"volumes,omitempty"`
+	UDSCSIVolume    string            `json:"uds_csi_volume,omitempty"`
+	UDSCSIVolumes   uint32            `json:"uds_csi_volumes,omitempty"`
+	AddedAt         time.Time         `json:"added_at"`
+	LastTimings     map[string]string `json:"last_timings,omitempty"`
+}
+
+// Client talks to the admin socket.
+type Client struct {
+	hc *http.Client
+}
+
+// NewClient returns a client of the admin socket at path.
+func NewClient(path string) *Client {
+	return &Client{hc: &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", path)
+		}}}}
+}
+
+// ErrNotFound is returned by Pod when the agent has no record of the pod.
+var ErrNotFound = fmt.Errorf("no record")
+
+// Pods lists every record.
+func (c *Client) Pods(ctx context.Context) ([]Pod, error) {
+	return c.get(ctx, "/v1/pods")
+}
+
+// Pod returns the records of namespace/name.
+func (c *Client) Pod(ctx context.Context, namespace, name string) ([]Pod, error) {
+	return c.get(ctx, "/v1/pods/"+url.PathEscape(namespace)+"/"+url.PathEscape(name))
+}
+
+func (c *Client) get(ctx context.Context, path string) ([]Pod, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://agent"+path, nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := c.hc.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("failed to query agent admin socket: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode == http.StatusNotFound {
+		return nil, ErrNotFound
+	}
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		return nil, fmt.Errorf("failed to query agent %s: %s: %s", path, resp.Status, b)
+	}
+	var out []Pod
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+		return nil, fmt.Errorf("failed to decode agent answer to %s: %w", path, err)
+	}
+	return out, nil
+}

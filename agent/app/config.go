@@ -1,0 +1,116 @@
+// Package app wires the aether-agent: flags, pod source, store, registry,
+// CNI socket, admin socket, metrics and health endpoints, and shutdown.
+package app
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"aether.io/node/agent/pods"
+	"aether.io/node/agent/registry"
+)
+
+// Config is the agent's configuration (one field per flag).
+type Config struct {
+	CNISocket        string
+	AdminSocket      string
+	StateDir         string
+	PodManifests     string
+	ManifestInterval time.Duration
+	Kubeconfig       string
+	NodeName         string
+	AllowedUIDs      []uint32
+	SystemNamespaces []string
+	UDSRoot          string
+	HTTPAddr         string
+	LivenessInterval time.Duration
+	PodWait          time.Duration
+	ShutdownTimeout  time.Duration
+	OTLPEndpoint     string
+	LogLevel         string
+	Locality         registry.Locality
+}
+
+// ParseFlags parses args (without the program name). It returns
+// flag.ErrHelp after printing usage for --help.
+func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
+	c := &Config{}
+	fs := flag.NewFlagSet("aether-agent", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	host, _ := os.Hostname()
+	defNode := os.Getenv("NODE_NAME")
+	if defNode == "" {
+		defNode = host
+	}
+	var uids, sysNS, locality string
+	fs.StringVar(&c.CNISocket, "cni-socket", "/run/aether/cni.sock", "unix socket serving aether.cni.v1.CNIService (mode 0600; its directory must be 0700)")
+	fs.StringVar(&c.AdminSocket, "admin-socket", "/run/aether/admin.sock", "unix socket serving the read-only admin API used by aetherctl (mode 0600); empty disables it")
+	fs.StringVar(&c.StateDir, "state-dir", "/var/lib/aether", "directory of the durable pod store (agent.db)")
+	fs.StringVar(&c.PodManifests, "pod-manifests", "", "directory of Pod manifests (YAML/JSON) to use as the pod source instead of the Kubernetes API")
+	fs.DurationVar(&c.ManifestInterval, "pod-manifests-interval", time.Second, "how often --pod-manifests is rescanned (a lookup miss also rescans)")
+	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig for the Kubernetes pod source; empty means in-cluster config")
+	fs.StringVar(&c.NodeName, "node-name", defNode, "this node's name (default $NODE_NAME, else the hostname)")
+	fs.StringVar(&uids, "allowed-uids", "0", "comma-separated peer uids allowed on the CNI and admin sockets")
+	fs.StringVar(&sysNS, "system-namespaces", strings.Join(pods.DefaultSystemNamespaces, ","), "comma-separated namespaces that are never mesh-managed")
+	fs.StringVar(&c.UDSRoot, "uds-csi-root", "/run/aether/uds", "root of the csi.aether.io driver's sockets: <root>/<pod uid>/<file>")
+	fs.StringVar(&c.HTTPAddr, "http-addr", "127.0.0.1:15029", "TCP address of /metrics, /healthz and /readyz; port 0 picks one (logged)")
+	fs.DurationVar(&c.LivenessInterval, "liveness-interval", 5*time.Second, "period of the liveness loop")
+	fs.DurationVar(&c.PodWait, "pod-wait", 5*time.Second, "longest AddPod waits for an unknown pod when the request has no earlier deadline")
+	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", 10*time.Second, "how long shutdown waits for in-flight RPCs")
+	fs.StringVar(&c.OTLPEndpoint, "otlp-endpoint", "", "OTLP/gRPC collector (host:port) for traces; empty disables export")
+	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
+	fs.StringVar(&locality, "locality", "", "node locality region/zone/subzone; empty reads the Node's topology labels (Kubernetes source only)")
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "Usage: aether-agent [flags]\n\nThe aether node agent: serves aether.cni.v1.CNIService, keeps durable pod records\nand registers mesh-managed pods' endpoints.\n\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments %q: aether-agent takes flags only", fs.Args())
+	}
+	for _, s := range strings.Split(uids, ",") {
+		s = strings.TrimSpace(s)
+		if s == "" {
+			continue
+		}
+		u, err := strconv.ParseUint(s, 10, 32)
+		if err != nil {
+			return nil, fmt.Errorf("invalid --allowed-uids entry %q: want a decimal uid", s)
+		}
+		c.AllowedUIDs = append(c.AllowedUIDs, uint32(u))
+	}
+	if len(c.AllowedUIDs) == 0 {
+		return nil, errors.New("invalid --allowed-uids: at least one uid is required")
+	}
+	for _, s := range strings.Split(sysNS, ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			c.SystemNamespaces = append(c.SystemNamespaces, s)
+		}
+	}
+	if locality != "" {
+		parts := strings.Split(locality, "/")
+		if len(parts) > 3 {
+			return nil, fmt.Errorf("invalid --locality %q: want region[/zone[/subzone]]", locality)
+		}
+		parts = append(parts, "", "")
+		c.Locality = registry.Locality{Region: parts[0], Zone: parts[1], Subzone: parts[2]}
+	}
+	if c.NodeName == "" {
+		return nil, errors.New("invalid --node-name: empty (set it, $NODE_NAME or a hostname)")
+	}
+	if c.CNISocket == "" || c.StateDir == "" {
+		return nil, errors.New("--cni-socket and --state-dir are required")
+	}
+	if c.LivenessInterval <= 0 || c.PodWait <= 0 {
+		return nil, errors.New("--liveness-interval and --pod-wait must be positive")
+	}
+	return c, nil
+}

@@ -1,0 +1,156 @@
+package cniserver
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"aether.io/node/agent/pods"
+	"aether.io/node/agent/podsource/manifests"
+	"aether.io/node/agent/registry/local"
+	"aether.io/node/agent/store"
+	"aether.io/node/agent/telemetry"
+	cniv1 "aether.io/node/api/aether/cni/v1"
+)
+
+func serve(t *testing.T, allowed []uint32) (cniv1.CNIServiceClient, *tracetest.SpanRecorder) {
+	t.Helper()
+	dir := t.TempDir()
+	st, err := store.Open(filepath.Join(dir, "state"), store.Options{NoSync: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	mdir := filepath.Join(dir, "m")
+	os.Mkdir(mdir, 0o755)
+	src := manifests.New(mdir, "n", time.Hour, nil)
+	m := telemetry.NewMetrics()
+	mgr := pods.New(pods.Config{Node: "n", PodWait: 100 * time.Millisecond}, st, local.New(), src, nil, m, nil)
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	gs, err := NewGRPCServer(New(mgr, nil), Options{AllowedUIDs: allowed, Tracer: tp.Tracer("t"), Metrics: m})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(dir, "run", "cni.sock")
+	if err := os.Mkdir(filepath.Dir(sock), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	l, err := Listen(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = gs.Serve(l) }()
+	t.Cleanup(gs.Stop)
+	cc, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cc.Close() })
+	return cniv1.NewCNIServiceClient(cc), rec
+}
+
+func TestReportAddResultSpanAttributes(t *testing.T) {
+	c, rec := serve(t, []uint32{uint32(os.Geteuid())})
+	started := time.Date(2026, 11, 29, 10, 0, 0, 0, time.UTC)
+	_, err := c.ReportAddResult(context.Background(), &cniv1.ReportAddResultRequest{ContainerId: "c1", Name: "p", Namespace: "ns",
+		Timings: &cniv1.PluginTimings{Started: timestamppb.New(started), PreCall: durationpb.New(time.Millisecond),
+			ReadinessProbe: durationpb.New(2 * time.Millisecond), ReadinessProbeError: "timeout",
+			CaptureDivert: durationpb.New(3 * time.Millisecond), CaptureDivertError: "nft failed", Total: durationpb.New(7 * time.Millisecond)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	spans := rec.Ended()
+	if len(spans) != 1 || spans[0].Name() != "aether.cni.v1.CNIService/ReportAddResult" {
+		t.Fatalf("spans = %v", spans)
+	}
+	got := map[string]string{}
+	for _, kv := range spans[0].Attributes() {
+		got[string(kv.Key)] = kv.Value.Emit()
+	}
+	for k, v := range map[string]string{
+		"aether.cni.plugin.started":               "2026-11-29T10:00:00.000000000Z",
+		"aether.cni.plugin.pre_call_ns":           "1000000",
+		"aether.cni.plugin.readiness_probe_ns":    "2000000",
+		"aether.cni.plugin.readiness_probe_error": "timeout",
+		"aether.cni.plugin.capture_divert_ns":     "3000000",
+		"aether.cni.plugin.capture_divert_error":  "nft failed",
+		"aether.cni.plugin.total_ns":              "7000000",
+		"aether.cni.known_container":              "false",
+		"container.id":                            "c1",
+	} {
+		if got[k] != v {
+			t.Errorf("attribute %s = %q, want %q (all: %v)", k, got[k], v, got)
+		}
+	}
+}
+
+func TestValidationAndPeer(t *testing.T) {
+	c, _ := serve(t, []uint32{uint32(os.Geteuid())})
+	for _, tc := range []struct {
+		name string
+		req  *cniv1.AddPodRequest
+		want string
+	}{
+		{"no pod", &cniv1.AddPodRequest{}, "pod: value is required [required]"},
+		{"bad ip", &cniv1.AddPodRequest{Pod: &cniv1.CNIPod{Name: "a", Namespace: "b", ContainerId: "c", NetworkNamespace: "/n", Ips: []string{"1.2.3"}}}, "pod.ips[0]"},
+		{"long ns", &cniv1.AddPodRequest{Pod: &cniv1.CNIPod{Name: "a", Namespace: string(make([]byte, 64)), ContainerId: "c", NetworkNamespace: "/n"}}, "[string.max_len]"},
+	} {
+		_, err := c.AddPod(context.Background(), tc.req)
+		if status.Code(err) != codes.InvalidArgument || !strings.Contains(status.Convert(err).Message(), tc.want) {
+			t.Errorf("%s: %v, want InvalidArgument containing %q", tc.name, err, tc.want)
+		}
+	}
+	// Unknown pod: Unavailable after the (100ms) pod wait.
+	_, err := c.AddPod(context.Background(), &cniv1.AddPodRequest{Pod: &cniv1.CNIPod{Name: "a", Namespace: "b", ContainerId: "c", NetworkNamespace: "/n", Ips: []string{"10.0.0.1"}}})
+	if status.Code(err) != codes.Unavailable {
+		t.Errorf("unknown pod: %v, want Unavailable", err)
+	}
+	// Our own uid not allowed → PermissionDenied before validation.
+	c2, _ := serve(t, []uint32{uint32(os.Geteuid()) + 4242})
+	if _, err := c2.GetPod(context.Background(), &cniv1.GetPodRequest{}); status.Code(err) != codes.PermissionDenied {
+		t.Errorf("disallowed uid: %v, want PermissionDenied", err)
+	}
+}
+
+func TestListenRefusesOpenDirAndLiveSocket(t *testing.T) {
+	dir := t.TempDir()
+	open := filepath.Join(dir, "open")
+	os.Mkdir(open, 0o755)
+	os.Chmod(open, 0o755)
+	if _, err := Listen(filepath.Join(open, "s.sock")); err == nil {
+		t.Fatal("listened in a 0755 dir")
+	}
+	run := filepath.Join(dir, "run")
+	sock := filepath.Join(run, "s.sock")
+	l, err := Listen(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Listen(sock); err == nil {
+		t.Fatal("replaced a live socket")
+	}
+	l.SetUnlinkOnClose(false)
+	l.Close() // leaves a stale socket file
+	l2, err := Listen(sock)
+	if err != nil {
+		t.Fatalf("stale socket not replaced: %v", err)
+	}
+	l2.Close()
+	os.WriteFile(sock, []byte("x"), 0o600)
+	if _, err := Listen(sock); err == nil {
+		t.Fatal("removed a regular file in the way")
+	}
+}

@@ -1,0 +1,127 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"aether.io/node/agent/internal/benchstat"
+	cniv1 "aether.io/node/api/aether/cni/v1"
+)
+
+// peerAgent is the AddPod peer: a CNIService on a unix socket whose AddPod
+// persists the pod as one JSON file with write+fsync+rename+dir fsync
+// before answering (the per-pod file design of Aether's agent), with the
+// pod's labels looked up in memory.
+type peerAgent struct {
+	cniv1.UnimplementedCNIServiceServer
+	dir string
+}
+
+func (p *peerAgent) AddPod(_ context.Context, req *cniv1.AddPodRequest) (*cniv1.AddPodResponse, error) {
+	pod := req.GetPod()
+	pod.Labels = map[string]string{"aether.io/managed": "true", "app": pod.GetName()}
+	b, err := json.Marshal(pod)
+	if err != nil {
+		return nil, err
+	}
+	tmp, err := os.CreateTemp(p.dir, ".tmp-")
+	if err != nil {
+		return nil, err
+	}
+	if _, err := tmp.Write(b); err == nil {
+		err = tmp.Sync()
+	}
+	tmp.Close()
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Rename(tmp.Name(), filepath.Join(p.dir, pod.GetContainerId()+".json")); err != nil {
+		return nil, err
+	}
+	d, err := os.Open(p.dir)
+	if err != nil {
+		return nil, err
+	}
+	defer d.Close()
+	if err := d.Sync(); err != nil {
+		return nil, err
+	}
+	return &cniv1.AddPodResponse{Result: cniv1.AddPodResponse_RESULT_SUCCESS}, nil
+}
+
+func benchAddPod(b *testing.B, c cniv1.CNIServiceClient) {
+	ctx := context.Background()
+	// Warm the connection.
+	if _, err := c.AddPod(ctx, &cniv1.AddPodRequest{Pod: cniPod("bench", "web", "warm", "10.7.0.1")}); err != nil {
+		b.Fatal(err)
+	}
+	var lat benchstat.Latencies
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		t0 := time.Now()
+		r, err := c.AddPod(ctx, &cniv1.AddPodRequest{Pod: cniPod("bench", "web", fmt.Sprintf("c-%08d", i), "10.7.0.1")})
+		if err != nil || r.GetResult() != cniv1.AddPodResponse_RESULT_SUCCESS {
+			b.Fatalf("AddPod = %v, %v", r, err)
+		}
+		lat.Add(time.Since(t0))
+	}
+	b.StopTimer()
+	lat.Report(b)
+}
+
+// BenchmarkAgentAddPod is AddPod warm (connection established) over the
+// real unix socket: the aether-agent process (pod from the manifest source,
+// bbolt group commit, registration) vs a peer CNIService that persists a
+// JSON file per pod with write+fsync+rename+dir fsync, on the same disk.
+func BenchmarkAgentAddPod(b *testing.B) {
+	if os.Geteuid() != 0 {
+		b.Skip("needs root")
+	}
+	b.Run("ours", func(b *testing.B) {
+		dir := benchstat.DiskDir(b)
+		if err := os.MkdirAll(filepath.Join(dir, "run"), 0o700); err != nil {
+			b.Fatal(err)
+		}
+		mdir := filepath.Join(dir, "manifests")
+		if err := os.Mkdir(mdir, 0o755); err != nil {
+			b.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(mdir, "web.yaml"), []byte(podYAML("bench", "web", "uid-web", true, "", "")), 0o644); err != nil {
+			b.Fatal(err)
+		}
+		a := startAgent(b, dir, "--pod-manifests", mdir, "--log-level", "warn")
+		cc, err := grpc.NewClient("unix://"+a.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer cc.Close()
+		benchAddPod(b, cniv1.NewCNIServiceClient(cc))
+	})
+	b.Run("peer", func(b *testing.B) {
+		dir := benchstat.DiskDir(b)
+		sock := filepath.Join(dir, "peer.sock")
+		l, err := net.Listen("unix", sock)
+		if err != nil {
+			b.Fatal(err)
+		}
+		gs := grpc.NewServer()
+		cniv1.RegisterCNIServiceServer(gs, &peerAgent{dir: dir})
+		go func() { _ = gs.Serve(l) }()
+		defer gs.Stop()
+		cc, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer cc.Close()
+		benchAddPod(b, cniv1.NewCNIServiceClient(cc))
+	})
+}

@@ -1,0 +1,517 @@
+// Package pods is the agent's pod lifecycle: the managed decision, durable
+// records, endpoint registration, terminating pods and the liveness loop.
+//
+// Invariants (see agent/README.md):
+//   - persist before register: an endpoint is registered only for a record
+//     that is durably stored;
+//   - never re-register a terminating pod: every Register call checks the
+//     record's terminating flag under mu, the same lock under which the pod
+//     watch marks pods terminating;
+//   - replay before serve: Replay loads every record before the CNI socket
+//     is opened.
+package pods
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"slices"
+	"sync"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	"aether.io/node/agent/podsource"
+	"aether.io/node/agent/registry"
+	"aether.io/node/agent/store"
+	"aether.io/node/agent/telemetry"
+	"aether.io/node/agent/uds"
+	cniv1 "aether.io/node/api/aether/cni/v1"
+)
+
+// ManagedLabel marks a mesh-managed pod when its value is "true".
+const ManagedLabel = "aether.io/managed"
+
+// DefaultSystemNamespaces are never mesh-managed.
+var DefaultSystemNamespaces = []string{"kube-system", "kube-public", "kube-node-lease", "aether-system"}
+
+// ErrPodUnavailable means the pod source did not know the pod within the
+// request's deadline (the plugin maps it to CNI code 11, try again later).
+var ErrPodUnavailable = errors.New("pod not known to the pod source yet")
+
+// Config configures a Manager.
+type Config struct {
+	// Node is this node's name.
+	Node string
+	// Locality is this node's topology.
+	Locality registry.Locality
+	// SystemNamespaces are never managed.
+	SystemNamespaces []string
+	// UDSRoot is the CSI driver's socket root (<uds-csi-root>).
+	UDSRoot string
+	// PodWait bounds pod lookups of requests without a deadline.
+	PodWait time.Duration
+}
+
+// Prober says whether a stored pod is alive.
+type Prober interface {
+	Healthy(rec *store.Record) bool
+}
+
+// NetnsProber calls a pod healthy while its network namespace path exists.
+type NetnsProber struct{}
+
+// Healthy stats the record's network namespace.
+func (NetnsProber) Healthy(rec *store.Record) bool {
+	_, err := os.Stat(rec.Pod.GetNetworkNamespace())
+	return err == nil
+}
+
+// Manager owns the pod records. Build it with New.
+type Manager struct {
+	cfg     Config
+	store   *store.Store
+	reg     registry.Registry
+	src     podsource.Source
+	log     *slog.Logger
+	metrics *telemetry.Metrics
+	prober  Prober
+	now     func() time.Time
+
+	mu          sync.Mutex // the lifecycle lock
+	entries     map[string]*entry
+	terminating map[string]time.Time // pod identity -> when marked
+}
+
+type entry struct {
+	wmu        sync.Mutex // orders this record's writes
+	rec        *store.Record
+	persisted  bool
+	registered bool
+	healthy    bool
+	removed    bool
+}
+
+// New builds a Manager; it does no I/O.
+func New(cfg Config, st *store.Store, reg registry.Registry, src podsource.Source, prober Prober, m *telemetry.Metrics, log *slog.Logger) *Manager {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	if prober == nil {
+		prober = NetnsProber{}
+	}
+	if m == nil {
+		m = telemetry.NewMetrics()
+	}
+	if cfg.PodWait <= 0 {
+		cfg.PodWait = 5 * time.Second
+	}
+	return &Manager{cfg: cfg, store: st, reg: reg, src: src, log: log, metrics: m, prober: prober, now: time.Now,
+		entries: map[string]*entry{}, terminating: map[string]time.Time{}}
+}
+
+func podIdentity(ns, name, uid string) string { return ns + "/" + name + "/" + uid }
+
+// isTerminatingLocked reports whether the watch marked this pod terminating.
+func (m *Manager) isTerminatingLocked(ns, name, uid string) bool {
+	if _, ok := m.terminating[podIdentity(ns, name, uid)]; ok {
+		return true
+	}
+	if uid == "" {
+		for k := range m.terminating {
+			if len(k) > len(ns)+len(name)+2 && k[:len(ns)+len(name)+2] == ns+"/"+name+"/" {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+func matches(rec *store.Record, ns, name, uid string) bool {
+	p := rec.Pod
+	if p.GetNamespace() != ns || p.GetName() != name {
+		return false
+	}
+	return uid == "" || p.GetUid() == "" || p.GetUid() == uid
+}
+
+// Replay loads every stored record and registers the ones that are not
+// terminating. Call it before serving.
+func (m *Manager) Replay(ctx context.Context) (int, error) {
+	recs, err := m.store.List()
+	if err != nil {
+		return 0, fmt.Errorf("failed to replay records: %w", err)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, r := range recs {
+		e := &entry{rec: r, persisted: true}
+		m.entries[r.Key()] = e
+		if r.Pod.GetTerminating() {
+			m.terminating[podIdentity(r.Pod.GetNamespace(), r.Pod.GetName(), r.Pod.GetUid())] = m.now()
+			continue
+		}
+		m.checkUDS(r)
+		m.registerLocked(ctx, e, m.prober.Healthy(r))
+	}
+	m.log.Info("replayed pod records", "records", len(recs))
+	return len(recs), nil
+}
+
+func (m *Manager) isSystemNamespace(ns string) bool {
+	return slices.Contains(m.cfg.SystemNamespaces, ns)
+}
+
+// lookup asks the source for the pod until it is found or the deadline.
+func (m *Manager) lookup(ctx context.Context, ns, name string) (*podsource.Pod, error) {
+	deadline, ok := ctx.Deadline()
+	if !ok || time.Until(deadline) > m.cfg.PodWait {
+		deadline = m.now().Add(m.cfg.PodWait)
+	}
+	// Answer a little before the caller's deadline so it gets Unavailable,
+	// not DeadlineExceeded.
+	margin := min(time.Until(deadline)/10, 250*time.Millisecond)
+	lctx, cancel := context.WithDeadline(ctx, deadline.Add(-margin))
+	defer cancel()
+	backoff := 10 * time.Millisecond
+	for {
+		p, err := m.src.Get(lctx, ns, name)
+		if err == nil {
+			return p, nil
+		}
+		if !errors.Is(err, podsource.ErrNotFound) {
+			m.log.Warn("pod lookup failed", "namespace", ns, "name", name, "error", err.Error())
+		}
+		m.metrics.PodLookupRetry.Inc()
+		t := time.NewTimer(backoff)
+		select {
+		case <-lctx.Done():
+			t.Stop()
+			return nil, fmt.Errorf("failed to find pod %s/%s: %w (last error: %v)", ns, name, ErrPodUnavailable, err)
+		case <-t.C:
+		}
+		backoff = min(backoff*2, 500*time.Millisecond)
+	}
+}
+
+// AddPod handles CNI ADD. in must be valid (the server validates it).
+func (m *Manager) AddPod(ctx context.Context, in *cniv1.CNIPod) (cniv1.AddPodResponse_Result, error) {
+	res, err := m.addPod(ctx, in)
+	switch {
+	case err != nil:
+		m.metrics.Operations.WithLabelValues(telemetry.OpAddPod, telemetry.ResultError).Inc()
+	case res == cniv1.AddPodResponse_RESULT_IGNORED:
+		m.metrics.Operations.WithLabelValues(telemetry.OpAddPod, telemetry.ResultIgnored).Inc()
+	default:
+		m.metrics.Operations.WithLabelValues(telemetry.OpAddPod, telemetry.ResultSuccess).Inc()
+	}
+	return res, err
+}
+
+func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod) (cniv1.AddPodResponse_Result, error) {
+	ns, name, key := in.GetNamespace(), in.GetName(), in.GetContainerId()
+	log := m.log.With("namespace", ns, "name", name, "container_id", key)
+	if m.isSystemNamespace(ns) {
+		log.Debug("pod ignored", "reason", "system_namespace")
+		return cniv1.AddPodResponse_RESULT_IGNORED, nil
+	}
+	if len(in.GetIps()) == 0 {
+		log.Debug("pod ignored", "reason", "no_ips")
+		return cniv1.AddPodResponse_RESULT_IGNORED, nil
+	}
+	p, err := m.lookup(ctx, ns, name)
+	if err != nil {
+		return cniv1.AddPodResponse_RESULT_ERROR, err
+	}
+	if p.Labels[ManagedLabel] != "true" {
+		log.Debug("pod ignored", "reason", "not_managed")
+		return cniv1.AddPodResponse_RESULT_IGNORED, nil
+	}
+	pod := proto.Clone(in).(*cniv1.CNIPod)
+	pod.Labels = p.Labels
+	pod.Annotations = p.Annotations
+	pod.ServiceAccount = p.ServiceAccount
+	pod.Uid = p.UID
+	pod.Terminating = p.Terminating
+	pod.Volumes = p.Volumes
+	pod.UdsCsiVolume = p.UDSCSIVolume
+	pod.UdsCsiVolumes = p.UDSCSIVolumes
+	node := p.NodeName
+	if node == "" {
+		node = m.cfg.Node
+	}
+	rec := &store.Record{Pod: pod, Node: node, Owner: p.Owner, HostNetwork: p.HostNetwork, AddedAt: m.now().UTC()}
+
+	m.mu.Lock()
+	e, had := m.entries[key]
+	var prev *store.Record
+	if !had {
+		e = &entry{}
+		m.entries[key] = e
+	} else {
+		prev = e.rec
+		rec.AddedAt = prev.AddedAt
+		rec.Uncaptured, rec.UncapturedError, rec.LastTimings = prev.Uncaptured, prev.UncapturedError, prev.LastTimings
+		if prev.Pod.GetTerminating() && matches(prev, ns, name, p.UID) {
+			pod.Terminating = true // never cleared by a re-ADD
+		}
+	}
+	if p.Terminating {
+		m.terminating[podIdentity(ns, name, p.UID)] = m.now()
+	}
+	if m.isTerminatingLocked(ns, name, p.UID) {
+		pod.Terminating = true
+	}
+	e.rec = rec
+	m.mu.Unlock()
+
+	if err := m.persist(ctx, e); err != nil {
+		m.mu.Lock()
+		if !had && m.entries[key] == e {
+			delete(m.entries, key)
+		} else if had && prev != nil && e.rec == rec {
+			e.rec = prev
+		}
+		m.mu.Unlock()
+		log.Error("failed to persist pod record", "error", err.Error())
+		return cniv1.AddPodResponse_RESULT_ERROR, err
+	}
+	m.checkUDS(rec)
+
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if !e.removed && !e.rec.Pod.GetTerminating() {
+		m.registerLocked(ctx, e, true)
+	}
+	log.Info("pod added", "terminating", e.rec.Pod.GetTerminating(), "registered", e.registered)
+	return cniv1.AddPodResponse_RESULT_SUCCESS, nil
+}
+
+// persist writes e's current record; writes of one record are ordered by
+// e.wmu, and each takes its snapshot under mu, so the last write carries
+// the latest state.
+func (m *Manager) persist(ctx context.Context, e *entry) error {
+	e.wmu.Lock()
+	defer e.wmu.Unlock()
+	m.mu.Lock()
+	if e.removed {
+		m.mu.Unlock()
+		return nil
+	}
+	snap := e.rec.Clone()
+	m.mu.Unlock()
+	if err := m.store.Put(context.WithoutCancel(ctx), snap); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	e.persisted = true
+	m.mu.Unlock()
+	return nil
+}
+
+// registerLocked registers e unless it is terminating, removed or not yet
+// durable. mu is held: this is the check the invariant needs.
+func (m *Manager) registerLocked(ctx context.Context, e *entry, healthy bool) {
+	if e.removed || !e.persisted || e.rec.Pod.GetTerminating() {
+		return
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	if err := m.reg.Register(rctx, m.endpoint(e.rec, healthy)); err != nil {
+		m.log.Error("failed to register endpoint", "container_id", e.rec.Key(), "error", err.Error())
+		e.registered = false
+		return
+	}
+	e.registered, e.healthy = true, healthy
+}
+
+func (m *Manager) deregisterLocked(ctx context.Context, e *entry) {
+	if !e.registered {
+		return
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	if err := m.reg.Deregister(rctx, e.rec.Key()); err != nil {
+		m.log.Error("failed to deregister endpoint", "container_id", e.rec.Key(), "error", err.Error())
+		return
+	}
+	e.registered = false
+}
+
+func (m *Manager) endpoint(r *store.Record, healthy bool) registry.Endpoint {
+	p := r.Pod
+	ep := registry.Endpoint{Key: r.Key(), Node: r.Node, Namespace: p.GetNamespace(), Name: p.GetName(), UID: p.GetUid(),
+		ServiceAccount: p.GetServiceAccount(), Labels: p.GetLabels(), Owner: r.Owner, HostNetwork: r.HostNetwork,
+		Healthy: healthy, Locality: m.cfg.Locality}
+	if ep.Node == "" {
+		ep.Node = m.cfg.Node
+	}
+	for _, s := range p.GetIps() {
+		if a, err := netip.ParseAddr(s); err == nil {
+			ep.IPs = append(ep.IPs, a)
+		}
+	}
+	return ep
+}
+
+func (m *Manager) checkUDS(r *store.Record) {
+	if _, asked, err := uds.Resolve(m.cfg.UDSRoot, r.Pod); asked && err != nil {
+		var re *uds.RefusalError
+		if errors.As(err, &re) {
+			m.metrics.UDSRefusals.WithLabelValues(re.Reason).Inc()
+			m.log.Warn("uds socket refused", "namespace", r.Pod.GetNamespace(), "name", r.Pod.GetName(),
+				"container_id", r.Key(), "reason", re.Reason, "error", re.Detail)
+		}
+	}
+}
+
+// RemovePod handles CNI DEL: the record is deleted first (the only failure
+// that fails the DEL), then the endpoint is deregistered. Unknown
+// containers succeed.
+func (m *Manager) RemovePod(ctx context.Context, ns, name, key string) (cniv1.RemovePodResponse_Result, error) {
+	m.mu.Lock()
+	e := m.entries[key]
+	m.mu.Unlock()
+	if e == nil {
+		m.metrics.Operations.WithLabelValues(telemetry.OpRemovePod, telemetry.ResultSuccess).Inc()
+		m.log.Debug("remove of unknown container", "namespace", ns, "name", name, "container_id", key)
+		return cniv1.RemovePodResponse_RESULT_SUCCESS, nil
+	}
+	e.wmu.Lock()
+	defer e.wmu.Unlock()
+	if err := m.store.Delete(context.WithoutCancel(ctx), key); err != nil {
+		m.metrics.Operations.WithLabelValues(telemetry.OpRemovePod, telemetry.ResultError).Inc()
+		return cniv1.RemovePodResponse_RESULT_ERROR, fmt.Errorf("failed to delete record %q: %w", key, err)
+	}
+	m.mu.Lock()
+	e.removed = true
+	if m.entries[key] == e {
+		delete(m.entries, key)
+	}
+	m.deregisterLocked(ctx, e)
+	// Terminating marks outlive the record (a late ADD of the same pod from
+	// a lagging source must not register it); pruneMarks ages them out.
+	r := e.rec.Pod
+	m.mu.Unlock()
+	if r.GetNamespace() != ns || r.GetName() != name {
+		m.log.Warn("remove named another pod than the record", "container_id", key, "namespace", ns, "name", name,
+			"record_namespace", r.GetNamespace(), "record_name", r.GetName())
+	}
+	m.metrics.Operations.WithLabelValues(telemetry.OpRemovePod, telemetry.ResultSuccess).Inc()
+	m.log.Info("pod removed", "namespace", ns, "name", name, "container_id", key)
+	return cniv1.RemovePodResponse_RESULT_SUCCESS, nil
+}
+
+// ReportAddResult records the plugin's data-plane outcome on the record.
+// It returns false for an unknown container.
+func (m *Manager) ReportAddResult(ctx context.Context, req *cniv1.ReportAddResultRequest) (bool, error) {
+	t := req.GetTimings()
+	if t.GetReadinessProbe() != nil || t.GetReadinessProbeError() != "" {
+		m.metrics.Operations.WithLabelValues(telemetry.OpReadinessProbe, resultOf(t.GetReadinessProbeError())).Inc()
+	}
+	if t.GetCaptureDivert() != nil || t.GetCaptureDivertError() != "" {
+		m.metrics.Operations.WithLabelValues(telemetry.OpCaptureDivert, resultOf(t.GetCaptureDivertError())).Inc()
+	}
+	key := req.GetContainerId()
+	m.mu.Lock()
+	e := m.entries[key]
+	if e == nil || e.removed {
+		m.mu.Unlock()
+		m.metrics.Operations.WithLabelValues("report_add_result", telemetry.ResultUnknown).Inc()
+		m.log.Info("add result for unknown container", "namespace", req.GetNamespace(), "name", req.GetName(), "container_id", key)
+		return false, nil
+	}
+	rec := e.rec.Clone()
+	if t != nil {
+		rec.LastTimings = proto.Clone(t).(*cniv1.PluginTimings)
+	}
+	rec.Uncaptured = t.GetCaptureDivertError() != ""
+	rec.UncapturedError = t.GetCaptureDivertError()
+	e.rec = rec
+	m.mu.Unlock()
+	if rec.Uncaptured {
+		m.log.Warn("pod running UNCAPTURED", "namespace", rec.Pod.GetNamespace(), "name", rec.Pod.GetName(),
+			"container_id", key, "uid", rec.Pod.GetUid(), "error", rec.UncapturedError)
+	}
+	if err := m.persist(ctx, e); err != nil {
+		return true, fmt.Errorf("failed to persist add result of %q: %w", key, err)
+	}
+	return true, nil
+}
+
+func resultOf(errText string) string {
+	if errText != "" {
+		return telemetry.ResultError
+	}
+	return telemetry.ResultSuccess
+}
+
+// PodState is a read-only view of one record.
+type PodState struct {
+	Record     *store.Record
+	Registered bool
+	Healthy    bool
+	// UDSPath is the resolved socket path, UDSRefusal the reason it was
+	// refused; both empty when the pod asks for no UDS socket.
+	UDSPath    string
+	UDSRefusal string
+}
+
+func (m *Manager) stateLocked(e *entry) PodState {
+	s := PodState{Record: e.rec.Clone(), Registered: e.registered, Healthy: e.healthy}
+	if p, asked, err := uds.Resolve(m.cfg.UDSRoot, e.rec.Pod); asked {
+		var re *uds.RefusalError
+		if errors.As(err, &re) {
+			s.UDSRefusal = re.Reason
+		}
+		s.UDSPath = p
+	}
+	return s
+}
+
+// Get returns the durable record of a container.
+func (m *Manager) Get(key string) (PodState, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	e := m.entries[key]
+	if e == nil || !e.persisted || e.removed {
+		return PodState{}, false
+	}
+	return m.stateLocked(e), true
+}
+
+// List returns every durable record, sorted by namespace, name, container.
+func (m *Manager) List() []PodState {
+	m.mu.Lock()
+	out := make([]PodState, 0, len(m.entries))
+	for _, e := range m.entries {
+		if e.persisted && !e.removed {
+			out = append(out, m.stateLocked(e))
+		}
+	}
+	m.mu.Unlock()
+	slices.SortFunc(out, func(a, b PodState) int {
+		pa, pb := a.Record.Pod, b.Record.Pod
+		if c := compare(pa.GetNamespace(), pb.GetNamespace()); c != 0 {
+			return c
+		}
+		if c := compare(pa.GetName(), pb.GetName()); c != 0 {
+			return c
+		}
+		return compare(pa.GetContainerId(), pb.GetContainerId())
+	})
+	return out
+}
+
+func compare(a, b string) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}

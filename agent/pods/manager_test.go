@@ -1,0 +1,203 @@
+package pods
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+
+	"pgregory.net/rapid"
+
+	"aether.io/node/agent/podsource"
+	"aether.io/node/agent/registry"
+	"aether.io/node/agent/registry/local"
+	"aether.io/node/agent/store"
+	cniv1 "aether.io/node/api/aether/cni/v1"
+)
+
+// fakeSource is a podsource.Source held in memory.
+type fakeSource struct {
+	mu   sync.Mutex
+	pods map[string]*podsource.Pod
+	// stale makes Get answer as a lagging cache would: the pod as it was
+	// before deletion was requested.
+	stale bool
+}
+
+func newFakeSource() *fakeSource { return &fakeSource{pods: map[string]*podsource.Pod{}} }
+
+func (f *fakeSource) set(p *podsource.Pod) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	c := *p
+	f.pods[p.ID()] = &c
+}
+
+func (f *fakeSource) remove(id string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	delete(f.pods, id)
+}
+
+func (f *fakeSource) Get(_ context.Context, ns, name string) (*podsource.Pod, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if p, ok := f.pods[ns+"/"+name]; ok {
+		c := *p
+		if f.stale {
+			c.Terminating = false
+		}
+		return &c, nil
+	}
+	return nil, podsource.ErrNotFound
+}
+func (f *fakeSource) Run(ctx context.Context, _ podsource.Handler) error { <-ctx.Done(); return nil }
+func (f *fakeSource) Synced() <-chan struct{}                            { c := make(chan struct{}); close(c); return c }
+func (f *fakeSource) List() []*podsource.Pod {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var out []*podsource.Pod
+	for _, p := range f.pods {
+		c := *p
+		out = append(out, &c)
+	}
+	return out
+}
+
+// checkingRegistry fails the test when a key of a terminating pod is
+// registered.
+type checkingRegistry struct {
+	*local.Registry
+	terminating func(key string) bool
+	t           interface{ Fatalf(string, ...any) }
+	registers   int
+}
+
+func (c *checkingRegistry) Register(ctx context.Context, ep registry.Endpoint) error {
+	c.registers++
+	if c.terminating(ep.Key) {
+		c.t.Fatalf("registered endpoint %s of a terminating pod", ep.Key)
+	}
+	return c.Registry.Register(ctx, ep)
+}
+
+type alwaysHealthy struct{ healthy *bool }
+
+func (a alwaysHealthy) Healthy(*store.Record) bool { return *a.healthy }
+
+// TestNeverReregisterTerminating: random interleavings of AddPod,
+// deletionTimestamp, deletion, liveness ticks (with health flapping),
+// RemovePod and agent restarts never register a terminating pod, and a
+// terminating pod is never left registered.
+func TestNeverReregisterTerminating(t *testing.T) {
+	rapid.Check(t, func(rt *rapid.T) {
+		dir := t.TempDir()
+		ctx := context.Background()
+		src := newFakeSource()
+		const nPods = 3
+		pods := make([]*podsource.Pod, nPods)
+		for i := range pods {
+			pods[i] = &podsource.Pod{Namespace: "ns", Name: fmt.Sprintf("p%d", i), UID: fmt.Sprintf("uid-%d", i), NodeName: "n",
+				Labels: map[string]string{ManagedLabel: "true"}}
+			src.set(pods[i])
+		}
+		terminatingPod := map[int]bool{} // the test's truth: deletion requested
+		keyPod := map[string]int{}       // container ID -> pod index
+		healthy := true
+		isTerm := func(key string) bool { i, ok := keyPod[key]; return ok && terminatingPod[i] }
+
+		var st *store.Store
+		var m *Manager
+		var reg *checkingRegistry
+		open := func() {
+			var err error
+			st, err = store.Open(dir, store.Options{NoSync: true})
+			if err != nil {
+				rt.Fatalf("open store: %v", err)
+			}
+			reg = &checkingRegistry{Registry: local.New(), terminating: isTerm, t: rt}
+			m = New(Config{Node: "n", SystemNamespaces: DefaultSystemNamespaces}, st, reg, src, alwaysHealthy{&healthy}, nil, nil)
+			if _, err := m.Replay(ctx); err != nil {
+				rt.Fatalf("replay: %v", err)
+			}
+		}
+		open()
+		defer func() { st.Close() }()
+		h := m.Handler(ctx)
+
+		rt.Repeat(map[string]func(*rapid.T){
+			"add": func(rt *rapid.T) {
+				i := rapid.IntRange(0, nPods-1).Draw(rt, "pod")
+				c := rapid.IntRange(0, 1).Draw(rt, "container")
+				key := fmt.Sprintf("c-%d-%d", i, c)
+				keyPod[key] = i
+				stale := rapid.Bool().Draw(rt, "stale_source")
+				src.mu.Lock()
+				src.stale = stale
+				src.mu.Unlock()
+				res, err := m.AddPod(ctx, &cniv1.CNIPod{Namespace: "ns", Name: pods[i].Name, ContainerId: key,
+					NetworkNamespace: "/x", Ips: []string{"10.0.0.1"}})
+				if err != nil || res != cniv1.AddPodResponse_RESULT_SUCCESS {
+					rt.Fatalf("AddPod %s = %v, %v", key, res, err)
+				}
+			},
+			"deletionTimestamp": func(rt *rapid.T) {
+				i := rapid.IntRange(0, nPods-1).Draw(rt, "pod")
+				terminatingPod[i] = true
+				pods[i].Terminating = true
+				src.set(pods[i])
+				h = m.Handler(ctx)
+				h.OnPod(pods[i])
+			},
+			"delete": func(rt *rapid.T) {
+				i := rapid.IntRange(0, nPods-1).Draw(rt, "pod")
+				terminatingPod[i] = true
+				src.remove(pods[i].ID())
+				m.Handler(ctx).OnDelete(pods[i])
+				src.set(&podsource.Pod{Namespace: "ns", Name: pods[i].Name, UID: pods[i].UID, Terminating: true,
+					Labels: map[string]string{ManagedLabel: "true"}})
+			},
+			"relabel": func(rt *rapid.T) {
+				i := rapid.IntRange(0, nPods-1).Draw(rt, "pod")
+				p := *pods[i]
+				p.Labels = map[string]string{ManagedLabel: "true", "v": rapid.StringMatching(`[a-z]{1,3}`).Draw(rt, "v")}
+				if !p.Terminating {
+					m.Handler(ctx).OnPod(&p)
+				}
+			},
+			"liveness": func(rt *rapid.T) {
+				healthy = rapid.Bool().Draw(rt, "healthy")
+				m.LivenessTick(ctx)
+			},
+			"remove": func(rt *rapid.T) {
+				i := rapid.IntRange(0, nPods-1).Draw(rt, "pod")
+				c := rapid.IntRange(0, 1).Draw(rt, "container")
+				if _, err := m.RemovePod(ctx, "ns", pods[i].Name, fmt.Sprintf("c-%d-%d", i, c)); err != nil {
+					rt.Fatalf("RemovePod: %v", err)
+				}
+			},
+			"restart": func(rt *rapid.T) {
+				st.Close()
+				open()
+				m.Reconcile(ctx)
+			},
+			"": func(rt *rapid.T) {
+				// Invariants after every step.
+				eps, _ := reg.List(ctx)
+				for _, ep := range eps {
+					if isTerm(ep.Key) {
+						rt.Fatalf("terminating pod %s is registered", ep.Key)
+					}
+				}
+				for _, s := range m.List() {
+					if isTerm(s.Record.Key()) && !s.Record.Pod.GetTerminating() {
+						rt.Fatalf("record %s of a terminating pod is not marked terminating", s.Record.Key())
+					}
+					if !s.Record.Pod.GetTerminating() && !s.Registered {
+						rt.Fatalf("live record %s is not registered", s.Record.Key())
+					}
+				}
+			},
+		})
+	})
+}

@@ -1,0 +1,258 @@
+// Package manifests is the pod source for standalone nodes and demos: a
+// directory of Pod manifests (YAML or JSON, several documents per file
+// allowed), rescanned on an interval and on every lookup miss. Removing a
+// manifest deletes its pods; setting metadata.deletionTimestamp marks them
+// terminating.
+package manifests
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+
+	"aether.io/node/agent/podsource"
+)
+
+// MaxManifestBytes bounds one manifest file.
+const MaxManifestBytes = 4 << 20
+
+// Parse decodes every Pod in a YAML or JSON stream. Documents of another
+// kind are an error, and so are pods without a name; an empty namespace
+// becomes "default".
+func Parse(data []byte) ([]*corev1.Pod, error) {
+	if len(data) > MaxManifestBytes {
+		return nil, fmt.Errorf("failed to parse manifest: %d bytes is over the %d-byte limit", len(data), MaxManifestBytes)
+	}
+	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096)
+	var pods []*corev1.Pod
+	for i := 0; ; i++ {
+		var pod corev1.Pod
+		err := dec.Decode(&pod)
+		if errors.Is(err, io.EOF) {
+			return pods, nil
+		}
+		if err != nil {
+			return nil, fmt.Errorf("failed to parse manifest document %d: %w", i, err)
+		}
+		if pod.Kind == "" && pod.APIVersion == "" && pod.Name == "" && len(pod.Spec.Containers) == 0 {
+			continue // empty document
+		}
+		if pod.Kind != "Pod" || (pod.APIVersion != "v1" && pod.APIVersion != "") {
+			return nil, fmt.Errorf("failed to parse manifest document %d: kind %q apiVersion %q, only kind Pod apiVersion v1 is allowed", i, pod.Kind, pod.APIVersion)
+		}
+		if pod.Name == "" {
+			return nil, fmt.Errorf("failed to parse manifest document %d: metadata.name is required", i)
+		}
+		if pod.Namespace == "" {
+			pod.Namespace = "default"
+		}
+		pods = append(pods, &pod)
+	}
+}
+
+// Source watches a directory of manifests.
+type Source struct {
+	dir      string
+	node     string
+	interval time.Duration
+	log      *slog.Logger
+
+	mu     sync.Mutex
+	pods   map[string]*podsource.Pod // ns/name
+	files  map[string]fileStamp
+	synced chan struct{}
+	h      podsource.Handler
+	scanMu sync.Mutex
+}
+
+type fileStamp struct {
+	size int64
+	mod  time.Time
+	pods []string
+}
+
+var _ podsource.Source = (*Source)(nil)
+
+// New returns a source for dir. Pods whose spec.nodeName names another node
+// are skipped; an empty nodeName means this node. interval <= 0 means 1s.
+func New(dir, node string, interval time.Duration, log *slog.Logger) *Source {
+	if interval <= 0 {
+		interval = time.Second
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Source{dir: dir, node: node, interval: interval, log: log, pods: map[string]*podsource.Pod{},
+		files: map[string]fileStamp{}, synced: make(chan struct{})}
+}
+
+// Get returns the pod, rescanning the directory once on a miss.
+func (s *Source) Get(ctx context.Context, namespace, name string) (*podsource.Pod, error) {
+	id := namespace + "/" + name
+	s.mu.Lock()
+	p, ok := s.pods[id]
+	s.mu.Unlock()
+	if ok {
+		return p, nil
+	}
+	s.scan()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if p, ok := s.pods[id]; ok {
+		return p, nil
+	}
+	return nil, fmt.Errorf("failed to find pod %q in %s: %w", id, s.dir, podsource.ErrNotFound)
+}
+
+// List returns every known pod.
+func (s *Source) List() []*podsource.Pod {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]*podsource.Pod, 0, len(s.pods))
+	for _, p := range s.pods {
+		out = append(out, p)
+	}
+	podsource.SortPods(out)
+	return out
+}
+
+// Synced is closed after the first scan.
+func (s *Source) Synced() <-chan struct{} { return s.synced }
+
+// Run scans the directory every interval until ctx ends.
+func (s *Source) Run(ctx context.Context, h podsource.Handler) error {
+	if st, err := os.Stat(s.dir); err != nil {
+		return fmt.Errorf("failed to open pod manifest dir %q: %w", s.dir, err)
+	} else if !st.IsDir() {
+		return fmt.Errorf("failed to open pod manifest dir %q: not a directory", s.dir)
+	}
+	s.mu.Lock()
+	s.h = h
+	s.mu.Unlock()
+	s.scan()
+	close(s.synced)
+	t := time.NewTicker(s.interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+			s.scan()
+		}
+	}
+}
+
+func isManifest(name string) bool {
+	if strings.HasPrefix(name, ".") {
+		return false
+	}
+	switch strings.ToLower(filepath.Ext(name)) {
+	case ".yaml", ".yml", ".json":
+		return true
+	}
+	return false
+}
+
+// scan re-reads changed files and delivers the differences.
+func (s *Source) scan() {
+	s.scanMu.Lock()
+	defer s.scanMu.Unlock()
+	ents, err := os.ReadDir(s.dir)
+	if err != nil {
+		s.log.Error("failed to read pod manifest dir", "dir", s.dir, "error", err.Error())
+		return
+	}
+	type change struct {
+		pod     *podsource.Pod
+		deleted bool
+	}
+	var changes []change
+	seen := map[string]bool{}
+	s.mu.Lock()
+	for _, e := range ents {
+		if e.IsDir() || !isManifest(e.Name()) {
+			continue
+		}
+		path := filepath.Join(s.dir, e.Name())
+		info, err := e.Info()
+		if err != nil {
+			continue
+		}
+		seen[path] = true
+		old, had := s.files[path]
+		if had && old.size == info.Size() && old.mod.Equal(info.ModTime()) {
+			continue
+		}
+		data, err := os.ReadFile(path)
+		if err != nil {
+			s.log.Error("failed to read pod manifest", "path", path, "error", err.Error())
+			continue
+		}
+		kpods, err := Parse(data)
+		if err != nil {
+			// Keep the previous content of a file being rewritten or broken.
+			s.log.Error("failed to parse pod manifest", "path", path, "error", err.Error())
+			continue
+		}
+		stamp := fileStamp{size: info.Size(), mod: info.ModTime()}
+		now := map[string]bool{}
+		for _, kp := range kpods {
+			if kp.Spec.NodeName != "" && s.node != "" && kp.Spec.NodeName != s.node {
+				continue
+			}
+			p := podsource.FromKube(kp)
+			if p.NodeName == "" {
+				p.NodeName = s.node
+			}
+			now[p.ID()] = true
+			stamp.pods = append(stamp.pods, p.ID())
+			s.pods[p.ID()] = p
+			changes = append(changes, change{pod: p})
+		}
+		for _, id := range old.pods {
+			if !now[id] {
+				if p, ok := s.pods[id]; ok {
+					delete(s.pods, id)
+					changes = append(changes, change{pod: p, deleted: true})
+				}
+			}
+		}
+		s.files[path] = stamp
+	}
+	for path, st := range s.files {
+		if seen[path] {
+			continue
+		}
+		for _, id := range st.pods {
+			if p, ok := s.pods[id]; ok {
+				delete(s.pods, id)
+				changes = append(changes, change{pod: p, deleted: true})
+			}
+		}
+		delete(s.files, path)
+	}
+	h := s.h
+	s.mu.Unlock()
+	if h == nil {
+		return
+	}
+	for _, c := range changes {
+		if c.deleted {
+			h.OnDelete(c.pod)
+		} else {
+			h.OnPod(c.pod)
+		}
+	}
+}

@@ -1,0 +1,93 @@
+package manifests
+
+import (
+	"strings"
+	"testing"
+
+	"aether.io/node/agent/podsource"
+)
+
+func TestParse(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		in      string
+		want    []string
+		wantErr string
+	}{
+		{"yaml multi-doc", "apiVersion: v1\nkind: Pod\nmetadata: {name: a}\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: b, namespace: x}\n", []string{"default/a", "x/b"}, ""},
+		{"json", `{"apiVersion":"v1","kind":"Pod","metadata":{"name":"j","namespace":"n"}}`, []string{"n/j"}, ""},
+		{"empty docs skipped", "---\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: a}\n", []string{"default/a"}, ""},
+		{"other kind", "apiVersion: v1\nkind: Service\nmetadata: {name: a}\n", nil, "only kind Pod"},
+		{"no name", "apiVersion: v1\nkind: Pod\nmetadata: {namespace: a}\n", nil, "metadata.name is required"},
+		{"garbage", "apiVersion: [\n", nil, "failed to parse"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pods, err := Parse([]byte(tc.in))
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("err = %v, want %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got []string
+			for _, p := range pods {
+				got = append(got, p.Namespace+"/"+p.Name)
+			}
+			if strings.Join(got, ",") != strings.Join(tc.want, ",") {
+				t.Fatalf("got %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+func TestFromKubeCSIVolumes(t *testing.T) {
+	pods, err := Parse([]byte(`apiVersion: v1
+kind: Pod
+metadata:
+  name: a
+  uid: u1
+  deletionTimestamp: "2026-01-01T00:00:00Z"
+  ownerReferences:
+  - {apiVersion: apps/v1, kind: ReplicaSet, name: web-7d9, uid: r1, controller: true}
+spec:
+  hostNetwork: true
+  serviceAccountName: sa
+  volumes:
+  - {name: m1, csi: {driver: csi.aether.io}}
+  - {name: m2, csi: {driver: csi.aether.io}}
+  - {name: other, csi: {driver: other.csi}}
+  - {name: e, emptyDir: {}}
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := podsource.FromKube(pods[0])
+	if p.UDSCSIVolume != "" || p.UDSCSIVolumes != 2 || strings.Join(p.Volumes, ",") != "m1,m2,other,e" || !p.Terminating ||
+		p.Owner == nil || p.Owner.Kind != "ReplicaSet" || p.Owner.Name != "web-7d9" || !p.HostNetwork || p.ServiceAccount != "sa" || p.UID != "u1" {
+		t.Fatalf("FromKube = %+v", p)
+	}
+}
+
+// FuzzParse: the parser never panics, and every pod it returns has a name
+// and a namespace.
+func FuzzParse(f *testing.F) {
+	f.Add([]byte("apiVersion: v1\nkind: Pod\nmetadata: {name: a}\n"))
+	f.Add([]byte(`{"apiVersion":"v1","kind":"Pod","metadata":{"name":"j"},"spec":{"volumes":[{"name":"m","csi":{"driver":"csi.aether.io"}}]}}`))
+	f.Add([]byte("---\n---\n"))
+	f.Add([]byte("kind: Pod\nmetadata:\n  name: [x\n"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		pods, err := Parse(data)
+		if err != nil {
+			return
+		}
+		for _, p := range pods {
+			if p.Name == "" || p.Namespace == "" {
+				t.Fatalf("pod without name or namespace: %+v", p.ObjectMeta)
+			}
+			_ = podsource.FromKube(p)
+		}
+	})
+}

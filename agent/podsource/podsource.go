@@ -1,0 +1,122 @@
+// Package podsource defines where the agent learns what the CNI cannot see
+// about a pod (labels, annotations, uid, service account, deletionTimestamp,
+// volumes, owner) and how it follows changes. Two implementations exist: the
+// Kubernetes API (podsource/kube) and a watched directory of Pod manifests
+// (podsource/manifests) for standalone nodes.
+package podsource
+
+import (
+	"context"
+	"errors"
+	"sort"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"aether.io/node/agent/registry"
+)
+
+// CSIDriver is the CSI driver whose inline ephemeral volumes carry a pod's
+// UDS-delivered socket.
+const CSIDriver = "csi.aether.io"
+
+// ErrNotFound is returned by Get when the source does not know the pod (yet).
+var ErrNotFound = errors.New("pod not found")
+
+// Pod is what the agent takes from a pod source.
+type Pod struct {
+	Namespace      string
+	Name           string
+	UID            string
+	NodeName       string
+	ServiceAccount string
+	Labels         map[string]string
+	Annotations    map[string]string
+	// Terminating is true once deletionTimestamp is set.
+	Terminating bool
+	// Volumes names every volume the pod declares.
+	Volumes []string
+	// UDSCSIVolume is the name of the single inline csi.aether.io volume;
+	// empty when there is none or more than one.
+	UDSCSIVolume string
+	// UDSCSIVolumes counts the inline csi.aether.io volumes.
+	UDSCSIVolumes uint32
+	// Owner is the controlling owner reference, if any.
+	Owner *registry.Owner
+	// HostNetwork is spec.hostNetwork.
+	HostNetwork bool
+}
+
+// ID returns "namespace/name".
+func (p *Pod) ID() string { return p.Namespace + "/" + p.Name }
+
+// Handler receives a source's changes. Calls are serialised per source.
+type Handler interface {
+	// OnPod is called for every added or changed pod.
+	OnPod(p *Pod)
+	// OnDelete is called when a pod is gone from the source (deleted,
+	// force-deleted, or its manifest removed).
+	OnDelete(p *Pod)
+}
+
+// Source is one pod source.
+type Source interface {
+	// Get returns the pod, or ErrNotFound. It does not wait for the pod to
+	// appear; callers retry within their deadline.
+	Get(ctx context.Context, namespace, name string) (*Pod, error)
+	// Run follows the source and calls h until ctx ends. It returns nil on
+	// ctx end and an error only if it cannot start.
+	Run(ctx context.Context, h Handler) error
+	// Synced is closed once the first full listing has been delivered to h.
+	Synced() <-chan struct{}
+	// List returns every pod the source currently knows (after Synced).
+	List() []*Pod
+}
+
+// FromKube converts a Kubernetes Pod.
+func FromKube(k *corev1.Pod) *Pod {
+	p := &Pod{
+		Namespace:      k.Namespace,
+		Name:           k.Name,
+		UID:            string(k.UID),
+		NodeName:       k.Spec.NodeName,
+		ServiceAccount: k.Spec.ServiceAccountName,
+		Labels:         copyMap(k.Labels),
+		Annotations:    copyMap(k.Annotations),
+		Terminating:    k.DeletionTimestamp != nil,
+		HostNetwork:    k.Spec.HostNetwork,
+	}
+	if p.ServiceAccount == "" {
+		p.ServiceAccount = k.Spec.DeprecatedServiceAccount //nolint:staticcheck // older manifests
+	}
+	for _, v := range k.Spec.Volumes {
+		p.Volumes = append(p.Volumes, v.Name)
+		if v.CSI != nil && v.CSI.Driver == CSIDriver {
+			p.UDSCSIVolumes++
+			p.UDSCSIVolume = v.Name
+		}
+	}
+	if p.UDSCSIVolumes != 1 {
+		p.UDSCSIVolume = ""
+	}
+	if ref := metav1.GetControllerOfNoCopy(k); ref != nil {
+		p.Owner = &registry.Owner{Kind: ref.Kind, Name: ref.Name}
+	}
+	return p
+}
+
+func copyMap(m map[string]string) map[string]string {
+	if len(m) == 0 {
+		return nil
+	}
+	out := make(map[string]string, len(m))
+	for k, v := range m {
+		out[k] = v
+	}
+	return out
+}
+
+// SortPods sorts by namespace/name.
+func SortPods(ps []*Pod) {
+	sort.Slice(ps, func(i, j int) bool { return ps[i].ID() < ps[j].ID() })
+}

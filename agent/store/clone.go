@@ -1,0 +1,5 @@
+package store
+
+import "google.golang.org/protobuf/proto"
+
+func cloneProto[T proto.Message](m T) T { return proto.Clone(m).(T) }

@@ -1,0 +1,140 @@
+package store
+
+import (
+	"context"
+	"fmt"
+	"hash/crc32"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	"aether.io/node/agent/registry"
+	cniv1 "aether.io/node/api/aether/cni/v1"
+)
+
+func rec(i int) *Record {
+	return &Record{Pod: &cniv1.CNIPod{Name: fmt.Sprintf("p-%d", i), Namespace: "ns", ContainerId: fmt.Sprintf("c-%04d", i),
+		NetworkNamespace: "/var/run/netns/x", Ips: []string{"10.0.0.1"}, Labels: map[string]string{"a": "b"}, Uid: "u"},
+		Node: "n1", Owner: &registry.Owner{Kind: "ReplicaSet", Name: "rs"}, AddedAt: time.Unix(100, 0).UTC(),
+		LastTimings: &cniv1.PluginTimings{Total: durationpb.New(time.Millisecond)}, Uncaptured: true, UncapturedError: "x"}
+}
+
+func equal(t *testing.T, got, want *Record) {
+	t.Helper()
+	if !proto.Equal(got.Pod, want.Pod) || !proto.Equal(got.LastTimings, want.LastTimings) || got.Node != want.Node ||
+		*got.Owner != *want.Owner || !got.AddedAt.Equal(want.AddedAt) || got.Uncaptured != want.Uncaptured || got.UncapturedError != want.UncapturedError {
+		t.Fatalf("record = %+v, want %+v", got, want)
+	}
+}
+
+func TestPutGetDeleteReopen(t *testing.T) {
+	dir := t.TempDir()
+	s, err := Open(dir, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	var wg sync.WaitGroup
+	for i := 0; i < 50; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			if err := s.Put(ctx, rec(i)); err != nil {
+				t.Error(err)
+			}
+		}(i)
+	}
+	wg.Wait()
+	if err := s.Delete(ctx, "c-0007"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Delete(ctx, "unknown"); err != nil {
+		t.Fatalf("delete unknown: %v", err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Put(ctx, rec(1)); err != ErrClosed {
+		t.Fatalf("put after close = %v, want ErrClosed", err)
+	}
+	s, err = Open(dir, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	all, err := s.List()
+	if err != nil || len(all) != 49 {
+		t.Fatalf("List = %d records, %v; want 49", len(all), err)
+	}
+	got, err := s.Get("c-0003")
+	if err != nil {
+		t.Fatal(err)
+	}
+	equal(t, got, rec(3))
+	if got, err := s.Get("c-0007"); got != nil || err != nil {
+		t.Fatalf("deleted record = %v, %v", got, err)
+	}
+}
+
+func TestQuarantine(t *testing.T) {
+	dir := t.TempDir()
+	s, err := Open(dir, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Put(context.Background(), rec(1)); err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	good, _ := Encode(rec(2))
+	flipped := append([]byte(nil), good...)
+	flipped[10] ^= 1
+	wrongKey, _ := Encode(rec(3))
+	db, err := bolt.Open(filepath.Join(dir, FileName), 0o600, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = db.Update(func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucketPods)
+		for k, v := range map[string][]byte{"short": {1, 2}, "c-0002": flipped, "elsewhere": wrongKey, "nopod": mustFrame(`{"v":1,"pod":{}}`), "v9": mustFrame(`{"v":9}`)} {
+			if err := b.Put([]byte(k), v); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	db.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var seen []string
+	s, err = Open(dir, Options{OnQuarantine: func(k string, _ error) { seen = append(seen, k) }})
+	if err != nil {
+		t.Fatalf("Open with corrupt records: %v", err)
+	}
+	defer s.Close()
+	if s.Quarantined() != 5 || len(seen) != 5 {
+		t.Fatalf("quarantined %d (%v), want 5", s.Quarantined(), seen)
+	}
+	if n, _ := s.QuarantineCount(); n != 5 {
+		t.Fatalf("quarantine bucket holds %d, want 5", n)
+	}
+	all, _ := s.List()
+	if len(all) != 1 || all[0].Key() != "c-0001" {
+		t.Fatalf("records left: %v", all)
+	}
+}
+
+func mustFrame(body string) []byte {
+	out := make([]byte, 4+len(body))
+	b := []byte(body)
+	sum := crc32.Checksum(b, castagnoli)
+	out[0], out[1], out[2], out[3] = byte(sum>>24), byte(sum>>16), byte(sum>>8), byte(sum)
+	copy(out[4:], b)
+	return out
+}

@@ -1,0 +1,84 @@
+// Package telemetry holds the agent's Prometheus metrics and its
+// OpenTelemetry tracer setup.
+package telemetry
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"aether.io/node/agent/uds"
+)
+
+// Operation label values of aether.cni.operations.
+const (
+	OpAddPod         = "add_pod"
+	OpRemovePod      = "remove_pod"
+	OpReadinessProbe = "readiness_probe"
+	OpCaptureDivert  = "capture_divert"
+)
+
+// Result label values.
+const (
+	ResultSuccess = "success"
+	ResultError   = "error"
+	ResultIgnored = "ignored"
+	// ResultUnknown counts a ReportAddResult for a container the agent has
+	// no record of.
+	ResultUnknown = "unknown_container"
+)
+
+// Metrics are the agent's metrics. aether.cni.operations is exported to
+// Prometheus as aether_cni_operations_total.
+type Metrics struct {
+	Registry       *prometheus.Registry
+	Operations     *prometheus.CounterVec
+	Quarantined    prometheus.Counter
+	PeerRejected   prometheus.Counter
+	UDSRefusals    *prometheus.CounterVec
+	PodLookupRetry prometheus.Counter
+	Pods           *prometheus.GaugeVec
+}
+
+// NewMetrics registers every metric (with zero values for known labels) on
+// a fresh registry, plus the Go and process collectors.
+func NewMetrics() *Metrics {
+	m := &Metrics{
+		Registry: prometheus.NewRegistry(),
+		Operations: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "aether_cni_operations_total",
+			Help: "aether.cni.operations: CNI operations seen by the agent, by operation (add_pod, remove_pod, readiness_probe, capture_divert) and result.",
+		}, []string{"operation", "result"}),
+		Quarantined: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "aether_agent_store_quarantined_records_total",
+			Help: "Corrupt pod records moved to quarantine on start.",
+		}),
+		PeerRejected: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "aether_agent_cni_peer_rejected_total",
+			Help: "Connections to the CNI socket refused because the peer uid is not allowed.",
+		}),
+		UDSRefusals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "aether_agent_uds_refusals_total",
+			Help: "UDS socket requests refused, by reason.",
+		}, []string{"reason"}),
+		PodLookupRetry: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "aether_agent_pod_lookup_retries_total",
+			Help: "Pod source lookups retried because the pod was not found yet.",
+		}),
+		Pods: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "aether_agent_pods",
+			Help: "Stored pod records by state (stored, registered, terminating, uncaptured).",
+		}, []string{"state"}),
+	}
+	m.Registry.MustRegister(m.Operations, m.Quarantined, m.PeerRejected, m.UDSRefusals, m.PodLookupRetry, m.Pods,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	for _, op := range []string{OpAddPod, OpRemovePod, OpReadinessProbe, OpCaptureDivert} {
+		for _, r := range []string{ResultSuccess, ResultError} {
+			m.Operations.WithLabelValues(op, r)
+		}
+	}
+	m.Operations.WithLabelValues(OpAddPod, ResultIgnored)
+	for _, r := range uds.Reasons {
+		m.UDSRefusals.WithLabelValues(r)
+	}
+	return m
+}

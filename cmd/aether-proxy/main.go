@@ -1,0 +1,55 @@
+//go:build linux
+
+// Command aether-proxy is the node data plane: an xDS client of aether-agent
+// that binds each mesh-managed pod's listeners inside the pod's network
+// namespace, answers aether-cni's readiness probe, forwards captured TCP and
+// UDP to the original destination, and exports per-workload telemetry.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"aether.io/node/proxy"
+	"aether.io/node/proxy/dataplane"
+)
+
+func main() {
+	var cfg proxy.Config
+	host, _ := os.Hostname()
+	flag.StringVar(&cfg.XDSTarget, "xds-address", "unix:///run/aether/xds.sock", "the agent's xDS endpoint as a gRPC target (unix:///path or host:port)")
+	flag.StringVar(&cfg.LDSTarget, "lds-address", "", "optional separate xDS endpoint for the Listener type (default: the same ADS stream as -xds-address)")
+	flag.StringVar(&cfg.NodeID, "node-id", host, "node id sent to the agent (the node name)")
+	flag.StringVar(&cfg.AdminAddress, "admin-address", "127.0.0.1:18090", "address of /metrics, /healthz and /debug/pods (empty disables)")
+	bypass := flag.Uint("bypass-mark", dataplane.DefaultBypassMark, "SO_MARK of upstream sockets; must equal aether-cni's capture bypass mark")
+	flag.DurationVar(&cfg.Dataplane.ConnectTimeout, "connect-timeout", dataplane.DefaultConnectTimeout, "upstream TCP connect timeout")
+	flag.DurationVar(&cfg.Dataplane.DrainTimeout, "drain-timeout", dataplane.DefaultDrainTimeout, "how long a removed pod's open connections may run")
+	flag.DurationVar(&cfg.Dataplane.CheckInterval, "netns-check-interval", dataplane.DefaultCheckInterval, "how often pinned netns paths are checked and failed binds retried")
+	flag.DurationVar(&cfg.Dataplane.UDPIdleTimeout, "udp-idle-timeout", dataplane.DefaultUDPIdleTimeout, "idle time after which a UDP flow ends")
+	level := flag.String("log-level", "info", "debug, info, warn or error")
+	flag.Parse()
+	cfg.Dataplane.BypassMark = uint32(*bypass)
+
+	var lvl slog.Level
+	if err := lvl.UnmarshalText([]byte(*level)); err != nil {
+		fmt.Fprintf(os.Stderr, "aether-proxy: invalid -log-level %q: use debug, info, warn or error\n", *level)
+		os.Exit(2)
+	}
+	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: lvl}))
+	p, err := proxy.New(cfg, log)
+	if err != nil {
+		log.Error("failed to start", "error", err)
+		os.Exit(1)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := p.Run(ctx); err != nil {
+		log.Error("proxy stopped", "error", err)
+		os.Exit(1)
+	}
+}

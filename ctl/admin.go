@@ -1,0 +1,76 @@
+package ctl
+
+import (
+	"flag"
+	"fmt"
+	"io"
+	"strings"
+
+	"aether.io/node/agent/adminapi"
+)
+
+// adminFlags are the flags shared by the subcommands that read the
+// agent's admin socket.
+type adminFlags struct {
+	socket string
+	output string
+}
+
+func (a *adminFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&a.socket, "admin-socket", adminapi.DefaultSocket, "the agent's admin unix socket")
+	fs.StringVar(&a.output, "o", "table", "output format: table or json")
+}
+
+func (a *adminFlags) check() error {
+	if a.output != "table" && a.output != "json" {
+		return fmt.Errorf("invalid -o %q: want table or json", a.output)
+	}
+	return nil
+}
+
+func yesNo(b bool) string {
+	if b {
+		return "yes"
+	}
+	return "no"
+}
+
+func udsColumn(p adminapi.Pod) string {
+	switch {
+	case p.UDSRefusal != "":
+		return "refused:" + p.UDSRefusal
+	case p.UDSPath != "":
+		return p.UDSPath
+	}
+	return "-"
+}
+
+func shortID(id string) string {
+	if len(id) > 13 {
+		return id[:13]
+	}
+	return id
+}
+
+func writeTable(w io.Writer, rows [][]string) {
+	widths := make([]int, len(rows[0]))
+	for _, r := range rows {
+		for i, c := range r {
+			widths[i] = max(widths[i], len(c))
+		}
+	}
+	for _, r := range rows {
+		var b strings.Builder
+		for i, c := range r {
+			if i > 0 {
+				b.WriteString("  ")
+			}
+			if i == len(r)-1 {
+				b.WriteString(c)
+			} else {
+				fmt.Fprintf(&b, "%-*s", widths[i], c)
+			}
+		}
+		fmt.Fprintln(w, b.String())
+	}
+}

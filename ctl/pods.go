@@ -1,0 +1,47 @@
+package ctl
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"strings"
+
+	"aether.io/node/agent/adminapi"
+)
+
+// RunPods is `aetherctl pods`: every record the agent stores, with its
+// state (managed, terminating, registered, uncaptured, UDS socket).
+// Flags: --admin-socket, -o table|json.
+func RunPods(ctx context.Context, args []string, stdout io.Writer) error {
+	var f adminFlags
+	fs := flag.NewFlagSet("aetherctl pods", flag.ContinueOnError)
+	f.register(fs)
+	fs.SetOutput(stdout)
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if err := f.check(); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q: aetherctl pods takes flags only", fs.Args())
+	}
+	pods, err := adminapi.NewClient(f.socket).Pods(ctx)
+	if err != nil {
+		return err
+	}
+	if f.output == "json" {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(pods)
+	}
+	rows := [][]string{{"NAMESPACE", "NAME", "CONTAINER", "MANAGED", "TERMINATING", "REGISTERED", "UNCAPTURED", "IPS", "UDS"}}
+	for _, p := range pods {
+		rows = append(rows, []string{p.Namespace, p.Name, shortID(p.ContainerID), yesNo(p.Managed), yesNo(p.Terminating),
+			yesNo(p.Registered), yesNo(p.Uncaptured), strings.Join(p.IPs, ","), udsColumn(p)})
+	}
+	writeTable(stdout, rows)
+	return nil
+}

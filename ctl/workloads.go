@@ -1,0 +1,16 @@
+// Package ctl holds the aetherctl subcommands.
+package ctl
+
+import (
+	"context"
+	"io"
+
+	"aether.io/node/wds/client"
+)
+
+// RunWorkloads is `aetherctl workloads`: a delta xDS client of the agent's
+// istio.workload.Workload resources that prints a table or JSON, and with
+// --watch streams changes. Flags: --xds-socket, --xds-address, -o, --watch.
+func RunWorkloads(ctx context.Context, args []string, stdout io.Writer) error {
+	return client.Run(ctx, args, stdout)
+}

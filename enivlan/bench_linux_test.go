@@ -1,0 +1,179 @@
+package enivlan_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"os/exec"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
+	"github.com/vishvananda/netlink"
+
+	"aether.io/node/enivlan/enivlantest"
+	"aether.io/node/enivlan/probe"
+	"aether.io/node/test/harness"
+)
+
+func report(b *testing.B, d []time.Duration, prefix string) {
+	if len(d) == 0 {
+		return
+	}
+	slices.Sort(d)
+	b.ReportMetric(float64(d[len(d)/2].Nanoseconds()), prefix+"p50-ns")
+	b.ReportMetric(float64(d[(len(d)*99)/100].Nanoseconds()), prefix+"p99-ns")
+}
+
+// BenchmarkEniVlanAdd: CNI ADD through libcni, validation on (eni-vlan with
+// the surrogate link on this kernel, host-local, spiderpool-agent lookup,
+// ARP pre-flight) against the reference macvlan + static chain on the same
+// master and pod namespace. DEL runs between iterations, untimed.
+func BenchmarkEniVlanAdd(b *testing.B) {
+	b.Run("ours", func(b *testing.B) {
+		e := newEnv(b, "1.1.0", enivlantest.CloudOptions{}, nil)
+		n := harness.NewNS(b, "pod")
+		mac := randomMAC()
+		var d []time.Duration
+		b.ResetTimer()
+		for i := 0; i < b.N; i++ {
+			p := harness.Pod{ContainerID: harness.ContainerID(), NetNS: n.Path(), Name: "bench", Namespace: "default"}
+			e.cloud.Bind(p, enivlantest.Binding{VLAN: 100, MAC: mac})
+			start := time.Now()
+			if _, err := e.rt.Add(context.Background(), p); err != nil {
+				b.Fatalf("ADD: %v", err)
+			}
+			d = append(d, time.Since(start))
+			b.StopTimer()
+			if err := e.rt.Del(context.Background(), p); err != nil {
+				b.Fatalf("DEL: %v", err)
+			}
+			b.StartTimer()
+		}
+		report(b, d, "")
+	})
+	b.Run("peer", func(b *testing.B) {
+		harness.RequireRoot(b)
+		c := enivlantest.NewCloud(b, enivlantest.CloudOptions{})
+		conf := map[string]any{
+			"type": "macvlan", "master": c.Master, "mode": "bridge",
+			"ipam": map[string]any{
+				"type":      "static",
+				"addresses": []map[string]any{{"address": "10.77.0.60/24", "gateway": "10.77.0.1"}},
+				"routes":    []map[string]any{{"dst": "0.0.0.0/0"}},
+			},
+		}
+		rt := harness.NewRuntime(b, c.Node, []string{harness.ReferencePlugins(b)}, harness.ConfList(b, "peer", "1.1.0", conf))
+		n := harness.NewNS(b, "pod")
+		var d []time.Duration
+		b.ResetTimer()
+		for i := 0; i < b.N; i++ {
+			p := harness.Pod{ContainerID: harness.ContainerID(), NetNS: n.Path(), Name: "bench", Namespace: "default"}
+			start := time.Now()
+			if _, err := rt.Add(context.Background(), p); err != nil {
+				b.Fatalf("ADD: %v", err)
+			}
+			d = append(d, time.Since(start))
+			b.StopTimer()
+			if err := rt.Del(context.Background(), p); err != nil {
+				b.Fatalf("DEL: %v", err)
+			}
+			b.StartTimer()
+		}
+		report(b, d, "")
+	})
+}
+
+// preflightPath is a pod link (surrogate macvlan on the master, bound MAC,
+// no IP) whose (IP, MAC) the fabric has bound.
+func preflightPath(b *testing.B) (*harness.NS, *net.Interface, netip.Addr, netip.Addr) {
+	harness.RequireRoot(b)
+	c := enivlantest.NewCloud(b, enivlantest.CloudOptions{})
+	pod := harness.NewNS(b, "pod")
+	mac, _ := net.ParseMAC("02:00:0a:4d:00:2a")
+	ip := netip.MustParseAddr("10.77.0.42")
+	c.Node.MustDo(b, func() error {
+		m, err := netlinksafe.LinkByName(c.Master)
+		if err != nil {
+			return err
+		}
+		return netlink.LinkAdd(&netlink.Macvlan{LinkAttrs: netlink.LinkAttrs{
+			Name: "eth0", ParentIndex: m.Attrs().Index,
+			HardwareAddr: mac, Namespace: netlink.NsFd(int(pod.Fd())),
+		}, Mode: netlink.MACVLAN_MODE_BRIDGE})
+	})
+	var ifi *net.Interface
+	pod.MustDo(b, func() error {
+		if err := harness.SetUp("eth0"); err != nil {
+			return err
+		}
+		var err error
+		ifi, err = net.InterfaceByName("eth0")
+		return err
+	})
+	if err := c.BindFabric(100, mac, ip); err != nil {
+		b.Fatal(err)
+	}
+	return pod, ifi, ip, c.Gateway4.Addr()
+}
+
+// BenchmarkPreflight: the ARP pre-flight on success (one attempt, from the
+// allocated IP and the link's MAC to the gateway, in the pod netns) against
+// arping exec'd on the same link with the same sender IP and MAC. rtt-p50-ns
+// is the request-to-reply time inside the probe.
+func BenchmarkPreflight(b *testing.B) {
+	b.Run("ours", func(b *testing.B) {
+		pod, ifi, ip, gw := preflightPath(b)
+		var d, rtt, upToReply []time.Duration
+		b.ResetTimer()
+		for i := 0; i < b.N; i++ {
+			var r probe.Result
+			var replied time.Time
+			start := time.Now()
+			err := pod.Do(func() error {
+				c := probe.Open(ifi)
+				defer c.Close()
+				var err error
+				r, err = c.Probe(context.Background(), probe.Spec{Link: ifi, MAC: ifi.HardwareAddr, IP: ip, Gateway: gw, Attempts: 1, Timeout: time.Second})
+				replied = time.Now()
+				return err
+			})
+			if err != nil {
+				b.Fatalf("probe: %v", err)
+			}
+			d = append(d, time.Since(start))
+			upToReply = append(upToReply, replied.Sub(start))
+			rtt = append(rtt, r.RTT)
+		}
+		report(b, d, "")
+		report(b, rtt, "rtt-")
+		// Socket open to matching reply, without the kernel's AF_PACKET
+		// close (an RCU grace period).
+		report(b, upToReply, "probe-")
+	})
+	b.Run("peer", func(b *testing.B) {
+		if _, err := exec.LookPath("arping"); err != nil {
+			b.Skip("arping (Debian package arping) is not installed")
+		}
+		pod, ifi, ip, gw := preflightPath(b)
+		var d []time.Duration
+		b.ResetTimer()
+		for i := 0; i < b.N; i++ {
+			start := time.Now()
+			err := pod.Do(func() error {
+				out, err := exec.Command("arping", "-q", "-c", "1", "-C", "1", "-w", "1", "-i", ifi.Name, "-S", ip.String(), "-s", ifi.HardwareAddr.String(), gw.String()).CombinedOutput()
+				if err != nil {
+					return fmt.Errorf("arping: %w: %s", err, out)
+				}
+				return nil
+			})
+			if err != nil {
+				b.Fatal(err)
+			}
+			d = append(d, time.Since(start))
+		}
+		report(b, d, "")
+	})
+}

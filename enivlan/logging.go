@@ -1,0 +1,40 @@
+package enivlan
+
+import (
+	"io"
+	"log/slog"
+	"os"
+	"strings"
+)
+
+// Environment variables that steer the plugin's logs (a plugin never logs
+// to stdout, which carries the result).
+const (
+	// LogFileEnv names a file the plugin appends its logs to (else stderr).
+	LogFileEnv = "ENI_VLAN_LOG_FILE"
+	// LogLevelEnv is debug, info, warn (default) or error.
+	LogLevelEnv = "ENI_VLAN_LOG_LEVEL"
+)
+
+// NewLogger returns the plugin's logger per LogFileEnv and LogLevelEnv, and
+// a function closing the log file.
+func NewLogger() (*slog.Logger, func()) {
+	var w io.Writer = os.Stderr
+	closeFn := func() {}
+	if p := os.Getenv(LogFileEnv); p != "" {
+		if f, err := os.OpenFile(p, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600); err == nil {
+			w = f
+			closeFn = func() { f.Close() }
+		}
+	}
+	lvl := slog.LevelWarn
+	switch strings.ToLower(os.Getenv(LogLevelEnv)) {
+	case "debug":
+		lvl = slog.LevelDebug
+	case "info":
+		lvl = slog.LevelInfo
+	case "error":
+		lvl = slog.LevelError
+	}
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: lvl})).With("plugin", "eni-vlan"), closeFn
+}

@@ -1,0 +1,816 @@
+package enivlan
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/netip"
+	"os"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/invoke"
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/cni/pkg/version"
+	"github.com/containernetworking/plugins/pkg/ip"
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"aether.io/node/enivlan/config"
+	"aether.io/node/enivlan/gwe"
+	"aether.io/node/enivlan/link"
+	"aether.io/node/enivlan/probe"
+	"aether.io/node/pkg/cniutil"
+)
+
+// Log attribute keys.
+const (
+	keyContainer = "container_id"
+	keyPod       = "pod"
+	keyIfName    = "if_name"
+	keyVLAN      = "vlan"
+	keyMAC       = "mac"
+	keyIP        = "ip"
+	keyGateway   = "gateway"
+	keyAttempts  = "attempts"
+	keyRTT       = "rtt"
+	keyFamily    = "family"
+	keyErr       = "error"
+	keyLink      = "link_kind"
+	keyStep      = "step"
+)
+
+// ValidationKey is the key eni-vlan adds to its ADD result to say what the
+// pre-flight did per family ("ok ...", "skipped: ...", "disabled").
+const ValidationKey = "eni-vlan.aether.io/validation"
+
+// Plugin implements eni-vlan's CNI verbs. Its fields are its dependencies.
+type Plugin struct {
+	// Linker creates and verifies the pod link.
+	Linker link.Linker
+	// Log receives the plugin's logs (never stdout).
+	Log *slog.Logger
+	// Stdout receives the ADD result.
+	Stdout io.Writer
+	// Exec runs the IPAM delegate (nil: the real exec).
+	Exec invoke.Exec
+}
+
+// Funcs returns the skel callbacks of p, each mapping errors to CNI codes.
+func (p *Plugin) Funcs() skel.CNIFuncs {
+	wrap := func(f func(*skel.CmdArgs) error) func(*skel.CmdArgs) error {
+		return func(a *skel.CmdArgs) error {
+			if err := f(a); err != nil {
+				return cniutil.AsCNIError(err)
+			}
+			return nil
+		}
+	}
+	return skel.CNIFuncs{Add: wrap(p.Add), Del: wrap(p.Del), Check: wrap(p.Check), Status: wrap(p.Status), GC: wrap(p.GC)}
+}
+
+// SupportedVersions are the CNI spec versions eni-vlan speaks.
+var SupportedVersions = version.PluginSupports("0.4.0", "1.0.0", "1.1.0")
+
+func (p *Plugin) ipam(ctx context.Context, verb string, conf *config.NetConf, stdin []byte) (types.Result, error) {
+	in, err := IPAMStdin(stdin)
+	if err != nil {
+		return nil, err
+	}
+	t := conf.IPAMConf.Type
+	switch verb {
+	case "ADD":
+		return invoke.DelegateAdd(ctx, t, in, p.Exec)
+	case "DEL":
+		return nil, invoke.DelegateDel(ctx, t, in, p.Exec)
+	case "CHECK":
+		return nil, invoke.DelegateCheck(ctx, t, in, p.Exec)
+	}
+	return nil, fmt.Errorf("unknown IPAM verb %q", verb)
+}
+
+// newLoggerFor returns p.Log extended with the call's identity.
+func (p *Plugin) logFor(a *skel.CmdArgs, k cniutil.K8sArgs) *slog.Logger {
+	return p.Log.With(keyContainer, k.ContainerID(a.ContainerID), keyPod, k.PodNamespace+"/"+k.PodName, keyIfName, a.IfName)
+}
+
+// master is the master link as seen in its namespace.
+type master struct {
+	index int
+	mtu   int
+	name  string
+}
+
+func findMaster(conf *config.NetConf, podNS ns.NetNS) (master, error) {
+	var m master
+	look := func() error {
+		l, err := netlinksafe.LinkByName(conf.Master)
+		if err != nil {
+			where := "the host"
+			if conf.LinkInContainer {
+				where = "the pod"
+			}
+			return cniutil.InvalidConfigf("invalid \"master\" %q: no such interface in %s network namespace (linkInContainer=%v)", conf.Master, where, conf.LinkInContainer)
+		}
+		m = master{index: l.Attrs().Index, mtu: l.Attrs().MTU, name: conf.Master}
+		return nil
+	}
+	if conf.LinkInContainer {
+		return m, podNS.Do(func(ns.NetNS) error { return look() })
+	}
+	return m, look()
+}
+
+// Add implements CNI ADD: IPAM → GWE → link → pre-flight → IPs/routes →
+// announce. On any failure after IPAM it fails closed: the link is deleted
+// and IPAM released before the error is returned.
+func (p *Plugin) Add(a *skel.CmdArgs) (retErr error) {
+	conf, err := config.Parse(a.StdinData)
+	if err != nil {
+		return err
+	}
+	k, err := cniutil.ParseK8sArgs(a.Args)
+	if err != nil {
+		return &types.Error{Code: types.ErrInvalidEnvironmentVariables, Msg: err.Error()}
+	}
+	if k.PodName == "" || k.PodNamespace == "" {
+		return &types.Error{Code: types.ErrInvalidEnvironmentVariables, Msg: "CNI_ARGS must carry K8S_POD_NAME and K8S_POD_NAMESPACE: eni-vlan looks the pod's cloud binding up by them"}
+	}
+	log := p.logFor(a, k)
+	podNS, err := ns.GetNS(a.Netns)
+	if err != nil {
+		return fmt.Errorf("failed to open netns %q: %w", a.Netns, err)
+	}
+	defer func() { _ = podNS.Close() }()
+	m, err := findMaster(conf, podNS)
+	if err != nil {
+		return err
+	}
+	mtu := conf.MTU
+	if mtu == 0 {
+		mtu = m.mtu
+	}
+	if mtu > m.mtu {
+		return cniutil.InvalidConfigf("invalid \"mtu\" %d: want at most the MTU of master %q (%d)", conf.MTU, conf.Master, m.mtu)
+	}
+
+	ctx := context.Background()
+	t0 := time.Now()
+	ipamRes, err := p.ipam(ctx, "ADD", conf, a.StdinData)
+	tIPAM := time.Since(t0)
+	if err != nil {
+		return fmt.Errorf("failed to allocate addresses with IPAM %q: %w", conf.IPAMConf.Type, err)
+	}
+	// From here on every failure releases IPAM (fail closed).
+	defer func() {
+		if retErr == nil {
+			return
+		}
+		if err := p.releaseIPAM(ctx, conf, a.StdinData); err != nil {
+			log.Error("failed to release IPAM after failed ADD", keyErr, err)
+			retErr = fmt.Errorf("%w (and releasing IPAM failed: %w)", retErr, err)
+		}
+	}()
+	res, err := current.NewResultFromResult(ipamRes)
+	if err != nil {
+		return fmt.Errorf("failed to convert IPAM result: %w", err)
+	}
+	if len(res.IPs) == 0 {
+		return fmt.Errorf("failed to allocate addresses with IPAM %q: the result has no IPs", conf.IPAMConf.Type)
+	}
+	var v4, v6 *current.IPConfig
+	for _, c := range res.IPs {
+		if c.Address.IP.To4() != nil && v4 == nil {
+			v4 = c
+		} else if c.Address.IP.To4() == nil && v6 == nil {
+			v6 = c
+		}
+	}
+	q := gwe.Query{PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID, IfName: a.IfName}
+	if v4 != nil {
+		q.IPv4, _ = netip.AddrFromSlice(v4.Address.IP.To4())
+	}
+	if v6 != nil {
+		q.IPv6, _ = netip.AddrFromSlice(v6.Address.IP.To16())
+	}
+
+	client := gwe.New(conf.SpiderpoolSocket)
+	defer client.Close()
+	lctx, cancel := context.WithTimeout(ctx, conf.EndpointTimeout())
+	t1 := time.Now()
+	b, err := client.Lookup(lctx, q)
+	tGWE := time.Since(t1)
+	cancel()
+	if err != nil {
+		var le *gwe.LookupError
+		if errors.As(err, &le) && le.Retryable {
+			return cniutil.TryAgainf("failed to get the cloud binding of pod %s/%s interface %q from spiderpool-agent within %s: %w", k.PodNamespace, k.PodName, a.IfName, conf.EndpointTimeout(), err)
+		}
+		return fmt.Errorf("failed to get the cloud binding of pod %s/%s interface %q from spiderpool-agent: %w", k.PodNamespace, k.PodName, a.IfName, err)
+	}
+	log = log.With(keyVLAN, b.VLAN, keyMAC, b.MAC.String())
+
+	t2 := time.Now()
+	unlock, err := lockState(conf.StateDir)
+	if err != nil {
+		return err
+	}
+	locked := true
+	defer func() {
+		if locked {
+			unlock()
+		}
+	}()
+	cid := k.ContainerID(a.ContainerID)
+	if err := p.resolveHolder(ctx, conf, client, log, cid, a.IfName, k, b.VLAN); err != nil {
+		return err
+	}
+	tmp := fmt.Sprintf("ev%x", time.Now().UnixNano()&0xffffffffff)
+	spec := link.Spec{
+		MasterIndex: m.index, MasterInPod: conf.LinkInContainer, VLAN: b.VLAN, MAC: b.MAC, MTU: mtu,
+		TempName: tmp, IfName: a.IfName, PodNS: podNS,
+	}
+	if conf.LinkInContainer {
+		// The master is in the pod netns: create the link there.
+		err = podNS.Do(func(ns.NetNS) error { return p.Linker.Add(spec) })
+	} else {
+		err = p.Linker.Add(spec)
+	}
+	if errors.Is(err, link.ErrVLANExists) {
+		return fmt.Errorf("failed to create the link for pod %s/%s: VLAN %d on master %q is already held by a device eni-vlan has no record of (created outside eni-vlan?): %w", k.PodNamespace, k.PodName, b.VLAN, conf.Master, err)
+	}
+	if err != nil {
+		return err
+	}
+	// From here on every failure deletes the link.
+	linkName := tmp
+	defer func() {
+		if retErr == nil {
+			return
+		}
+		if err := podNS.Do(func(ns.NetNS) error { return deleteLink(linkName) }); err != nil {
+			log.Error("failed to delete link after failed ADD", keyErr, err)
+			retErr = fmt.Errorf("%w (and deleting link %q failed: %w)", retErr, linkName, err)
+		}
+	}()
+	rec := &record{
+		Master: conf.Master, VLAN: b.VLAN, MAC: b.MAC.String(), ContainerID: cid, NetNS: a.Netns, IfName: a.IfName,
+		PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID,
+	}
+	if err := writeRecord(conf.StateDir, rec); err != nil {
+		return err
+	}
+	defer func() {
+		if retErr != nil {
+			removeRecord(conf.StateDir, conf.Master, b.VLAN)
+		}
+	}()
+	unlock()
+	locked = false
+
+	validation := map[string]string{}
+	var iface *current.Interface
+	tLink := time.Since(t2)
+	t3 := time.Now()
+	var tProbe, tClose time.Duration
+	err = podNS.Do(func(ns.NetNS) error {
+		if err := ip.RenameLink(tmp, a.IfName); err != nil {
+			return fmt.Errorf("failed to rename link %q to %q: %w", tmp, a.IfName, err)
+		}
+		linkName = a.IfName
+		l, err := netlinksafe.LinkByName(a.IfName)
+		if err != nil {
+			return fmt.Errorf("failed to find link %q: %w", a.IfName, err)
+		}
+		ifi := &net.Interface{Index: l.Attrs().Index, Name: a.IfName, HardwareAddr: l.Attrs().HardwareAddr, MTU: l.Attrs().MTU}
+		iface = &current.Interface{Name: a.IfName, Mac: ifi.HardwareAddr.String(), Mtu: ifi.MTU, Sandbox: a.Netns}
+		res.Interfaces = []*current.Interface{iface}
+		for _, c := range res.IPs {
+			c.Interface = current.Int(0)
+		}
+		if !conf.ValidateIaasNetConfig {
+			// No probe: addresses go on before the link comes up and the
+			// kernel announces them on up (arp_notify, ndisc_notify), with
+			// no packet socket to pay for.
+			validation["ipv4"], validation["ipv6"] = "disabled", "disabled"
+			setNotify(a.IfName)
+			if err := addAddrs(l, res); err != nil {
+				return err
+			}
+			if err := netlink.LinkSetUp(l); err != nil {
+				return fmt.Errorf("failed to set link %q up: %w", a.IfName, err)
+			}
+			return addRoutes(l, res)
+		}
+		// Probe before any IP: the link is up with its real MAC, no address.
+		if err := netlink.LinkSetUp(l); err != nil {
+			return fmt.Errorf("failed to set link %q up: %w", a.IfName, err)
+		}
+		pc := probe.Open(ifi)
+		defer func() {
+			tc := time.Now()
+			if err := pc.Close(); err != nil {
+				log.Warn("failed to close probe sockets", keyErr, err)
+			}
+			tClose = time.Since(tc)
+		}()
+		tp := time.Now()
+		if err := p.preflight(ctx, conf, log, pc, ifi, b, v4, v6, validation); err != nil {
+			return err
+		}
+		tProbe = time.Since(tp)
+		if err := addAddrs(l, res); err != nil {
+			return err
+		}
+		if err := addRoutes(l, res); err != nil {
+			return err
+		}
+		for _, c := range res.IPs {
+			a, _ := netip.AddrFromSlice(c.Address.IP)
+			if err := pc.Announce(ifi.HardwareAddr, a.Unmap()); err != nil {
+				log.Warn("failed to announce address", keyIP, a, keyErr, err)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	if len(conf.DNS.Nameservers) > 0 || conf.DNS.Domain != "" {
+		res.DNS = conf.DNS
+	}
+	log.Info("ADD done", keyLink, p.Linker.Kind(), "validation", validation,
+		"ipam_ms", ms(tIPAM), "endpoint_ms", ms(tGWE), "link_ms", ms(tLink), "configure_ms", ms(time.Since(t3)), "preflight_ms", ms(tProbe), "socket_close_ms", ms(tClose), "total_ms", ms(time.Since(t0)))
+	return p.printResult(res, conf.CNIVersion, validation)
+}
+
+func (p *Plugin) printResult(res *current.Result, ver string, validation map[string]string) error {
+	r, err := res.GetAsVersion(ver)
+	if err != nil {
+		return fmt.Errorf("failed to convert result to version %s: %w", ver, err)
+	}
+	b, err := json.Marshal(r)
+	if err != nil {
+		return err
+	}
+	var m map[string]any
+	if err := json.Unmarshal(b, &m); err != nil {
+		return err
+	}
+	m[ValidationKey] = validation
+	out, err := json.Marshal(m)
+	if err != nil {
+		return err
+	}
+	w := p.Stdout
+	if w == nil {
+		w = os.Stdout
+	}
+	_, err = w.Write(out)
+	return err
+}
+
+// FailClosedError is the ADD error when the pre-flight got no reply.
+type FailClosedError struct {
+	// IP is the allocated address the probe was sent from.
+	IP netip.Addr
+	// Gateway is the address that did not answer.
+	Gateway netip.Addr
+	// VLAN is the VLAN ID the link carried.
+	VLAN int
+	// MAC is the link's (sub-ENI) MAC.
+	MAC net.HardwareAddr
+	// Attempts and Timeout are the probe budget that was spent.
+	Attempts int
+	// Timeout is the reply timeout of one attempt.
+	Timeout time.Duration
+}
+
+func (e *FailClosedError) Error() string {
+	return fmt.Sprintf("cloud binding not effective: no reply from gateway %s to IP %s on VLAN %d with MAC %s after %d attempt(s) of %s; wrong VLAN, MAC not bound yet or IP-MAC binding not pushed; IPAM released and link deleted",
+		e.Gateway, e.IP, e.VLAN, e.MAC, e.Attempts, e.Timeout)
+}
+
+// preflight probes each family that has a gateway; must run in the pod netns.
+func (p *Plugin) preflight(ctx context.Context, conf *config.NetConf, log *slog.Logger, pc *probe.Conn, ifi *net.Interface, b *gwe.Binding, v4, v6 *current.IPConfig, out map[string]string) error {
+	for _, fam := range []struct {
+		name string
+		c    *current.IPConfig
+	}{{"ipv4", v4}, {"ipv6", v6}} {
+		if fam.c == nil {
+			out[fam.name] = "skipped: no " + fam.name + " address"
+			continue
+		}
+		if fam.c.Gateway == nil {
+			out[fam.name] = "skipped: IPAM result has no " + fam.name + " gateway"
+			log.Info("pre-flight skipped: no gateway", keyFamily, fam.name)
+			continue
+		}
+		src, _ := netip.AddrFromSlice(fam.c.Address.IP)
+		gw, _ := netip.AddrFromSlice(fam.c.Gateway)
+		src, gw = src.Unmap(), gw.Unmap()
+		spec := probe.Spec{Link: ifi, MAC: ifi.HardwareAddr, IP: src, Gateway: gw, Attempts: conf.ValidationRetries, Timeout: conf.ValidationTimeout()}
+		r, err := pc.Probe(ctx, spec)
+		var nr *probe.NoReplyError
+		if errors.As(err, &nr) {
+			log.Info("pre-flight failed: failing closed", keyFamily, fam.name, keyIP, src, keyGateway, gw, keyAttempts, spec.Attempts)
+			// Code 11: a binding not pushed yet becomes effective later, and
+			// the runtime retries the sandbox.
+			return cniutil.TryAgainf("%w", &FailClosedError{IP: src, Gateway: gw, VLAN: b.VLAN, MAC: ifi.HardwareAddr, Attempts: spec.Attempts, Timeout: spec.Timeout})
+		}
+		if err != nil {
+			return fmt.Errorf("failed to validate the cloud binding (IP %s, VLAN %d, MAC %s, gateway %s): %w", src, b.VLAN, ifi.HardwareAddr, gw, err)
+		}
+		out[fam.name] = fmt.Sprintf("ok: gateway %s answered attempt %d in %s", gw, r.Attempts, r.RTT.Round(time.Microsecond))
+		log.Info("pre-flight ok", keyFamily, fam.name, keyGateway, gw, keyAttempts, r.Attempts, keyRTT, r.RTT)
+	}
+	return nil
+}
+
+// setNotify asks the kernel to announce the link's addresses when it comes
+// up (gratuitous ARP, unsolicited NA). IPv6 may be disabled: best effort.
+func setNotify(ifName string) {
+	_ = os.WriteFile("/proc/sys/net/ipv4/conf/"+ifName+"/arp_notify", []byte("1"), 0o644)
+	_ = os.WriteFile("/proc/sys/net/ipv6/conf/"+ifName+"/ndisc_notify", []byte("1"), 0o644)
+}
+
+// addAddrs adds the result's addresses to l. IPv6 addresses skip DAD: the
+// fabric's IP-MAC binding already rules conflicts out (and the pre-flight,
+// when on, proved it live).
+func addAddrs(l netlink.Link, res *current.Result) error {
+	for _, c := range res.IPs {
+		a := &netlink.Addr{IPNet: &net.IPNet{IP: c.Address.IP, Mask: c.Address.Mask}}
+		if c.Address.IP.To4() == nil {
+			a.Flags = unix.IFA_F_NODAD
+		}
+		if err := netlink.AddrAdd(l, a); err != nil {
+			return fmt.Errorf("failed to add address %s to %q: %w", c.Address.String(), l.Attrs().Name, err)
+		}
+	}
+	return nil
+}
+
+// addRoutes adds the result's routes via l (up); a route without a gateway
+// uses its family's gateway from the result.
+func addRoutes(l netlink.Link, res *current.Result) error {
+	var gw4, gw6 net.IP
+	for _, c := range res.IPs {
+		if c.Address.IP.To4() == nil && gw6 == nil {
+			gw6 = c.Gateway
+		} else if c.Address.IP.To4() != nil && gw4 == nil {
+			gw4 = c.Gateway
+		}
+	}
+	for _, r := range res.Routes {
+		gw := r.GW
+		if gw == nil {
+			if r.Dst.IP.To4() != nil {
+				gw = gw4
+			} else {
+				gw = gw6
+			}
+		}
+		rt := &netlink.Route{LinkIndex: l.Attrs().Index, Dst: &r.Dst, Gw: gw, MTU: r.MTU, AdvMSS: r.AdvMSS, Priority: r.Priority}
+		if r.Table != nil {
+			rt.Table = *r.Table
+		}
+		if r.Scope != nil {
+			rt.Scope = netlink.Scope(*r.Scope)
+		}
+		if err := netlink.RouteAddEcmp(rt); err != nil {
+			return fmt.Errorf("failed to add route %s via %s on %q: %w", r.Dst.String(), gw, l.Attrs().Name, err)
+		}
+	}
+	return nil
+}
+
+func deleteLink(name string) error {
+	l, err := netlinksafe.LinkByName(name)
+	if err != nil {
+		var nf netlink.LinkNotFoundError
+		if errors.As(err, &nf) {
+			return nil
+		}
+		return fmt.Errorf("failed to find link %q: %w", name, err)
+	}
+	if err := netlink.LinkDel(l); err != nil && !errors.Is(err, unix.ENODEV) {
+		return fmt.Errorf("failed to delete link %q: %w", name, err)
+	}
+	return nil
+}
+
+func (p *Plugin) releaseIPAM(ctx context.Context, conf *config.NetConf, stdin []byte) error {
+	_, err := p.ipam(ctx, "DEL", conf, stdin)
+	if err != nil {
+		return fmt.Errorf("failed to release addresses with IPAM %q: %w", conf.IPAMConf.Type, err)
+	}
+	return nil
+}
+
+// resolveHolder makes sure no other live pod holds (master, vlan): a record
+// whose device is gone is dropped; a device whose owner is gone (same pod
+// with a new sandbox, or the agent no longer binds this VLAN/MAC to it) is
+// deleted; a device still in use is an error. Called under the state lock.
+func (p *Plugin) resolveHolder(ctx context.Context, conf *config.NetConf, client *gwe.Client, log *slog.Logger, cid, ifName string, k cniutil.K8sArgs, vlan int) error {
+	r, err := readRecord(conf.StateDir, conf.Master, vlan)
+	if err != nil || r == nil {
+		return err
+	}
+	if r.ContainerID == cid && r.IfName == ifName {
+		// Our own record from an earlier attempt; the runtime DELs between
+		// ADDs, and if it did not the kernel refuses a duplicate anyway.
+		return nil
+	}
+	alive, err := p.holderDevice(r, vlan, false)
+	if err != nil {
+		return err
+	}
+	if !alive {
+		removeRecord(conf.StateDir, conf.Master, vlan)
+		return nil
+	}
+	gone, why := false, ""
+	if r.PodNamespace == k.PodNamespace && r.PodName == k.PodName {
+		gone, why = true, "same pod, new sandbox"
+	} else {
+		gctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		s, err := client.Get(gctx, r.PodNamespace, r.PodName)
+		cancel()
+		var se *gwe.StatusError
+		switch {
+		case errors.As(err, &se) && se.Code == 404:
+			gone, why = true, "spiderpool-agent has no endpoint for the holder"
+		case err == nil:
+			if hb, serr := gwe.Select(s, gwe.Query{IfName: r.IfName}); serr != nil || hb.VLAN != vlan || hb.MAC.String() != r.MAC {
+				gone, why = true, "spiderpool-agent no longer binds this VLAN and MAC to the holder"
+			}
+		}
+	}
+	if !gone {
+		return cniutil.TryAgainf("VLAN %d on master %q is in use by pod %s/%s (container %s, interface %q in %s): Linux allows one VLAN device per master and VLAN ID; wait for that pod's DEL",
+			vlan, conf.Master, r.PodNamespace, r.PodName, r.ContainerID, r.IfName, r.NetNS)
+	}
+	if _, err := p.holderDevice(r, vlan, true); err != nil {
+		return fmt.Errorf("failed to remove stale VLAN %d device of gone pod %s/%s: %w", vlan, r.PodNamespace, r.PodName, err)
+	}
+	removeRecord(conf.StateDir, conf.Master, vlan)
+	log.Info("removed stale VLAN device of a gone pod", "holder", r.PodNamespace+"/"+r.PodName, "holder_container", r.ContainerID, "reason", why)
+	return nil
+}
+
+// holderDevice reports whether r's device still exists (and deletes it when
+// del is set).
+func (p *Plugin) holderDevice(r *record, vlan int, del bool) (bool, error) {
+	if r.NetNS == "" {
+		return false, nil
+	}
+	hns, err := ns.GetNS(r.NetNS)
+	if err != nil {
+		return false, nil // the namespace is gone and its devices with it
+	}
+	defer func() { _ = hns.Close() }()
+	alive := false
+	err = hns.Do(func(ns.NetNS) error {
+		l, err := netlinksafe.LinkByName(r.IfName)
+		if err != nil {
+			return nil
+		}
+		if p.Linker.Verify(l, vlan) != nil || l.Attrs().HardwareAddr.String() != r.MAC {
+			return nil
+		}
+		alive = true
+		if del {
+			return deleteLink(r.IfName)
+		}
+		return nil
+	})
+	return alive, err
+}
+
+// Del implements CNI DEL: IPAM is released first, then the link is deleted.
+// A missing or empty netns, a missing link or a gone master is success.
+func (p *Plugin) Del(a *skel.CmdArgs) error {
+	conf, err := config.ParseForDel(a.StdinData)
+	if err != nil {
+		return err
+	}
+	k, _ := cniutil.ParseK8sArgs(a.Args)
+	if err := p.releaseIPAM(context.Background(), conf, a.StdinData); err != nil {
+		return err
+	}
+	if a.Netns != "" {
+		err := ns.WithNetNSPath(a.Netns, func(ns.NetNS) error { return deleteLink(a.IfName) })
+		var notExist ns.NSPathNotExistErr
+		var notNS ns.NSPathNotNSErr
+		// A netns that is gone (or whose mount point is left as a plain
+		// file) took the link with it.
+		if err != nil && !errors.As(err, &notExist) && !errors.As(err, &notNS) && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("failed to delete link %q in %q: %w", a.IfName, a.Netns, err)
+		}
+	}
+	if unlock, err := lockState(conf.StateDir); err == nil {
+		removeRecordsOf(conf.StateDir, k.ContainerID(a.ContainerID), a.IfName)
+		unlock()
+	}
+	return nil
+}
+
+// Check implements CNI CHECK: IPAM CHECK, then the live link against
+// prevResult and the agent's binding (kind, VLAN ID, MAC, MTU, IPs, routes).
+func (p *Plugin) Check(a *skel.CmdArgs) error {
+	conf, err := config.Parse(a.StdinData)
+	if err != nil {
+		return err
+	}
+	if conf.RawPrevResult == nil {
+		return cniutil.InvalidConfigf("CHECK needs \"prevResult\": the runtime passes the ADD result")
+	}
+	if err := version.ParsePrevResult(&conf.NetConf); err != nil {
+		return cniutil.InvalidConfigf("failed to parse \"prevResult\": %v", err)
+	}
+	prev, err := current.NewResultFromResult(conf.PrevResult)
+	if err != nil {
+		return fmt.Errorf("failed to convert prevResult: %w", err)
+	}
+	k, err := cniutil.ParseK8sArgs(a.Args)
+	if err != nil {
+		return &types.Error{Code: types.ErrInvalidEnvironmentVariables, Msg: err.Error()}
+	}
+	ctx := context.Background()
+	if _, err := p.ipam(ctx, "CHECK", conf, a.StdinData); err != nil {
+		return fmt.Errorf("failed IPAM %q CHECK: %w", conf.IPAMConf.Type, err)
+	}
+	var want *current.Interface
+	idx := -1
+	for i, in := range prev.Interfaces {
+		if in.Name == a.IfName && (in.Sandbox == "" || in.Sandbox == a.Netns) {
+			want, idx = in, i
+		}
+	}
+	if want == nil {
+		return fmt.Errorf("failed to check: prevResult has no interface %q in %q", a.IfName, a.Netns)
+	}
+	var ips []*current.IPConfig
+	q := gwe.Query{PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID, IfName: a.IfName}
+	for _, c := range prev.IPs {
+		if c.Interface != nil && *c.Interface == idx {
+			ips = append(ips, c)
+			ad, _ := netip.AddrFromSlice(c.Address.IP)
+			if ad.Unmap().Is4() && !q.IPv4.IsValid() {
+				q.IPv4 = ad.Unmap()
+			} else if !ad.Unmap().Is4() && !q.IPv6.IsValid() {
+				q.IPv6 = ad
+			}
+		}
+	}
+	client := gwe.New(conf.SpiderpoolSocket)
+	defer client.Close()
+	gctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	s, err := client.Get(gctx, k.PodNamespace, k.PodName)
+	cancel()
+	if err != nil {
+		return cniutil.TryAgainf("failed to check the cloud binding with spiderpool-agent: %w", err)
+	}
+	b, err := gwe.Select(s, q)
+	if err != nil {
+		return fmt.Errorf("failed to check the cloud binding: %w", err)
+	}
+	podNS, err := ns.GetNS(a.Netns)
+	if err != nil {
+		return fmt.Errorf("failed to open netns %q: %w", a.Netns, err)
+	}
+	defer func() { _ = podNS.Close() }()
+	// Expected MTU: prevResult's (1.0.0+), else the netconf's, else the
+	// master's (0.4.0 results carry no MTU).
+	wantMTU, mtuFrom := want.Mtu, "prevResult"
+	if wantMTU == 0 && conf.MTU != 0 {
+		wantMTU, mtuFrom = conf.MTU, "the network configuration"
+	}
+	if wantMTU == 0 {
+		if m, err := findMaster(conf, podNS); err == nil {
+			wantMTU, mtuFrom = m.mtu, fmt.Sprintf("master %q", conf.Master)
+		}
+	}
+	return podNS.Do(func(ns.NetNS) error {
+		l, err := netlinksafe.LinkByName(a.IfName)
+		if err != nil {
+			return fmt.Errorf("failed to find link %q: %w", a.IfName, err)
+		}
+		if err := p.Linker.Verify(l, b.VLAN); err != nil {
+			return fmt.Errorf("failed to check link %q: %w", a.IfName, err)
+		}
+		mac := l.Attrs().HardwareAddr.String()
+		if !strings.EqualFold(mac, want.Mac) {
+			return fmt.Errorf("link %q has MAC %s, prevResult says %s", a.IfName, mac, want.Mac)
+		}
+		if !strings.EqualFold(mac, b.MAC.String()) {
+			return fmt.Errorf("link %q has MAC %s, spiderpool-agent binds %s", a.IfName, mac, b.MAC)
+		}
+		if wantMTU != 0 && l.Attrs().MTU != wantMTU {
+			return fmt.Errorf("link %q has MTU %d, %s says %d", a.IfName, l.Attrs().MTU, mtuFrom, wantMTU)
+		}
+		if err := ip.ValidateExpectedInterfaceIPs(a.IfName, ips); err != nil {
+			return fmt.Errorf("failed to check addresses of %q: %w", a.IfName, err)
+		}
+		return checkRoutes(l, prev)
+	})
+}
+
+func checkRoutes(l netlink.Link, prev *current.Result) error {
+	routes, err := netlinksafe.RouteListFiltered(netlink.FAMILY_ALL, &netlink.Route{LinkIndex: l.Attrs().Index, Table: unix.RT_TABLE_UNSPEC}, netlink.RT_FILTER_OIF|netlink.RT_FILTER_TABLE)
+	if err != nil {
+		return fmt.Errorf("failed to list routes of %q: %w", l.Attrs().Name, err)
+	}
+	var gw4, gw6 net.IP
+	for _, c := range prev.IPs {
+		if c.Address.IP.To4() != nil && gw4 == nil {
+			gw4 = c.Gateway
+		} else if c.Address.IP.To4() == nil && gw6 == nil {
+			gw6 = c.Gateway
+		}
+	}
+	for _, r := range prev.Routes {
+		gw := r.GW
+		if gw == nil {
+			if r.Dst.IP.To4() != nil {
+				gw = gw4
+			} else {
+				gw = gw6
+			}
+		}
+		found := slices.ContainsFunc(routes, func(x netlink.Route) bool {
+			dst := x.Dst
+			if dst == nil {
+				if r.Dst.IP.To4() != nil {
+					dst = &net.IPNet{IP: net.IPv4zero.To4(), Mask: net.CIDRMask(0, 32)}
+				} else {
+					dst = &net.IPNet{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)}
+				}
+			}
+			return dst.String() == r.Dst.String() && x.Gw.Equal(gw)
+		})
+		if !found {
+			return fmt.Errorf("route %s via %s is missing on %q", r.Dst.String(), gw, l.Attrs().Name)
+		}
+	}
+	return nil
+}
+
+// Status implements CNI STATUS: spiderpool-agent healthy, then IPAM STATUS.
+func (p *Plugin) Status(a *skel.CmdArgs) error {
+	conf, err := config.Parse(a.StdinData)
+	if err != nil {
+		return err
+	}
+	client := gwe.New(conf.SpiderpoolSocket)
+	defer client.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := client.Healthy(ctx); err != nil {
+		return &types.Error{Code: types.ErrPluginNotAvailable, Msg: fmt.Sprintf("spiderpool-agent is not healthy: %v", err)}
+	}
+	if err := invoke.DelegateStatus(ctx, conf.IPAMConf.Type, a.StdinData, p.Exec); err != nil {
+		if isIncompatible(err) {
+			return nil
+		}
+		var te *types.Error
+		if errors.As(err, &te) {
+			return te
+		}
+		return &types.Error{Code: types.ErrPluginNotAvailable, Msg: fmt.Sprintf("IPAM %q STATUS failed: %v", conf.IPAMConf.Type, err)}
+	}
+	return nil
+}
+
+// GC implements CNI GC: delegated to IPAM (which frees reservations not in
+// cni.dev/valid-attachments).
+func (p *Plugin) GC(a *skel.CmdArgs) error {
+	conf, err := config.ParseForDel(a.StdinData)
+	if err != nil {
+		return err
+	}
+	if unlock, err := lockState(conf.StateDir); err == nil {
+		dropRecordsExcept(conf.StateDir, conf.ValidAttachments)
+		unlock()
+	}
+	if err := invoke.DelegateGC(context.Background(), conf.IPAMConf.Type, a.StdinData, p.Exec); err != nil && !isIncompatible(err) {
+		return fmt.Errorf("failed IPAM %q GC: %w", conf.IPAMConf.Type, err)
+	}
+	return nil
+}
+
+func isIncompatible(err error) bool {
+	var te *types.Error
+	return errors.As(err, &te) && te.Code == types.ErrIncompatibleCNIVersion
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }

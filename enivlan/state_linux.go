@@ -1,0 +1,141 @@
+package enivlan
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/containernetworking/cni/pkg/types"
+
+	"golang.org/x/sys/unix"
+)
+
+// record says which pod holds the device of one (master, VLAN ID) pair.
+// Linux allows one VLAN device per pair across all namespaces, so the next
+// ADD for the same pair needs to know whether the holder is gone.
+type record struct {
+	Master       string `json:"master"`
+	VLAN         int    `json:"vlan"`
+	MAC          string `json:"mac"`
+	ContainerID  string `json:"containerID"`
+	NetNS        string `json:"netns"`
+	IfName       string `json:"ifName"`
+	PodNamespace string `json:"podNamespace"`
+	PodName      string `json:"podName"`
+	PodUID       string `json:"podUID,omitempty"`
+}
+
+func recordPath(dir, master string, vlan int) string {
+	return filepath.Join(dir, master+"."+strconv.Itoa(vlan)+".json")
+}
+
+// lockState takes the state directory's lock (creating the directory).
+func lockState(dir string) (func(), error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("failed to create state directory %q: %w", dir, err)
+	}
+	f, err := os.OpenFile(filepath.Join(dir, "lock"), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("failed to open state lock in %q: %w", dir, err)
+	}
+	for {
+		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
+		if !errors.Is(err, unix.EINTR) {
+			break
+		}
+	}
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("failed to lock state directory %q: %w", dir, err)
+	}
+	return func() { _ = unix.Flock(int(f.Fd()), unix.LOCK_UN); f.Close() }, nil
+}
+
+func readRecord(dir, master string, vlan int) (*record, error) {
+	b, err := os.ReadFile(recordPath(dir, master, vlan))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("failed to read ownership record: %w", err)
+	}
+	var r record
+	if err := json.Unmarshal(b, &r); err != nil {
+		// A torn record carries no owner: treat it as absent.
+		return nil, nil
+	}
+	return &r, nil
+}
+
+func writeRecord(dir string, r *record) error {
+	b, err := json.Marshal(r)
+	if err != nil {
+		return err
+	}
+	p := recordPath(dir, r.Master, r.VLAN)
+	tmp := p + ".tmp"
+	if err := os.WriteFile(tmp, b, 0o600); err != nil {
+		return fmt.Errorf("failed to write ownership record %q: %w", p, err)
+	}
+	if err := os.Rename(tmp, p); err != nil {
+		return fmt.Errorf("failed to write ownership record %q: %w", p, err)
+	}
+	return nil
+}
+
+func removeRecord(dir, master string, vlan int) {
+	_ = os.Remove(recordPath(dir, master, vlan))
+}
+
+// removeRecordsOf drops the records held by (containerID, ifName).
+func removeRecordsOf(dir, containerID, ifName string) {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return
+	}
+	for _, e := range entries {
+		if !strings.HasSuffix(e.Name(), ".json") {
+			continue
+		}
+		p := filepath.Join(dir, e.Name())
+		b, err := os.ReadFile(p)
+		if err != nil {
+			continue
+		}
+		var r record
+		if json.Unmarshal(b, &r) == nil && r.ContainerID == containerID && r.IfName == ifName {
+			_ = os.Remove(p)
+		}
+	}
+}
+
+// dropRecordsExcept removes the records of attachments not in valid (GC:
+// the runtime says those containers are gone).
+func dropRecordsExcept(dir string, valid []types.GCAttachment) {
+	keep := map[string]bool{}
+	for _, v := range valid {
+		keep[v.ContainerID+"/"+v.IfName] = true
+	}
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return
+	}
+	for _, e := range entries {
+		if !strings.HasSuffix(e.Name(), ".json") {
+			continue
+		}
+		p := filepath.Join(dir, e.Name())
+		b, err := os.ReadFile(p)
+		if err != nil {
+			continue
+		}
+		var r record
+		if json.Unmarshal(b, &r) == nil && !keep[r.ContainerID+"/"+r.IfName] {
+			_ = os.Remove(p)
+		}
+	}
+}

@@ -1,0 +1,180 @@
+// Package agentclient is aether-cni's client of aether-agent's CNIService on
+// a unix socket: bounded deadlines on every call, bounded retries with
+// backoff for AddPod (and RemovePod) on Unavailable and DeadlineExceeded
+// only, and typed outcomes the plugin maps to CNI error codes.
+package agentclient
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	cniv1 "aether.io/node/api/aether/cni/v1"
+)
+
+// ErrUnavailable marks an agent that did not answer (socket missing, not
+// listening, or every attempt timed out): the plugin returns code 11.
+var ErrUnavailable = errors.New("aether-agent unavailable")
+
+// ErrNotFound is GetPod's answer for a container the agent holds no record of.
+var ErrNotFound = errors.New("no agent record")
+
+// Options bound the client's calls.
+type Options struct {
+	// Timeout bounds one attempt of an RPC.
+	Timeout time.Duration
+	// Attempts is how many times AddPod and RemovePod are tried.
+	Attempts int
+	// Backoff is the first pause between attempts; it doubles.
+	Backoff time.Duration
+	// ReportTimeout bounds ReportAddResult (a single attempt).
+	ReportTimeout time.Duration
+}
+
+// Client talks to one agent socket. It is cheap: the connection is made
+// lazily by the first call.
+type Client struct {
+	socket string
+	conn   *grpc.ClientConn
+	api    cniv1.CNIServiceClient
+	opts   Options
+}
+
+// New returns a client of the agent at socket (no I/O happens here).
+func New(socket string, opts Options) (*Client, error) {
+	if opts.Attempts < 1 {
+		opts.Attempts = 1
+	}
+	if opts.Backoff <= 0 {
+		opts.Backoff = 100 * time.Millisecond
+	}
+	conn, err := grpc.NewClient("unix://"+socket,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.WaitForReady(false)))
+	if err != nil {
+		return nil, fmt.Errorf("failed to create agent client for %q: %w", socket, err)
+	}
+	return &Client{socket: socket, conn: conn, api: cniv1.NewCNIServiceClient(conn), opts: opts}, nil
+}
+
+// Close releases the connection.
+func (c *Client) Close() error { return c.conn.Close() }
+
+func retryable(err error) bool {
+	switch status.Code(err) {
+	case codes.Unavailable, codes.DeadlineExceeded:
+		return true
+	}
+	return false
+}
+
+func (c *Client) unavailable(rpc string, err error) error {
+	return fmt.Errorf("%w: %s on %s: %s; is aether-agent running and agent_socket right?", ErrUnavailable, rpc, c.socket, status.Convert(err).Message())
+}
+
+// retry runs call up to Attempts times while it fails with Unavailable or
+// DeadlineExceeded, each attempt bounded by Timeout, pausing Backoff (then
+// doubled) between attempts; ctx bounds the whole.
+func (c *Client) retry(ctx context.Context, rpc string, attempts int, call func(context.Context) error) error {
+	backoff := c.opts.Backoff
+	var err error
+	for i := range attempts {
+		actx, cancel := context.WithTimeout(ctx, c.opts.Timeout)
+		err = call(actx)
+		cancel()
+		if err == nil || !retryable(err) {
+			return err
+		}
+		if i == attempts-1 {
+			break
+		}
+		t := time.NewTimer(backoff)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return c.unavailable(rpc, err)
+		case <-t.C:
+		}
+		backoff *= 2
+	}
+	return c.unavailable(rpc, err)
+}
+
+// AddPod reports pod and returns the agent's verdict.
+func (c *Client) AddPod(ctx context.Context, pod *cniv1.CNIPod) (cniv1.AddPodResponse_Result, error) {
+	var res cniv1.AddPodResponse_Result
+	err := c.retry(ctx, "AddPod", c.opts.Attempts, func(ctx context.Context) error {
+		r, err := c.api.AddPod(ctx, &cniv1.AddPodRequest{Pod: pod})
+		if err == nil {
+			res = r.GetResult()
+		}
+		return err
+	})
+	if err != nil && !errors.Is(err, ErrUnavailable) {
+		return 0, fmt.Errorf("failed to add pod %s/%s: agent answered %s: %s", pod.GetNamespace(), pod.GetName(), status.Code(err), status.Convert(err).Message())
+	}
+	return res, err
+}
+
+// RemovePod withdraws a container and returns the agent's verdict.
+func (c *Client) RemovePod(ctx context.Context, name, namespace, containerID string) (cniv1.RemovePodResponse_Result, error) {
+	var res cniv1.RemovePodResponse_Result
+	err := c.retry(ctx, "RemovePod", c.opts.Attempts, func(ctx context.Context) error {
+		r, err := c.api.RemovePod(ctx, &cniv1.RemovePodRequest{Name: name, Namespace: namespace, ContainerId: containerID})
+		if err == nil {
+			res = r.GetResult()
+		}
+		return err
+	})
+	if err != nil && !errors.Is(err, ErrUnavailable) {
+		return 0, fmt.Errorf("failed to remove pod %s/%s: agent answered %s: %s", namespace, name, status.Code(err), status.Convert(err).Message())
+	}
+	return res, err
+}
+
+// ReportAddResult sends the ADD's timings, once, within ReportTimeout. An
+// agent that predates the RPC (Unimplemented) is not an error.
+func (c *Client) ReportAddResult(ctx context.Context, req *cniv1.ReportAddResultRequest) error {
+	ctx, cancel := context.WithTimeout(ctx, c.opts.ReportTimeout)
+	defer cancel()
+	_, err := c.api.ReportAddResult(ctx, req)
+	if err == nil || status.Code(err) == codes.Unimplemented {
+		return nil
+	}
+	return fmt.Errorf("failed to report add result of %q: %s: %s", req.GetContainerId(), status.Code(err), status.Convert(err).Message())
+}
+
+// GetPod reads the agent's record of a container; ErrNotFound when none.
+func (c *Client) GetPod(ctx context.Context, containerID string) (*cniv1.GetPodResponse, error) {
+	var out *cniv1.GetPodResponse
+	err := c.retry(ctx, "GetPod", 1, func(ctx context.Context) error {
+		r, err := c.api.GetPod(ctx, &cniv1.GetPodRequest{ContainerId: containerID})
+		out = r
+		return err
+	})
+	switch {
+	case err == nil:
+		return out, nil
+	case status.Code(err) == codes.NotFound:
+		return nil, fmt.Errorf("container %q: %w", containerID, ErrNotFound)
+	case errors.Is(err, ErrUnavailable):
+		return nil, err
+	}
+	return nil, fmt.Errorf("failed to get pod %q: agent answered %s: %s", containerID, status.Code(err), status.Convert(err).Message())
+}
+
+// Ready confirms the agent serves CNIService: a GetPod of a container that
+// cannot exist must come back (NOT_FOUND or a record) within Timeout.
+func (c *Client) Ready(ctx context.Context) error {
+	_, err := c.GetPod(ctx, "aether-cni-status-probe")
+	if err == nil || errors.Is(err, ErrNotFound) {
+		return nil
+	}
+	return err
+}

@@ -1,0 +1,185 @@
+package meshcni_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	cnins "github.com/containernetworking/plugins/pkg/ns"
+	"google.golang.org/grpc"
+
+	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/meshcni"
+	"aether.io/node/meshcni/internal/benchutil"
+	"aether.io/node/meshcni/pin"
+	"aether.io/node/test/harness"
+)
+
+func TestMain(m *testing.M) { harness.Main(m) }
+
+// minimalAgent answers every CNIService call at once: the benchmark
+// measures the plugin's side, as the peer's HTTP server measures istio-cni's.
+type minimalAgent struct {
+	cniv1.UnimplementedCNIServiceServer
+}
+
+func (minimalAgent) AddPod(context.Context, *cniv1.AddPodRequest) (*cniv1.AddPodResponse, error) {
+	return &cniv1.AddPodResponse{Result: cniv1.AddPodResponse_RESULT_SUCCESS}, nil
+}
+
+func (minimalAgent) ReportAddResult(context.Context, *cniv1.ReportAddResultRequest) (*cniv1.ReportAddResultResponse, error) {
+	return &cniv1.ReportAddResultResponse{}, nil
+}
+
+const benchPrev = `{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/x"}],"ips":[{"address":"10.1.0.5/24","interface":0},{"address":"fd10::5/64","interface":0}]}`
+
+// BenchmarkMeshAdd compares one pod ADD of our chained step with an
+// Istio-equivalent one, both in-process against in-process servers on unix
+// sockets, each in a fresh pod netns (created outside the measurement):
+//
+//   - ours: meshcni.Plugin.Add with its real dependencies: netns pin (bind
+//     mount), AddPod over gRPC on a new connection, the capture divert (one
+//     nftables netlink batch + IPv4/IPv6 policy routing), ReportAddResult;
+//     readiness probe and CRI lookup off.
+//   - peer: what istio-cni's plugin + node agent do for a pod: an HTTP POST
+//     of the pod over a unix socket (new connection), whose handler execs
+//     `nft -f` with the Istio-sized in-pod ruleset inside the pod netns.
+func BenchmarkMeshAdd(b *testing.B) {
+	harness.RequireRoot(b)
+	dir := b.TempDir()
+
+	b.Run("ours", func(b *testing.B) {
+		sock := filepath.Join(dir, "cni.sock")
+		l, err := net.Listen("unix", sock)
+		if err != nil {
+			b.Fatal(err)
+		}
+		srv := grpc.NewServer()
+		cniv1.RegisterCNIServiceServer(srv, minimalAgent{})
+		go srv.Serve(l)
+		defer srv.Stop()
+		pinDir := filepath.Join(dir, "pins")
+		stdin, _ := json.Marshal(map[string]any{
+			"cniVersion": "1.0.0", "name": "bench", "type": "aether-cni", "agent_socket": sock,
+			"netns_pin_dir": pinDir, "netns_unpin_delay_seconds": 0, "cri_socket": "",
+			"readiness_probe_disabled": true,
+			"capture":                  map[string]any{"redirect_all": true, "exclude_ports": []int{22}},
+			"prevResult":               json.RawMessage(benchPrev),
+		})
+		var lat benchutil.Latencies
+		b.ResetTimer()
+		for i := range b.N {
+			b.StopTimer()
+			ns, err := harness.CreateNS("bench")
+			if err != nil {
+				b.Fatal(err)
+			}
+			p := meshcni.New(time.Now())
+			p.Stdout, p.Stderr = io.Discard, io.Discard
+			args := &skel.CmdArgs{
+				ContainerID: fmt.Sprintf("c%d", i), Netns: ns.Path(), IfName: "eth0", StdinData: stdin,
+				Args: "K8S_POD_NAME=p;K8S_POD_NAMESPACE=bench;K8S_POD_INFRA_CONTAINER_ID=" + fmt.Sprintf("c%d", i),
+			}
+			b.StartTimer()
+			start := time.Now()
+			p.Started = start
+			err = p.Add(args)
+			lat = append(lat, time.Since(start))
+			b.StopTimer()
+			_ = pin.Unpin(pin.Path(pinDir, args.ContainerID))
+			_ = ns.Remove()
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.StartTimer()
+		}
+		lat.Report(b)
+	})
+
+	b.Run("peer", func(b *testing.B) {
+		if _, err := exec.LookPath("nft"); err != nil {
+			b.Fatalf("peer needs the nft binary: %v", err)
+		}
+		sock := filepath.Join(dir, "istio.sock")
+		l, err := net.Listen("unix", sock)
+		if err != nil {
+			b.Fatal(err)
+		}
+		hsrv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			var ev struct {
+				Netns string `json:"netns"`
+			}
+			if err := json.NewDecoder(r.Body).Decode(&ev); err != nil {
+				http.Error(w, err.Error(), http.StatusBadRequest)
+				return
+			}
+			ns, err := cnins.GetNS(ev.Netns)
+			if err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			defer ns.Close()
+			err = ns.Do(func(cnins.NetNS) error {
+				cmd := exec.Command("nft", "-f", "-")
+				cmd.Stdin = strings.NewReader(benchutil.IstioInPodRuleset)
+				var stderr bytes.Buffer
+				cmd.Stderr = &stderr
+				if err := cmd.Run(); err != nil {
+					return fmt.Errorf("nft -f: %w: %s", err, stderr.String())
+				}
+				return nil
+			})
+			if err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+			}
+		})}
+		go hsrv.Serve(l)
+		defer hsrv.Close()
+		var lat benchutil.Latencies
+		b.ResetTimer()
+		for i := range b.N {
+			b.StopTimer()
+			ns, err := harness.CreateNS("bench")
+			if err != nil {
+				b.Fatal(err)
+			}
+			body, _ := json.Marshal(map[string]any{
+				"netns": ns.Path(), "podName": "p", "podNamespace": "bench", "containerID": fmt.Sprintf("c%d", i),
+				"ips": []string{"10.1.0.5", "fd10::5"},
+			})
+			b.StartTimer()
+			start := time.Now()
+			// A fresh client per ADD, as a freshly exec'd plugin has.
+			client := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+				return (&net.Dialer{}).DialContext(ctx, "unix", sock)
+			}}}
+			resp, err := client.Post("http://istio-cni/cmdadd", "application/json", bytes.NewReader(body))
+			if err == nil {
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode != http.StatusOK {
+					err = fmt.Errorf("peer answered %s", resp.Status)
+				}
+			}
+			lat = append(lat, time.Since(start))
+			b.StopTimer()
+			client.CloseIdleConnections()
+			_ = ns.Remove()
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.StartTimer()
+		}
+		lat.Report(b)
+	})
+}

@@ -1,0 +1,74 @@
+package capture_test
+
+import (
+	"bytes"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"aether.io/node/meshcni/capture"
+	"aether.io/node/meshcni/internal/benchutil"
+	"aether.io/node/test/harness"
+)
+
+// BenchmarkCaptureInstall compares installing our divert in a fresh pod
+// netns (one nftables netlink batch plus the IPv4/IPv6 fwmark rules and
+// local routes over netlink) with the peer: exec of `nft -f` with an
+// Istio-sized in-pod ruleset in a fresh pod netns (nftables only). Namespace
+// creation is outside the measurement.
+func BenchmarkCaptureInstall(b *testing.B) {
+	harness.RequireRoot(b)
+	rs := capture.Build(capture.Config{
+		RedirectAll: true, ExcludePorts: []uint16{22, 3306},
+	})
+	run := func(b *testing.B, install func(ns *harness.FdNS) error) {
+		var lat benchutil.Latencies
+		b.ResetTimer()
+		for range b.N {
+			b.StopTimer()
+			ns, err := harness.CreateFdNS()
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.StartTimer()
+			start := time.Now()
+			err = install(ns)
+			lat = append(lat, time.Since(start))
+			b.StopTimer()
+			ns.Close()
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.StartTimer()
+		}
+		lat.Report(b)
+	}
+	b.Run("ours", func(b *testing.B) {
+		run(b, func(ns *harness.FdNS) error { return capture.InstallFd(ns.Fd, rs) })
+	})
+	b.Run("peer", func(b *testing.B) {
+		if _, err := exec.LookPath("nft"); err != nil {
+			b.Fatalf("peer needs the nft binary: %v", err)
+		}
+		run(b, func(ns *harness.FdNS) error {
+			return ns.Do(func() error {
+				cmd := exec.Command("nft", "-f", "-")
+				cmd.Stdin = strings.NewReader(benchutil.IstioInPodRuleset)
+				var stderr bytes.Buffer
+				cmd.Stderr = &stderr
+				if err := cmd.Run(); err != nil {
+					return &execErr{err: err, stderr: stderr.String()}
+				}
+				return nil
+			})
+		})
+	})
+}
+
+type execErr struct {
+	err    error
+	stderr string
+}
+
+func (e *execErr) Error() string { return e.err.Error() + ": " + e.stderr }

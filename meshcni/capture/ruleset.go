@@ -1,0 +1,363 @@
+// Package capture builds, installs and verifies the transparent-capture divert
+// that aether-cni puts in a mesh-managed pod's network namespace: one nftables
+// table of family inet (IPv4 and IPv6) plus policy routing (an fwmark ip rule
+// and a route table holding a local default route on lo), for IPv4 and IPv6.
+//
+// The ruleset is described once, as a list of rules each carrying both its
+// netlink expressions and its nft-syntax text, so the golden rendering in
+// testdata/ and what the kernel receives can never drift apart. See
+// meshcni/README.md for the contract with the proxy.
+package capture
+
+import (
+	"encoding/binary"
+	"fmt"
+	"net/netip"
+	"slices"
+	"strings"
+
+	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
+	"golang.org/x/sys/unix"
+)
+
+// Defaults of the divert. The ports keep clear of Istio's 150xx range.
+const (
+	// TableName is the name of the one inet table the divert installs.
+	TableName = "aether_capture"
+	// DefaultCapturePort is where the proxy's transparent (IP_TRANSPARENT)
+	// TCP and UDP listeners for diverted outbound traffic are bound.
+	DefaultCapturePort = 18001
+	// DefaultOutboundPort is the proxy's outbound listener on 127.0.0.1; it
+	// serves the readiness endpoint and is the port captured in scoped mode.
+	DefaultOutboundPort = 18081
+	// DefaultInboundPort is the proxy's inbound listener (never diverted).
+	DefaultInboundPort = 18008
+	// DefaultBypassMark is the SO_MARK the proxy puts on its own upstream
+	// sockets; packets carrying it are never diverted.
+	DefaultBypassMark = 0xae7e
+	// DefaultDivertMark is the fwmark set on diverted packets; the ip rule
+	// sends it to DefaultRouteTable.
+	DefaultDivertMark = 0xae7f
+	// DefaultRouteTable holds "local default dev lo" for IPv4 and IPv6.
+	DefaultRouteTable = 133
+	// DefaultRulePriority is the priority of the fwmark ip rules.
+	DefaultRulePriority = 133
+)
+
+// builtinExcluded are destinations never diverted: link-local and multicast.
+// Loopback and the pod's own addresses are excluded by "fib daddr type local".
+var builtinExcluded = []netip.Prefix{
+	netip.MustParsePrefix("169.254.0.0/16"),
+	netip.MustParsePrefix("224.0.0.0/4"),
+	netip.MustParsePrefix("fe80::/10"),
+	netip.MustParsePrefix("ff00::/8"),
+}
+
+// Config is one pod's divert, after the netconf and the pod's annotations
+// were merged. The zero value is not valid; use Normalize.
+type Config struct {
+	// CapturePort is the transparent listener port diverted packets go to.
+	CapturePort uint16
+	// Ports are the destination ports diverted when RedirectAll is false.
+	Ports []uint16
+	// RedirectAll diverts every outbound TCP and UDP destination port.
+	RedirectAll bool
+	// ExcludePorts are destination ports never diverted.
+	ExcludePorts []uint16
+	// ExcludeCIDRs are destination ranges (IPv4 or IPv6) never diverted.
+	ExcludeCIDRs []netip.Prefix
+	// BypassMark marks the proxy's own sockets.
+	BypassMark uint32
+	// DivertMark is the fwmark of diverted packets.
+	DivertMark uint32
+	// RouteTable is the policy routing table of diverted packets.
+	RouteTable int
+	// RulePriority is the priority of the fwmark ip rules.
+	RulePriority int
+}
+
+// Normalize fills defaults and sorts and de-duplicates the lists, so equal
+// configurations render equal rulesets.
+func (c Config) Normalize() Config {
+	if c.CapturePort == 0 {
+		c.CapturePort = DefaultCapturePort
+	}
+	if c.BypassMark == 0 {
+		c.BypassMark = DefaultBypassMark
+	}
+	if c.DivertMark == 0 {
+		c.DivertMark = DefaultDivertMark
+	}
+	if c.RouteTable == 0 {
+		c.RouteTable = DefaultRouteTable
+	}
+	if c.RulePriority == 0 {
+		c.RulePriority = DefaultRulePriority
+	}
+	c.Ports = sortedPorts(c.Ports)
+	c.ExcludePorts = sortedPorts(c.ExcludePorts)
+	cidrs := make([]netip.Prefix, 0, len(c.ExcludeCIDRs))
+	for _, p := range c.ExcludeCIDRs {
+		cidrs = append(cidrs, p.Masked())
+	}
+	slices.SortFunc(cidrs, func(a, b netip.Prefix) int {
+		if r := a.Addr().Compare(b.Addr()); r != 0 {
+			return r
+		}
+		return a.Bits() - b.Bits()
+	})
+	c.ExcludeCIDRs = slices.Compact(cidrs)
+	return c
+}
+
+func sortedPorts(p []uint16) []uint16 {
+	out := slices.Clone(p)
+	slices.Sort(out)
+	return slices.Compact(out)
+}
+
+// Validate reports a configuration that cannot be installed.
+func (c Config) Validate() error {
+	if c.CapturePort == 0 {
+		return fmt.Errorf("capture port must be 1-65535")
+	}
+	if !c.RedirectAll && len(c.Ports) == 0 {
+		return fmt.Errorf("no capture ports and redirect_all off: nothing would be captured; set capture.ports or capture.redirect_all")
+	}
+	if c.DivertMark == 0 || c.DivertMark == c.BypassMark {
+		return fmt.Errorf("divert mark %#x must be non-zero and differ from the bypass mark %#x", c.DivertMark, c.BypassMark)
+	}
+	for _, p := range c.Ports {
+		if p == 0 {
+			return fmt.Errorf("capture port 0 is not a port: use 1-65535")
+		}
+	}
+	return nil
+}
+
+// Chain is one chain of the table.
+type Chain struct {
+	// Name is the chain name.
+	Name string
+	// Type, Hook and Priority are empty/nil for a regular chain.
+	Type     nftables.ChainType
+	Hook     *nftables.ChainHook
+	Priority *nftables.ChainPriority
+	// Header is the nft text of the chain's base declaration ("" if regular).
+	Header string
+	// Rules in order.
+	Rules []Rule
+}
+
+// Rule is one rule: the expressions the kernel gets and their nft text.
+type Rule struct {
+	// Exprs are the netlink expressions.
+	Exprs []expr.Any
+	// Text is the nft-syntax rendering.
+	Text string
+}
+
+// Ruleset is the whole divert of one configuration.
+type Ruleset struct {
+	// Config is the normalized configuration it was built from.
+	Config Config
+	// Chains of the inet table, in install order.
+	Chains []Chain
+}
+
+type ruleBuilder struct {
+	exprs []expr.Any
+	text  []string
+}
+
+func (b *ruleBuilder) add(text string, e ...expr.Any) *ruleBuilder {
+	b.exprs = append(b.exprs, e...)
+	if text != "" {
+		b.text = append(b.text, text)
+	}
+	return b
+}
+
+func (b *ruleBuilder) rule() Rule {
+	return Rule{Exprs: b.exprs, Text: strings.Join(b.text, " ")}
+}
+
+func u32(v uint32) []byte {
+	b := make([]byte, 4)
+	binary.NativeEndian.PutUint32(b, v)
+	return b
+}
+
+func be16(v uint16) []byte {
+	b := make([]byte, 2)
+	binary.BigEndian.PutUint16(b, v)
+	return b
+}
+
+func ifname(n string) []byte {
+	b := make([]byte, unix.IFNAMSIZ)
+	copy(b, n)
+	return b
+}
+
+func (b *ruleBuilder) metaMarkEq(mark uint32) *ruleBuilder {
+	return b.add(fmt.Sprintf("meta mark 0x%08x", mark),
+		&expr.Meta{Key: expr.MetaKeyMARK, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: u32(mark)})
+}
+
+func (b *ruleBuilder) l4proto(proto byte, name string) *ruleBuilder {
+	return b.add("meta l4proto "+name,
+		&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{proto}})
+}
+
+func (b *ruleBuilder) nfproto(proto byte, name string) *ruleBuilder {
+	return b.add("meta nfproto "+name,
+		&expr.Meta{Key: expr.MetaKeyNFPROTO, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{proto}})
+}
+
+func (b *ruleBuilder) thDport(port uint16) *ruleBuilder {
+	return b.add(fmt.Sprintf("th dport %d", port),
+		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: be16(port)})
+}
+
+func (b *ruleBuilder) daddrIn(p netip.Prefix) *ruleBuilder {
+	family, off, ln := "ip", uint32(16), uint32(4)
+	var proto byte = unix.NFPROTO_IPV4
+	if p.Addr().Is6() {
+		family, off, ln, proto = "ip6", 24, 16, unix.NFPROTO_IPV6
+	}
+	b.add("", &expr.Meta{Key: expr.MetaKeyNFPROTO, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{proto}})
+	b.add("", &expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: off, Len: ln})
+	bits := p.Bits()
+	if bits < int(ln)*8 {
+		mask := make([]byte, ln)
+		for i := 0; i < bits; i++ {
+			mask[i/8] |= 0x80 >> (i % 8)
+		}
+		b.add("", &expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: ln, Mask: mask, Xor: make([]byte, ln)})
+	}
+	text := fmt.Sprintf("%s daddr %s", family, p.Addr())
+	if bits < int(ln)*8 {
+		text = fmt.Sprintf("%s daddr %s", family, p)
+	}
+	return b.add(text, &expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: p.Addr().AsSlice()})
+}
+
+func (b *ruleBuilder) verdict(kind expr.VerdictKind, chain string) *ruleBuilder {
+	text := map[expr.VerdictKind]string{expr.VerdictReturn: "return", expr.VerdictAccept: "accept", expr.VerdictJump: "jump " + chain}[kind]
+	return b.add(text, &expr.Verdict{Kind: kind, Chain: chain})
+}
+
+// Build returns the ruleset of c (normalized first).
+func Build(c Config) Ruleset {
+	c = c.Normalize()
+	const divert = "divert"
+	output := Chain{
+		Name: "output", Type: nftables.ChainTypeRoute, Hook: nftables.ChainHookOutput,
+		Priority: nftables.ChainPriorityMangle,
+		Header:   "type route hook output priority mangle; policy accept;",
+	}
+	// The proxy's own upstream sockets carry the bypass mark.
+	output.Rules = append(output.Rules, new(ruleBuilder).metaMarkEq(c.BypassMark).verdict(expr.VerdictReturn, "").rule())
+	for _, p := range []struct {
+		num  byte
+		name string
+	}{{unix.IPPROTO_TCP, "tcp"}, {unix.IPPROTO_UDP, "udp"}} {
+		output.Rules = append(output.Rules, new(ruleBuilder).l4proto(p.num, p.name).verdict(expr.VerdictJump, divert).rule())
+	}
+
+	dv := Chain{Name: divert}
+	// Replies of connections the pod accepted (inbound, possibly through the
+	// proxy's inbound listener) belong to an existing flow and must leave
+	// as they are: diverting them would hand a reply to the capture
+	// listener and break every inbound connection of a captured pod.
+	dv.Rules = append(dv.Rules, new(ruleBuilder).add("ct direction reply",
+		&expr.Ct{Key: expr.CtKeyDIRECTION, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{1}}).verdict(expr.VerdictReturn, "").rule())
+	// Loopback, the pod's own addresses and the replies of the proxy's
+	// transparent sockets (sourced from the original destination, sent to
+	// the pod) are local destinations.
+	dv.Rules = append(dv.Rules, new(ruleBuilder).add("fib daddr type local",
+		&expr.Fib{Register: 1, ResultADDRTYPE: true, FlagDADDR: true},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: u32(unix.RTN_LOCAL)}).verdict(expr.VerdictReturn, "").rule())
+	for _, p := range builtinExcluded {
+		dv.Rules = append(dv.Rules, new(ruleBuilder).daddrIn(p).verdict(expr.VerdictReturn, "").rule())
+	}
+	for _, p := range c.ExcludeCIDRs {
+		dv.Rules = append(dv.Rules, new(ruleBuilder).daddrIn(p).verdict(expr.VerdictReturn, "").rule())
+	}
+	for _, port := range c.ExcludePorts {
+		dv.Rules = append(dv.Rules, new(ruleBuilder).thDport(port).verdict(expr.VerdictReturn, "").rule())
+	}
+	setMark := func(b *ruleBuilder) *ruleBuilder {
+		return b.add(fmt.Sprintf("meta mark set 0x%08x", c.DivertMark),
+			&expr.Immediate{Register: 1, Data: u32(c.DivertMark)},
+			&expr.Meta{Key: expr.MetaKeyMARK, SourceRegister: true, Register: 1})
+	}
+	if c.RedirectAll {
+		dv.Rules = append(dv.Rules, setMark(new(ruleBuilder)).rule())
+	} else {
+		for _, port := range c.Ports {
+			dv.Rules = append(dv.Rules, setMark(new(ruleBuilder).thDport(port)).rule())
+		}
+	}
+
+	pre := Chain{
+		Name: "prerouting", Type: nftables.ChainTypeFilter, Hook: nftables.ChainHookPrerouting,
+		Priority: nftables.ChainPriorityMangle,
+		Header:   "type filter hook prerouting priority mangle; policy accept;",
+	}
+	for _, fam := range []struct {
+		num  byte
+		name string
+	}{{unix.NFPROTO_IPV4, "ip"}, {unix.NFPROTO_IPV6, "ip6"}} {
+		for _, p := range []struct {
+			num  byte
+			name string
+		}{{unix.IPPROTO_TCP, "tcp"}, {unix.IPPROTO_UDP, "udp"}} {
+			nfname := map[string]string{"ip": "ipv4", "ip6": "ipv6"}[fam.name]
+			b := new(ruleBuilder).add(`iifname "lo"`,
+				&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: 1},
+				&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: ifname("lo")}).
+				metaMarkEq(c.DivertMark).nfproto(fam.num, nfname).l4proto(p.num, p.name)
+			b.add(fmt.Sprintf("tproxy %s to :%d", fam.name, c.CapturePort),
+				&expr.Immediate{Register: 1, Data: be16(c.CapturePort)},
+				&expr.TProxy{Family: fam.num, TableFamily: unix.NFPROTO_INET, RegPort: 1})
+			pre.Rules = append(pre.Rules, b.verdict(expr.VerdictAccept, "").rule())
+		}
+	}
+	return Ruleset{Config: c, Chains: []Chain{output, dv, pre}}
+}
+
+// Text renders the ruleset as nft syntax, followed by the policy routing as
+// `ip rule` / `ip route` lines in comments: the golden form.
+func (r Ruleset) Text() string {
+	var sb strings.Builder
+	fmt.Fprintf(&sb, "table inet %s {\n", TableName)
+	for i, ch := range r.Chains {
+		if i > 0 {
+			sb.WriteString("\n")
+		}
+		fmt.Fprintf(&sb, "\tchain %s {\n", ch.Name)
+		if ch.Header != "" {
+			fmt.Fprintf(&sb, "\t\t%s\n", ch.Header)
+		}
+		for _, rl := range ch.Rules {
+			fmt.Fprintf(&sb, "\t\t%s\n", rl.Text)
+		}
+		sb.WriteString("\t}\n")
+	}
+	sb.WriteString("}\n")
+	c := r.Config
+	fmt.Fprintf(&sb, "# ip -4 rule: %d: from all fwmark 0x%x lookup %d\n", c.RulePriority, c.DivertMark, c.RouteTable)
+	fmt.Fprintf(&sb, "# ip -6 rule: %d: from all fwmark 0x%x lookup %d\n", c.RulePriority, c.DivertMark, c.RouteTable)
+	fmt.Fprintf(&sb, "# ip -4 route table %d: local default dev lo scope host\n", c.RouteTable)
+	fmt.Fprintf(&sb, "# ip -6 route table %d: local default dev lo\n", c.RouteTable)
+	return sb.String()
+}

@@ -1,0 +1,454 @@
+package meshcni
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/netip"
+	"os"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+	current "github.com/containernetworking/cni/pkg/types/100"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/meshcni/agentclient"
+	"aether.io/node/meshcni/capture"
+	"aether.io/node/meshcni/podpid"
+	"aether.io/node/pkg/cniutil"
+)
+
+// Agent is aether-agent's CNIService as the plugin uses it
+// (agentclient.Client; a fake in unit tests).
+type Agent interface {
+	AddPod(ctx context.Context, pod *cniv1.CNIPod) (cniv1.AddPodResponse_Result, error)
+	RemovePod(ctx context.Context, name, namespace, containerID string) (cniv1.RemovePodResponse_Result, error)
+	ReportAddResult(ctx context.Context, req *cniv1.ReportAddResultRequest) error
+	GetPod(ctx context.Context, containerID string) (*cniv1.GetPodResponse, error)
+	Ready(ctx context.Context) error
+	Close() error
+}
+
+// Capturer installs and verifies the divert in a netns (capture.Installer).
+type Capturer interface {
+	Install(nsPath string, r capture.Ruleset) error
+	Verify(nsPath string, r capture.Ruleset) error
+	Present(nsPath string) (bool, error)
+}
+
+// Pinner pins netns paths (package pin).
+type Pinner interface {
+	Pin(dir, containerID, nsPath string) (string, error)
+	Path(dir, containerID string) string
+	Unpin(path string) error
+	UnpinLater(path string, delay time.Duration) error
+	List(dir string) ([]string, error)
+	Name(containerID string) string
+}
+
+// Prober probes the proxy's readiness endpoint inside a netns (probe.Prober).
+type Prober interface {
+	Probe(ctx context.Context, nsPath, url string, budget time.Duration) error
+}
+
+// PIDLookup asks the container runtime for a sandbox's PID (podpid.CRI).
+type PIDLookup interface {
+	Lookup(ctx context.Context, endpoint, sandboxID string) (uint32, error)
+}
+
+// Plugin is aether-cni with its dependencies; cmd/aether-cni builds it
+// with the real ones, unit tests with fakes. Constructing it does no I/O.
+type Plugin struct {
+	// Started is when the process entered main (PluginTimings.started).
+	Started time.Time
+	// Now is the clock.
+	Now func() time.Time
+	// DialAgent returns a client of the agent of cfg.
+	DialAgent func(cfg *Config) (Agent, error)
+	// Capture, Pins, Probe and PIDs are the data-plane dependencies.
+	Capture Capturer
+	Pins    Pinner
+	Probe   Prober
+	PIDs    PIDLookup
+	// Stdout receives results; Stderr logs unless the netconf names a file.
+	Stdout, Stderr io.Writer
+}
+
+func (p *Plugin) logger(cfg *Config) (*slog.Logger, func()) {
+	w := p.Stderr
+	closer := func() {}
+	if cfg.LogFile != "" {
+		if f, err := os.OpenFile(cfg.LogFile, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o600); err == nil {
+			w, closer = f, func() { f.Close() }
+		}
+	}
+	lvl := slog.LevelInfo
+	_ = lvl.UnmarshalText([]byte(cfg.LogLevel))
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: lvl})).With("plugin", "aether-cni"), closer
+}
+
+type podIdentity struct {
+	name, namespace, uid string
+	sandboxID            string
+}
+
+func identity(args *skel.CmdArgs) (podIdentity, error) {
+	k, err := cniutil.ParseK8sArgs(args.Args)
+	if err != nil {
+		return podIdentity{}, cniutil.InvalidConfigf("failed to parse CNI_ARGS: %w", err)
+	}
+	return podIdentity{name: k.PodName, namespace: k.PodNamespace, uid: k.PodUID, sandboxID: k.ContainerID(args.ContainerID)}, nil
+}
+
+func (id podIdentity) require() error {
+	if id.name == "" || id.namespace == "" {
+		return cniutil.InvalidConfigf("K8S_POD_NAME and K8S_POD_NAMESPACE missing from CNI_ARGS: aether-cni serves Kubernetes pods only (the runtime must pass them)")
+	}
+	return nil
+}
+
+func podIPs(prev types.Result) ([]string, error) {
+	if prev == nil {
+		return nil, nil
+	}
+	r, err := current.NewResultFromResult(prev)
+	if err != nil {
+		return nil, fmt.Errorf("failed to convert prevResult: %w", err)
+	}
+	var ips []string
+	for _, ip := range r.IPs {
+		ips = append(ips, ip.Address.IP.String())
+	}
+	return ips, nil
+}
+
+func agentErr(err error, what string) error {
+	if errors.Is(err, agentclient.ErrUnavailable) {
+		return cniutil.TryAgainf("%s: %w", what, err)
+	}
+	return fmt.Errorf("%s: %w", what, err)
+}
+
+// Add is CNI ADD: identity and PID, pin, AddPod, then (managed pods only)
+// the readiness probe, the capture divert and ReportAddResult; it prints
+// prevResult unchanged.
+func (p *Plugin) Add(args *skel.CmdArgs) error {
+	cfg, err := ParseConfig(args.StdinData, true)
+	if err != nil {
+		return err
+	}
+	log, closeLog := p.logger(cfg)
+	defer closeLog()
+	id, err := identity(args)
+	if err != nil {
+		return err
+	}
+	if err := id.require(); err != nil {
+		return err
+	}
+	if args.Netns == "" {
+		return cniutil.InvalidConfigf("CNI_NETNS is empty: ADD needs the pod's network namespace path")
+	}
+	log = log.With("pod", id.namespace+"/"+id.name, "container_id", id.sandboxID)
+	ips, err := podIPs(cfg.Raw.PrevResult)
+	if err != nil {
+		return err
+	}
+	ctx := context.Background()
+
+	// PID: from the path when it names one; else a short, bounded CRI call.
+	step := p.Now()
+	var pid *wrapperspb.UInt32Value
+	if v, ok := podpid.FromNetnsPath(args.Netns); ok {
+		pid = wrapperspb.UInt32(v)
+	} else if cfg.CRISocket != "" && p.PIDs != nil {
+		cctx, cancel := context.WithTimeout(ctx, cfg.CRITimeout)
+		v, err := p.PIDs.Lookup(cctx, cfg.CRISocket, id.sandboxID)
+		cancel()
+		if err == nil {
+			pid = wrapperspb.UInt32(v)
+		} else {
+			log.Debug("no sandbox pid from CRI (normal during ADD under containerd)", "error", err)
+		}
+	}
+	log.Debug("step done", "step", "pid", "duration", p.Now().Sub(step))
+
+	step = p.Now()
+	registered := args.Netns
+	pinPath := ""
+	if cfg.PinDir != "" {
+		if pp, err := p.Pins.Pin(cfg.PinDir, args.ContainerID, args.Netns); err != nil {
+			log.Warn("netns pin failed; registering the runtime's netns path", "error", err)
+		} else {
+			pinPath, registered = pp, pp
+		}
+	}
+	unpin := func() {
+		if pinPath != "" {
+			if err := p.Pins.Unpin(pinPath); err != nil {
+				log.Warn("failed to unpin", "error", err)
+			}
+		}
+	}
+	log.Debug("step done", "step", "pin", "duration", p.Now().Sub(step))
+
+	agent, err := p.DialAgent(cfg)
+	if err != nil {
+		unpin()
+		return err
+	}
+	defer func() { _ = agent.Close() }()
+	preCall := p.Now().Sub(p.Started)
+	step = p.Now()
+	res, err := agent.AddPod(ctx, &cniv1.CNIPod{
+		Name: id.name, Namespace: id.namespace, NetworkNamespace: registered,
+		ContainerId: id.sandboxID, Ips: ips, Pid: pid,
+	})
+	log.Debug("step done", "step", "add_pod", "duration", p.Now().Sub(step))
+	if err != nil {
+		unpin()
+		return agentErr(err, fmt.Sprintf("failed to register pod %s/%s with aether-agent", id.namespace, id.name))
+	}
+	switch res {
+	case cniv1.AddPodResponse_RESULT_SUCCESS:
+	case cniv1.AddPodResponse_RESULT_IGNORED:
+		// Not mesh-managed: nothing installed, nothing pinned.
+		unpin()
+		log.Info("pod not mesh-managed; nothing installed")
+		return p.printPrev(cfg)
+	default:
+		unpin()
+		return fmt.Errorf("aether-agent refused pod %s/%s: AddPod answered %s", id.namespace, id.name, res)
+	}
+
+	t := &cniv1.PluginTimings{Started: timestamppb.New(p.Started), PreCall: durationpb.New(preCall)}
+	if cfg.ProbeBudget > 0 {
+		step = p.Now()
+		if err := p.Probe.Probe(ctx, args.Netns, cfg.ProbeURL, cfg.ProbeBudget); err != nil {
+			t.ReadinessProbeError = truncate(err.Error())
+			log.Warn("data plane not confirmed serving", "error", err)
+		}
+		t.ReadinessProbe = durationpb.New(p.Now().Sub(step))
+	}
+
+	step = p.Now()
+	pc, warns := cfg.PodCapture(cfg.Raw.RuntimeConfig.PodAnnotations)
+	for _, w := range warns {
+		log.Warn("pod annotation ignored", "reason", w)
+	}
+	if err := p.Capture.Install(args.Netns, capture.Build(pc)); err != nil {
+		t.CaptureDivertError = truncate(err.Error())
+		log.Warn("capture divert failed; the pod runs UNCAPTURED", "error", err)
+	}
+	t.CaptureDivert = durationpb.New(p.Now().Sub(step))
+
+	t.Total = durationpb.New(p.Now().Sub(p.Started))
+	if err := agent.ReportAddResult(ctx, &cniv1.ReportAddResultRequest{
+		ContainerId: id.sandboxID, Name: id.name, Namespace: id.namespace, Timings: t,
+	}); err != nil {
+		log.Warn("add result not reported", "error", err)
+	}
+	log.Info("pod added", "pre_call", preCall, "total", t.Total.AsDuration())
+	return p.printPrev(cfg)
+}
+
+// printPrev writes prevResult, unchanged, in the netconf's version.
+func (p *Plugin) printPrev(cfg *Config) error {
+	r, err := cfg.Raw.PrevResult.GetAsVersion(cfg.Raw.CNIVersion)
+	if err != nil {
+		return fmt.Errorf("failed to convert prevResult to version %q: %w", cfg.Raw.CNIVersion, err)
+	}
+	return r.PrintTo(p.Stdout)
+}
+
+func truncate(s string) string {
+	if len(s) > 4000 {
+		return s[:4000]
+	}
+	return s
+}
+
+// Del is CNI DEL: RemovePod (IGNORED is success), then the pin is released
+// (after the configured delay). It needs no netns and no earlier ADD.
+func (p *Plugin) Del(args *skel.CmdArgs) error {
+	cfg, err := ParseConfig(args.StdinData, false)
+	if err != nil {
+		return err
+	}
+	log, closeLog := p.logger(cfg)
+	defer closeLog()
+	id, err := identity(args)
+	if err != nil {
+		return err
+	}
+	log = log.With("pod", id.namespace+"/"+id.name, "container_id", id.sandboxID)
+	if id.require() == nil {
+		agent, err := p.DialAgent(cfg)
+		if err != nil {
+			return err
+		}
+		defer func() { _ = agent.Close() }()
+		res, err := agent.RemovePod(context.Background(), id.name, id.namespace, id.sandboxID)
+		if err != nil {
+			return agentErr(err, fmt.Sprintf("failed to withdraw pod %s/%s from aether-agent (the runtime retries DEL)", id.namespace, id.name))
+		}
+		switch res {
+		case cniv1.RemovePodResponse_RESULT_SUCCESS, cniv1.RemovePodResponse_RESULT_IGNORED:
+		default:
+			return fmt.Errorf("aether-agent could not remove pod %s/%s: RemovePod answered %s", id.namespace, id.name, res)
+		}
+	} else {
+		log.Info("no Kubernetes pod identity in CNI_ARGS; nothing to withdraw from the agent")
+	}
+	if cfg.PinDir != "" {
+		path := p.Pins.Path(cfg.PinDir, args.ContainerID)
+		if _, err := os.Lstat(path); err == nil {
+			if err := p.Pins.UnpinLater(path, cfg.UnpinDelay); err != nil {
+				// GC removes it later; DEL must not fail on it.
+				log.Warn("failed to release netns pin", "error", err)
+			}
+		}
+	}
+	log.Info("pod deleted")
+	return nil
+}
+
+// Check is CNI CHECK: the agent's record (read-only GetPod) must match the
+// pod, and the netns must hold exactly the divert ADD installs (or none for
+// a pod the agent does not manage).
+func (p *Plugin) Check(args *skel.CmdArgs) error {
+	cfg, err := ParseConfig(args.StdinData, true)
+	if err != nil {
+		return err
+	}
+	id, err := identity(args)
+	if err != nil {
+		return err
+	}
+	if err := id.require(); err != nil {
+		return err
+	}
+	if args.Netns == "" {
+		return cniutil.InvalidConfigf("CNI_NETNS is empty: CHECK needs the pod's network namespace path")
+	}
+	agent, err := p.DialAgent(cfg)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = agent.Close() }()
+	rec, err := agent.GetPod(context.Background(), id.sandboxID)
+	managed := err == nil && rec.GetManaged()
+	if err != nil && !errors.Is(err, agentclient.ErrNotFound) {
+		return agentErr(err, fmt.Sprintf("failed to read aether-agent's record of pod %s/%s", id.namespace, id.name))
+	}
+	if !managed {
+		present, err := p.Capture.Present(args.Netns)
+		if err != nil {
+			return err
+		}
+		if present {
+			return fmt.Errorf("pod %s/%s is not mesh-managed but its netns %q holds table inet %s", id.namespace, id.name, args.Netns, capture.TableName)
+		}
+		return nil
+	}
+	pod := rec.GetPod()
+	if pod.GetName() != id.name || pod.GetNamespace() != id.namespace {
+		return fmt.Errorf("aether-agent's record of container %q is pod %s/%s, want %s/%s", id.sandboxID, pod.GetNamespace(), pod.GetName(), id.namespace, id.name)
+	}
+	wantNS := []string{args.Netns}
+	if cfg.PinDir != "" {
+		wantNS = append(wantNS, p.Pins.Path(cfg.PinDir, args.ContainerID))
+	}
+	if !slices.Contains(wantNS, pod.GetNetworkNamespace()) {
+		return fmt.Errorf("aether-agent's record of pod %s/%s names netns %q, want one of %v", id.namespace, id.name, pod.GetNetworkNamespace(), wantNS)
+	}
+	ips, err := podIPs(cfg.Raw.PrevResult)
+	if err != nil {
+		return err
+	}
+	if !sameIPs(ips, pod.GetIps()) {
+		return fmt.Errorf("aether-agent's record of pod %s/%s has IPs %v, prevResult has %v", id.namespace, id.name, pod.GetIps(), ips)
+	}
+	pc, _ := cfg.PodCapture(cfg.Raw.RuntimeConfig.PodAnnotations)
+	if err := p.Capture.Verify(args.Netns, capture.Build(pc)); err != nil {
+		return fmt.Errorf("capture divert of pod %s/%s differs from what ADD installs (re-run ADD): %w", id.namespace, id.name, err)
+	}
+	return nil
+}
+
+func sameIPs(a, b []string) bool {
+	norm := func(in []string) []string {
+		out := make([]string, 0, len(in))
+		for _, s := range in {
+			if ip, err := netip.ParseAddr(s); err == nil {
+				s = ip.Unmap().String()
+			}
+			out = append(out, s)
+		}
+		slices.Sort(out)
+		return out
+	}
+	return slices.Equal(norm(a), norm(b))
+}
+
+// Status is CNI STATUS: the agent must answer CNIService within its
+// timeout. Failure is code 50 (plugin not available), as the spec asks.
+func (p *Plugin) Status(args *skel.CmdArgs) error {
+	cfg, err := ParseConfig(args.StdinData, false)
+	if err != nil {
+		return err
+	}
+	agent, err := p.DialAgent(cfg)
+	if err != nil {
+		return &types.Error{Code: types.ErrPluginNotAvailable, Msg: err.Error()}
+	}
+	defer func() { _ = agent.Close() }()
+	if err := agent.Ready(context.Background()); err != nil {
+		return &types.Error{Code: types.ErrPluginNotAvailable, Msg: "aether-agent not ready", Details: err.Error()}
+	}
+	return nil
+}
+
+// GC is CNI GC: every pin whose container is not in
+// cni.dev/valid-attachments is released at once.
+func (p *Plugin) GC(args *skel.CmdArgs) error {
+	cfg, err := ParseConfig(args.StdinData, false)
+	if err != nil {
+		return err
+	}
+	if cfg.PinDir == "" {
+		return nil
+	}
+	log, closeLog := p.logger(cfg)
+	defer closeLog()
+	valid := map[string]bool{}
+	for _, a := range cfg.Raw.ValidAttachments {
+		valid[p.Pins.Name(a.ContainerID)] = true
+	}
+	names, err := p.Pins.List(cfg.PinDir)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	var removed []string
+	for _, n := range names {
+		if valid[n] || strings.HasPrefix(n, ".") {
+			continue
+		}
+		if err := p.Pins.Unpin(p.Pins.Path(cfg.PinDir, n)); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		removed = append(removed, n)
+	}
+	log.Info("gc done", "unpinned", len(removed))
+	return errors.Join(errs...)
+}

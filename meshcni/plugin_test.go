@@ -1,0 +1,318 @@
+package meshcni
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+
+	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/meshcni/agentclient"
+	"aether.io/node/meshcni/capture"
+	"aether.io/node/pkg/cniutil"
+)
+
+// recorder is every fake at once; it logs calls in order.
+type recorder struct {
+	calls      []string
+	addResult  cniv1.AddPodResponse_Result
+	addErr     error
+	removeErr  error
+	added      *cniv1.CNIPod
+	report     *cniv1.ReportAddResultRequest
+	installErr error
+	probeErr   error
+	verifyErr  error
+	present    bool
+	record     *cniv1.GetPodResponse
+	pins       map[string]bool
+	pidErr     error
+}
+
+func (r *recorder) log(f string, a ...any) { r.calls = append(r.calls, fmt.Sprintf(f, a...)) }
+
+func (r *recorder) AddPod(_ context.Context, pod *cniv1.CNIPod) (cniv1.AddPodResponse_Result, error) {
+	r.log("AddPod")
+	r.added = pod
+	return r.addResult, r.addErr
+}
+
+func (r *recorder) RemovePod(_ context.Context, name, ns, cid string) (cniv1.RemovePodResponse_Result, error) {
+	r.log("RemovePod %s/%s %s", ns, name, cid)
+	return cniv1.RemovePodResponse_RESULT_SUCCESS, r.removeErr
+}
+
+func (r *recorder) ReportAddResult(_ context.Context, req *cniv1.ReportAddResultRequest) error {
+	r.log("Report")
+	r.report = req
+	return nil
+}
+
+func (r *recorder) GetPod(_ context.Context, cid string) (*cniv1.GetPodResponse, error) {
+	r.log("GetPod")
+	if r.record == nil {
+		return nil, agentclient.ErrNotFound
+	}
+	return r.record, nil
+}
+func (r *recorder) Ready(context.Context) error { return r.removeErr }
+func (r *recorder) Close() error                { return nil }
+
+func (r *recorder) Install(ns string, _ capture.Ruleset) error {
+	r.log("Install %s", ns)
+	return r.installErr
+}
+
+func (r *recorder) Verify(string, capture.Ruleset) error { r.log("Verify"); return r.verifyErr }
+func (r *recorder) Present(string) (bool, error)         { return r.present, nil }
+
+func (r *recorder) Pin(dir, cid, ns string) (string, error) {
+	r.log("Pin")
+	r.pins[cid] = true
+	return filepath.Join(dir, cid), nil
+}
+func (r *recorder) Path(dir, cid string) string { return filepath.Join(dir, cid) }
+func (r *recorder) Unpin(p string) error {
+	r.log("Unpin")
+	delete(r.pins, filepath.Base(p))
+	return nil
+}
+
+func (r *recorder) UnpinLater(p string, _ time.Duration) error { return r.Unpin(p) }
+func (r *recorder) List(string) ([]string, error) {
+	var out []string
+	for k := range r.pins {
+		out = append(out, k)
+	}
+	slices.Sort(out)
+	return out, nil
+}
+func (r *recorder) Name(cid string) string { return cid }
+
+func (r *recorder) Probe(_ context.Context, ns, url string, _ time.Duration) error {
+	r.log("Probe %s", url)
+	return r.probeErr
+}
+
+func (r *recorder) Lookup(context.Context, string, string) (uint32, error) {
+	r.log("CRI")
+	return 99, r.pidErr
+}
+
+func newTestPlugin(r *recorder) (*Plugin, *bytes.Buffer) {
+	out := &bytes.Buffer{}
+	clock := time.Unix(1000, 0)
+	return &Plugin{
+		Started:   clock,
+		Now:       func() time.Time { clock = clock.Add(time.Millisecond); return clock },
+		DialAgent: func(*Config) (Agent, error) { return r, nil },
+		Capture:   r, Pins: r, Probe: r, PIDs: r,
+		Stdout: out, Stderr: io.Discard,
+	}, out
+}
+
+func conf(extra string) []byte {
+	return []byte(`{"cniVersion":"1.0.0","name":"n","type":"aether-cni","netns_pin_dir":"/pins",` + extra + prev + `}`)
+}
+
+func args(netns string, stdin []byte) *skel.CmdArgs {
+	return &skel.CmdArgs{
+		ContainerID: "cid", Netns: netns, IfName: "eth0", StdinData: stdin,
+		Args: "K8S_POD_INFRA_CONTAINER_ID=sandbox;IgnoreUnknown=1;K8S_POD_NAME=web;K8S_POD_NAMESPACE=shop",
+	}
+}
+
+func TestAddManagedOrderAndTimings(t *testing.T) {
+	r := &recorder{addResult: cniv1.AddPodResponse_RESULT_SUCCESS, pins: map[string]bool{}}
+	p, out := newTestPlugin(r)
+	if err := p.Add(args("/run/netns/pod", conf(""))); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out.String(), `"10.1.0.5/24"`) {
+		t.Fatalf("prevResult not passed through: %s", out)
+	}
+	want := []string{"CRI", "Pin", "AddPod", "Probe http://127.0.0.1:18081/aether/readyz", "Install /run/netns/pod", "Report"}
+	if !slices.Equal(r.calls, want) {
+		t.Fatalf("calls = %q, want %q", r.calls, want)
+	}
+	if r.added.GetContainerId() != "sandbox" || r.added.GetNetworkNamespace() != "/pins/cid" ||
+		!slices.Equal(r.added.GetIps(), []string{"10.1.0.5"}) || r.added.GetPid().GetValue() != 99 {
+		t.Fatalf("AddPod got %v", r.added)
+	}
+	tm := r.report.GetTimings()
+	if tm.GetStarted() == nil || tm.GetPreCall() == nil || tm.GetReadinessProbe() == nil || tm.GetCaptureDivert() == nil || tm.GetTotal() == nil {
+		t.Fatalf("timings incomplete: %v", tm)
+	}
+	if tm.GetReadinessProbeError() != "" || tm.GetCaptureDivertError() != "" {
+		t.Fatalf("unexpected errors in timings: %v", tm)
+	}
+	if tm.GetTotal().AsDuration() <= tm.GetPreCall().AsDuration() {
+		t.Fatalf("total %v not after pre_call %v", tm.GetTotal().AsDuration(), tm.GetPreCall().AsDuration())
+	}
+}
+
+func TestAddPidFromPathSkipsCRI(t *testing.T) {
+	r := &recorder{addResult: cniv1.AddPodResponse_RESULT_SUCCESS, pins: map[string]bool{}}
+	p, _ := newTestPlugin(r)
+	if err := p.Add(args("/proc/4321/ns/net", conf(`"readiness_probe_disabled":true,`))); err != nil {
+		t.Fatal(err)
+	}
+	if slices.Contains(r.calls, "CRI") || r.added.GetPid().GetValue() != 4321 {
+		t.Fatalf("calls %q pid %v", r.calls, r.added.GetPid())
+	}
+	if r.report.GetTimings().GetReadinessProbe() != nil {
+		t.Fatal("readiness_probe set although the probe is disabled")
+	}
+}
+
+func TestAddCRIFailureIsNormal(t *testing.T) {
+	r := &recorder{addResult: cniv1.AddPodResponse_RESULT_SUCCESS, pins: map[string]bool{}, pidErr: errors.New("sandbox not found")}
+	p, _ := newTestPlugin(r)
+	if err := p.Add(args("/run/netns/pod", conf(""))); err != nil {
+		t.Fatal(err)
+	}
+	if r.added.GetPid() != nil {
+		t.Fatalf("pid = %v, want unset", r.added.GetPid())
+	}
+}
+
+func TestAddIgnoredInstallsNothing(t *testing.T) {
+	r := &recorder{addResult: cniv1.AddPodResponse_RESULT_IGNORED, pins: map[string]bool{}}
+	p, out := newTestPlugin(r)
+	if err := p.Add(args("/run/netns/pod", conf(""))); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out.String(), `"10.1.0.5/24"`) {
+		t.Fatalf("prevResult not passed through: %s", out)
+	}
+	want := []string{"CRI", "Pin", "AddPod", "Unpin"}
+	if !slices.Equal(r.calls, want) {
+		t.Fatalf("calls = %q, want %q", r.calls, want)
+	}
+}
+
+func TestAddDivertFailureReportedNotFatal(t *testing.T) {
+	r := &recorder{addResult: cniv1.AddPodResponse_RESULT_SUCCESS, pins: map[string]bool{}, installErr: errors.New("nft: no tproxy"), probeErr: errors.New("503")}
+	p, _ := newTestPlugin(r)
+	if err := p.Add(args("/run/netns/pod", conf(""))); err != nil {
+		t.Fatalf("ADD failed on a divert failure: %v", err)
+	}
+	tm := r.report.GetTimings()
+	if !strings.Contains(tm.GetCaptureDivertError(), "no tproxy") || !strings.Contains(tm.GetReadinessProbeError(), "503") {
+		t.Fatalf("errors not reported: %v", tm)
+	}
+}
+
+func TestAddAgentErrors(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		res      cniv1.AddPodResponse_Result
+		err      error
+		wantCode uint
+	}{
+		{"unavailable", 0, fmt.Errorf("%w: down", agentclient.ErrUnavailable), types.ErrTryAgainLater},
+		{"rpc error", 0, errors.New("InvalidArgument"), types.ErrInternal},
+		{"result error", cniv1.AddPodResponse_RESULT_ERROR, nil, types.ErrInternal},
+		{"result unspecified", cniv1.AddPodResponse_RESULT_UNSPECIFIED, nil, types.ErrInternal},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := &recorder{addResult: tc.res, addErr: tc.err, pins: map[string]bool{}}
+			p, _ := newTestPlugin(r)
+			err := p.Add(args("/run/netns/pod", conf("")))
+			if got := cniutil.AsCNIError(err); got == nil || got.Code != tc.wantCode {
+				t.Fatalf("ADD = %v, want code %d", err, tc.wantCode)
+			}
+			if len(r.pins) != 0 {
+				t.Fatal("pin left after a failed ADD")
+			}
+		})
+	}
+}
+
+func TestAddNeedsIdentityAndPrev(t *testing.T) {
+	r := &recorder{pins: map[string]bool{}}
+	p, _ := newTestPlugin(r)
+	a := args("/run/netns/pod", conf(""))
+	a.Args = "IgnoreUnknown=1"
+	if err := p.Add(a); cniutil.AsCNIError(err).Code != 7 {
+		t.Fatalf("ADD without pod name = %v, want code 7", err)
+	}
+	a = args("/run/netns/pod", []byte(`{"cniVersion":"1.0.0","name":"n","type":"aether-cni"}`))
+	if err := p.Add(a); cniutil.AsCNIError(err).Code != 7 || !strings.Contains(err.Error(), "chained") {
+		t.Fatalf("ADD without prevResult = %v", err)
+	}
+	if len(r.calls) != 0 {
+		t.Fatalf("calls made on a bad ADD: %q", r.calls)
+	}
+}
+
+func TestDel(t *testing.T) {
+	r := &recorder{pins: map[string]bool{}}
+	p, _ := newTestPlugin(r)
+	a := args("", conf(""))
+	a.Args = "K8S_POD_NAME=web;K8S_POD_NAMESPACE=shop" // no infra ID: falls back to CNI_CONTAINERID
+	if err := p.Del(a); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(r.calls, []string{"RemovePod shop/web cid"}) {
+		t.Fatalf("calls = %q", r.calls)
+	}
+	r.removeErr = fmt.Errorf("%w: down", agentclient.ErrUnavailable)
+	err := p.Del(a)
+	if got := cniutil.AsCNIError(err); got == nil || got.Code != 11 || !strings.Contains(got.Msg, "aether-agent") {
+		t.Fatalf("DEL with the agent down = %v, want code 11 naming the agent", err)
+	}
+}
+
+func TestCheck(t *testing.T) {
+	rec := &cniv1.GetPodResponse{Managed: true, Pod: &cniv1.CNIPod{
+		Name: "web", Namespace: "shop", ContainerId: "sandbox", NetworkNamespace: "/pins/cid", Ips: []string{"10.1.0.5"},
+	}}
+	for _, tc := range []struct {
+		name    string
+		r       recorder
+		wantErr string
+	}{
+		{"managed and intact", recorder{record: rec}, ""},
+		{"managed, rules changed", recorder{record: rec, verifyErr: errors.New("chain divert has 3 rules, want 4")}, "differs from what ADD installs"},
+		{"not managed, no table", recorder{}, ""},
+		{"not managed but table present", recorder{present: true}, "not mesh-managed"},
+		{"record of another pod", recorder{record: &cniv1.GetPodResponse{Managed: true, Pod: &cniv1.CNIPod{Name: "x", Namespace: "shop"}}}, "want shop/web"},
+		{"record with other IPs", recorder{record: &cniv1.GetPodResponse{Managed: true, Pod: &cniv1.CNIPod{Name: "web", Namespace: "shop", NetworkNamespace: "/pins/cid", Ips: []string{"10.1.0.6"}}}}, "IPs"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := tc.r
+			r.pins = map[string]bool{}
+			p, _ := newTestPlugin(&r)
+			err := p.Check(args("/run/netns/pod", conf("")))
+			if tc.wantErr == "" && err != nil || tc.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tc.wantErr)) {
+				t.Fatalf("CHECK = %v, want %q", err, tc.wantErr)
+			}
+		})
+	}
+}
+
+func TestGC(t *testing.T) {
+	r := &recorder{pins: map[string]bool{"keep": true, "stale1": true, "stale2": true}}
+	p, _ := newTestPlugin(r)
+	stdin, _ := json.Marshal(map[string]any{
+		"cniVersion": "1.1.0", "name": "n", "type": "aether-cni", "netns_pin_dir": "/pins",
+		"cni.dev/valid-attachments": []map[string]string{{"containerID": "keep", "ifname": "eth0"}},
+	})
+	if err := p.GC(&skel.CmdArgs{StdinData: stdin}); err != nil {
+		t.Fatal(err)
+	}
+	if left, _ := r.List(""); !slices.Equal(left, []string{"keep"}) {
+		t.Fatalf("pins after GC = %v", left)
+	}
+}

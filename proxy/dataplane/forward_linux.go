@@ -1,0 +1,212 @@
+package dataplane
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"aether.io/node/proxy/peers"
+	"aether.io/node/proxy/telemetry"
+)
+
+// Direction label of captured outbound connections.
+const directionOutbound = "outbound"
+
+func addrPort(a net.Addr) netip.AddrPort {
+	switch v := a.(type) {
+	case *net.TCPAddr:
+		ap := v.AddrPort()
+		return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+	case *net.UDPAddr:
+		ap := v.AddrPort()
+		return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+	}
+	return netip.AddrPort{}
+}
+
+// dialTCP connects to dst from inside the pod's netns with the bypass mark.
+// Only socket(2) and the SO_MARK run on a thread inside the netns (a
+// socket's namespace is fixed at creation); the non-blocking connect and the
+// wait for it happen on the calling goroutine, so no locked thread ever
+// parks on the network.
+func (p *pod) dialTCP(ctx context.Context, dst netip.AddrPort) (*net.TCPConn, error) {
+	var sa unix.Sockaddr
+	family := unix.AF_INET6
+	if dst.Addr().Is4() {
+		family = unix.AF_INET
+		sa = &unix.SockaddrInet4{Port: int(dst.Port()), Addr: dst.Addr().As4()}
+	} else {
+		sa = &unix.SockaddrInet6{Port: int(dst.Port()), Addr: dst.Addr().As16()}
+	}
+	fd := -1
+	err := p.netns.do(func() error {
+		var err error
+		fd, err = unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return os.NewSyscallError("socket", err)
+		}
+		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, int(p.m.cfg.BypassMark)); err != nil {
+			unix.Close(fd)
+			return fmt.Errorf("failed to set SO_MARK %#x: %w", p.m.cfg.BypassMark, err)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("failed to create a socket in netns %q: %w", p.netns.path, err)
+	}
+	if err := unix.Connect(fd, sa); err != nil && !errors.Is(err, unix.EINPROGRESS) {
+		unix.Close(fd)
+		return nil, fmt.Errorf("failed to connect to %s from netns %q: %w", dst, p.netns.path, err)
+	}
+	f := os.NewFile(uintptr(fd), "upstream")
+	defer f.Close()
+	if dl, ok := ctx.Deadline(); ok {
+		_ = f.SetWriteDeadline(dl)
+	}
+	// A closing pod cancels ctx: end the wait at once.
+	stop := context.AfterFunc(ctx, func() { _ = f.SetWriteDeadline(time.Unix(1, 0)) })
+	defer stop()
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	var cerr error
+	err = rc.Write(func(fd uintptr) bool {
+		v, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_ERROR)
+		switch {
+		case err != nil:
+			cerr = os.NewSyscallError("getsockopt", err)
+		case v != 0:
+			cerr = syscall.Errno(v)
+		default:
+			if _, err := unix.Getpeername(int(fd)); errors.Is(err, unix.ENOTCONN) {
+				return false // still connecting: wait until writable
+			}
+		}
+		return true
+	})
+	if err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return nil, fmt.Errorf("failed to connect to %s from netns %q: %w", dst, p.netns.path, err)
+	}
+	c, err := net.FileConn(f)
+	if err != nil {
+		return nil, fmt.Errorf("failed to wrap the connection to %s: %w", dst, err)
+	}
+	return c.(*net.TCPConn), nil
+}
+
+// tcpPair is one proxied connection.
+type tcpPair struct {
+	down, up *net.TCPConn
+	once     sync.Once
+}
+
+// abort resets both ends.
+func (t *tcpPair) abort() {
+	t.once.Do(func() {
+		reset(t.down)
+		reset(t.up)
+	})
+}
+
+// proxyTCP forwards one captured connection to its original destination.
+func (p *pod) proxyTCP(down *net.TCPConn, l *tcpListener) {
+	dst := addrPort(down.LocalAddr()) // TPROXY: the original destination
+	src := addrPort(down.RemoteAddr())
+	if p.isLoop(dst, l.port) {
+		p.m.metrics.Failed("loop")
+		reset(down)
+		return
+	}
+	ctx, cancel := context.WithTimeout(p.ctx, p.m.cfg.ConnectTimeout)
+	up, err := p.dialTCP(ctx, dst)
+	cancel()
+	if err != nil {
+		p.m.metrics.Failed("connect")
+		p.log.Debug("upstream connect failed", "src", src, "dst", dst, "error", err)
+		reset(down)
+		return
+	}
+	pair := &tcpPair{down: down, up: up}
+	if !p.track(pair) {
+		pair.abort()
+		return
+	}
+	defer p.untrack(pair)
+	srcPeer, dstPeer := p.lookup(src.Addr()), p.lookup(dst.Addr())
+	tc := p.m.metrics.Open(telemetry.Labels(directionOutbound, srcPeer, dstPeer))
+	pipe(pair, tc)
+	tc.Close()
+}
+
+// accountChunk is how many bytes a copy moves between two metric updates,
+// so long-lived connections show their bytes before they end.
+const accountChunk = 4 << 20
+
+// copyCounted copies src to dst until EOF or an error, reporting progress
+// every accountChunk bytes. ReadFrom of a *net.TCPConn from an
+// *io.LimitedReader over a *net.TCPConn is still splice(2) on Linux.
+func copyCounted(dst, src *net.TCPConn, add func(int64)) (int64, error) {
+	var total int64
+	for {
+		lr := &io.LimitedReader{R: src, N: accountChunk}
+		n, err := dst.ReadFrom(lr)
+		total += n
+		if n > 0 {
+			add(n)
+		}
+		if err != nil {
+			return total, err
+		}
+		if lr.N > 0 { // stopped short of the limit without an error: EOF
+			return total, nil
+		}
+	}
+}
+
+// pipe copies both ways until both are done. A clean EOF on one side is
+// passed on as a half-close (FIN); an error on either side resets both. The
+// copies are splice(2) between the two sockets. Bytes received from the
+// downstream (source) and sent to it are reported as they move.
+func pipe(t *tcpPair, tc *telemetry.Conn) {
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if _, err := copyCounted(t.up, t.down, tc.Received); err != nil {
+			t.abort()
+			return
+		}
+		_ = t.up.CloseWrite()
+	}()
+	if _, err := copyCounted(t.down, t.up, tc.Sent); err != nil {
+		t.abort()
+	} else {
+		_ = t.down.CloseWrite()
+	}
+	wg.Wait()
+	t.once.Do(func() {
+		_ = t.down.Close()
+		_ = t.up.Close()
+	})
+}
+
+func (p *pod) lookup(a netip.Addr) (peer peers.Peer) {
+	if p.m.peers == nil {
+		return peer
+	}
+	peer, _ = p.m.peers.Lookup(a)
+	return peer
+}

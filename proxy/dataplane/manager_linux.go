@@ -1,0 +1,353 @@
+package dataplane
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"reflect"
+	"slices"
+	"sort"
+	"sync"
+	"time"
+
+	"aether.io/node/proxy/lds"
+	"aether.io/node/proxy/peers"
+	"aether.io/node/proxy/telemetry"
+)
+
+// Defaults of Config.
+const (
+	DefaultBypassMark     = 0xae7e
+	DefaultConnectTimeout = 10 * time.Second
+	DefaultDrainTimeout   = 30 * time.Second
+	DefaultCheckInterval  = time.Second
+	DefaultUDPIdleTimeout = 30 * time.Second
+)
+
+// Config tunes the data plane. Zero fields take the defaults.
+type Config struct {
+	// BypassMark is the SO_MARK of every upstream socket (the divert's
+	// bypass mark).
+	BypassMark uint32
+	// ConnectTimeout bounds an upstream TCP connect.
+	ConnectTimeout time.Duration
+	// DrainTimeout bounds how long a removed pod's open connections may
+	// run before they are closed.
+	DrainTimeout time.Duration
+	// CheckInterval is how often pinned netns paths are checked and failed
+	// binds retried.
+	CheckInterval time.Duration
+	// UDPIdleTimeout ends a UDP flow with no datagram either way.
+	UDPIdleTimeout time.Duration
+}
+
+func (c Config) withDefaults() Config {
+	if c.BypassMark == 0 {
+		c.BypassMark = DefaultBypassMark
+	}
+	if c.ConnectTimeout == 0 {
+		c.ConnectTimeout = DefaultConnectTimeout
+	}
+	if c.DrainTimeout == 0 {
+		c.DrainTimeout = DefaultDrainTimeout
+	}
+	if c.CheckInterval == 0 {
+		c.CheckInterval = DefaultCheckInterval
+	}
+	if c.UDPIdleTimeout == 0 {
+		c.UDPIdleTimeout = DefaultUDPIdleTimeout
+	}
+	return c
+}
+
+// PeerLookup finds the workload holding an address (peers.Index).
+type PeerLookup interface {
+	Lookup(addr netip.Addr) (peers.Peer, bool)
+}
+
+// State is a pod's data-plane state.
+type State string
+
+// Pod states.
+const (
+	// StateServing: every listener is bound and served.
+	StateServing State = "serving"
+	// StateDraining: removed; not accepting, readiness 503, open
+	// connections finishing.
+	StateDraining State = "draining"
+	// StateFailed: the listeners could not be bound; retried every
+	// CheckInterval.
+	StateFailed State = "failed"
+)
+
+// PodStatus describes one pod for operators and tests.
+type PodStatus struct {
+	Key       string
+	Namespace string
+	Name      string
+	NetNS     string
+	State     State
+	// Conns is the number of open proxied connections.
+	Conns int
+	// Error is the last bind error of a failed pod.
+	Error string
+}
+
+// Manager owns every pod's listeners. Construct it with New, feed it the
+// desired listeners with SetListeners, and run it with Run.
+type Manager struct {
+	cfg     Config
+	log     *slog.Logger
+	peers   PeerLookup
+	metrics *telemetry.Metrics
+	home    int
+
+	mu       sync.Mutex
+	desired  map[string][]lds.Spec // pod key -> listeners, sorted by name
+	pods     map[string]*pod       // serving pods
+	draining map[*pod]struct{}
+	failed   map[string]string // pod key -> last bind error
+	kick     chan struct{}
+	ctx      context.Context // set by Run
+}
+
+// New returns a manager. It opens the process's own netns (to return to
+// after creating a socket in a pod's) and does no other I/O.
+func New(cfg Config, lookup PeerLookup, m *telemetry.Metrics, log *slog.Logger) (*Manager, error) {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	if m == nil {
+		m = telemetry.New()
+	}
+	home, err := openHome()
+	if err != nil {
+		return nil, err
+	}
+	return &Manager{
+		cfg: cfg.withDefaults(), log: log, peers: lookup, metrics: m, home: home,
+		desired: map[string][]lds.Spec{}, pods: map[string]*pod{}, draining: map[*pod]struct{}{},
+		failed: map[string]string{}, kick: make(chan struct{}, 1),
+	}, nil
+}
+
+// SetListeners replaces the desired listeners (the proxy's whole LDS state).
+// Pods whose listeners appear are bound, pods whose listeners changed are
+// drained and bound again, pods whose listeners are gone are drained.
+func (m *Manager) SetListeners(specs []lds.Spec) {
+	byPod := map[string][]lds.Spec{}
+	for _, s := range specs {
+		byPod[s.PodKey] = append(byPod[s.PodKey], s)
+	}
+	for _, ss := range byPod {
+		sort.Slice(ss, func(i, j int) bool { return ss[i].Name < ss[j].Name })
+	}
+	m.mu.Lock()
+	m.desired = byPod
+	m.mu.Unlock()
+	select {
+	case m.kick <- struct{}{}:
+	default:
+	}
+}
+
+// Run reconciles until ctx ends, then closes every pod at once.
+func (m *Manager) Run(ctx context.Context) error {
+	m.mu.Lock()
+	m.ctx = ctx
+	m.mu.Unlock()
+	t := time.NewTicker(m.cfg.CheckInterval)
+	defer t.Stop()
+	for {
+		m.reconcile(ctx)
+		select {
+		case <-ctx.Done():
+			m.closeAll()
+			return nil
+		case <-m.kick:
+		case <-t.C:
+			m.checkVanished()
+		}
+	}
+}
+
+func (m *Manager) wake() {
+	select {
+	case m.kick <- struct{}{}:
+	default:
+	}
+}
+
+func (m *Manager) closeAll() {
+	m.mu.Lock()
+	all := make([]*pod, 0, len(m.pods)+len(m.draining))
+	for _, p := range m.pods {
+		all = append(all, p)
+	}
+	for p := range m.draining {
+		all = append(all, p)
+	}
+	m.pods = map[string]*pod{}
+	m.mu.Unlock()
+	for _, p := range all {
+		p.close()
+	}
+	for _, p := range all {
+		<-p.done
+	}
+	m.metrics.SetPodsServing(0)
+}
+
+func (m *Manager) reconcile(ctx context.Context) {
+	m.mu.Lock()
+	var drain []*pod
+	for key, p := range m.pods {
+		if want, ok := m.desired[key]; !ok || !reflect.DeepEqual(want, p.specs) {
+			delete(m.pods, key)
+			m.draining[p] = struct{}{}
+			drain = append(drain, p)
+		}
+	}
+	for key := range m.failed {
+		if _, ok := m.desired[key]; !ok {
+			delete(m.failed, key)
+		}
+	}
+	type start struct {
+		key   string
+		specs []lds.Spec
+	}
+	var starts []start
+	for key, specs := range m.desired {
+		if _, ok := m.pods[key]; ok {
+			continue
+		}
+		busy := false
+		for d := range m.draining {
+			if d.key == key {
+				busy = true // its ports are still held; start once drained
+			}
+		}
+		if !busy {
+			starts = append(starts, start{key, specs})
+		}
+	}
+	m.mu.Unlock()
+
+	for _, p := range drain {
+		m.log.Info("draining pod listeners", "pod_key", p.key, "namespace", p.namespace, "pod", p.name)
+		go func() {
+			p.drain(m.cfg.DrainTimeout)
+			m.mu.Lock()
+			delete(m.draining, p)
+			m.mu.Unlock()
+			m.wake()
+		}()
+	}
+	for _, s := range starts {
+		p, err := m.startPod(ctx, s.key, s.specs)
+		m.mu.Lock()
+		if err != nil {
+			if m.failed[s.key] != err.Error() {
+				m.log.Error("failed to bind pod listeners", "pod_key", s.key, "error", err)
+			}
+			m.failed[s.key] = err.Error()
+		} else if want, ok := m.desired[s.key]; ok && reflect.DeepEqual(want, s.specs) {
+			delete(m.failed, s.key)
+			m.pods[s.key] = p
+			m.log.Info("pod listeners serving", "pod_key", s.key, "namespace", p.namespace, "pod", p.name, "netns", p.netns.path)
+		} else {
+			p.close() // the desired state changed meanwhile
+			defer m.wake()
+		}
+		m.mu.Unlock()
+	}
+	m.mu.Lock()
+	m.metrics.SetPodsServing(len(m.pods))
+	m.mu.Unlock()
+}
+
+// checkVanished closes the listeners of pods whose netns path is gone.
+func (m *Manager) checkVanished() {
+	m.mu.Lock()
+	var gone []*pod
+	for key, p := range m.pods {
+		if p.netns.gone() {
+			delete(m.pods, key)
+			m.draining[p] = struct{}{}
+			gone = append(gone, p)
+		}
+	}
+	m.mu.Unlock()
+	for _, p := range gone {
+		m.log.Warn("pod netns vanished; closing its listeners", "pod_key", p.key, "netns", p.netns.path)
+		p.close()
+		go func() {
+			<-p.done
+			m.mu.Lock()
+			delete(m.draining, p)
+			m.mu.Unlock()
+		}()
+	}
+}
+
+// Status lists every pod the manager knows, sorted by key.
+func (m *Manager) Status() []PodStatus {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := []PodStatus{}
+	for _, p := range m.pods {
+		out = append(out, p.status())
+	}
+	for p := range m.draining {
+		out = append(out, p.status())
+	}
+	for key, e := range m.failed {
+		st := PodStatus{Key: key, State: StateFailed, Error: e}
+		if specs := m.desired[key]; len(specs) > 0 {
+			st.Namespace, st.Name, st.NetNS = specs[0].Namespace, specs[0].PodName, specs[0].NetNSPath
+		}
+		out = append(out, st)
+	}
+	slices.SortFunc(out, func(a, b PodStatus) int {
+		if a.Key != b.Key {
+			if a.Key < b.Key {
+				return -1
+			}
+			return 1
+		}
+		return 0
+	})
+	return out
+}
+
+// Ready reports whether the pod with key is serving (its readiness endpoint
+// answers 200).
+func (m *Manager) Ready(key string) bool {
+	m.mu.Lock()
+	p := m.pods[key]
+	m.mu.Unlock()
+	return p != nil && p.ready()
+}
+
+// Close releases the manager's own netns fd. Call after Run returned.
+func (m *Manager) Close() error {
+	return closeFd(m.home)
+}
+
+var errClosed = errors.New("pod closed")
+
+func specsError(key string, specs []lds.Spec) error {
+	if len(specs) == 0 {
+		return fmt.Errorf("pod %q has no listeners", key)
+	}
+	ns := specs[0].NetNSPath
+	for _, s := range specs {
+		if s.NetNSPath != ns {
+			return fmt.Errorf("pod %q listeners name two netns paths %q and %q: one pod has one netns", key, ns, s.NetNSPath)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,396 @@
+package dataplane
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"aether.io/node/proxy/lds"
+)
+
+func closeFd(fd int) error { return unix.Close(fd) }
+
+// pod is one pod's bound listeners and open connections.
+type pod struct {
+	m         *Manager
+	key       string
+	namespace string
+	name      string
+	specs     []lds.Spec
+	ips       []netip.Addr
+	netns     *netNS
+	log       *slog.Logger
+	dialer    net.Dialer
+
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	tcp  []*tcpListener
+	udp  []*udpListener
+	http []*http.Server
+
+	draining atomic.Bool
+	loops    atomic.Int32 // accept/read loops running
+	want     int32        // loops when fully served
+
+	mu    sync.Mutex
+	conns map[closer]struct{}
+	wg    sync.WaitGroup // connections and flows
+	awg   sync.WaitGroup // accept and datagram loops (they add to wg)
+	hwg   sync.WaitGroup // readiness HTTP servers
+
+	closeOnce sync.Once
+	done      chan struct{}
+}
+
+type closer interface{ abort() }
+
+type tcpListener struct {
+	spec lds.Spec
+	ln   *net.TCPListener
+	port uint16
+}
+
+func transparentControl(udp bool) func(network, address string, rc syscall.RawConn) error {
+	return func(network, _ string, rc syscall.RawConn) error {
+		var serr error
+		err := rc.Control(func(fd uintptr) {
+			if network == "tcp6" || network == "udp6" {
+				serr = unix.SetsockoptInt(int(fd), unix.SOL_IPV6, unix.IPV6_TRANSPARENT, 1)
+				if serr == nil && udp {
+					serr = unix.SetsockoptInt(int(fd), unix.SOL_IPV6, unix.IPV6_RECVORIGDSTADDR, 1)
+				}
+				return
+			}
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_TRANSPARENT, 1)
+			if serr == nil && udp {
+				serr = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_RECVORIGDSTADDR, 1)
+			}
+		})
+		if err != nil {
+			return err
+		}
+		if serr != nil {
+			return fmt.Errorf("failed to set IP_TRANSPARENT: %w", serr)
+		}
+		return nil
+	}
+}
+
+func markControl(mark uint32) func(network, address string, rc syscall.RawConn) error {
+	return func(_, _ string, rc syscall.RawConn) error {
+		var serr error
+		if err := rc.Control(func(fd uintptr) {
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, int(mark))
+		}); err != nil {
+			return err
+		}
+		if serr != nil {
+			return fmt.Errorf("failed to set SO_MARK %#x: %w", mark, serr)
+		}
+		return nil
+	}
+}
+
+func network(b lds.Bind) string {
+	n := "tcp"
+	if b.UDP {
+		n = "udp"
+	}
+	if b.Addr.Addr().Unmap().Is4() {
+		return n + "4"
+	}
+	return n + "6"
+}
+
+// startPod opens the pod's netns and binds every listener inside it. On
+// error nothing stays bound.
+func (m *Manager) startPod(ctx context.Context, key string, specs []lds.Spec) (*pod, error) {
+	if err := specsError(key, specs); err != nil {
+		return nil, err
+	}
+	ns, err := openNetNS(specs[0].NetNSPath, m.home)
+	if err != nil {
+		return nil, err
+	}
+	p := &pod{
+		m: m, key: key, namespace: specs[0].Namespace, name: specs[0].PodName, specs: specs,
+		ips: specs[0].PodIPs, netns: ns, conns: map[closer]struct{}{}, done: make(chan struct{}),
+		log: m.log.With("pod_key", key, "namespace", specs[0].Namespace, "pod", specs[0].PodName),
+	}
+	p.dialer = net.Dialer{Timeout: m.cfg.ConnectTimeout, Control: markControl(m.cfg.BypassMark)}
+	p.ctx, p.cancel = context.WithCancel(ctx)
+	if err := p.bind(); err != nil {
+		p.close()
+		<-p.done
+		return nil, err
+	}
+	p.serve()
+	return p, nil
+}
+
+func (p *pod) bind() error {
+	return p.netns.do(func() error {
+		for _, s := range p.specs {
+			for _, b := range s.Binds {
+				lc := net.ListenConfig{}
+				if s.Transparent {
+					lc.Control = transparentControl(b.UDP)
+				}
+				addr := b.Addr.String()
+				if b.UDP {
+					pc, err := lc.ListenPacket(context.Background(), network(b), addr)
+					if err != nil {
+						return fmt.Errorf("failed to bind %s listener %q on %s: %w", network(b), s.Name, addr, err)
+					}
+					p.udp = append(p.udp, &udpListener{conn: pc.(*net.UDPConn), port: b.Addr.Port()})
+					continue
+				}
+				ln, err := lc.Listen(context.Background(), network(b), addr)
+				if err != nil {
+					return fmt.Errorf("failed to bind %s listener %q on %s: %w", network(b), s.Name, addr, err)
+				}
+				p.tcp = append(p.tcp, &tcpListener{spec: s, ln: ln.(*net.TCPListener), port: b.Addr.Port()})
+			}
+		}
+		return nil
+	})
+}
+
+// serve starts one loop per socket.
+func (p *pod) serve() {
+	p.want = int32(len(p.tcp) + len(p.udp))
+	for _, l := range p.tcp {
+		p.loops.Add(1)
+		switch l.spec.Role {
+		case lds.RoleOutbound:
+			srv := &http.Server{Handler: p.readinessHandler(), ReadHeaderTimeout: 5 * time.Second}
+			p.http = append(p.http, srv)
+			p.hwg.Add(1)
+			go func() {
+				defer p.hwg.Done()
+				defer p.loops.Add(-1)
+				_ = srv.Serve(l.ln)
+			}()
+		default:
+			p.awg.Add(1)
+			go func() {
+				defer p.awg.Done()
+				defer p.loops.Add(-1)
+				p.acceptLoop(l)
+			}()
+		}
+	}
+	for _, u := range p.udp {
+		p.awg.Add(1)
+		p.loops.Add(1)
+		go func() {
+			defer p.awg.Done()
+			defer p.loops.Add(-1)
+			p.udpLoop(u)
+		}()
+	}
+}
+
+func (p *pod) ready() bool {
+	return !p.draining.Load() && p.loops.Load() == p.want && p.ctx.Err() == nil
+}
+
+func (p *pod) readinessHandler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET "+lds.ReadyPath, func(w http.ResponseWriter, _ *http.Request) {
+		if p.ready() {
+			w.WriteHeader(http.StatusOK)
+			_, _ = w.Write([]byte("ready\n"))
+			return
+		}
+		w.WriteHeader(http.StatusServiceUnavailable)
+		_, _ = w.Write([]byte("draining\n"))
+	})
+	return mux
+}
+
+func (p *pod) acceptLoop(l *tcpListener) {
+	var backoff time.Duration
+	for {
+		c, err := l.ln.AcceptTCP()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) || p.ctx.Err() != nil {
+				return
+			}
+			// EMFILE, ENFILE, ENOBUFS, ECONNABORTED...: back off and retry.
+			if backoff == 0 {
+				backoff = 5 * time.Millisecond
+			} else if backoff < time.Second {
+				backoff *= 2
+			}
+			p.log.Warn("accept failed", "listener", l.spec.Name, "error", err)
+			select {
+			case <-time.After(backoff):
+				continue
+			case <-p.ctx.Done():
+				return
+			}
+		}
+		backoff = 0
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			switch l.spec.Role {
+			case lds.RoleCapture:
+				p.proxyTCP(c, l)
+			default:
+				// The inbound listener has no tunnel protocol yet: without
+				// one the intended destination of a connection to :18008 is
+				// unknown, so it is refused with a reset.
+				p.m.metrics.Failed("inbound_no_tunnel")
+				reset(c)
+			}
+		}()
+	}
+}
+
+// track registers an open connection or flow; false when the pod is closing.
+func (p *pod) track(c closer) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.conns == nil {
+		return false
+	}
+	p.conns[c] = struct{}{}
+	return true
+}
+
+func (p *pod) untrack(c closer) {
+	p.mu.Lock()
+	if p.conns != nil {
+		delete(p.conns, c)
+	}
+	p.mu.Unlock()
+}
+
+func (p *pod) openConns() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.conns)
+}
+
+// stopAccepting closes the capture, UDP and inbound sockets; the readiness
+// listener keeps answering (503 while draining).
+func (p *pod) stopAccepting() {
+	for _, l := range p.tcp {
+		if l.spec.Role != lds.RoleOutbound {
+			_ = l.ln.Close()
+		}
+	}
+	for _, u := range p.udp {
+		_ = u.conn.Close()
+	}
+}
+
+// drain stops accepting, lets open connections finish within timeout,
+// aborts the rest, then closes everything.
+func (p *pod) drain(timeout time.Duration) {
+	p.draining.Store(true)
+	p.stopAccepting()
+	// UDP flows have no end of their own: they stop with the listeners.
+	p.mu.Lock()
+	var flows []closer
+	for c := range p.conns {
+		if _, ok := c.(*udpFlow); ok {
+			flows = append(flows, c)
+		}
+	}
+	p.mu.Unlock()
+	for _, f := range flows {
+		f.abort()
+	}
+	finished := make(chan struct{})
+	go func() {
+		p.awg.Wait() // no connection is added after this
+		p.wg.Wait()
+		close(finished)
+	}()
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case <-finished:
+	case <-t.C:
+		p.log.Warn("drain deadline passed; closing open connections", "open", p.openConns())
+	case <-p.ctx.Done():
+	}
+	p.close()
+	<-p.done
+}
+
+// close aborts everything at once; done is closed when every goroutine of
+// the pod has ended.
+func (p *pod) close() {
+	p.closeOnce.Do(func() {
+		p.draining.Store(true)
+		p.cancel()
+		p.stopAccepting()
+		for _, l := range p.tcp {
+			_ = l.ln.Close()
+		}
+		for _, s := range p.http {
+			_ = s.Close()
+		}
+		p.mu.Lock()
+		conns := p.conns
+		p.conns = nil
+		p.mu.Unlock()
+		for c := range conns {
+			c.abort()
+		}
+		go func() {
+			p.awg.Wait()
+			p.hwg.Wait()
+			p.wg.Wait()
+			_ = p.netns.close()
+			close(p.done)
+		}()
+	})
+}
+
+func (p *pod) status() PodStatus {
+	st := PodStatus{Key: p.key, Namespace: p.namespace, Name: p.name, NetNS: p.netns.path, State: StateServing, Conns: p.openConns()}
+	if p.draining.Load() {
+		st.State = StateDraining
+	}
+	return st
+}
+
+// isLoop reports a connection whose original destination is one of the
+// pod's own listeners (a direct connection to the capture port, which was
+// not diverted): forwarding it would connect to itself forever.
+func (p *pod) isLoop(dst netip.AddrPort, listenPort uint16) bool {
+	if dst.Port() != listenPort {
+		return false
+	}
+	a := dst.Addr().Unmap()
+	if a.IsLoopback() || a.IsUnspecified() {
+		return true
+	}
+	for _, ip := range p.ips {
+		if ip.Unmap() == a {
+			return true
+		}
+	}
+	return false
+}
+
+func reset(c *net.TCPConn) {
+	_ = c.SetLinger(0)
+	_ = c.Close()
+}

@@ -1,0 +1,239 @@
+package proxy
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	listener "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"google.golang.org/protobuf/proto"
+
+	"aether.io/node/api/istio/workload"
+	"aether.io/node/proxy/dataplane"
+	"aether.io/node/proxy/lds"
+	"aether.io/node/proxy/peers"
+	"aether.io/node/proxy/telemetry"
+	"aether.io/node/proxy/xdsclient"
+)
+
+// WorkloadTypeURL is the WDS type the proxy subscribes to.
+const WorkloadTypeURL = "type.googleapis.com/istio.workload.Workload"
+
+// Config is the proxy's configuration (the flags of cmd/aether-proxy).
+type Config struct {
+	// XDSTarget is the agent's xDS endpoint as a gRPC target
+	// ("unix:///run/aether/xds.sock").
+	XDSTarget string
+	// LDSTarget, when set and different from XDSTarget, is a second xDS
+	// endpoint the Listener type is subscribed to on its own stream (the
+	// Workload type stays on XDSTarget). Empty: both types share one ADS
+	// stream to XDSTarget.
+	LDSTarget string
+	// NodeID identifies this proxy to the agent (the node name).
+	NodeID string
+	// AdminAddress is where /metrics, /healthz and /debug/pods are served
+	// ("127.0.0.1:18090"; "" disables).
+	AdminAddress string
+	// Dataplane tunes the data plane.
+	Dataplane dataplane.Config
+}
+
+// Proxy is aether-proxy. Construct with New, then Run.
+type Proxy struct {
+	cfg     Config
+	log     *slog.Logger
+	Metrics *telemetry.Metrics
+	Peers   *peers.Index
+	Manager *dataplane.Manager
+	// XDS is the ADS client of XDSTarget; LDS is the separate Listener
+	// client when LDSTarget is set (else nil).
+	XDS *xdsclient.Client
+	LDS *xdsclient.Client
+
+	mu        sync.Mutex
+	listeners map[string]lds.Spec
+	adminAddr chan net.Addr
+}
+
+// New builds the proxy; it does no network I/O.
+func New(cfg Config, log *slog.Logger) (*Proxy, error) {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	if cfg.XDSTarget == "" {
+		return nil, errors.New("xds target is empty: set it to the agent's socket, e.g. unix:///run/aether/xds.sock")
+	}
+	p := &Proxy{
+		cfg: cfg, log: log, Metrics: telemetry.New(), Peers: peers.NewIndex(),
+		listeners: map[string]lds.Spec{}, adminAddr: make(chan net.Addr, 1),
+	}
+	m, err := dataplane.New(cfg.Dataplane, p.Peers, p.Metrics, log)
+	if err != nil {
+		return nil, err
+	}
+	p.Manager = m
+	node := &core.Node{Id: cfg.NodeID, Cluster: "aether-proxy"}
+	p.XDS = &xdsclient.Client{
+		Target: cfg.XDSTarget, Node: node, TypeURLs: []string{lds.TypeURL, WorkloadTypeURL}, Handler: p.apply, Log: log,
+	}
+	if cfg.LDSTarget != "" && cfg.LDSTarget != cfg.XDSTarget {
+		p.XDS.TypeURLs = []string{WorkloadTypeURL}
+		p.LDS = &xdsclient.Client{
+			Target: cfg.LDSTarget, Node: node, TypeURLs: []string{lds.TypeURL}, Handler: p.apply, Log: log,
+		}
+	}
+	return p, nil
+}
+
+// AdminAddr returns the admin server's bound address once it listens.
+func (p *Proxy) AdminAddr(ctx context.Context) (net.Addr, error) {
+	select {
+	case a := <-p.adminAddr:
+		p.adminAddr <- a
+		return a, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+func (p *Proxy) apply(typeURL string, updated []*discovery.Resource, removed []string) error {
+	switch typeURL {
+	case lds.TypeURL:
+		return p.applyListeners(updated, removed)
+	case WorkloadTypeURL:
+		var errs []error
+		for _, r := range updated {
+			w := &workload.Workload{}
+			if err := proto.Unmarshal(r.GetResource().GetValue(), w); err != nil {
+				errs = append(errs, fmt.Errorf("failed to decode workload %q: %w", r.GetName(), err))
+				continue
+			}
+			if w.GetUid() == "" {
+				w.Uid = r.GetName()
+			}
+			p.Peers.Upsert(w)
+		}
+		for _, n := range removed {
+			p.Peers.Remove(n)
+		}
+		return errors.Join(errs...)
+	default:
+		return fmt.Errorf("unexpected type %q: subscribed to %s and %s", typeURL, lds.TypeURL, WorkloadTypeURL)
+	}
+}
+
+// applyListeners updates the listener state; valid listeners apply even
+// when others in the same response are rejected (and NACKed).
+func (p *Proxy) applyListeners(updated []*discovery.Resource, removed []string) error {
+	var errs []error
+	p.mu.Lock()
+	for _, r := range updated {
+		l := &listener.Listener{}
+		if err := proto.Unmarshal(r.GetResource().GetValue(), l); err != nil {
+			errs = append(errs, fmt.Errorf("failed to decode listener %q: %w", r.GetName(), err))
+			continue
+		}
+		if err := l.ValidateAll(); err != nil {
+			errs = append(errs, fmt.Errorf("invalid listener %q: %w", r.GetName(), err))
+			continue
+		}
+		s, err := lds.Parse(l)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		p.listeners[r.GetName()] = s
+	}
+	for _, n := range removed {
+		delete(p.listeners, n)
+	}
+	specs := make([]lds.Spec, 0, len(p.listeners))
+	for _, s := range p.listeners {
+		specs = append(specs, s)
+	}
+	p.mu.Unlock()
+	p.Manager.SetListeners(specs)
+	return errors.Join(errs...)
+}
+
+// Handler is the admin HTTP handler.
+func (p *Proxy) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(p.Metrics.Registry, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = w.Write([]byte("ok\n"))
+	})
+	mux.HandleFunc("GET /debug/pods", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(p.Manager.Status())
+	})
+	return mux
+}
+
+// Run serves until ctx ends: the data plane, the xDS stream and the admin
+// server. Open pods are closed on return.
+func (p *Proxy) Run(ctx context.Context) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	errc := make(chan error, 4)
+	if p.cfg.AdminAddress != "" {
+		ln, err := net.Listen("tcp", p.cfg.AdminAddress)
+		if err != nil {
+			return fmt.Errorf("failed to listen on admin address %q: %w", p.cfg.AdminAddress, err)
+		}
+		p.adminAddr <- ln.Addr()
+		srv := &http.Server{Handler: p.Handler(), ReadHeaderTimeout: 5 * time.Second}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				errc <- err
+			}
+		}()
+		go func() {
+			<-ctx.Done()
+			_ = srv.Close()
+		}()
+	}
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		if err := p.Manager.Run(ctx); err != nil {
+			errc <- err
+		}
+	}()
+	go func() {
+		defer wg.Done()
+		if err := p.XDS.Run(ctx); err != nil {
+			errc <- err
+		}
+	}()
+	if p.LDS != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := p.LDS.Run(ctx); err != nil {
+				errc <- err
+			}
+		}()
+	}
+	var err error
+	select {
+	case <-ctx.Done():
+	case err = <-errc:
+		cancel()
+	}
+	wg.Wait()
+	_ = p.Manager.Close()
+	return err
+}

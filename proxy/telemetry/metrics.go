@@ -1,0 +1,141 @@
+// Package telemetry holds aether-proxy's Prometheus metrics: per-connection
+// TCP counters labelled with the workloads at both ends (looked up in the WDS
+// index), plus listener and datagram counters.
+package telemetry
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"aether.io/node/proxy/peers"
+)
+
+// Unknown is the label value of an end not found in the WDS index.
+const Unknown = "unknown"
+
+// PeerLabels are the labels of every aether_tcp_* series, in order.
+var PeerLabels = []string{
+	"direction",
+	"source_workload", "source_workload_namespace", "source_canonical_name",
+	"destination_workload", "destination_workload_namespace", "destination_canonical_name",
+}
+
+// Metrics are the proxy's collectors, registered on their own registry.
+type Metrics struct {
+	// Registry holds every collector below (and the Go and process
+	// collectors).
+	Registry *prometheus.Registry
+
+	opened   *prometheus.CounterVec
+	closed   *prometheus.CounterVec
+	sent     *prometheus.CounterVec
+	received *prometheus.CounterVec
+	duration *prometheus.HistogramVec
+	failed   *prometheus.CounterVec
+	udp      *prometheus.CounterVec
+	pods     prometheus.Gauge
+}
+
+// New returns the metrics on a fresh registry.
+func New() *Metrics {
+	m := &Metrics{
+		Registry: prometheus.NewRegistry(),
+		opened: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "aether_tcp_connections_opened_total",
+			Help: "TCP connections accepted by a pod listener and proxied.",
+		}, PeerLabels),
+		closed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "aether_tcp_connections_closed_total",
+			Help: "Proxied TCP connections that ended.",
+		}, PeerLabels),
+		sent: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "aether_tcp_sent_bytes_total",
+			Help: "Bytes sent to the source (the response direction, destination to source).",
+		}, PeerLabels),
+		received: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "aether_tcp_received_bytes_total",
+			Help: "Bytes received from the source (the request direction, source to destination).",
+		}, PeerLabels),
+		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "aether_tcp_connection_duration_seconds",
+			Help:    "Lifetime of proxied TCP connections, accept to close.",
+			Buckets: prometheus.ExponentialBuckets(0.001, 4, 10),
+		}, PeerLabels),
+		failed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "aether_tcp_connections_failed_total",
+			Help: "Accepted TCP connections that could not be proxied, by reason.",
+		}, []string{"reason"}),
+		udp: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "aether_udp_datagrams_total",
+			Help: "Captured UDP datagrams by direction (outbound: to the original destination; reply: back to the source) and outcome.",
+		}, []string{"direction", "outcome"}),
+		pods: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "aether_proxy_pods_serving",
+			Help: "Pods whose listeners are bound and served.",
+		}),
+	}
+	m.Registry.MustRegister(m.opened, m.closed, m.sent, m.received, m.duration, m.failed, m.udp, m.pods,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+func orUnknown(s string) string {
+	if s == "" {
+		return Unknown
+	}
+	return s
+}
+
+// Labels returns the label values of a connection from src to dst.
+func Labels(direction string, src, dst peers.Peer) []string {
+	return []string{
+		direction,
+		orUnknown(src.Workload), orUnknown(src.Namespace), orUnknown(src.CanonicalName),
+		orUnknown(dst.Workload), orUnknown(dst.Namespace), orUnknown(dst.CanonicalName),
+	}
+}
+
+// Conn is one proxied connection's telemetry. Received and Sent may be
+// called from the connection's two copy goroutines concurrently.
+type Conn struct {
+	m        *Metrics
+	labels   []string
+	start    time.Time
+	received prometheus.Counter
+	sent     prometheus.Counter
+}
+
+// Open counts a new connection and returns its handle.
+func (m *Metrics) Open(labels []string) *Conn {
+	m.opened.WithLabelValues(labels...).Inc()
+	return &Conn{
+		m: m, labels: labels, start: time.Now(),
+		received: m.received.WithLabelValues(labels...),
+		sent:     m.sent.WithLabelValues(labels...),
+	}
+}
+
+// Received adds n bytes received from the source.
+func (c *Conn) Received(n int64) { c.received.Add(float64(n)) }
+
+// Sent adds n bytes sent to the source.
+func (c *Conn) Sent(n int64) { c.sent.Add(float64(n)) }
+
+// Close counts the end of the connection and its duration.
+func (c *Conn) Close() {
+	c.m.closed.WithLabelValues(c.labels...).Inc()
+	c.m.duration.WithLabelValues(c.labels...).Observe(time.Since(c.start).Seconds())
+}
+
+// Failed counts a connection that could not be proxied.
+func (m *Metrics) Failed(reason string) { m.failed.WithLabelValues(reason).Inc() }
+
+// Datagram counts a UDP datagram.
+func (m *Metrics) Datagram(direction, outcome string) {
+	m.udp.WithLabelValues(direction, outcome).Inc()
+}
+
+// SetPodsServing sets the serving-pods gauge.
+func (m *Metrics) SetPodsServing(n int) { m.pods.Set(float64(n)) }

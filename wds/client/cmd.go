@@ -1,0 +1,167 @@
+package client
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/netip"
+	"strings"
+	"text/tabwriter"
+
+	"aether.io/node/api/istio/workload"
+)
+
+// DefaultSocket is the agent's xDS socket.
+const DefaultSocket = "/run/aether/xds.sock"
+
+// Row is the printable form of a workload (JSON output).
+type Row struct {
+	UID            string   `json:"uid"`
+	Name           string   `json:"name"`
+	Namespace      string   `json:"namespace"`
+	Addresses      []string `json:"addresses"`
+	Node           string   `json:"node,omitempty"`
+	Status         string   `json:"status"`
+	WorkloadType   string   `json:"workload_type"`
+	WorkloadName   string   `json:"workload_name,omitempty"`
+	ServiceAccount string   `json:"service_account,omitempty"`
+	ClusterID      string   `json:"cluster_id,omitempty"`
+	NetworkMode    string   `json:"network_mode,omitempty"`
+}
+
+// RowOf renders w; addresses that are not 4 or 16 bytes print as hex.
+func RowOf(w *workload.Workload) Row {
+	r := Row{
+		UID: w.GetUid(), Name: w.GetName(), Namespace: w.GetNamespace(), Node: w.GetNode(),
+		Status: w.GetStatus().String(), WorkloadType: w.GetWorkloadType().String(), WorkloadName: w.GetWorkloadName(),
+		ServiceAccount: w.GetServiceAccount(), ClusterID: w.GetClusterId(), Addresses: []string{},
+	}
+	if w.GetNetworkMode() != workload.NetworkMode_STANDARD {
+		r.NetworkMode = w.GetNetworkMode().String()
+	}
+	for _, a := range w.GetAddresses() {
+		if ip, ok := netip.AddrFromSlice(a); ok {
+			r.Addresses = append(r.Addresses, ip.String())
+		} else {
+			r.Addresses = append(r.Addresses, fmt.Sprintf("0x%x", a))
+		}
+	}
+	return r
+}
+
+// WriteTable prints the workloads as an aligned table.
+func WriteTable(out io.Writer, ws []*workload.Workload) error {
+	tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "UID\tNAME\tNAMESPACE\tADDRESSES\tNODE\tSTATUS\tTYPE\tWORKLOAD")
+	for _, w := range ws {
+		r := RowOf(w)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.UID, r.Name, r.Namespace,
+			strings.Join(r.Addresses, ","), r.Node, r.Status, r.WorkloadType, r.WorkloadName)
+	}
+	return tw.Flush()
+}
+
+// event is one line of --watch -o json.
+type event struct {
+	Event    string `json:"event"`
+	UID      string `json:"uid"`
+	Workload *Row   `json:"workload,omitempty"`
+}
+
+// Run is `aetherctl workloads`: it subscribes to the server's workloads,
+// prints them as a table or JSON and, with --watch, keeps printing changes
+// until ctx ends.
+func Run(ctx context.Context, args []string, stdout io.Writer) error {
+	fs := flag.NewFlagSet("workloads", flag.ContinueOnError)
+	fs.SetOutput(stdout)
+	socket := fs.String("xds-socket", DefaultSocket, "unix socket of the xDS server (ignored when --xds-address is set)")
+	address := fs.String("xds-address", "", "host:port of the xDS server (instead of --xds-socket)")
+	output := fs.String("o", "table", "output format: table or json")
+	watch := fs.Bool("watch", false, "keep streaming changes after the initial list")
+	node := fs.String("node-id", "aetherctl", "node id sent to the server")
+	fs.Usage = func() {
+		fmt.Fprintln(stdout, "usage: aetherctl workloads [flags] [uid ...]\n\nLists istio.workload.Workload resources from a delta xDS server (all, or the given uids).")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil
+		}
+		return err
+	}
+	if *output != "table" && *output != "json" {
+		return fmt.Errorf("invalid output format %q: use table or json", *output)
+	}
+	opts := Options{NodeID: *node, Names: fs.Args()}
+	if *address != "" {
+		opts.Address = *address
+	} else {
+		opts.Socket = *socket
+	}
+	c, err := Dial(ctx, opts)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	if _, err := c.Recv(); err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return err
+	}
+	if *output == "json" && !*watch {
+		rows := []Row{}
+		for _, w := range c.Workloads() {
+			rows = append(rows, RowOf(w))
+		}
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(rows)
+	}
+	if *output == "json" {
+		enc := json.NewEncoder(stdout)
+		for _, w := range c.Workloads() {
+			r := RowOf(w)
+			if err := enc.Encode(event{Event: "put", UID: r.UID, Workload: &r}); err != nil {
+				return err
+			}
+		}
+	} else if err := WriteTable(stdout, c.Workloads()); err != nil {
+		return err
+	}
+	if !*watch {
+		return nil
+	}
+	for {
+		up, err := c.Recv()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		for _, w := range up.Updated {
+			r := RowOf(w)
+			if *output == "json" {
+				if err := json.NewEncoder(stdout).Encode(event{Event: "put", UID: r.UID, Workload: &r}); err != nil {
+					return err
+				}
+				continue
+			}
+			fmt.Fprintf(stdout, "PUT     %s  %s/%s  %s  %s  %s  %s/%s\n", r.UID, r.Namespace, r.Name,
+				strings.Join(r.Addresses, ","), r.Node, r.Status, r.WorkloadType, r.WorkloadName)
+		}
+		for _, n := range up.Removed {
+			if *output == "json" {
+				if err := json.NewEncoder(stdout).Encode(event{Event: "removed", UID: n}); err != nil {
+					return err
+				}
+				continue
+			}
+			fmt.Fprintf(stdout, "REMOVED %s\n", n)
+		}
+	}
+}
