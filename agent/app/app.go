@@ -28,9 +28,11 @@ import (
 	"aether.io/node/agent/podsource/kube"
 	"aether.io/node/agent/podsource/manifests"
 	"aether.io/node/agent/registry"
+	etcdreg "aether.io/node/agent/registry/etcd"
 	"aether.io/node/agent/registry/local"
 	"aether.io/node/agent/store"
 	"aether.io/node/agent/telemetry"
+	"aether.io/node/proxy/lds"
 )
 
 // NewLogger returns a JSON slog logger at level on w.
@@ -90,9 +92,14 @@ func Run(ctx context.Context, c *Config, log *slog.Logger) error {
 		}
 	}()
 
-	reg := local.New()
+	reg, closeReg, err := newRegistry(c, log)
+	if err != nil {
+		return err
+	}
+	defer closeReg()
+	listeners := newListenerSync(lds.Ports{}, log.With("component", "lds"))
 	mgr := pods.New(pods.Config{Node: c.NodeName, Locality: locality, SystemNamespaces: c.SystemNamespaces,
-		UDSRoot: c.UDSRoot, PodWait: c.PodWait}, st, reg, src, nil, metrics, log.With("component", "pods"))
+		UDSRoot: c.UDSRoot, PodWait: c.PodWait, Observer: listeners}, st, reg, src, nil, metrics, log.With("component", "pods"))
 
 	// Replay before serving anything.
 	if _, err := mgr.Replay(ctx); err != nil {
@@ -117,7 +124,7 @@ func Run(ctx context.Context, c *Config, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
-	serveErr := make(chan error, 2)
+	serveErr := make(chan error, 8)
 	go func() { serveErr <- gs.Serve(cniLn) }()
 	log.Info("cni socket listening", "path", c.CNISocket)
 
@@ -141,6 +148,12 @@ func Run(ctx context.Context, c *Config, log *slog.Logger) error {
 
 	runCtx, stop := context.WithCancel(ctx)
 	defer stop()
+	// xDS starts after replay, so the first snapshot the proxy sees already
+	// holds every stored pod (an empty one would drain them all).
+	if _, err := startXDS(runCtx, c, reg, listeners, metrics.Registry, log, serveErr); err != nil {
+		gs.Stop()
+		return err
+	}
 	go func() {
 		if err := src.Run(runCtx, mgr.Handler(runCtx)); err != nil {
 			serveErr <- err
@@ -182,6 +195,22 @@ func Run(ctx context.Context, c *Config, log *slog.Logger) error {
 	}
 	log.Info("stopped")
 	return err
+}
+
+// newRegistry opens the endpoint registry --registry names.
+func newRegistry(c *Config, log *slog.Logger) (registry.Registry, func(), error) {
+	if c.Registry != "etcd" {
+		return local.New(), func() {}, nil
+	}
+	r, err := etcdreg.New(etcdreg.Options{
+		Endpoints: c.EtcdEndpoints, Node: c.NodeName, Prefix: c.EtcdPrefix, LeaseTTL: c.EtcdLeaseTTL,
+		CAFile: c.EtcdCAFile, CertFile: c.EtcdCertFile, KeyFile: c.EtcdKeyFile,
+		Logger: log.With("component", "registry_etcd"),
+	})
+	if err != nil {
+		return nil, nil, fmt.Errorf("failed to open the etcd registry at %v: %w", c.EtcdEndpoints, err)
+	}
+	return r, func() { _ = r.Close() }, nil
 }
 
 func newTracer(ctx context.Context, endpoint string) (trace.Tracer, func(), error) {

@@ -35,6 +35,17 @@ type Config struct {
 	OTLPEndpoint     string
 	LogLevel         string
 	Locality         registry.Locality
+	// XDSSocket and XDSAddress serve workload discovery; LDSSocket serves
+	// aether-proxy's per-pod listeners.
+	XDSSocket, XDSAddress, LDSSocket string
+	// ClusterID, TrustDomain and Network go into every served workload.
+	ClusterID, TrustDomain, Network string
+	// Registry is "local" or "etcd"; the Etcd* fields configure etcd.
+	Registry                              string
+	EtcdEndpoints                         []string
+	EtcdPrefix                            string
+	EtcdLeaseTTL                          time.Duration
+	EtcdCAFile, EtcdCertFile, EtcdKeyFile string
 }
 
 // ParseFlags parses args (without the program name). It returns
@@ -48,7 +59,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	if defNode == "" {
 		defNode = host
 	}
-	var uids, sysNS, locality string
+	var uids, sysNS, etcdEndpoints, locality string
 	fs.StringVar(&c.CNISocket, "cni-socket", "/run/aether/cni.sock", "unix socket serving aether.cni.v1.CNIService (mode 0600; its directory must be 0700)")
 	fs.StringVar(&c.AdminSocket, "admin-socket", "/run/aether/admin.sock", "unix socket serving the read-only admin API used by aetherctl (mode 0600); empty disables it")
 	fs.StringVar(&c.StateDir, "state-dir", "/var/lib/aether", "directory of the durable pod store (agent.db)")
@@ -65,6 +76,19 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", 10*time.Second, "how long shutdown waits for in-flight RPCs")
 	fs.StringVar(&c.OTLPEndpoint, "otlp-endpoint", "", "OTLP/gRPC collector (host:port) for traces; empty disables export")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
+	fs.StringVar(&c.XDSSocket, "xds-socket", "/run/aether/xds.sock", "unix socket serving workload discovery (type.googleapis.com/istio.workload.Workload, delta and SotW ADS); empty disables it")
+	fs.StringVar(&c.XDSAddress, "xds-address", "", "optional TCP host:port also serving workload discovery")
+	fs.StringVar(&c.LDSSocket, "lds-socket", "/run/aether/lds.sock", "unix socket serving aether-proxy's per-pod listeners (envoy.config.listener.v3.Listener, ADS); empty disables it")
+	fs.StringVar(&c.ClusterID, "cluster-id", "Kubernetes", "cluster name: the first segment of every workload uid and its cluster_id")
+	fs.StringVar(&c.TrustDomain, "trust-domain", "cluster.local", "SPIFFE trust domain of the workloads")
+	fs.StringVar(&c.Network, "network", "", "network of the pods' addresses; empty for the default network")
+	fs.StringVar(&c.Registry, "registry", "local", "endpoint registry: local (embedded, this node only) or etcd (spans nodes)")
+	fs.StringVar(&etcdEndpoints, "etcd-endpoints", "", "comma-separated etcd client URLs for --registry=etcd")
+	fs.StringVar(&c.EtcdPrefix, "etcd-prefix", "", "etcd key prefix shared by all agents (default /aether/endpoints/)")
+	fs.DurationVar(&c.EtcdLeaseTTL, "etcd-lease-ttl", 10*time.Second, "how long a dead node's endpoints survive in etcd")
+	fs.StringVar(&c.EtcdCAFile, "etcd-ca", "", "CA bundle to verify etcd (TLS)")
+	fs.StringVar(&c.EtcdCertFile, "etcd-cert", "", "client certificate for etcd (TLS)")
+	fs.StringVar(&c.EtcdKeyFile, "etcd-key", "", "client key for etcd (TLS)")
 	fs.StringVar(&locality, "locality", "", "node locality region/zone/subzone; empty reads the Node's topology labels (Kubernetes source only)")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: aether-agent [flags]\n\nThe aether node agent: serves aether.cni.v1.CNIService, keeps durable pod records\nand registers mesh-managed pods' endpoints.\n\nFlags:\n")
@@ -94,6 +118,23 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 		if s = strings.TrimSpace(s); s != "" {
 			c.SystemNamespaces = append(c.SystemNamespaces, s)
 		}
+	}
+	for _, e := range strings.Split(etcdEndpoints, ",") {
+		if e = strings.TrimSpace(e); e != "" {
+			c.EtcdEndpoints = append(c.EtcdEndpoints, e)
+		}
+	}
+	switch c.Registry {
+	case "local":
+	case "etcd":
+		if len(c.EtcdEndpoints) == 0 {
+			return nil, errors.New("invalid --registry=etcd: --etcd-endpoints is empty; give the etcd client URLs")
+		}
+	default:
+		return nil, fmt.Errorf("invalid --registry %q: want local or etcd", c.Registry)
+	}
+	if (c.XDSSocket != "" || c.XDSAddress != "") && c.ClusterID == "" {
+		return nil, errors.New("invalid --cluster-id: empty; workload uids need the cluster name")
 	}
 	if locality != "" {
 		parts := strings.Split(locality, "/")

@@ -54,6 +54,20 @@ type Config struct {
 	UDSRoot string
 	// PodWait bounds pod lookups of requests without a deadline.
 	PodWait time.Duration
+	// Observer, if set, is told about every durable record (at replay and
+	// after each AddPod is persisted) and every removal (RemovePod), for
+	// example to serve per-pod xDS resources that live until RemovePod.
+	Observer Observer
+}
+
+// Observer follows the stored records. Its methods may run under the
+// lifecycle lock: they must not block or call back into the Manager.
+type Observer interface {
+	// RecordStored is called with a record that is durable; it may be a
+	// replacement of an earlier record with the same key.
+	RecordStored(rec *store.Record)
+	// RecordRemoved is called once the record with key is deleted.
+	RecordRemoved(key string)
 }
 
 // Prober says whether a stored pod is alive.
@@ -150,6 +164,7 @@ func (m *Manager) Replay(ctx context.Context) (int, error) {
 	for _, r := range recs {
 		e := &entry{rec: r, persisted: true}
 		m.entries[r.Key()] = e
+		m.observeStored(r)
 		if r.Pod.GetTerminating() {
 			m.terminating[podIdentity(r.Pod.GetNamespace(), r.Pod.GetName(), r.Pod.GetUid())] = m.now()
 			continue
@@ -159,6 +174,12 @@ func (m *Manager) Replay(ctx context.Context) (int, error) {
 	}
 	m.log.Info("replayed pod records", "records", len(recs))
 	return len(recs), nil
+}
+
+func (m *Manager) observeStored(r *store.Record) {
+	if m.cfg.Observer != nil {
+		m.cfg.Observer.RecordStored(r)
+	}
 }
 
 func (m *Manager) isSystemNamespace(ns string) bool {
@@ -283,6 +304,9 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod) (cniv1.AddPodRes
 
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	if !e.removed {
+		m.observeStored(e.rec)
+	}
 	if !e.removed && !e.rec.Pod.GetTerminating() {
 		m.registerLocked(ctx, e, true)
 	}
@@ -392,6 +416,9 @@ func (m *Manager) RemovePod(ctx context.Context, ns, name, key string) (cniv1.Re
 		delete(m.entries, key)
 	}
 	m.deregisterLocked(ctx, e)
+	if m.cfg.Observer != nil {
+		m.cfg.Observer.RecordRemoved(key)
+	}
 	// Terminating marks outlive the record (a late ADD of the same pod from
 	// a lagging source must not register it); pruneMarks ages them out.
 	r := e.rec.Pod
