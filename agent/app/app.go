@@ -32,7 +32,6 @@ import (
 	"aether.io/node/agent/registry/local"
 	"aether.io/node/agent/store"
 	"aether.io/node/agent/telemetry"
-	"aether.io/node/proxy/lds"
 )
 
 // NewLogger returns a JSON slog logger at level on w.
@@ -81,8 +80,10 @@ func Run(ctx context.Context, c *Config, log *slog.Logger) error {
 		}
 	}
 
-	st, err := store.Open(c.StateDir, store.Options{Logger: log.With("component", "store"),
-		OnQuarantine: func(string, error) { metrics.Quarantined.Inc() }})
+	st, err := store.Open(c.StateDir, store.Options{
+		Logger:       log.With("component", "store"),
+		OnQuarantine: func(string, error) { metrics.Quarantined.Inc() },
+	})
 	if err != nil {
 		return err
 	}
@@ -97,9 +98,11 @@ func Run(ctx context.Context, c *Config, log *slog.Logger) error {
 		return err
 	}
 	defer closeReg()
-	listeners := newListenerSync(lds.Ports{}, log.With("component", "lds"))
-	mgr := pods.New(pods.Config{Node: c.NodeName, Locality: locality, SystemNamespaces: c.SystemNamespaces,
-		UDSRoot: c.UDSRoot, PodWait: c.PodWait, Observer: listeners}, st, reg, src, nil, metrics, log.With("component", "pods"))
+	nodeRes := newNodeXDS(c, log)
+	mgr := pods.New(pods.Config{
+		Node: c.NodeName, Locality: locality, SystemNamespaces: c.SystemNamespaces,
+		UDSRoot: c.UDSRoot, PodWait: c.PodWait, Observer: nodeRes,
+	}, st, reg, src, nil, metrics, log.With("component", "pods"))
 
 	// Replay before serving anything.
 	if _, err := mgr.Replay(ctx); err != nil {
@@ -116,7 +119,8 @@ func Run(ctx context.Context, c *Config, log *slog.Logger) error {
 	log.Info("http listening", "addr", httpLn.Addr().String())
 
 	gs, err := cniserver.NewGRPCServer(cniserver.New(mgr, log.With("component", "cni_server")), cniserver.Options{
-		AllowedUIDs: c.AllowedUIDs, Tracer: tracer, Metrics: metrics, Logger: log.With("component", "cni_server")})
+		AllowedUIDs: c.AllowedUIDs, Tracer: tracer, Metrics: metrics, Logger: log.With("component", "cni_server"),
+	})
 	if err != nil {
 		return err
 	}
@@ -135,13 +139,15 @@ func Run(ctx context.Context, c *Config, log *slog.Logger) error {
 			gs.Stop()
 			return err
 		}
-		adminSrv = &http.Server{Handler: adminMux(mgr, c.AllowedUIDs, metrics, log), ReadHeaderTimeout: 5 * time.Second,
+		adminSrv = &http.Server{
+			Handler: adminMux(mgr, c.AllowedUIDs, metrics, log), ReadHeaderTimeout: 5 * time.Second,
 			ConnContext: func(ctx context.Context, conn net.Conn) context.Context {
 				if pi, err := cniserver.ConnPeer(conn); err == nil {
 					return context.WithValue(ctx, peerKey{}, pi)
 				}
 				return ctx
-			}}
+			},
+		}
 		go func() { _ = adminSrv.Serve(adminLn) }()
 		log.Info("admin socket listening", "path", c.AdminSocket)
 	}
@@ -150,7 +156,7 @@ func Run(ctx context.Context, c *Config, log *slog.Logger) error {
 	defer stop()
 	// xDS starts after replay, so the first snapshot the proxy sees already
 	// holds every stored pod (an empty one would drain them all).
-	if _, err := startXDS(runCtx, c, reg, listeners, metrics.Registry, log, serveErr); err != nil {
+	if _, err := startXDS(runCtx, c, reg, nodeRes, metrics.Registry, log, serveErr); err != nil {
 		gs.Stop()
 		return err
 	}
@@ -252,11 +258,13 @@ type PodView = adminapi.Pod
 func View(s pods.PodState) PodView {
 	r := s.Record
 	p := r.Pod
-	v := PodView{Namespace: p.GetNamespace(), Name: p.GetName(), ContainerID: p.GetContainerId(), UID: p.GetUid(),
+	v := PodView{
+		Namespace: p.GetNamespace(), Name: p.GetName(), ContainerID: p.GetContainerId(), UID: p.GetUid(),
 		IPs: p.GetIps(), NetworkNS: p.GetNetworkNamespace(), ServiceAccount: p.GetServiceAccount(), Labels: p.GetLabels(),
 		Managed: true, Terminating: p.GetTerminating(), Registered: s.Registered, Healthy: s.Healthy,
 		Uncaptured: r.Uncaptured, UncapturedError: r.UncapturedError, UDSPath: s.UDSPath, UDSRefusal: s.UDSRefusal,
-		Volumes: p.GetVolumes(), UDSCSIVolume: p.GetUdsCsiVolume(), UDSCSIVolumes: p.GetUdsCsiVolumes(), AddedAt: r.AddedAt}
+		Volumes: p.GetVolumes(), UDSCSIVolume: p.GetUdsCsiVolume(), UDSCSIVolumes: p.GetUdsCsiVolumes(), AddedAt: r.AddedAt,
+	}
 	if t := r.LastTimings; t != nil {
 		v.LastTimings = map[string]string{}
 		if t.GetStarted() != nil {

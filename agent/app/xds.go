@@ -6,6 +6,10 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"sync"
+
+	"github.com/cespare/xxhash/v2"
+	"google.golang.org/protobuf/proto"
 
 	cachev3 "github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	linearcache "github.com/envoyproxy/go-control-plane/pkg/cache/v3"
@@ -29,13 +33,17 @@ type listenerSync struct {
 	cache *linearcache.LinearCache
 	ports lds.Ports
 	log   *slog.Logger
+
+	mu   sync.Mutex
+	sent map[string]uint64 // container ID -> hash of the published listeners
 }
 
 func newListenerSync(ports lds.Ports, log *slog.Logger) *listenerSync {
-	return &listenerSync{cache: linearcache.NewLinearCache(lds.TypeURL), ports: ports, log: log}
+	return &listenerSync{cache: linearcache.NewLinearCache(lds.TypeURL), ports: ports, log: log, sent: map[string]uint64{}}
 }
 
-// RecordStored builds the pod's listeners and publishes them.
+// RecordStored builds the pod's listeners and publishes them when they
+// differ from what was published (health changes do not touch listeners).
 func (l *listenerSync) RecordStored(rec *store.Record) {
 	p := rec.Pod
 	ips := make([]netip.Addr, 0, len(p.GetIps()))
@@ -54,9 +62,23 @@ func (l *listenerSync) RecordStored(rec *store.Record) {
 		return
 	}
 	update := make(map[string]cachev3.Resource, len(ls))
+	h := xxhash.New()
 	for _, x := range ls {
 		update[x.GetName()] = x
+		b, err := proto.MarshalOptions{Deterministic: true}.Marshal(x)
+		if err != nil {
+			l.log.Error("failed to marshal pod listener", "container_id", p.GetContainerId(), "error", err.Error())
+			return
+		}
+		_, _ = h.Write(b)
 	}
+	sum := h.Sum64()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if prev, ok := l.sent[p.GetContainerId()]; ok && prev == sum {
+		return
+	}
+	l.sent[p.GetContainerId()] = sum
 	if err := l.cache.UpdateResources(update, nil); err != nil {
 		l.log.Error("failed to publish pod listeners", "container_id", p.GetContainerId(), "error", err.Error())
 	}
@@ -68,9 +90,117 @@ func (l *listenerSync) RecordRemoved(key string) {
 	for _, r := range lds.Roles {
 		names = append(names, lds.ListenerName(key, r))
 	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	delete(l.sent, key)
 	if err := l.cache.UpdateResources(nil, names); err != nil {
 		l.log.Error("failed to withdraw pod listeners", "container_id", key, "error", err.Error())
 	}
+}
+
+// localWorkloads serves this node's pods in workload discovery from the
+// stored records, not from the registry: a terminating pod is deregistered
+// at once (no new traffic is routed to it) but stays here, UNHEALTHY, until
+// RemovePod, like every local xDS resource.
+type localWorkloads struct {
+	cfg wds.Config
+	idx *wds.Index
+	log *slog.Logger
+}
+
+func (w *localWorkloads) RecordStored(_ *store.Record, ep registry.Endpoint) {
+	wl, err := wds.Build(w.cfg, ep)
+	if err != nil {
+		w.log.Error("failed to build workload", "container_id", ep.Key, "error", err.Error())
+		return
+	}
+	if _, err := w.idx.Upsert(ep.Key, wl); err != nil {
+		w.log.Error("failed to index workload", "container_id", ep.Key, "error", err.Error())
+	}
+}
+
+func (w *localWorkloads) RecordRemoved(key string) { w.idx.Remove(key) }
+
+// nodeXDS is the pods.Observer that keeps the node's xDS resources: per-pod
+// listeners and, when workload discovery is served, local workloads.
+type nodeXDS struct {
+	listeners *listenerSync
+	workloads *localWorkloads // nil when workload discovery is off
+}
+
+func (n *nodeXDS) RecordStored(rec *store.Record, ep registry.Endpoint) {
+	n.listeners.RecordStored(rec)
+	if n.workloads != nil {
+		n.workloads.RecordStored(rec, ep)
+	}
+}
+
+func (n *nodeXDS) RecordRemoved(key string) {
+	n.listeners.RecordRemoved(key)
+	if n.workloads != nil {
+		n.workloads.RecordRemoved(key)
+	}
+}
+
+func newNodeXDS(c *Config, log *slog.Logger) *nodeXDS {
+	n := &nodeXDS{listeners: newListenerSync(lds.Ports{}, log.With("component", "lds"))}
+	if c.XDSSocket != "" || c.XDSAddress != "" {
+		n.workloads = &localWorkloads{
+			cfg: wds.Config{ClusterID: c.ClusterID, TrustDomain: c.TrustDomain, Network: c.Network},
+			idx: wds.NewIndex(), log: log.With("component", "wds"),
+		}
+	}
+	return n
+}
+
+// remoteOnly hides this node's endpoints from a shared registry, so the
+// workload follower serves other nodes' pods while local ones come from the
+// records (see localWorkloads).
+type remoteOnly struct {
+	registry.Registry
+	node string
+}
+
+func (r remoteOnly) List(ctx context.Context) ([]registry.Endpoint, error) {
+	all, err := r.Registry.List(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := all[:0]
+	for _, ep := range all {
+		if ep.Node != r.node {
+			out = append(out, ep)
+		}
+	}
+	return out, nil
+}
+
+func (r remoteOnly) Watch(ctx context.Context) (<-chan registry.Event, error) {
+	in, err := r.Registry.Watch(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := make(chan registry.Event)
+	go func() {
+		defer close(out)
+		local := map[string]bool{}
+		for ev := range in {
+			switch {
+			case ev.Type == registry.EventPut && ev.Endpoint.Node == r.node:
+				local[ev.Key] = true
+				continue
+			case ev.Type == registry.EventDelete && local[ev.Key]:
+				delete(local, ev.Key)
+				continue
+			}
+			select {
+			case out <- ev:
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	return out, nil
 }
 
 // xdsServers are the agent's two discovery endpoints: workload discovery
@@ -82,27 +212,29 @@ type xdsServers struct {
 	lds      *grpc.Server
 }
 
-func startXDS(ctx context.Context, c *Config, reg registry.Registry, ls *listenerSync, promReg prometheus.Registerer,
+func startXDS(ctx context.Context, c *Config, reg registry.Registry, n *nodeXDS, promReg prometheus.Registerer,
 	log *slog.Logger, errc chan<- error,
 ) (*xdsServers, error) {
 	if c.XDSSocket == "" && c.XDSAddress == "" && c.LDSSocket == "" {
 		return &xdsServers{}, nil
 	}
 	x := &xdsServers{}
-	if c.XDSSocket != "" || c.XDSAddress != "" {
-		idx := wds.NewIndex()
-		x.follower = wds.NewFollower(reg, wds.Config{ClusterID: c.ClusterID, TrustDomain: c.TrustDomain, Network: c.Network},
-			idx, log.With("component", "wds_follower"))
-		srv, err := wds.NewServer(idx, wds.ServerOptions{Logger: log.With("component", "wds"), Registerer: promReg})
+	if n.workloads != nil {
+		srv, err := wds.NewServer(n.workloads.idx, wds.ServerOptions{Logger: log.With("component", "wds"), Registerer: promReg})
 		if err != nil {
 			return nil, fmt.Errorf("failed to create the workload discovery server: %w", err)
 		}
 		x.wds = srv
-		go func() {
-			if err := x.follower.Run(ctx); err != nil && !errors.Is(err, context.Canceled) {
-				errc <- fmt.Errorf("workload discovery stopped following the registry: %w", err)
-			}
-		}()
+		if c.Registry == "etcd" {
+			// Other nodes' pods come from the shared registry.
+			x.follower = wds.NewFollower(remoteOnly{Registry: reg, node: c.NodeName}, n.workloads.cfg, n.workloads.idx,
+				log.With("component", "wds_follower"))
+			go func() {
+				if err := x.follower.Run(ctx); err != nil && !errors.Is(err, context.Canceled) {
+					errc <- fmt.Errorf("workload discovery stopped following the registry: %w", err)
+				}
+			}()
+		}
 		go func() {
 			if err := srv.Serve(ctx, wds.ListenConfig{Socket: c.XDSSocket, TCPAddress: c.XDSAddress}); err != nil {
 				errc <- err
@@ -116,7 +248,7 @@ func startXDS(ctx context.Context, c *Config, reg registry.Registry, ls *listene
 			return nil, fmt.Errorf("failed to listen on --lds-socket %q: %w", c.LDSSocket, err)
 		}
 		g := grpc.NewServer()
-		discovery.RegisterAggregatedDiscoveryServiceServer(g, serverv3.NewServer(ctx, ls.cache, nil))
+		discovery.RegisterAggregatedDiscoveryServiceServer(g, serverv3.NewServer(ctx, n.listeners.cache, nil))
 		x.lds = g
 		go func() {
 			if err := g.Serve(ln); err != nil {

@@ -63,9 +63,12 @@ type Config struct {
 // Observer follows the stored records. Its methods may run under the
 // lifecycle lock: they must not block or call back into the Manager.
 type Observer interface {
-	// RecordStored is called with a record that is durable; it may be a
-	// replacement of an earlier record with the same key.
-	RecordStored(rec *store.Record)
+	// RecordStored is called with a record that is durable (at replay, after
+	// AddPod persisted it, and whenever its registration or health changes;
+	// the same content may come more than once). ep is the record as an
+	// endpoint; ep.Healthy is true only while the pod is registered, live
+	// and not terminating.
+	RecordStored(rec *store.Record, ep registry.Endpoint)
 	// RecordRemoved is called once the record with key is deleted.
 	RecordRemoved(key string)
 }
@@ -123,8 +126,10 @@ func New(cfg Config, st *store.Store, reg registry.Registry, src podsource.Sourc
 	if cfg.PodWait <= 0 {
 		cfg.PodWait = 5 * time.Second
 	}
-	return &Manager{cfg: cfg, store: st, reg: reg, src: src, log: log, metrics: m, prober: prober, now: time.Now,
-		entries: map[string]*entry{}, terminating: map[string]time.Time{}}
+	return &Manager{
+		cfg: cfg, store: st, reg: reg, src: src, log: log, metrics: m, prober: prober, now: time.Now,
+		entries: map[string]*entry{}, terminating: map[string]time.Time{},
+	}
 }
 
 func podIdentity(ns, name, uid string) string { return ns + "/" + name + "/" + uid }
@@ -164,7 +169,6 @@ func (m *Manager) Replay(ctx context.Context) (int, error) {
 	for _, r := range recs {
 		e := &entry{rec: r, persisted: true}
 		m.entries[r.Key()] = e
-		m.observeStored(r)
 		if r.Pod.GetTerminating() {
 			m.terminating[podIdentity(r.Pod.GetNamespace(), r.Pod.GetName(), r.Pod.GetUid())] = m.now()
 			continue
@@ -172,14 +176,20 @@ func (m *Manager) Replay(ctx context.Context) (int, error) {
 		m.checkUDS(r)
 		m.registerLocked(ctx, e, m.prober.Healthy(r))
 	}
+	for _, e := range m.entries {
+		m.observeLocked(e)
+	}
 	m.log.Info("replayed pod records", "records", len(recs))
 	return len(recs), nil
 }
 
-func (m *Manager) observeStored(r *store.Record) {
-	if m.cfg.Observer != nil {
-		m.cfg.Observer.RecordStored(r)
+// observeLocked tells the observer e's current state.
+func (m *Manager) observeLocked(e *entry) {
+	if m.cfg.Observer == nil || e.removed || !e.persisted {
+		return
 	}
+	live := e.registered && e.healthy && !e.rec.Pod.GetTerminating()
+	m.cfg.Observer.RecordStored(e.rec, m.endpoint(e.rec, live))
 }
 
 func (m *Manager) isSystemNamespace(ns string) bool {
@@ -305,7 +315,7 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod) (cniv1.AddPodRes
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if !e.removed {
-		m.observeStored(e.rec)
+		m.observeLocked(e)
 	}
 	if !e.removed && !e.rec.Pod.GetTerminating() {
 		m.registerLocked(ctx, e, true)
@@ -350,6 +360,7 @@ func (m *Manager) registerLocked(ctx context.Context, e *entry, healthy bool) {
 		return
 	}
 	e.registered, e.healthy = true, healthy
+	m.observeLocked(e)
 }
 
 func (m *Manager) deregisterLocked(ctx context.Context, e *entry) {
@@ -363,13 +374,16 @@ func (m *Manager) deregisterLocked(ctx context.Context, e *entry) {
 		return
 	}
 	e.registered = false
+	m.observeLocked(e)
 }
 
 func (m *Manager) endpoint(r *store.Record, healthy bool) registry.Endpoint {
 	p := r.Pod
-	ep := registry.Endpoint{Key: r.Key(), Node: r.Node, Namespace: p.GetNamespace(), Name: p.GetName(), UID: p.GetUid(),
+	ep := registry.Endpoint{
+		Key: r.Key(), Node: r.Node, Namespace: p.GetNamespace(), Name: p.GetName(), UID: p.GetUid(),
 		ServiceAccount: p.GetServiceAccount(), Labels: p.GetLabels(), Owner: r.Owner, HostNetwork: r.HostNetwork,
-		Healthy: healthy, Locality: m.cfg.Locality}
+		Healthy: healthy, Locality: m.cfg.Locality,
+	}
 	if ep.Node == "" {
 		ep.Node = m.cfg.Node
 	}

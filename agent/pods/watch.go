@@ -57,6 +57,7 @@ func (m *Manager) MarkTerminating(ctx context.Context, ns, name, uid, reason str
 		}
 		m.mu.Lock()
 		m.deregisterLocked(ctx, e)
+		m.observeLocked(e) // local xDS keeps the pod, UNHEALTHY, until RemovePod
 		key := e.rec.Key()
 		m.mu.Unlock()
 		m.log.Info("pod terminating: endpoint deregistered", "namespace", ns, "name", name, "uid", uid,
@@ -95,6 +96,8 @@ func (m *Manager) updatePod(ctx context.Context, p *podsource.Pod) {
 		m.mu.Lock()
 		if e.registered {
 			m.registerLocked(ctx, e, e.healthy)
+		} else {
+			m.observeLocked(e)
 		}
 		m.mu.Unlock()
 		m.log.Info("pod updated", "namespace", p.Namespace, "name", p.Name, "container_id", e.rec.Key())

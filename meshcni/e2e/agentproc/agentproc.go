@@ -70,6 +70,7 @@ func (a *Agent) Restart() {
 	a.stderr = &bytes.Buffer{}
 	cmd := exec.Command(a.bin,
 		"--cni-socket", a.Sock, "--admin-socket", "", "--state-dir", filepath.Join(a.Dir, "state"),
+		"--xds-socket", filepath.Join(a.Dir, "run", "xds.sock"), "--lds-socket", filepath.Join(a.Dir, "run", "lds.sock"),
 		"--pod-manifests", a.PodsDir, "--pod-manifests-interval", "100ms", "--node-name", NodeName,
 		"--uds-csi-root", filepath.Join(a.Dir, "uds"), "--http-addr", "127.0.0.1:0", "--log-level", "debug")
 	cmd.Stderr = a.stderr
