@@ -39,8 +39,10 @@ func RunPods(ctx context.Context, args []string, stdout io.Writer) error {
 	}
 	rows := [][]string{{"NAMESPACE", "NAME", "CONTAINER", "MANAGED", "TERMINATING", "REGISTERED", "UNCAPTURED", "IPS", "UDS"}}
 	for _, p := range pods {
-		rows = append(rows, []string{p.Namespace, p.Name, shortID(p.ContainerID), yesNo(p.Managed), yesNo(p.Terminating),
-			yesNo(p.Registered), yesNo(p.Uncaptured), strings.Join(p.IPs, ","), udsColumn(p)})
+		rows = append(rows, []string{
+			p.Namespace, p.Name, shortID(p.ContainerID), yesNo(p.Managed), yesNo(p.Terminating),
+			yesNo(p.Registered), yesNo(p.Uncaptured), strings.Join(p.IPs, ","), udsColumn(p),
+		})
 	}
 	writeTable(stdout, rows)
 	return nil

@@ -92,9 +92,9 @@ func (tm *timer) take() []time.Duration {
 
 type timedStream struct {
 	grpc.ServerStream
-	tm         *timer
-	recv       time.Time
-	sent, done bool
+	tm   *timer
+	recv time.Time
+	done bool
 }
 
 func (s *timedStream) RecvMsg(m any) error {
@@ -423,7 +423,7 @@ func BenchmarkWDSMemory(b *testing.B) {
 						before := heapInUse()
 						s := newBenchServer(b, kind)
 						s.set(ws)
-						ws = nil
+						ws = nil //nolint:ineffassign,wastedassign // drop the input so the GC reclaims it before the heap is measured
 						var cs []*benchClient
 						for range k {
 							conn := dialBench(b, s.socket())

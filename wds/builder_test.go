@@ -67,28 +67,44 @@ func TestBuildFields(t *testing.T) {
 		mode     workload.NetworkMode
 		addrs    int
 	}{
-		{name: "replicaset without hash label", edit: func(e *registry.Endpoint) { e.Labels = nil },
-			wantType: workload.WorkloadType_DEPLOYMENT, wantName: "web", canon: "web", rev: "latest", addrs: 2},
-		{name: "replicaset hash label mismatch", edit: func(e *registry.Endpoint) { e.Labels = map[string]string{"pod-template-hash": "zzz"} },
-			wantType: workload.WorkloadType_POD, wantName: "web-7d9f8c6b5", canon: "web-7d9f8c6b5", rev: "latest", addrs: 2},
-		{name: "cronjob", edit: func(e *registry.Endpoint) { e.Owner = &registry.Owner{Kind: "Job", Name: "backup-28861440"} },
-			wantType: workload.WorkloadType_CRONJOB, wantName: "backup", canon: "backup", rev: "latest", addrs: 2},
-		{name: "plain job", edit: func(e *registry.Endpoint) { e.Owner = &registry.Owner{Kind: "Job", Name: "migrate-v2"} },
-			wantType: workload.WorkloadType_JOB, wantName: "migrate-v2", canon: "migrate-v2", rev: "latest", addrs: 2},
-		{name: "statefulset", edit: func(e *registry.Endpoint) { e.Owner = &registry.Owner{Kind: "StatefulSet", Name: "db"} },
-			wantType: workload.WorkloadType_POD, wantName: "db", canon: "db", rev: "latest", addrs: 2},
-		{name: "bare pod", edit: func(e *registry.Endpoint) { e.Owner = nil },
-			wantType: workload.WorkloadType_POD, wantName: "web-7d9f8c6b5-x2x4q", canon: "web-7d9f8c6b5-x2x4q", rev: "latest", addrs: 2},
+		{
+			name: "replicaset without hash label", edit: func(e *registry.Endpoint) { e.Labels = nil },
+			wantType: workload.WorkloadType_DEPLOYMENT, wantName: "web", canon: "web", rev: "latest", addrs: 2,
+		},
+		{
+			name: "replicaset hash label mismatch", edit: func(e *registry.Endpoint) { e.Labels = map[string]string{"pod-template-hash": "zzz"} },
+			wantType: workload.WorkloadType_POD, wantName: "web-7d9f8c6b5", canon: "web-7d9f8c6b5", rev: "latest", addrs: 2,
+		},
+		{
+			name: "cronjob", edit: func(e *registry.Endpoint) { e.Owner = &registry.Owner{Kind: "Job", Name: "backup-28861440"} },
+			wantType: workload.WorkloadType_CRONJOB, wantName: "backup", canon: "backup", rev: "latest", addrs: 2,
+		},
+		{
+			name: "plain job", edit: func(e *registry.Endpoint) { e.Owner = &registry.Owner{Kind: "Job", Name: "migrate-v2"} },
+			wantType: workload.WorkloadType_JOB, wantName: "migrate-v2", canon: "migrate-v2", rev: "latest", addrs: 2,
+		},
+		{
+			name: "statefulset", edit: func(e *registry.Endpoint) { e.Owner = &registry.Owner{Kind: "StatefulSet", Name: "db"} },
+			wantType: workload.WorkloadType_POD, wantName: "db", canon: "db", rev: "latest", addrs: 2,
+		},
+		{
+			name: "bare pod", edit: func(e *registry.Endpoint) { e.Owner = nil },
+			wantType: workload.WorkloadType_POD, wantName: "web-7d9f8c6b5-x2x4q", canon: "web-7d9f8c6b5-x2x4q", rev: "latest", addrs: 2,
+		},
 		{name: "istio labels win", edit: func(e *registry.Endpoint) {
 			e.Labels = map[string]string{LabelCanonicalName: "shopfront", LabelAppName: "x", LabelCanonicalRevision: "v3", LabelAppVersion: "v1"}
 		}, wantType: workload.WorkloadType_DEPLOYMENT, wantName: "web", canon: "shopfront", rev: "v3", addrs: 2},
 		{name: "app.kubernetes.io labels", edit: func(e *registry.Endpoint) {
 			e.Labels = map[string]string{"pod-template-hash": "7d9f8c6b5", LabelAppName: "frontend", LabelAppVersion: "1.2"}
 		}, wantType: workload.WorkloadType_DEPLOYMENT, wantName: "web", canon: "frontend", rev: "1.2", addrs: 2},
-		{name: "unhealthy", edit: func(e *registry.Endpoint) { e.Healthy = false },
-			wantType: workload.WorkloadType_DEPLOYMENT, wantName: "web", canon: "web", rev: "latest", status: workload.WorkloadStatus_UNHEALTHY, addrs: 2},
-		{name: "host network", edit: func(e *registry.Endpoint) { e.HostNetwork = true },
-			wantType: workload.WorkloadType_DEPLOYMENT, wantName: "web", canon: "web", rev: "latest", mode: workload.NetworkMode_HOST_NETWORK, addrs: 2},
+		{
+			name: "unhealthy", edit: func(e *registry.Endpoint) { e.Healthy = false },
+			wantType: workload.WorkloadType_DEPLOYMENT, wantName: "web", canon: "web", rev: "latest", status: workload.WorkloadStatus_UNHEALTHY, addrs: 2,
+		},
+		{
+			name: "host network", edit: func(e *registry.Endpoint) { e.HostNetwork = true },
+			wantType: workload.WorkloadType_DEPLOYMENT, wantName: "web", canon: "web", rev: "latest", mode: workload.NetworkMode_HOST_NETWORK, addrs: 2,
+		},
 		{name: "mapped and duplicate addresses", edit: func(e *registry.Endpoint) {
 			e.IPs = []netip.Addr{netip.MustParseAddr("::ffff:10.1.2.3"), netip.MustParseAddr("10.1.2.3")}
 		}, wantType: workload.WorkloadType_DEPLOYMENT, wantName: "web", canon: "web", rev: "latest", addrs: 1},

@@ -56,7 +56,8 @@ func NewClient(path string) *Client {
 		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 			var d net.Dialer
 			return d.DialContext(ctx, "unix", path)
-		}}}}
+		},
+	}}}
 }
 
 // ErrNotFound is returned by Pod when the agent has no record of the pod.

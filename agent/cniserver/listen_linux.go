@@ -44,7 +44,7 @@ func Listen(path string) (*net.UnixListener, error) {
 		return nil, fmt.Errorf("failed to listen on %q: %w", path, err)
 	}
 	if err := os.Chmod(path, 0o600); err != nil {
-		l.Close()
+		_ = l.Close()
 		return nil, fmt.Errorf("failed to restrict socket %q to 0600: %w", path, err)
 	}
 	l.SetUnlinkOnClose(true)

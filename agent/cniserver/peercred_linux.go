@@ -14,8 +14,10 @@ import (
 // PeerInfo is the AuthInfo of a unix-socket peer, read with SO_PEERCRED.
 type PeerInfo struct {
 	credentials.CommonAuthInfo
+	// UID and GID are the peer process's credentials at connect time.
 	UID, GID uint32
-	PID      int32
+	// PID is the peer process's ID at connect time.
+	PID int32
 }
 
 // AuthType implements credentials.AuthInfo.
@@ -54,8 +56,10 @@ func ConnPeer(c net.Conn) (PeerInfo, error) {
 	if serr != nil {
 		return PeerInfo{}, fmt.Errorf("failed to read peer credentials: %w", serr)
 	}
-	return PeerInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.NoSecurity},
-		UID: cred.Uid, GID: cred.Gid, PID: cred.Pid}, nil
+	return PeerInfo{
+		CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.NoSecurity},
+		UID:            cred.Uid, GID: cred.Gid, PID: cred.Pid,
+	}, nil
 }
 
 type peerCreds struct{}
@@ -82,5 +86,5 @@ func (peerCreds) Info() credentials.ProtocolInfo {
 }
 func (peerCreds) Clone() credentials.TransportCredentials { return peerCreds{} }
 
-//nolint:staticcheck // required by the interface
+// OverrideServerName is required by the (deprecated) interface method.
 func (peerCreds) OverrideServerName(string) error { return nil }

@@ -221,7 +221,7 @@ func (m *Manager) lookup(ctx context.Context, ns, name string) (*podsource.Pod, 
 		select {
 		case <-lctx.Done():
 			t.Stop()
-			return nil, fmt.Errorf("failed to find pod %s/%s: %w (last error: %v)", ns, name, ErrPodUnavailable, err)
+			return nil, fmt.Errorf("failed to find pod %s/%s: %w (last error: %w)", ns, name, ErrPodUnavailable, err)
 		case <-t.C:
 		}
 		backoff = min(backoff*2, 500*time.Millisecond)

@@ -51,8 +51,11 @@ func (f *fakeSource) Get(_ context.Context, ns, name string) (*podsource.Pod, er
 	}
 	return nil, podsource.ErrNotFound
 }
+
 func (f *fakeSource) Run(ctx context.Context, _ podsource.Handler) error { <-ctx.Done(); return nil }
-func (f *fakeSource) Synced() <-chan struct{}                            { c := make(chan struct{}); close(c); return c }
+
+func (f *fakeSource) Synced() <-chan struct{} { c := make(chan struct{}); close(c); return c }
+
 func (f *fakeSource) List() []*podsource.Pod {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -97,8 +100,10 @@ func TestNeverReregisterTerminating(t *testing.T) {
 		const nPods = 3
 		pods := make([]*podsource.Pod, nPods)
 		for i := range pods {
-			pods[i] = &podsource.Pod{Namespace: "ns", Name: fmt.Sprintf("p%d", i), UID: fmt.Sprintf("uid-%d", i), NodeName: "n",
-				Labels: map[string]string{ManagedLabel: "true"}}
+			pods[i] = &podsource.Pod{
+				Namespace: "ns", Name: fmt.Sprintf("p%d", i), UID: fmt.Sprintf("uid-%d", i), NodeName: "n",
+				Labels: map[string]string{ManagedLabel: "true"},
+			}
 			src.set(pods[i])
 		}
 		terminatingPod := map[int]bool{} // the test's truth: deletion requested
@@ -135,8 +140,10 @@ func TestNeverReregisterTerminating(t *testing.T) {
 				src.mu.Lock()
 				src.stale = stale
 				src.mu.Unlock()
-				res, err := m.AddPod(ctx, &cniv1.CNIPod{Namespace: "ns", Name: pods[i].Name, ContainerId: key,
-					NetworkNamespace: "/x", Ips: []string{"10.0.0.1"}})
+				res, err := m.AddPod(ctx, &cniv1.CNIPod{
+					Namespace: "ns", Name: pods[i].Name, ContainerId: key,
+					NetworkNamespace: "/x", Ips: []string{"10.0.0.1"},
+				})
 				if err != nil || res != cniv1.AddPodResponse_RESULT_SUCCESS {
 					rt.Fatalf("AddPod %s = %v, %v", key, res, err)
 				}
@@ -154,8 +161,10 @@ func TestNeverReregisterTerminating(t *testing.T) {
 				terminatingPod[i] = true
 				src.remove(pods[i].ID())
 				m.Handler(ctx).OnDelete(pods[i])
-				src.set(&podsource.Pod{Namespace: "ns", Name: pods[i].Name, UID: pods[i].UID, Terminating: true,
-					Labels: map[string]string{ManagedLabel: "true"}})
+				src.set(&podsource.Pod{
+					Namespace: "ns", Name: pods[i].Name, UID: pods[i].UID, Terminating: true,
+					Labels: map[string]string{ManagedLabel: "true"},
+				})
 			},
 			"relabel": func(rt *rapid.T) {
 				i := rapid.IntRange(0, nPods-1).Draw(rt, "pod")

@@ -87,7 +87,7 @@ func FromKube(k *corev1.Pod) *Pod {
 		HostNetwork:    k.Spec.HostNetwork,
 	}
 	if p.ServiceAccount == "" {
-		p.ServiceAccount = k.Spec.DeprecatedServiceAccount //nolint:staticcheck // older manifests
+		p.ServiceAccount = k.Spec.DeprecatedServiceAccount // older manifests set only the deprecated field
 	}
 	for _, v := range k.Spec.Volumes {
 		p.Volumes = append(p.Volumes, v.Name)

@@ -23,6 +23,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sort"
 	"sync"
 	"time"
@@ -112,8 +113,10 @@ func Encode(r *Record) ([]byte, error) {
 	if err != nil {
 		return nil, fmt.Errorf("failed to encode pod %q: %w", r.Pod.GetContainerId(), err)
 	}
-	env := envelope{Version: recordVersion, Pod: pod, Node: r.Node, Owner: r.Owner, HostNetwork: r.HostNetwork,
-		Uncaptured: r.Uncaptured, UncapturedError: r.UncapturedError, AddedAt: r.AddedAt.UTC()}
+	env := envelope{
+		Version: recordVersion, Pod: pod, Node: r.Node, Owner: r.Owner, HostNetwork: r.HostNetwork,
+		Uncaptured: r.Uncaptured, UncapturedError: r.UncapturedError, AddedAt: r.AddedAt.UTC(),
+	}
 	if r.LastTimings != nil {
 		if env.LastTimings, err = protojson.Marshal(r.LastTimings); err != nil {
 			return nil, fmt.Errorf("failed to encode timings of %q: %w", r.Pod.GetContainerId(), err)
@@ -146,8 +149,10 @@ func Decode(b []byte) (*Record, error) {
 	if env.Version != recordVersion {
 		return nil, fmt.Errorf("failed to decode record: version %d, this agent reads version %d", env.Version, recordVersion)
 	}
-	r := &Record{Pod: &cniv1.CNIPod{}, Node: env.Node, Owner: env.Owner, HostNetwork: env.HostNetwork,
-		Uncaptured: env.Uncaptured, UncapturedError: env.UncapturedError, AddedAt: env.AddedAt}
+	r := &Record{
+		Pod: &cniv1.CNIPod{}, Node: env.Node, Owner: env.Owner, HostNetwork: env.HostNetwork,
+		Uncaptured: env.Uncaptured, UncapturedError: env.UncapturedError, AddedAt: env.AddedAt,
+	}
 	opts := protojson.UnmarshalOptions{DiscardUnknown: true}
 	if err := opts.Unmarshal(env.Pod, r.Pod); err != nil {
 		return nil, fmt.Errorf("failed to decode record pod: %w", err)
@@ -214,7 +219,7 @@ func Open(dir string, opts Options) (*Store, error) {
 	}
 	s := &Store{db: db, log: log, reqs: make(chan *writeReq, 1024), done: make(chan struct{})}
 	if err := s.check(opts.OnQuarantine); err != nil {
-		db.Close()
+		_ = db.Close()
 		return nil, err
 	}
 	go s.commitLoop()
@@ -287,16 +292,25 @@ func (s *Store) commitLoop() {
 	batch := make([]*writeReq, 0, 64)
 	for first := range s.reqs {
 		batch = append(batch[:0], first)
-	drain:
-		for len(batch) < cap(batch) {
-			select {
-			case r, ok := <-s.reqs:
-				if !ok {
+		// Writers answered by the previous commit are usually about to
+		// enqueue again: yield once so they join this batch instead of
+		// trailing into the next one. No timer, so a lone writer pays
+		// only a scheduler round trip.
+		for round := 0; round < 2 && len(batch) < cap(batch); round++ {
+			if round == 1 {
+				runtime.Gosched()
+			}
+		drain:
+			for len(batch) < cap(batch) {
+				select {
+				case r, ok := <-s.reqs:
+					if !ok {
+						break drain
+					}
+					batch = append(batch, r)
+				default:
 					break drain
 				}
-				batch = append(batch, r)
-			default:
-				break drain
 			}
 		}
 		s.commit(batch)

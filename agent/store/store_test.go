@@ -2,6 +2,7 @@ package store
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"hash/crc32"
 	"path/filepath"
@@ -18,10 +19,14 @@ import (
 )
 
 func rec(i int) *Record {
-	return &Record{Pod: &cniv1.CNIPod{Name: fmt.Sprintf("p-%d", i), Namespace: "ns", ContainerId: fmt.Sprintf("c-%04d", i),
-		NetworkNamespace: "/var/run/netns/x", Ips: []string{"10.0.0.1"}, Labels: map[string]string{"a": "b"}, Uid: "u"},
+	return &Record{
+		Pod: &cniv1.CNIPod{
+			Name: fmt.Sprintf("p-%d", i), Namespace: "ns", ContainerId: fmt.Sprintf("c-%04d", i),
+			NetworkNamespace: "/var/run/netns/x", Ips: []string{"10.0.0.1"}, Labels: map[string]string{"a": "b"}, Uid: "u",
+		},
 		Node: "n1", Owner: &registry.Owner{Kind: "ReplicaSet", Name: "rs"}, AddedAt: time.Unix(100, 0).UTC(),
-		LastTimings: &cniv1.PluginTimings{Total: durationpb.New(time.Millisecond)}, Uncaptured: true, UncapturedError: "x"}
+		LastTimings: &cniv1.PluginTimings{Total: durationpb.New(time.Millisecond)}, Uncaptured: true, UncapturedError: "x",
+	}
 }
 
 func equal(t *testing.T, got, want *Record) {
@@ -59,7 +64,7 @@ func TestPutGetDeleteReopen(t *testing.T) {
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Put(ctx, rec(1)); err != ErrClosed {
+	if err := s.Put(ctx, rec(1)); !errors.Is(err, ErrClosed) {
 		t.Fatalf("put after close = %v, want ErrClosed", err)
 	}
 	s, err = Open(dir, Options{})

@@ -30,13 +30,20 @@ const (
 // Metrics are the agent's metrics. aether.cni.operations is exported to
 // Prometheus as aether_cni_operations_total.
 type Metrics struct {
-	Registry       *prometheus.Registry
-	Operations     *prometheus.CounterVec
-	Quarantined    prometheus.Counter
-	PeerRejected   prometheus.Counter
-	UDSRefusals    *prometheus.CounterVec
+	// Registry holds every metric below; /metrics serves it.
+	Registry *prometheus.Registry
+	// Operations is aether.cni.operations{operation,result}.
+	Operations *prometheus.CounterVec
+	// Quarantined counts corrupt records moved aside on start.
+	Quarantined prometheus.Counter
+	// PeerRejected counts calls refused by the SO_PEERCRED uid check.
+	PeerRejected prometheus.Counter
+	// UDSRefusals counts refused UDS socket requests by reason.
+	UDSRefusals *prometheus.CounterVec
+	// PodLookupRetry counts pod-source lookups retried on a miss.
 	PodLookupRetry prometheus.Counter
-	Pods           *prometheus.GaugeVec
+	// Pods gauges the stored records by state.
+	Pods *prometheus.GaugeVec
 }
 
 // NewMetrics registers every metric (with zero values for known labels) on

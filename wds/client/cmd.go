@@ -105,7 +105,7 @@ func Run(ctx context.Context, args []string, stdout io.Writer) error {
 	if err != nil {
 		return err
 	}
-	defer c.Close()
+	defer func() { _ = c.Close() }()
 	if _, err := c.Recv(); err != nil {
 		if ctx.Err() != nil {
 			return nil

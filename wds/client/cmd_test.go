@@ -38,8 +38,10 @@ func serve(t *testing.T) (*wds.Index, string) {
 
 func put(t *testing.T, x *wds.Index, key, name string, healthy bool, ips ...string) {
 	t.Helper()
-	ep := registry.Endpoint{Key: key, Node: "node-a", Namespace: "shop", Name: name, Healthy: healthy,
-		Owner: &registry.Owner{Kind: "Job", Name: "backup-28861440"}}
+	ep := registry.Endpoint{
+		Key: key, Node: "node-a", Namespace: "shop", Name: name, Healthy: healthy,
+		Owner: &registry.Owner{Kind: "Job", Name: "backup-28861440"},
+	}
 	for _, ip := range ips {
 		ep.IPs = append(ep.IPs, netip.MustParseAddr(ip))
 	}

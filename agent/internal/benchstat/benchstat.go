@@ -50,6 +50,6 @@ func DiskDir(b *testing.B) string {
 	if err != nil {
 		b.Fatal(err)
 	}
-	b.Cleanup(func() { os.RemoveAll(d) })
+	b.Cleanup(func() { _ = os.RemoveAll(d) })
 	return filepath.Clean(d)
 }

@@ -127,7 +127,7 @@ func (s *Source) Run(ctx context.Context, h podsource.Handler) error {
 	go func() {
 		if cache.WaitForCacheSync(ctx.Done(), s.informer.HasSynced) {
 			close(s.synced)
-			s.log.Info("pod source synced", "source", "kubernetes", "node", s.node)
+			s.log.Info("pod source synced", "pod_source", "kubernetes", "node", s.node)
 		}
 	}()
 	<-ctx.Done()

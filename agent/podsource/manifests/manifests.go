@@ -93,8 +93,10 @@ func New(dir, node string, interval time.Duration, log *slog.Logger) *Source {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Source{dir: dir, node: node, interval: interval, log: log, pods: map[string]*podsource.Pod{},
-		files: map[string]fileStamp{}, synced: make(chan struct{})}
+	return &Source{
+		dir: dir, node: node, interval: interval, log: log, pods: map[string]*podsource.Pod{},
+		files: map[string]fileStamp{}, synced: make(chan struct{}),
+	}
 }
 
 // Get returns the pod, rescanning the directory once on a miss.

@@ -13,8 +13,10 @@ func TestWatchSeesSnapshotThenChanges(t *testing.T) {
 	r := New()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	ep := registry.Endpoint{Key: "a", Namespace: "ns", Name: "p", IPs: []netip.Addr{netip.MustParseAddr("10.0.0.1")},
-		Labels: map[string]string{"x": "1"}, Owner: &registry.Owner{Kind: "Job", Name: "j"}, Healthy: true}
+	ep := registry.Endpoint{
+		Key: "a", Namespace: "ns", Name: "p", IPs: []netip.Addr{netip.MustParseAddr("10.0.0.1")},
+		Labels: map[string]string{"x": "1"}, Owner: &registry.Owner{Kind: "Job", Name: "j"}, Healthy: true,
+	}
 	if err := r.Register(ctx, ep); err != nil {
 		t.Fatal(err)
 	}

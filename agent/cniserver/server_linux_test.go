@@ -65,10 +65,14 @@ func serve(t *testing.T, allowed []uint32) (cniv1.CNIServiceClient, *tracetest.S
 func TestReportAddResultSpanAttributes(t *testing.T) {
 	c, rec := serve(t, []uint32{uint32(os.Geteuid())})
 	started := time.Date(2026, 11, 29, 10, 0, 0, 0, time.UTC)
-	_, err := c.ReportAddResult(context.Background(), &cniv1.ReportAddResultRequest{ContainerId: "c1", Name: "p", Namespace: "ns",
-		Timings: &cniv1.PluginTimings{Started: timestamppb.New(started), PreCall: durationpb.New(time.Millisecond),
+	_, err := c.ReportAddResult(context.Background(), &cniv1.ReportAddResultRequest{
+		ContainerId: "c1", Name: "p", Namespace: "ns",
+		Timings: &cniv1.PluginTimings{
+			Started: timestamppb.New(started), PreCall: durationpb.New(time.Millisecond),
 			ReadinessProbe: durationpb.New(2 * time.Millisecond), ReadinessProbeError: "timeout",
-			CaptureDivert: durationpb.New(3 * time.Millisecond), CaptureDivertError: "nft failed", Total: durationpb.New(7 * time.Millisecond)}})
+			CaptureDivert: durationpb.New(3 * time.Millisecond), CaptureDivertError: "nft failed", Total: durationpb.New(7 * time.Millisecond),
+		},
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -78,7 +82,7 @@ func TestReportAddResultSpanAttributes(t *testing.T) {
 	}
 	got := map[string]string{}
 	for _, kv := range spans[0].Attributes() {
-		got[string(kv.Key)] = kv.Value.Emit()
+		got[string(kv.Key)] = kv.Value.String()
 	}
 	for k, v := range map[string]string{
 		"aether.cni.plugin.started":               "2026-11-29T10:00:00.000000000Z",

@@ -1,4 +1,3 @@
-// Command aether-agent is the aether node agent; see agent/README.md.
 package main
 
 import (

@@ -1,5 +1,3 @@
-// Package e2e runs the aether-agent binary as a separate process and talks
-// to it over its real unix sockets.
 package e2e
 
 import (
@@ -110,9 +108,13 @@ func TestManifestSourceAddGetReportRemove(t *testing.T) {
 	}
 
 	// ReportAddResult with a divert error: uncaptured, persisted, WARN.
-	_, err = c.ReportAddResult(ctxT(t, 5*time.Second), &cniv1.ReportAddResultRequest{ContainerId: "cid-web-1", Name: "web-1", Namespace: "shop",
-		Timings: &cniv1.PluginTimings{PreCall: durationpb.New(time.Millisecond), CaptureDivert: durationpb.New(2 * time.Millisecond),
-			CaptureDivertError: "nft: no such table", Total: durationpb.New(9 * time.Millisecond)}})
+	_, err = c.ReportAddResult(ctxT(t, 5*time.Second), &cniv1.ReportAddResultRequest{
+		ContainerId: "cid-web-1", Name: "web-1", Namespace: "shop",
+		Timings: &cniv1.PluginTimings{
+			PreCall: durationpb.New(time.Millisecond), CaptureDivert: durationpb.New(2 * time.Millisecond),
+			CaptureDivertError: "nft: no such table", Total: durationpb.New(9 * time.Millisecond),
+		},
+	})
 	if err != nil {
 		t.Fatalf("ReportAddResult: %v", err)
 	}

@@ -43,8 +43,6 @@ type agent struct {
 type syncBuf struct {
 	mu sync.Mutex
 	b  bytes.Buffer
-	// lines receives every complete log line.
-	lines chan string
 }
 
 func (s *syncBuf) Write(p []byte) (int, error) {
@@ -98,10 +96,15 @@ func newAgentDirs(t testing.TB) (dir string) {
 func startAgent(t testing.TB, dir string, extra ...string) *agent {
 	t.Helper()
 	bin := filepath.Join(harness.BuildOwn(t, "aether-agent"), "aether-agent")
-	a := &agent{t: t, dir: dir, sock: filepath.Join(dir, "run", "cni.sock"), admin: filepath.Join(dir, "run", "admin.sock"),
-		state: filepath.Join(dir, "state"), logs: &syncBuf{}, exited: make(chan struct{})}
-	a.args = []string{"--cni-socket", a.sock, "--admin-socket", a.admin, "--state-dir", a.state,
-		"--http-addr", "127.0.0.1:0", "--node-name", "node-a", "--uds-csi-root", "/run/aether/uds"}
+	a := &agent{
+		t: t, dir: dir, sock: filepath.Join(dir, "run", "cni.sock"), admin: filepath.Join(dir, "run", "admin.sock"),
+		state: filepath.Join(dir, "state"), logs: &syncBuf{}, exited: make(chan struct{}),
+	}
+	a.args = []string{
+		"--cni-socket", a.sock, "--admin-socket", a.admin, "--state-dir", a.state,
+		"--http-addr", "127.0.0.1:0", "--node-name", "node-a", "--uds-csi-root", "/run/aether/uds",
+		"--xds-socket", filepath.Join(dir, "run", "xds.sock"), "--lds-socket", filepath.Join(dir, "run", "lds.sock"),
+	}
 	if !slices.Contains(extra, "--log-level") {
 		a.args = append(a.args, "--log-level", "debug")
 	}

@@ -1,6 +1,3 @@
-// Package cniserver serves aether.cni.v1.CNIService on the agent's unix
-// socket: peer uid checked with SO_PEERCRED, every request validated with
-// protovalidate, one span per RPC.
 package cniserver
 
 import (
@@ -83,8 +80,10 @@ func (s *Server) GetPod(_ context.Context, req *cniv1.GetPodRequest) (*cniv1.Get
 	if !ok {
 		return nil, status.Errorf(grpccodes.NotFound, "no record for container %q", req.GetContainerId())
 	}
-	return &cniv1.GetPodResponse{Pod: st.Record.Pod, Managed: true, Registered: st.Registered,
-		Uncaptured: st.Record.Uncaptured, LastTimings: st.Record.LastTimings}, nil
+	return &cniv1.GetPodResponse{
+		Pod: st.Record.Pod, Managed: true, Registered: st.Registered,
+		Uncaptured: st.Record.Uncaptured, LastTimings: st.Record.LastTimings,
+	}, nil
 }
 
 func durAttr(key string, d *durationpb.Duration) []attribute.KeyValue {
@@ -190,14 +189,20 @@ func (ic *interceptor) unary(ctx context.Context, req any, info *grpc.UnaryServe
 func requestAttributes(req any) []attribute.KeyValue {
 	switch r := req.(type) {
 	case *cniv1.AddPodRequest:
-		return []attribute.KeyValue{attribute.String("k8s.namespace.name", r.GetPod().GetNamespace()),
-			attribute.String("k8s.pod.name", r.GetPod().GetName()), attribute.String("container.id", r.GetPod().GetContainerId())}
+		return []attribute.KeyValue{
+			attribute.String("k8s.namespace.name", r.GetPod().GetNamespace()),
+			attribute.String("k8s.pod.name", r.GetPod().GetName()), attribute.String("container.id", r.GetPod().GetContainerId()),
+		}
 	case *cniv1.RemovePodRequest:
-		return []attribute.KeyValue{attribute.String("k8s.namespace.name", r.GetNamespace()),
-			attribute.String("k8s.pod.name", r.GetName()), attribute.String("container.id", r.GetContainerId())}
+		return []attribute.KeyValue{
+			attribute.String("k8s.namespace.name", r.GetNamespace()),
+			attribute.String("k8s.pod.name", r.GetName()), attribute.String("container.id", r.GetContainerId()),
+		}
 	case *cniv1.ReportAddResultRequest:
-		return []attribute.KeyValue{attribute.String("k8s.namespace.name", r.GetNamespace()),
-			attribute.String("k8s.pod.name", r.GetName()), attribute.String("container.id", r.GetContainerId())}
+		return []attribute.KeyValue{
+			attribute.String("k8s.namespace.name", r.GetNamespace()),
+			attribute.String("k8s.pod.name", r.GetName()), attribute.String("container.id", r.GetContainerId()),
+		}
 	case *cniv1.GetPodRequest:
 		return []attribute.KeyValue{attribute.String("container.id", r.GetContainerId())}
 	}

@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -37,7 +38,8 @@ func (p *peerAgent) AddPod(_ context.Context, req *cniv1.AddPodRequest) (*cniv1.
 	if err != nil {
 		return nil, err
 	}
-	if _, err := tmp.Write(b); err == nil {
+	_, err = tmp.Write(b)
+	if err == nil {
 		err = tmp.Sync()
 	}
 	tmp.Close()
@@ -98,7 +100,7 @@ func BenchmarkAgentAddPod(b *testing.B) {
 		if err := os.WriteFile(filepath.Join(mdir, "web.yaml"), []byte(podYAML("bench", "web", "uid-web", true, "", "")), 0o644); err != nil {
 			b.Fatal(err)
 		}
-		a := startAgent(b, dir, "--pod-manifests", mdir, "--log-level", "warn")
+		a := startAgent(b, dir, append([]string{"--pod-manifests", mdir, "--log-level", "warn"}, benchExtra...)...)
 		cc, err := grpc.NewClient("unix://"+a.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 		if err != nil {
 			b.Fatal(err)
@@ -125,3 +127,5 @@ func BenchmarkAgentAddPod(b *testing.B) {
 		benchAddPod(b, cniv1.NewCNIServiceClient(cc))
 	})
 }
+
+var benchExtra = strings.Fields(os.Getenv("AETHER_AGENT_BENCH_FLAGS"))

@@ -22,13 +22,19 @@ func kubePod(name string, managed bool, node string) *corev1.Pod {
 		m = "true"
 	}
 	return &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "shop",
+		ObjectMeta: metav1.ObjectMeta{
+			Name: name, Namespace: "shop",
 			Labels:      map[string]string{"app": name, "aether.io/managed": m},
-			Annotations: map[string]string{"endpoint.aether.io/uds-socket": "mesh/app.sock"}},
-		Spec: corev1.PodSpec{NodeName: node, ServiceAccountName: "default",
+			Annotations: map[string]string{"endpoint.aether.io/uds-socket": "mesh/app.sock"},
+		},
+		Spec: corev1.PodSpec{
+			NodeName: node, ServiceAccountName: "default",
 			Containers: []corev1.Container{{Name: "c", Image: "pause"}},
-			Volumes: []corev1.Volume{{Name: "mesh", VolumeSource: corev1.VolumeSource{CSI: &corev1.CSIVolumeSource{Driver: "csi.aether.io"}}},
-				{Name: "data", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}}}},
+			Volumes: []corev1.Volume{
+				{Name: "mesh", VolumeSource: corev1.VolumeSource{CSI: &corev1.CSIVolumeSource{Driver: "csi.aether.io"}}},
+				{Name: "data", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}},
+			},
+		},
 	}
 }
 

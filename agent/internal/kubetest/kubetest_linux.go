@@ -1,8 +1,3 @@
-// Package kubetest runs a real kube-apiserver on an embedded etcd for the
-// agent's tests. Both binaries come from the scratch module test/kube (its
-// own go.mod, so k8s.io/kubernetes never enters this module's go.mod) and
-// are built once per machine into harness.CacheDir()/kube/<versions>/.
-// A cold build takes about 8–13 minutes on 2 cores.
 package kubetest
 
 import (
@@ -12,6 +7,7 @@ import (
 	"crypto/rsa"
 	"crypto/x509"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -29,8 +25,9 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
-	"aether.io/node/test/harness"
 	"golang.org/x/sys/unix"
+
+	"aether.io/node/test/harness"
 )
 
 // Versions pin what test/kube/go.mod requires.
@@ -88,7 +85,7 @@ func lock(dir string) (func(), error) {
 	}
 	for {
 		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
-		if err != unix.EINTR {
+		if !errors.Is(err, unix.EINTR) {
 			break
 		}
 	}
@@ -187,8 +184,10 @@ func Start(tb testing.TB) *Cluster {
 	tb.Cleanup(c.Stop)
 
 	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", etcdPort)
-	etcd := start(tb, "etcd", []string{filepath.Join(bins, "etcd"), "--data-dir", filepath.Join(dir, "etcd"),
-		"--listen-client-url", etcdURL, "--listen-peer-url", fmt.Sprintf("http://127.0.0.1:%d", peerPort)}, dir)
+	etcd := start(tb, "etcd", []string{
+		filepath.Join(bins, "etcd"), "--data-dir", filepath.Join(dir, "etcd"),
+		"--listen-client-url", etcdURL, "--listen-peer-url", fmt.Sprintf("http://127.0.0.1:%d", peerPort),
+	}, dir)
 	c.add(etcd)
 	waitFor(tb, "etcd ready", 60*time.Second, etcd, func() bool { return strings.Contains(etcd.out.String(), "READY") })
 
@@ -210,11 +209,13 @@ func Start(tb testing.TB) *Cluster {
 	saKey := write("sa.key", pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)}))
 	saPub := write("sa.pub", pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pub}))
 	tokens := write("tokens.csv", []byte(token+`,admin,admin-uid,"system:masters"`+"\n"))
-	api := start(tb, "kube-apiserver", []string{filepath.Join(bins, "kube-apiserver"),
+	api := start(tb, "kube-apiserver", []string{
+		filepath.Join(bins, "kube-apiserver"),
 		"--etcd-servers=" + etcdURL, "--service-account-issuer=https://kubernetes.default.svc",
 		"--service-account-key-file=" + saPub, "--service-account-signing-key-file=" + saKey,
 		"--cert-dir=" + filepath.Join(dir, "certs"), fmt.Sprintf("--secure-port=%d", apiPort), "--bind-address=127.0.0.1",
-		"--authorization-mode=RBAC", "--token-auth-file=" + tokens, "--service-cluster-ip-range=10.96.0.0/16"}, dir)
+		"--authorization-mode=RBAC", "--token-auth-file=" + tokens, "--service-cluster-ip-range=10.96.0.0/16",
+	}, dir)
 	c.add(api)
 
 	host := fmt.Sprintf("https://127.0.0.1:%d", apiPort)

@@ -1,0 +1,2 @@
+// Command aether-agent is the aether node agent; see agent/README.md.
+package main
