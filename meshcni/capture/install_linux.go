@@ -136,7 +136,7 @@ func ipv6Disabled(h netlinksafe.Handle) bool {
 }
 
 func installRouting(fd int, c Config) error {
-	h, err := netlinksafe.NewHandleAt(netns.NsHandle(fd))
+	h, err := netlinksafe.NewHandleAt(netns.NsHandle(fd), unix.NETLINK_ROUTE)
 	if err != nil {
 		return fmt.Errorf("failed to open netlink in netns: %w", err)
 	}
@@ -270,7 +270,7 @@ func sameExprs(a, b []expr.Any) bool {
 }
 
 func verifyRouting(fd int, c Config) error {
-	h, err := netlinksafe.NewHandleAt(netns.NsHandle(fd))
+	h, err := netlinksafe.NewHandleAt(netns.NsHandle(fd), unix.NETLINK_ROUTE)
 	if err != nil {
 		return fmt.Errorf("failed to open netlink in netns: %w", err)
 	}
