@@ -21,6 +21,22 @@ func (a *adminFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&a.output, "o", "table", "output format: table or json")
 }
 
+// parseAdminFlags parses a subcommand's flags (the shared admin flags plus
+// whatever extra registers) and checks them.
+func parseAdminFlags(name string, args []string, stdout io.Writer, extra func(*flag.FlagSet)) (adminFlags, *flag.FlagSet, error) {
+	var f adminFlags
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	f.register(fs)
+	if extra != nil {
+		extra(fs)
+	}
+	fs.SetOutput(stdout)
+	if err := fs.Parse(args); err != nil {
+		return f, fs, err
+	}
+	return f, fs, f.check()
+}
+
 func (a *adminFlags) check() error {
 	if a.output != "table" && a.output != "json" {
 		return fmt.Errorf("invalid -o %q: want table or json", a.output)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"slices"
@@ -18,14 +17,8 @@ import (
 // in detail, including the last plugin timings. Flags: --admin-socket,
 // -o table|json.
 func RunPod(ctx context.Context, args []string, stdout io.Writer) error {
-	var f adminFlags
-	fs := flag.NewFlagSet("aetherctl pod", flag.ContinueOnError)
-	f.register(fs)
-	fs.SetOutput(stdout)
-	if err := fs.Parse(args); err != nil {
-		return err
-	}
-	if err := f.check(); err != nil {
+	f, fs, err := parseAdminFlags("aetherctl pod", args, stdout, nil)
+	if err != nil {
 		return err
 	}
 	if fs.NArg() != 1 {

@@ -3,7 +3,6 @@ package ctl
 import (
 	"context"
 	"encoding/json"
-	"flag"
 	"fmt"
 	"io"
 	"strings"
@@ -15,14 +14,8 @@ import (
 // state (managed, terminating, registered, uncaptured, UDS socket).
 // Flags: --admin-socket, -o table|json.
 func RunPods(ctx context.Context, args []string, stdout io.Writer) error {
-	var f adminFlags
-	fs := flag.NewFlagSet("aetherctl pods", flag.ContinueOnError)
-	f.register(fs)
-	fs.SetOutput(stdout)
-	if err := fs.Parse(args); err != nil {
-		return err
-	}
-	if err := f.check(); err != nil {
+	f, fs, err := parseAdminFlags("aetherctl pods", args, stdout, nil)
+	if err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {

@@ -22,12 +22,14 @@ import (
 // namespace).
 type Installer struct{}
 
-func openNS(path string) (*os.File, error) {
+// inNS opens the namespace at path and runs fn with its fd.
+func inNS(path string, fn func(fd int) error) error {
 	f, err := os.Open(path)
 	if err != nil {
-		return nil, fmt.Errorf("failed to open netns %q: %w", path, err)
+		return fmt.Errorf("failed to open netns %q: %w", path, err)
 	}
-	return f, nil
+	defer f.Close()
+	return fn(int(f.Fd()))
 }
 
 // Install puts r in the namespace at nsPath: the inet table (replaced
@@ -35,12 +37,7 @@ func openNS(path string) (*os.File, error) {
 // state) and the fwmark rules and local routes for IPv4 and IPv6. IPv6
 // policy routing is skipped when IPv6 is disabled in the namespace.
 func (Installer) Install(nsPath string, r Ruleset) error {
-	f, err := openNS(nsPath)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	return InstallFd(int(f.Fd()), r)
+	return inNS(nsPath, func(fd int) error { return InstallFd(fd, r) })
 }
 
 // InstallFd is Install on an open namespace fd.
@@ -165,23 +162,23 @@ var ErrNotInstalled = errors.New("capture divert not installed")
 
 // Present reports whether the namespace at nsPath holds the capture table.
 func (Installer) Present(nsPath string) (bool, error) {
-	f, err := openNS(nsPath)
-	if err != nil {
-		return false, err
-	}
-	defer f.Close()
-	c, err := nftables.New(nftables.WithNetNSFd(int(f.Fd())))
-	if err != nil {
-		return false, fmt.Errorf("failed to open nftables in netns: %w", err)
-	}
-	_, err = c.ListTableOfFamily(TableName, nftables.TableFamilyINet)
-	if err != nil {
-		if errors.Is(err, unix.ENOENT) {
-			return false, nil
+	present := false
+	err := inNS(nsPath, func(fd int) error {
+		c, err := nftables.New(nftables.WithNetNSFd(fd))
+		if err != nil {
+			return fmt.Errorf("failed to open nftables in netns: %w", err)
 		}
-		return false, fmt.Errorf("failed to list table %q: %w", TableName, err)
-	}
-	return true, nil
+		_, err = c.ListTableOfFamily(TableName, nftables.TableFamilyINet)
+		if errors.Is(err, unix.ENOENT) {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("failed to list table %q: %w", TableName, err)
+		}
+		present = true
+		return nil
+	})
+	return present, err
 }
 
 // Verify compares the namespace's divert with r: the same chains (type,
@@ -189,12 +186,7 @@ func (Installer) Present(nsPath string) (bool, error) {
 // rules and local routes. It returns ErrNotInstalled when the table is
 // missing and a descriptive error for any other difference.
 func (Installer) Verify(nsPath string, r Ruleset) error {
-	f, err := openNS(nsPath)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	return VerifyFd(int(f.Fd()), r)
+	return inNS(nsPath, func(fd int) error { return VerifyFd(fd, r) })
 }
 
 // VerifyFd is Verify on an open namespace fd.

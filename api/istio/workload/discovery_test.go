@@ -9,6 +9,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 
+	"aether.io/node/api/internal/apitest"
 	"aether.io/node/api/istio/workload"
 )
 
@@ -51,27 +52,7 @@ func TestRoundTrip(t *testing.T) {
 		w.ApplicationTunnel, w.Waypoint, w.NetworkGateway, w.Waypoint.GetAddress(), w.NetworkGateway.GetHostname(),
 		&workload.BootstrapExtension{ConfigSource: &corev3.ConfigSource{ConfigSourceSpecifier: &corev3.ConfigSource_Ads{Ads: &corev3.AggregatedConfigSource{}}}},
 	}
-	covered := map[protoreflect.FullName]bool{}
-	for _, m := range msgs {
-		covered[m.ProtoReflect().Descriptor().FullName()] = true
-		b, err := proto.Marshal(m)
-		if err != nil {
-			t.Fatalf("marshal %T: %v", m, err)
-		}
-		got := m.ProtoReflect().New().Interface()
-		if err := proto.Unmarshal(b, got); err != nil {
-			t.Fatalf("unmarshal %T: %v", m, err)
-		}
-		if !proto.Equal(m, got) {
-			t.Fatalf("%T did not survive a round trip", m)
-		}
-	}
-	fd := workload.File_istio_workload_discovery_proto
-	for i := range fd.Messages().Len() {
-		if name := fd.Messages().Get(i).FullName(); !covered[name] {
-			t.Errorf("message %s has no round-trip case", name)
-		}
-	}
+	apitest.RoundTrip(t, workload.File_istio_workload_discovery_proto, msgs...)
 }
 
 // upstream lists istio.workload.Workload's field numbers and wire types as in

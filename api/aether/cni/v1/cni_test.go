@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/api/internal/apitest"
 )
 
 func validPod() *cniv1.CNIPod {
@@ -60,27 +61,7 @@ func TestRoundTrip(t *testing.T) {
 		&cniv1.GetPodRequest{ContainerId: "abc"},
 		&cniv1.GetPodResponse{Pod: validPod(), Managed: true, Registered: true, Uncaptured: true, LastTimings: timings()},
 	}
-	covered := map[protoreflect.FullName]bool{}
-	for _, m := range msgs {
-		covered[m.ProtoReflect().Descriptor().FullName()] = true
-		b, err := proto.Marshal(m)
-		if err != nil {
-			t.Fatalf("marshal %T: %v", m, err)
-		}
-		got := m.ProtoReflect().New().Interface()
-		if err := proto.Unmarshal(b, got); err != nil {
-			t.Fatalf("unmarshal %T: %v", m, err)
-		}
-		if !proto.Equal(m, got) {
-			t.Fatalf("%T did not survive a round trip", m)
-		}
-	}
-	fd := cniv1.File_aether_cni_v1_cni_proto
-	for i := range fd.Messages().Len() {
-		if name := fd.Messages().Get(i).FullName(); !covered[name] {
-			t.Errorf("message %s has no round-trip case", name)
-		}
-	}
+	apitest.RoundTrip(t, cniv1.File_aether_cni_v1_cni_proto, msgs...)
 }
 
 // TestCNIPodFieldNumbers pins the field numbers shared with the Aether project.
