@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests, benchmarks and demo need, when they
-# are missing. Idempotent and quick when everything is there. Needs root.
+# are missing, and makes sure apt knows Debian's kernel package (the 802.1Q VM
+# lane downloads it). Idempotent and quick when everything is there. Needs
+# root to change anything.
 set -euo pipefail
 need=()
 command -v nft >/dev/null || need+=(nftables)
@@ -10,14 +12,18 @@ command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 command -v xz >/dev/null || need+=(xz-utils)
 command -v containerd >/dev/null || need+=(containerd)
 command -v runc >/dev/null || need+=(runc)
-if [ ${#need[@]} -eq 0 ]; then
+lists_ok=true
+apt-cache show linux-image-amd64 >/dev/null 2>&1 || lists_ok=false
+if [ ${#need[@]} -eq 0 ] && $lists_ok; then
   exit 0
 fi
 if [ "$(id -u)" != 0 ]; then
-  echo "missing packages ${need[*]}: run as root (apt-get install -y ${need[*]})" >&2
+  echo "missing packages (${need[*]}) or apt package lists: run as root (apt-get update && apt-get install -y ${need[*]})" >&2
   exit 1
 fi
-echo "installing ${need[*]}"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq -o DPkg::Lock::Timeout=600 "${need[@]}" >/dev/null
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing ${need[*]}"
+  apt-get install -y -qq -o DPkg::Lock::Timeout=600 "${need[@]}" >/dev/null
+fi
