@@ -9,6 +9,8 @@ import (
 	"strings"
 	"time"
 
+	"aether.io/node/pkg/meshcontract"
+
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/containernetworking/cni/pkg/version"
 
@@ -37,7 +39,7 @@ const (
 	// DefaultReportTimeout bounds ReportAddResult.
 	DefaultReportTimeout = 500 * time.Millisecond
 	// DefaultReadinessPath is the proxy's readiness endpoint.
-	DefaultReadinessPath = "/aether/readyz"
+	DefaultReadinessPath = meshcontract.ReadinessPath
 
 	maxProbeBudget  = 60 * time.Second
 	maxAgentTimeout = 30 * time.Second

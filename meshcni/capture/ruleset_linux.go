@@ -7,6 +7,8 @@ import (
 	"slices"
 	"strings"
 
+	"aether.io/node/pkg/meshcontract"
+
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
 	"golang.org/x/sys/unix"
@@ -18,20 +20,20 @@ const (
 	TableName = "aether_capture"
 	// DefaultCapturePort is where the proxy's transparent (IP_TRANSPARENT)
 	// TCP and UDP listeners for diverted outbound traffic are bound.
-	DefaultCapturePort = 18001
+	DefaultCapturePort = meshcontract.CapturePort
 	// DefaultOutboundPort is the proxy's outbound listener on 127.0.0.1; it
 	// serves the readiness endpoint and is the port captured in scoped mode.
-	DefaultOutboundPort = 18081
+	DefaultOutboundPort = meshcontract.OutboundPort
 	// DefaultInboundPort is the proxy's inbound listener (never diverted).
-	DefaultInboundPort = 18008
+	DefaultInboundPort = meshcontract.InboundPort
 	// DefaultBypassMark is the SO_MARK the proxy puts on its own upstream
 	// sockets; packets carrying it are never diverted.
-	DefaultBypassMark = 0xae7e
+	DefaultBypassMark = meshcontract.BypassMark
 	// DefaultDivertMark is the fwmark set on diverted packets; the ip rule
 	// sends it to DefaultRouteTable.
-	DefaultDivertMark = 0xae7f
+	DefaultDivertMark = meshcontract.DivertMark
 	// DefaultRouteTable holds "local default dev lo" for IPv4 and IPv6.
-	DefaultRouteTable = 133
+	DefaultRouteTable = meshcontract.RouteTable
 	// DefaultRulePriority is the priority of the fwmark ip rules.
 	DefaultRulePriority = 133
 )

@@ -12,6 +12,8 @@ import (
 	"sync"
 	"time"
 
+	"aether.io/node/pkg/meshcontract"
+
 	"aether.io/node/proxy/lds"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"
@@ -19,7 +21,7 @@ import (
 
 // Defaults of Config.
 const (
-	DefaultBypassMark     = 0xae7e
+	DefaultBypassMark     = meshcontract.BypassMark
 	DefaultConnectTimeout = 10 * time.Second
 	DefaultDrainTimeout   = 30 * time.Second
 	DefaultCheckInterval  = time.Second

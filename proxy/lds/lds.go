@@ -27,6 +27,8 @@ import (
 	"slices"
 	"strings"
 
+	"aether.io/node/pkg/meshcontract"
+
 	xdscore "github.com/cncf/xds/go/xds/core/v3"
 	matcher "github.com/cncf/xds/go/xds/type/matcher/v3"
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -54,18 +56,18 @@ const NamePrefix = "aether"
 
 // ReadyPath is the HTTP path of the readiness endpoint on the outbound
 // listener; aether-cni's readiness probe GETs it from inside the pod netns.
-const ReadyPath = "/aether/readyz"
+const ReadyPath = meshcontract.ReadinessPath
 
 // PassthroughCluster is the ORIGINAL_DST cluster a real Envoy would forward
 // the capture and inbound listeners to (aether-proxy dials the original
 // destination itself).
 const PassthroughCluster = "aether_passthrough"
 
-// Defaults of the listener ports; they agree with meshcni/capture.
+// Defaults of the listener ports, from the capture contract.
 const (
-	DefaultOutboundPort = 18081
-	DefaultCapturePort  = 18001
-	DefaultInboundPort  = 18008
+	DefaultOutboundPort = meshcontract.OutboundPort
+	DefaultCapturePort  = meshcontract.CapturePort
+	DefaultInboundPort  = meshcontract.InboundPort
 )
 
 // Role says what a per-pod listener is for.

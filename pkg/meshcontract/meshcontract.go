@@ -1,0 +1,30 @@
+// Package meshcontract is the one place that fixes what aether-cni's capture
+// divert and aether-proxy must agree on: the per-pod listener ports, the
+// readiness endpoint, the socket mark that exempts the proxy's own upstream
+// sockets from capture, and the fwmark and route table of diverted packets.
+// meshcni/capture, proxy/lds and proxy/dataplane take their defaults from
+// here, so the two sides cannot drift. The ports stay clear of Istio's 150xx
+// range so both meshes can share a node.
+package meshcontract
+
+const (
+	// OutboundPort is the proxy's outbound listener on 127.0.0.1 in each pod;
+	// it serves ReadinessPath.
+	OutboundPort = 18081
+	// CapturePort is where the proxy's transparent (IP_TRANSPARENT) TCP and
+	// UDP listeners receive diverted outbound traffic.
+	CapturePort = 18001
+	// InboundPort is the proxy's inbound listener; it is never diverted.
+	InboundPort = 18008
+	// ReadinessPath is the readiness endpoint aether-cni probes: 200 only
+	// while the pod's listeners are served, 503 while draining.
+	ReadinessPath = "/aether/readyz"
+	// BypassMark is the SO_MARK on the proxy's own upstream sockets; packets
+	// carrying it are never diverted.
+	BypassMark = 0xae7e
+	// DivertMark is the fwmark set on diverted packets; an ip rule sends it
+	// to RouteTable.
+	DivertMark = 0xae7f
+	// RouteTable holds the local default routes (IPv4 and IPv6) on lo.
+	RouteTable = 133
+)
