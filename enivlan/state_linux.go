@@ -9,9 +9,9 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/containernetworking/cni/pkg/types"
+	"aether.io/node/pkg/filelock"
 
-	"golang.org/x/sys/unix"
+	"github.com/containernetworking/cni/pkg/types"
 )
 
 // record says which pod holds the device of one (master, VLAN ID) pair.
@@ -38,21 +38,7 @@ func lockState(dir string) (func(), error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("failed to create state directory %q: %w", dir, err)
 	}
-	f, err := os.OpenFile(filepath.Join(dir, "lock"), os.O_CREATE|os.O_RDWR, 0o600)
-	if err != nil {
-		return nil, fmt.Errorf("failed to open state lock in %q: %w", dir, err)
-	}
-	for {
-		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
-		if !errors.Is(err, unix.EINTR) {
-			break
-		}
-	}
-	if err != nil {
-		f.Close()
-		return nil, fmt.Errorf("failed to lock state directory %q: %w", dir, err)
-	}
-	return func() { _ = unix.Flock(int(f.Fd()), unix.LOCK_UN); f.Close() }, nil
+	return filelock.Lock(filepath.Join(dir, "lock"), 0o600)
 }
 
 func readRecord(dir, master string, vlan int) (*record, error) {

@@ -2,7 +2,6 @@ package enivlantest
 
 import (
 	"bytes"
-	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -12,6 +11,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
+
+	"aether.io/node/pkg/filelock"
 
 	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/google/nftables"
@@ -409,20 +410,11 @@ func BuildSurrogate(tb testing.TB) string {
 	if err := os.MkdirAll(d, 0o755); err != nil {
 		tb.Fatal(err)
 	}
-	f, err := os.OpenFile(filepath.Join(d, ".lock"), os.O_CREATE|os.O_RDWR, 0o644)
+	unlock, err := filelock.Lock(filepath.Join(d, ".lock"), 0o644)
 	if err != nil {
 		tb.Fatal(err)
 	}
-	defer f.Close()
-	for {
-		if err = unix.Flock(int(f.Fd()), unix.LOCK_EX); !errors.Is(err, unix.EINTR) {
-			break
-		}
-	}
-	if err != nil {
-		tb.Fatal(err)
-	}
-	defer func() { _ = unix.Flock(int(f.Fd()), unix.LOCK_UN) }()
+	defer unlock()
 	cmd := exec.Command("go", "build", "-tags", SurrogateTag, "-trimpath", "-o", filepath.Join(d, "eni-vlan"), "./cmd/eni-vlan")
 	cmd.Dir = harness.ModuleRoot()
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")

@@ -1,7 +1,6 @@
 package harness
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -12,7 +11,7 @@ import (
 	"sync"
 	"testing"
 
-	"golang.org/x/sys/unix"
+	"aether.io/node/pkg/filelock"
 )
 
 // ReferencePluginsModule is the module the reference plugins come from; its
@@ -160,19 +159,5 @@ func goBuild(outDir string, pkgs ...string) error {
 }
 
 func lockDir(dir string) (func(), error) {
-	f, err := os.OpenFile(filepath.Join(dir, ".lock"), os.O_CREATE|os.O_RDWR, 0o644)
-	if err != nil {
-		return nil, fmt.Errorf("failed to open lock in %s: %w", dir, err)
-	}
-	for {
-		err = unix.Flock(int(f.Fd()), unix.LOCK_EX)
-		if !errors.Is(err, unix.EINTR) {
-			break
-		}
-	}
-	if err != nil {
-		f.Close()
-		return nil, fmt.Errorf("failed to lock %s: %w", dir, err)
-	}
-	return func() { _ = unix.Flock(int(f.Fd()), unix.LOCK_UN); f.Close() }, nil
+	return filelock.Lock(filepath.Join(dir, ".lock"), 0o644)
 }
