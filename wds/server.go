@@ -202,6 +202,36 @@ func ListenUnix(path string) (net.Listener, error) {
 }
 
 // recvLoop forwards requests from recv until it fails.
+// serveStream is the loop of one ADS stream, Delta or SotW: client requests
+// go to handle, index changes to changed, until the client leaves (nil) or
+// ctx ends.
+func serveStream[T any](s *Server, ctx context.Context, protocol string, id int64, node func() string,
+	recv func() (T, error), w *watcher, handle func(T) error, changed func() error,
+) error {
+	s.m.clients.WithLabelValues(protocol).Inc()
+	defer s.m.clients.WithLabelValues(protocol).Dec()
+	reqs := make(chan T)
+	errc := make(chan error, 1)
+	go recvLoop(ctx, recv, reqs, errc)
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case err := <-errc:
+			s.log.Debug("xds stream closed", "protocol", protocol, "stream", id, "node", node(), "error", err)
+			return nil
+		case req := <-reqs:
+			if err := handle(req); err != nil {
+				return err
+			}
+		case <-w.ch:
+			if err := changed(); err != nil {
+				return err
+			}
+		}
+	}
+}
+
 func recvLoop[T any](ctx context.Context, recv func() (T, error), out chan<- T, errc chan<- error) {
 	for {
 		req, err := recv()
@@ -233,35 +263,16 @@ type deltaStream struct {
 
 // DeltaAggregatedResources implements incremental ADS for TypeURL.
 func (s *Server) DeltaAggregatedResources(stream discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
-	ctx := stream.Context()
 	st := &deltaStream{s: s, stream: stream, id: s.streams.Add(1), names: make(map[string]struct{})}
 	st.w = s.idx.watch()
 	defer s.idx.unwatch(st.w)
-	s.m.clients.WithLabelValues(protoDelta).Inc()
-	defer s.m.clients.WithLabelValues(protoDelta).Dec()
-
-	reqs := make(chan *discovery.DeltaDiscoveryRequest)
-	errc := make(chan error, 1)
-	go recvLoop(ctx, stream.Recv, reqs, errc)
-	for {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case err := <-errc:
-			s.log.Debug("xds stream closed", "protocol", protoDelta, "stream", st.id, "node", st.node, "error", err)
-			return nil
-		case req := <-reqs:
-			if err := st.handle(req); err != nil {
-				return err
+	return serveStream(s, stream.Context(), protoDelta, st.id, func() string { return st.node }, stream.Recv, st.w,
+		st.handle, func() error {
+			if !st.started {
+				return nil
 			}
-		case <-st.w.ch:
-			if st.started {
-				if err := st.flush(nil, false, nil, time.Time{}); err != nil {
-					return err
-				}
-			}
-		}
-	}
+			return st.flush(nil, false, nil, time.Time{})
+		})
 }
 
 func (st *deltaStream) handle(req *discovery.DeltaDiscoveryRequest) error {
@@ -438,33 +449,11 @@ type sotwStream struct {
 // StreamAggregatedResources implements state-of-the-world ADS for TypeURL:
 // every response carries every subscribed workload.
 func (s *Server) StreamAggregatedResources(stream discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
-	ctx := stream.Context()
 	st := &sotwStream{s: s, stream: stream, id: s.streams.Add(1)}
 	st.w = s.idx.watch()
 	defer s.idx.unwatch(st.w)
-	s.m.clients.WithLabelValues(protoSotW).Inc()
-	defer s.m.clients.WithLabelValues(protoSotW).Dec()
-
-	reqs := make(chan *discovery.DiscoveryRequest)
-	errc := make(chan error, 1)
-	go recvLoop(ctx, stream.Recv, reqs, errc)
-	for {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case err := <-errc:
-			s.log.Debug("xds stream closed", "protocol", protoSotW, "stream", st.id, "node", st.node, "error", err)
-			return nil
-		case req := <-reqs:
-			if err := st.handle(req); err != nil {
-				return err
-			}
-		case <-st.w.ch:
-			if err := st.changed(); err != nil {
-				return err
-			}
-		}
-	}
+	return serveStream(s, stream.Context(), protoSotW, st.id, func() string { return st.node }, stream.Recv, st.w,
+		st.handle, st.changed)
 }
 
 func (st *sotwStream) handle(req *discovery.DiscoveryRequest) error {
