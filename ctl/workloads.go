@@ -5,7 +5,7 @@ import (
 	"context"
 	"io"
 
-	"aether.io/node/wds/client"
+	"aether.io/node/xds/workload/client"
 )
 
 // RunWorkloads is `aetherctl workloads`: a delta xDS client of the agent's

@@ -14,7 +14,7 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"aether.io/node/enivlan/enivlantest"
-	"aether.io/node/enivlan/probe"
+	"aether.io/node/enivlan/preflight"
 	"aether.io/node/test/harness"
 )
 
@@ -129,14 +129,14 @@ func BenchmarkPreflight(b *testing.B) {
 		var d, rtt, upToReply []time.Duration
 		b.ResetTimer()
 		for i := 0; i < b.N; i++ {
-			var r probe.Result
+			var r preflight.Result
 			var replied time.Time
 			start := time.Now()
 			err := pod.Do(func() error {
-				c := probe.Open(ifi)
+				c := preflight.Open(ifi)
 				defer c.Close()
 				var err error
-				r, err = c.Probe(context.Background(), probe.Spec{Link: ifi, MAC: ifi.HardwareAddr, IP: ip, Gateway: gw, Attempts: 1, Timeout: time.Second})
+				r, err = c.Probe(context.Background(), preflight.Spec{Link: ifi, MAC: ifi.HardwareAddr, IP: ip, Gateway: gw, Attempts: 1, Timeout: time.Second})
 				replied = time.Now()
 				return err
 			})

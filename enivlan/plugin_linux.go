@@ -26,9 +26,9 @@ import (
 	"golang.org/x/sys/unix"
 
 	"aether.io/node/enivlan/config"
-	"aether.io/node/enivlan/gwe"
 	"aether.io/node/enivlan/link"
-	"aether.io/node/enivlan/probe"
+	"aether.io/node/enivlan/preflight"
+	"aether.io/node/enivlan/spiderpool"
 	"aether.io/node/pkg/cniutil"
 )
 
@@ -195,7 +195,7 @@ func (p *Plugin) Add(a *skel.CmdArgs) (retErr error) {
 			v6 = c
 		}
 	}
-	q := gwe.Query{PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID, IfName: a.IfName}
+	q := spiderpool.Query{PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID, IfName: a.IfName}
 	if v4 != nil {
 		q.IPv4, _ = netip.AddrFromSlice(v4.Address.IP.To4())
 	}
@@ -203,7 +203,7 @@ func (p *Plugin) Add(a *skel.CmdArgs) (retErr error) {
 		q.IPv6, _ = netip.AddrFromSlice(v6.Address.IP.To16())
 	}
 
-	client := gwe.New(conf.SpiderpoolSocket)
+	client := spiderpool.New(conf.SpiderpoolSocket)
 	defer client.Close()
 	lctx, cancel := context.WithTimeout(ctx, conf.EndpointTimeout())
 	t1 := time.Now()
@@ -211,7 +211,7 @@ func (p *Plugin) Add(a *skel.CmdArgs) (retErr error) {
 	tGWE := time.Since(t1)
 	cancel()
 	if err != nil {
-		var le *gwe.LookupError
+		var le *spiderpool.LookupError
 		if errors.As(err, &le) && le.Retryable {
 			return cniutil.TryAgainf("failed to get the cloud binding of pod %s/%s interface %q from spiderpool-agent within %s: %w", k.PodNamespace, k.PodName, a.IfName, conf.EndpointTimeout(), err)
 		}
@@ -315,7 +315,7 @@ func (p *Plugin) Add(a *skel.CmdArgs) (retErr error) {
 		if err := netlink.LinkSetUp(l); err != nil {
 			return fmt.Errorf("failed to set link %q up: %w", a.IfName, err)
 		}
-		pc := probe.Open(ifi)
+		pc := preflight.Open(ifi)
 		defer func() {
 			tc := time.Now()
 			if err := pc.Close(); err != nil {
@@ -401,7 +401,7 @@ func (e *FailClosedError) Error() string {
 }
 
 // preflight probes each family that has a gateway; must run in the pod netns.
-func (p *Plugin) preflight(ctx context.Context, conf *config.NetConf, log *slog.Logger, pc *probe.Conn, ifi *net.Interface, b *gwe.Binding, v4, v6 *current.IPConfig, out map[string]string) error {
+func (p *Plugin) preflight(ctx context.Context, conf *config.NetConf, log *slog.Logger, pc *preflight.Conn, ifi *net.Interface, b *spiderpool.Binding, v4, v6 *current.IPConfig, out map[string]string) error {
 	for _, fam := range []struct {
 		name string
 		c    *current.IPConfig
@@ -418,9 +418,9 @@ func (p *Plugin) preflight(ctx context.Context, conf *config.NetConf, log *slog.
 		src, _ := netip.AddrFromSlice(fam.c.Address.IP)
 		gw, _ := netip.AddrFromSlice(fam.c.Gateway)
 		src, gw = src.Unmap(), gw.Unmap()
-		spec := probe.Spec{Link: ifi, MAC: ifi.HardwareAddr, IP: src, Gateway: gw, Attempts: conf.ValidationRetries, Timeout: conf.ValidationTimeout()}
+		spec := preflight.Spec{Link: ifi, MAC: ifi.HardwareAddr, IP: src, Gateway: gw, Attempts: conf.ValidationRetries, Timeout: conf.ValidationTimeout()}
 		r, err := pc.Probe(ctx, spec)
-		var nr *probe.NoReplyError
+		var nr *preflight.NoReplyError
 		if errors.As(err, &nr) {
 			log.Info("pre-flight failed: failing closed", keyFamily, fam.name, keyIP, src, keyGateway, gw, keyAttempts, spec.Attempts)
 			// Code 11: a binding not pushed yet becomes effective later, and
@@ -520,7 +520,7 @@ func (p *Plugin) releaseIPAM(ctx context.Context, conf *config.NetConf, stdin []
 // whose device is gone is dropped; a device whose owner is gone (same pod
 // with a new sandbox, or the agent no longer binds this VLAN/MAC to it) is
 // deleted; a device still in use is an error. Called under the state lock.
-func (p *Plugin) resolveHolder(ctx context.Context, conf *config.NetConf, client *gwe.Client, log *slog.Logger, cid, ifName string, k cniutil.K8sArgs, vlan int) error {
+func (p *Plugin) resolveHolder(ctx context.Context, conf *config.NetConf, client *spiderpool.Client, log *slog.Logger, cid, ifName string, k cniutil.K8sArgs, vlan int) error {
 	r, err := readRecord(conf.StateDir, conf.Master, vlan)
 	if err != nil || r == nil {
 		return err
@@ -545,12 +545,12 @@ func (p *Plugin) resolveHolder(ctx context.Context, conf *config.NetConf, client
 		gctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		s, err := client.Get(gctx, r.PodNamespace, r.PodName)
 		cancel()
-		var se *gwe.StatusError
+		var se *spiderpool.StatusError
 		switch {
 		case errors.As(err, &se) && se.Code == 404:
 			gone, why = true, "spiderpool-agent has no endpoint for the holder"
 		case err == nil:
-			if hb, serr := gwe.Select(s, gwe.Query{IfName: r.IfName}); serr != nil || hb.VLAN != vlan || hb.MAC.String() != r.MAC {
+			if hb, serr := spiderpool.Select(s, spiderpool.Query{IfName: r.IfName}); serr != nil || hb.VLAN != vlan || hb.MAC.String() != r.MAC {
 				gone, why = true, "spiderpool-agent no longer binds this VLAN and MAC to the holder"
 			}
 		}
@@ -660,7 +660,7 @@ func (p *Plugin) Check(a *skel.CmdArgs) error {
 		return fmt.Errorf("failed to check: prevResult has no interface %q in %q", a.IfName, a.Netns)
 	}
 	var ips []*current.IPConfig
-	q := gwe.Query{PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID, IfName: a.IfName}
+	q := spiderpool.Query{PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID, IfName: a.IfName}
 	for _, c := range prev.IPs {
 		if c.Interface != nil && *c.Interface == idx {
 			ips = append(ips, c)
@@ -672,7 +672,7 @@ func (p *Plugin) Check(a *skel.CmdArgs) error {
 			}
 		}
 	}
-	client := gwe.New(conf.SpiderpoolSocket)
+	client := spiderpool.New(conf.SpiderpoolSocket)
 	defer client.Close()
 	gctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	s, err := client.Get(gctx, k.PodNamespace, k.PodName)
@@ -680,7 +680,7 @@ func (p *Plugin) Check(a *skel.CmdArgs) error {
 	if err != nil {
 		return cniutil.TryAgainf("failed to check the cloud binding with spiderpool-agent: %w", err)
 	}
-	b, err := gwe.Select(s, q)
+	b, err := spiderpool.Select(s, q)
 	if err != nil {
 		return fmt.Errorf("failed to check the cloud binding: %w", err)
 	}
@@ -771,7 +771,7 @@ func (p *Plugin) Status(a *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	client := gwe.New(conf.SpiderpoolSocket)
+	client := spiderpool.New(conf.SpiderpoolSocket)
 	defer client.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()

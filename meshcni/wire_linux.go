@@ -8,7 +8,7 @@ import (
 	"aether.io/node/meshcni/capture"
 	"aether.io/node/meshcni/pin"
 	"aether.io/node/meshcni/podpid"
-	"aether.io/node/meshcni/probe"
+	"aether.io/node/meshcni/readiness"
 )
 
 // New returns the plugin wired to the real agent, kernel, runtime and
@@ -20,7 +20,7 @@ func New(started time.Time) *Plugin {
 		DialAgent: DialAgent,
 		Capture:   capture.Installer{},
 		Pins:      pin.Pins{},
-		Probe:     probe.Prober{},
+		Probe:     readiness.Prober{},
 		PIDs:      podpid.CRI{Timeout: DefaultCRITimeout},
 		Stdout:    os.Stdout,
 		Stderr:    os.Stderr,

@@ -12,17 +12,17 @@ import (
 	"time"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
-	listener "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/protobuf/proto"
 
 	"aether.io/node/api/istio/workload"
 	"aether.io/node/proxy/dataplane"
-	"aether.io/node/proxy/lds"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"
-	"aether.io/node/proxy/xdsclient"
+	"aether.io/node/xds/adsclient"
+	"aether.io/node/xds/listener"
 )
 
 // WorkloadTypeURL is the WDS type the proxy subscribes to.
@@ -56,11 +56,11 @@ type Proxy struct {
 	Manager *dataplane.Manager
 	// XDS is the ADS client of XDSTarget; LDS is the separate Listener
 	// client when LDSTarget is set (else nil).
-	XDS *xdsclient.Client
-	LDS *xdsclient.Client
+	XDS *adsclient.Client
+	LDS *adsclient.Client
 
 	mu        sync.Mutex
-	listeners map[string]lds.Spec
+	listeners map[string]listener.Spec
 	adminAddr chan net.Addr
 }
 
@@ -74,7 +74,7 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 	}
 	p := &Proxy{
 		cfg: cfg, log: log, Metrics: telemetry.New(), Peers: peers.NewIndex(),
-		listeners: map[string]lds.Spec{}, adminAddr: make(chan net.Addr, 1),
+		listeners: map[string]listener.Spec{}, adminAddr: make(chan net.Addr, 1),
 	}
 	m, err := dataplane.New(cfg.Dataplane, p.Peers, p.Metrics, log)
 	if err != nil {
@@ -82,13 +82,13 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 	}
 	p.Manager = m
 	node := &core.Node{Id: cfg.NodeID, Cluster: "aether-proxy"}
-	p.XDS = &xdsclient.Client{
-		Target: cfg.XDSTarget, Node: node, TypeURLs: []string{lds.TypeURL, WorkloadTypeURL}, Handler: p.apply, Log: log,
+	p.XDS = &adsclient.Client{
+		Target: cfg.XDSTarget, Node: node, TypeURLs: []string{listener.TypeURL, WorkloadTypeURL}, Handler: p.apply, Log: log,
 	}
 	if cfg.LDSTarget != "" && cfg.LDSTarget != cfg.XDSTarget {
 		p.XDS.TypeURLs = []string{WorkloadTypeURL}
-		p.LDS = &xdsclient.Client{
-			Target: cfg.LDSTarget, Node: node, TypeURLs: []string{lds.TypeURL}, Handler: p.apply, Log: log,
+		p.LDS = &adsclient.Client{
+			Target: cfg.LDSTarget, Node: node, TypeURLs: []string{listener.TypeURL}, Handler: p.apply, Log: log,
 		}
 	}
 	return p, nil
@@ -107,7 +107,7 @@ func (p *Proxy) AdminAddr(ctx context.Context) (net.Addr, error) {
 
 func (p *Proxy) apply(typeURL string, updated []*discovery.Resource, removed []string) error {
 	switch typeURL {
-	case lds.TypeURL:
+	case listener.TypeURL:
 		return p.applyListeners(updated, removed)
 	case WorkloadTypeURL:
 		var errs []error
@@ -127,7 +127,7 @@ func (p *Proxy) apply(typeURL string, updated []*discovery.Resource, removed []s
 		}
 		return errors.Join(errs...)
 	default:
-		return fmt.Errorf("unexpected type %q: subscribed to %s and %s", typeURL, lds.TypeURL, WorkloadTypeURL)
+		return fmt.Errorf("unexpected type %q: subscribed to %s and %s", typeURL, listener.TypeURL, WorkloadTypeURL)
 	}
 }
 
@@ -137,7 +137,7 @@ func (p *Proxy) applyListeners(updated []*discovery.Resource, removed []string) 
 	var errs []error
 	p.mu.Lock()
 	for _, r := range updated {
-		l := &listener.Listener{}
+		l := &listenerv3.Listener{}
 		if err := proto.Unmarshal(r.GetResource().GetValue(), l); err != nil {
 			errs = append(errs, fmt.Errorf("failed to decode listener %q: %w", r.GetName(), err))
 			continue
@@ -146,7 +146,7 @@ func (p *Proxy) applyListeners(updated []*discovery.Resource, removed []string) 
 			errs = append(errs, fmt.Errorf("invalid listener %q: %w", r.GetName(), err))
 			continue
 		}
-		s, err := lds.Parse(l)
+		s, err := listener.Parse(l)
 		if err != nil {
 			errs = append(errs, err)
 			continue
@@ -156,7 +156,7 @@ func (p *Proxy) applyListeners(updated []*discovery.Resource, removed []string) 
 	for _, n := range removed {
 		delete(p.listeners, n)
 	}
-	specs := make([]lds.Spec, 0, len(p.listeners))
+	specs := make([]listener.Spec, 0, len(p.listeners))
 	for _, s := range p.listeners {
 		specs = append(specs, s)
 	}

@@ -14,7 +14,7 @@ import (
 	"testing"
 	"time"
 
-	listener "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	cachev3 "github.com/envoyproxy/go-control-plane/pkg/cache/v3"
@@ -22,9 +22,9 @@ import (
 	"google.golang.org/grpc"
 
 	"aether.io/node/proxy"
-	"aether.io/node/proxy/lds"
 	"aether.io/node/proxy/proxytest"
 	"aether.io/node/test/harness"
+	"aether.io/node/xds/listener"
 )
 
 func TestMain(m *testing.M) { harness.Main(m) }
@@ -44,13 +44,13 @@ func startAgent(t *testing.T) *agent {
 	a := &agent{
 		requests:  make(chan *discovery.DeltaDiscoveryRequest, 256),
 		socket:    filepath.Join(t.TempDir(), "xds.sock"),
-		listeners: cachev3.NewLinearCache(lds.TypeURL),
+		listeners: cachev3.NewLinearCache(listener.TypeURL),
 		workloads: cachev3.NewLinearCache(proxy.WorkloadTypeURL),
 	}
 	mux := &cachev3.MuxCache{
 		Classify:      func(r *cachev3.Request) string { return r.GetTypeUrl() },
 		ClassifyDelta: func(r *cachev3.DeltaRequest) string { return r.GetTypeUrl() },
-		Caches:        map[string]cachev3.Cache{lds.TypeURL: a.listeners, proxy.WorkloadTypeURL: a.workloads},
+		Caches:        map[string]cachev3.Cache{listener.TypeURL: a.listeners, proxy.WorkloadTypeURL: a.workloads},
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	cb := serverv3.CallbackFuncs{StreamDeltaRequestFunc: func(_ int64, r *discovery.DeltaDiscoveryRequest) error {
@@ -76,7 +76,7 @@ func startAgent(t *testing.T) *agent {
 // AddPod.
 func (a *agent) addPod(t *testing.T, p *proxytest.Pod) {
 	t.Helper()
-	ls, err := lds.Build(p.Record())
+	ls, err := listener.Build(p.Record())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -97,8 +97,8 @@ func (a *agent) addPod(t *testing.T, p *proxytest.Pod) {
 func (a *agent) removePod(t *testing.T, p *proxytest.Pod) {
 	t.Helper()
 	var names []string
-	for _, r := range lds.Roles {
-		names = append(names, lds.ListenerName(p.Record().ContainerID, r))
+	for _, r := range listener.Roles {
+		names = append(names, listener.ListenerName(p.Record().ContainerID, r))
 	}
 	if err := a.listeners.UpdateResources(nil, names); err != nil {
 		t.Fatal(err)
@@ -255,7 +255,7 @@ func TestNackKeepsValidListeners(t *testing.T) {
 	client := topo.Pods[0]
 	ag := startAgent(t)
 	ag.addPod(t, client)
-	if err := ag.listeners.UpdateResource("foreign", &listener.Listener{Name: "foreign"}); err != nil {
+	if err := ag.listeners.UpdateResource("foreign", &listenerv3.Listener{Name: "foreign"}); err != nil {
 		t.Fatal(err)
 	}
 	p := runProxy(t, proxy.Config{XDSTarget: "unix://" + ag.socket, NodeID: "node-1"})
@@ -272,7 +272,7 @@ func TestNackKeepsValidListeners(t *testing.T) {
 			t.Fatal("no NACK for the foreign listener")
 		}
 	}
-	if nack.GetTypeUrl() != lds.TypeURL || !strings.Contains(nack.GetErrorDetail().GetMessage(), "foreign") {
+	if nack.GetTypeUrl() != listener.TypeURL || !strings.Contains(nack.GetErrorDetail().GetMessage(), "foreign") {
 		t.Errorf("NACK %s: %q, want the listener type naming \"foreign\"", nack.GetTypeUrl(), nack.GetErrorDetail().GetMessage())
 	}
 	err := proxytest.WaitFor(wctx, func() bool { return client.ReadyCode(wctx) == 200 })
@@ -287,7 +287,7 @@ func TestSplitStreams(t *testing.T) {
 	topo := proxytest.New(t, []string{"client"})
 	client := topo.Pods[0]
 	agW, agL := startAgent(t), startAgent(t)
-	ls, err := lds.Build(client.Record())
+	ls, err := listener.Build(client.Record())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -27,11 +27,11 @@ import (
 	"aether.io/node/agent/podsource"
 	"aether.io/node/agent/podsource/kube"
 	"aether.io/node/agent/podsource/manifests"
-	"aether.io/node/agent/registry"
-	etcdreg "aether.io/node/agent/registry/etcd"
-	"aether.io/node/agent/registry/local"
 	"aether.io/node/agent/store"
 	"aether.io/node/agent/telemetry"
+	"aether.io/node/registry"
+	etcdreg "aether.io/node/registry/etcd"
+	"aether.io/node/registry/local"
 )
 
 // NewLogger returns a JSON slog logger at level on w.

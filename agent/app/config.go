@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"aether.io/node/agent/pods"
-	"aether.io/node/agent/registry"
+	"aether.io/node/registry"
 )
 
 // Config is the agent's configuration (one field per flag).

@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"aether.io/node/agent/registry"
+	"aether.io/node/registry"
 )
 
 func TestParseFlags(t *testing.T) {

@@ -19,10 +19,10 @@ import (
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 
-	"aether.io/node/agent/registry"
 	"aether.io/node/agent/store"
-	"aether.io/node/proxy/lds"
-	"aether.io/node/wds"
+	"aether.io/node/registry"
+	"aether.io/node/xds/listener"
+	"aether.io/node/xds/workload"
 )
 
 // listenerSync keeps the per-pod Listener resources the proxy binds in each
@@ -31,15 +31,15 @@ import (
 // It implements pods.Observer; updates are O(listeners of one pod).
 type listenerSync struct {
 	cache *linearcache.LinearCache
-	ports lds.Ports
+	ports listener.Ports
 	log   *slog.Logger
 
 	mu   sync.Mutex
 	sent map[string]uint64 // container ID -> hash of the published listeners
 }
 
-func newListenerSync(ports lds.Ports, log *slog.Logger) *listenerSync {
-	return &listenerSync{cache: linearcache.NewLinearCache(lds.TypeURL), ports: ports, log: log, sent: map[string]uint64{}}
+func newListenerSync(ports listener.Ports, log *slog.Logger) *listenerSync {
+	return &listenerSync{cache: linearcache.NewLinearCache(listener.TypeURL), ports: ports, log: log, sent: map[string]uint64{}}
 }
 
 // RecordStored builds the pod's listeners and publishes them when they
@@ -52,7 +52,7 @@ func (l *listenerSync) RecordStored(rec *store.Record) {
 			ips = append(ips, a)
 		}
 	}
-	ls, err := lds.Build(lds.Pod{
+	ls, err := listener.Build(listener.Pod{
 		ContainerID: p.GetContainerId(), Namespace: p.GetNamespace(), Name: p.GetName(), UID: p.GetUid(),
 		NetNSPath: p.GetNetworkNamespace(), IPs: ips, Ports: l.ports,
 	})
@@ -86,9 +86,9 @@ func (l *listenerSync) RecordStored(rec *store.Record) {
 
 // RecordRemoved withdraws the pod's listeners (the proxy drains them).
 func (l *listenerSync) RecordRemoved(key string) {
-	names := make([]string, 0, len(lds.Roles))
-	for _, r := range lds.Roles {
-		names = append(names, lds.ListenerName(key, r))
+	names := make([]string, 0, len(listener.Roles))
+	for _, r := range listener.Roles {
+		names = append(names, listener.ListenerName(key, r))
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -103,13 +103,13 @@ func (l *listenerSync) RecordRemoved(key string) {
 // at once (no new traffic is routed to it) but stays here, UNHEALTHY, until
 // RemovePod, like every local xDS resource.
 type localWorkloads struct {
-	cfg wds.Config
-	idx *wds.Index
+	cfg workload.Config
+	idx *workload.Index
 	log *slog.Logger
 }
 
 func (w *localWorkloads) RecordStored(_ *store.Record, ep registry.Endpoint) {
-	wl, err := wds.Build(w.cfg, ep)
+	wl, err := workload.Build(w.cfg, ep)
 	if err != nil {
 		w.log.Error("failed to build workload", "container_id", ep.Key, "error", err.Error())
 		return
@@ -143,11 +143,11 @@ func (n *nodeXDS) RecordRemoved(key string) {
 }
 
 func newNodeXDS(c *Config, log *slog.Logger) *nodeXDS {
-	n := &nodeXDS{listeners: newListenerSync(lds.Ports{}, log.With("component", "lds"))}
+	n := &nodeXDS{listeners: newListenerSync(listener.Ports{}, log.With("component", "lds"))}
 	if c.XDSSocket != "" || c.XDSAddress != "" {
 		n.workloads = &localWorkloads{
-			cfg: wds.Config{ClusterID: c.ClusterID, TrustDomain: c.TrustDomain, Network: c.Network},
-			idx: wds.NewIndex(), log: log.With("component", "wds"),
+			cfg: workload.Config{ClusterID: c.ClusterID, TrustDomain: c.TrustDomain, Network: c.Network},
+			idx: workload.NewIndex(), log: log.With("component", "wds"),
 		}
 	}
 	return n
@@ -207,8 +207,8 @@ func (r remoteOnly) Watch(ctx context.Context) (<-chan registry.Event, error) {
 // (istio.workload.Workload, delta and SotW, built from the registry) and the
 // per-pod listeners for aether-proxy.
 type xdsServers struct {
-	wds      *wds.Server
-	follower *wds.Follower
+	wds      *workload.Server
+	follower *workload.Follower
 	lds      *grpc.Server
 }
 
@@ -220,14 +220,14 @@ func startXDS(ctx context.Context, c *Config, reg registry.Registry, n *nodeXDS,
 	}
 	x := &xdsServers{}
 	if n.workloads != nil {
-		srv, err := wds.NewServer(n.workloads.idx, wds.ServerOptions{Logger: log.With("component", "wds"), Registerer: promReg})
+		srv, err := workload.NewServer(n.workloads.idx, workload.ServerOptions{Logger: log.With("component", "wds"), Registerer: promReg})
 		if err != nil {
 			return nil, fmt.Errorf("failed to create the workload discovery server: %w", err)
 		}
 		x.wds = srv
 		if c.Registry == "etcd" {
 			// Other nodes' pods come from the shared registry.
-			x.follower = wds.NewFollower(remoteOnly{Registry: reg, node: c.NodeName}, n.workloads.cfg, n.workloads.idx,
+			x.follower = workload.NewFollower(remoteOnly{Registry: reg, node: c.NodeName}, n.workloads.cfg, n.workloads.idx,
 				log.With("component", "wds_follower"))
 			go func() {
 				if err := x.follower.Run(ctx); err != nil && !errors.Is(err, context.Canceled) {
@@ -236,14 +236,14 @@ func startXDS(ctx context.Context, c *Config, reg registry.Registry, n *nodeXDS,
 			}()
 		}
 		go func() {
-			if err := srv.Serve(ctx, wds.ListenConfig{Socket: c.XDSSocket, TCPAddress: c.XDSAddress}); err != nil {
+			if err := srv.Serve(ctx, workload.ListenConfig{Socket: c.XDSSocket, TCPAddress: c.XDSAddress}); err != nil {
 				errc <- err
 			}
 		}()
 		log.Info("workload discovery serving", "socket", c.XDSSocket, "address", c.XDSAddress)
 	}
 	if c.LDSSocket != "" {
-		ln, err := wds.ListenUnix(c.LDSSocket)
+		ln, err := workload.ListenUnix(c.LDSSocket)
 		if err != nil {
 			return nil, fmt.Errorf("failed to listen on --lds-socket %q: %w", c.LDSSocket, err)
 		}

@@ -19,10 +19,10 @@ import (
 
 	"aether.io/node/agent/pods"
 	"aether.io/node/agent/podsource/manifests"
-	"aether.io/node/agent/registry/local"
 	"aether.io/node/agent/store"
 	"aether.io/node/agent/telemetry"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/registry/local"
 )
 
 func serve(t *testing.T, allowed []uint32) (cniv1.CNIServiceClient, *tracetest.SpanRecorder) {

@@ -25,11 +25,11 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"aether.io/node/agent/podsource"
-	"aether.io/node/agent/registry"
 	"aether.io/node/agent/store"
 	"aether.io/node/agent/telemetry"
 	"aether.io/node/agent/uds"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/registry"
 )
 
 // ManagedLabel marks a mesh-managed pod when its value is "true".

@@ -9,10 +9,10 @@ import (
 	"pgregory.net/rapid"
 
 	"aether.io/node/agent/podsource"
-	"aether.io/node/agent/registry"
-	"aether.io/node/agent/registry/local"
 	"aether.io/node/agent/store"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/registry"
+	"aether.io/node/registry/local"
 )
 
 // fakeSource is a podsource.Source held in memory.

@@ -13,7 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"aether.io/node/agent/registry"
+	"aether.io/node/registry"
 )
 
 // CSIDriver is the CSI driver whose inline ephemeral volumes carry a pod's

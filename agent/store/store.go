@@ -31,8 +31,8 @@ import (
 	bolt "go.etcd.io/bbolt"
 	"google.golang.org/protobuf/encoding/protojson"
 
-	"aether.io/node/agent/registry"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/registry"
 )
 
 // FileName is the database file inside the state directory.

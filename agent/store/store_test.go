@@ -14,8 +14,8 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 
-	"aether.io/node/agent/registry"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/registry"
 )
 
 func rec(i int) *Record {

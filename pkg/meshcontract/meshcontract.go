@@ -2,7 +2,7 @@
 // divert and aether-proxy must agree on: the per-pod listener ports, the
 // readiness endpoint, the socket mark that exempts the proxy's own upstream
 // sockets from capture, and the fwmark and route table of diverted packets.
-// meshcni/capture, proxy/lds and proxy/dataplane take their defaults from
+// meshcni/capture, xds/listener and proxy/dataplane take their defaults from
 // here, so the two sides cannot drift. The ports stay clear of Istio's 150xx
 // range so both meshes can share a node.
 package meshcontract

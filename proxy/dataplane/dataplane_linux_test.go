@@ -14,13 +14,13 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"aether.io/node/meshcni/probe"
+	"aether.io/node/meshcni/readiness"
 	"aether.io/node/proxy/dataplane"
-	"aether.io/node/proxy/lds"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/proxytest"
 	"aether.io/node/proxy/telemetry"
 	"aether.io/node/test/harness"
+	"aether.io/node/xds/listener"
 )
 
 func TestMain(m *testing.M) { harness.Main(m) }
@@ -57,7 +57,7 @@ func setup(t testing.TB, cfg dataplane.Config) *env {
 }
 
 func (e *env) set(t testing.TB, pods ...*proxytest.Pod) {
-	var specs []lds.Spec
+	var specs []listener.Spec
 	for _, p := range pods {
 		specs = append(specs, p.Specs(t)...)
 	}
@@ -406,14 +406,14 @@ func TestCaptureForwardsUDP(t *testing.T) {
 	}
 }
 
-// TestPluginReadinessProbe drives aether-cni's own prober (meshcni/probe)
+// TestPluginReadinessProbe drives aether-cni's own prober (meshcni/readiness)
 // against the proxy: it confirms a serving pod, and sees 503 while the pod
 // drains with a connection open.
 func TestPluginReadinessProbe(t *testing.T) {
 	e := setup(t, dataplane.Config{})
-	url := fmt.Sprintf("http://127.0.0.1:%d%s", lds.DefaultOutboundPort, lds.ReadyPath)
+	url := fmt.Sprintf("http://127.0.0.1:%d%s", listener.DefaultOutboundPort, listener.ReadyPath)
 	ctx := ctx10(t)
-	if err := (probe.Prober{}).Probe(ctx, e.client.NS.Path(), url, 5*time.Second); err != nil {
+	if err := (readiness.Prober{}).Probe(ctx, e.client.NS.Path(), url, 5*time.Second); err != nil {
 		t.Fatalf("plugin probe of a serving pod: %v", err)
 	}
 	e.server.Echo(t, 8082)
@@ -432,7 +432,7 @@ func TestPluginReadinessProbe(t *testing.T) {
 	e.waitReady(t, e.client, 503)
 	// The prober returns its last failure: a 503, or (if the budget ends
 	// during a request) that request's deadline. Either way it must fail.
-	err = (probe.Prober{Interval: 400 * time.Millisecond}).Probe(ctx, e.client.NS.Path(), url, time.Second)
+	err = (readiness.Prober{Interval: 400 * time.Millisecond}).Probe(ctx, e.client.NS.Path(), url, time.Second)
 	if err == nil || !strings.Contains(err.Error(), "503") && !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("plugin probe of a draining pod = %v, want a 503 failure", err)
 	}
@@ -488,7 +488,7 @@ func TestBindFailureRetried(t *testing.T) {
 	var squat net.Listener
 	client.NS.MustDo(t, func() error {
 		var err error
-		squat, err = net.Listen("tcp4", fmt.Sprintf("127.0.0.1:%d", lds.DefaultOutboundPort))
+		squat, err = net.Listen("tcp4", fmt.Sprintf("127.0.0.1:%d", listener.DefaultOutboundPort))
 		return err
 	})
 	defer squat.Close()
@@ -511,7 +511,7 @@ func TestBindFailureRetried(t *testing.T) {
 	}
 	// Nothing of the pod stayed bound: the capture port is free.
 	client.NS.MustDo(t, func() error {
-		l, err := net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", lds.DefaultCapturePort))
+		l, err := net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", listener.DefaultCapturePort))
 		if err != nil {
 			return fmt.Errorf("capture port left bound after a failed start: %w", err)
 		}
@@ -529,13 +529,13 @@ func TestListenersChanged(t *testing.T) {
 	e := setup(t, dataplane.Config{})
 	rec := e.client.Record()
 	rec.Ports.Outbound = 19081
-	ls, err := lds.Build(rec)
+	ls, err := listener.Build(rec)
 	if err != nil {
 		t.Fatal(err)
 	}
 	specs := e.server.Specs(t)
 	for _, l := range ls {
-		s, err := lds.Parse(l)
+		s, err := listener.Parse(l)
 		if err != nil {
 			t.Fatal(err)
 		}

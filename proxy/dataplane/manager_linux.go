@@ -14,9 +14,9 @@ import (
 
 	"aether.io/node/pkg/meshcontract"
 
-	"aether.io/node/proxy/lds"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"
+	"aether.io/node/xds/listener"
 )
 
 // Defaults of Config.
@@ -107,8 +107,8 @@ type Manager struct {
 	home    int
 
 	mu       sync.Mutex
-	desired  map[string][]lds.Spec // pod key -> listeners, sorted by name
-	pods     map[string]*pod       // serving pods
+	desired  map[string][]listener.Spec // pod key -> listeners, sorted by name
+	pods     map[string]*pod            // serving pods
 	draining map[*pod]struct{}
 	failed   map[string]string // pod key -> last bind error
 	kick     chan struct{}
@@ -130,7 +130,7 @@ func New(cfg Config, lookup PeerLookup, m *telemetry.Metrics, log *slog.Logger) 
 	}
 	return &Manager{
 		cfg: cfg.withDefaults(), log: log, peers: lookup, metrics: m, home: home,
-		desired: map[string][]lds.Spec{}, pods: map[string]*pod{}, draining: map[*pod]struct{}{},
+		desired: map[string][]listener.Spec{}, pods: map[string]*pod{}, draining: map[*pod]struct{}{},
 		failed: map[string]string{}, kick: make(chan struct{}, 1),
 	}, nil
 }
@@ -138,8 +138,8 @@ func New(cfg Config, lookup PeerLookup, m *telemetry.Metrics, log *slog.Logger) 
 // SetListeners replaces the desired listeners (the proxy's whole LDS state).
 // Pods whose listeners appear are bound, pods whose listeners changed are
 // drained and bound again, pods whose listeners are gone are drained.
-func (m *Manager) SetListeners(specs []lds.Spec) {
-	byPod := map[string][]lds.Spec{}
+func (m *Manager) SetListeners(specs []listener.Spec) {
+	byPod := map[string][]listener.Spec{}
 	for _, s := range specs {
 		byPod[s.PodKey] = append(byPod[s.PodKey], s)
 	}
@@ -219,7 +219,7 @@ func (m *Manager) reconcile(ctx context.Context) {
 	}
 	type start struct {
 		key   string
-		specs []lds.Spec
+		specs []listener.Spec
 	}
 	var starts []start
 	for key, specs := range m.desired {
@@ -341,7 +341,7 @@ func (m *Manager) Close() error {
 
 var errClosed = errors.New("pod closed")
 
-func specsError(key string, specs []lds.Spec) error {
+func specsError(key string, specs []listener.Spec) error {
 	if len(specs) == 0 {
 		return fmt.Errorf("pod %q has no listeners", key)
 	}

@@ -15,7 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"aether.io/node/proxy/lds"
+	"aether.io/node/xds/listener"
 )
 
 func closeFd(fd int) error { return unix.Close(fd) }
@@ -26,7 +26,7 @@ type pod struct {
 	key       string
 	namespace string
 	name      string
-	specs     []lds.Spec
+	specs     []listener.Spec
 	ips       []netip.Addr
 	netns     *netNS
 	log       *slog.Logger
@@ -56,7 +56,7 @@ type pod struct {
 type closer interface{ abort() }
 
 type tcpListener struct {
-	spec lds.Spec
+	spec listener.Spec
 	ln   *net.TCPListener
 	port uint16
 }
@@ -102,7 +102,7 @@ func markControl(mark uint32) func(network, address string, rc syscall.RawConn) 
 	}
 }
 
-func network(b lds.Bind) string {
+func network(b listener.Bind) string {
 	n := "tcp"
 	if b.UDP {
 		n = "udp"
@@ -115,7 +115,7 @@ func network(b lds.Bind) string {
 
 // startPod opens the pod's netns and binds every listener inside it. On
 // error nothing stays bound.
-func (m *Manager) startPod(ctx context.Context, key string, specs []lds.Spec) (*pod, error) {
+func (m *Manager) startPod(ctx context.Context, key string, specs []listener.Spec) (*pod, error) {
 	if err := specsError(key, specs); err != nil {
 		return nil, err
 	}
@@ -173,7 +173,7 @@ func (p *pod) serve() {
 	for _, l := range p.tcp {
 		p.loops.Add(1)
 		switch l.spec.Role {
-		case lds.RoleOutbound:
+		case listener.RoleOutbound:
 			srv := &http.Server{Handler: p.readinessHandler(), ReadHeaderTimeout: 5 * time.Second}
 			p.http = append(p.http, srv)
 			p.hwg.Add(1)
@@ -208,7 +208,7 @@ func (p *pod) ready() bool {
 
 func (p *pod) readinessHandler() http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("GET "+lds.ReadyPath, func(w http.ResponseWriter, _ *http.Request) {
+	mux.HandleFunc("GET "+listener.ReadyPath, func(w http.ResponseWriter, _ *http.Request) {
 		if p.ready() {
 			w.WriteHeader(http.StatusOK)
 			_, _ = w.Write([]byte("ready\n"))
@@ -247,7 +247,7 @@ func (p *pod) acceptLoop(l *tcpListener) {
 		go func() {
 			defer p.wg.Done()
 			switch l.spec.Role {
-			case lds.RoleCapture:
+			case listener.RoleCapture:
 				p.proxyTCP(c, l)
 			default:
 				// The inbound listener has no tunnel protocol yet: without
@@ -289,7 +289,7 @@ func (p *pod) openConns() int {
 // listener keeps answering (503 while draining).
 func (p *pod) stopAccepting() {
 	for _, l := range p.tcp {
-		if l.spec.Role != lds.RoleOutbound {
+		if l.spec.Role != listener.RoleOutbound {
 			_ = l.ln.Close()
 		}
 	}

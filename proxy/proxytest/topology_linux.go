@@ -18,8 +18,8 @@ import (
 
 	"aether.io/node/api/istio/workload"
 	"aether.io/node/meshcni/capture"
-	"aether.io/node/proxy/lds"
 	"aether.io/node/test/harness"
+	"aether.io/node/xds/listener"
 )
 
 // Pod is one pod netns of a topology.
@@ -31,8 +31,8 @@ type Pod struct {
 }
 
 // Record is the pod record the agent would build listeners from.
-func (p *Pod) Record() lds.Pod {
-	return lds.Pod{
+func (p *Pod) Record() listener.Pod {
+	return listener.Pod{
 		ContainerID: "ctr-" + p.Name, Namespace: "default", Name: p.Name, UID: "uid-" + p.Name,
 		NetNSPath: p.NS.Path(), IPs: []netip.Addr{p.IP4, p.IP6},
 	}
@@ -48,15 +48,15 @@ func (p *Pod) Workload() *workload.Workload {
 }
 
 // Specs are the parsed listeners of the pod.
-func (p *Pod) Specs(tb testing.TB) []lds.Spec {
+func (p *Pod) Specs(tb testing.TB) []listener.Spec {
 	tb.Helper()
-	ls, err := lds.Build(p.Record())
+	ls, err := listener.Build(p.Record())
 	if err != nil {
 		tb.Fatal(err)
 	}
-	var out []lds.Spec
+	var out []listener.Spec
 	for _, l := range ls {
-		s, err := lds.Parse(l)
+		s, err := listener.Parse(l)
 		if err != nil {
 			tb.Fatal(err)
 		}
@@ -122,7 +122,7 @@ func (p *Pod) Dial(ctx context.Context, dst netip.AddrPort) (*net.TCPConn, error
 // Readiness GETs the readiness endpoint from inside the pod and returns the
 // HTTP status code.
 func (p *Pod) Readiness(ctx context.Context) (int, error) {
-	c, err := p.Dial(ctx, netip.MustParseAddrPort(fmt.Sprintf("127.0.0.1:%d", lds.DefaultOutboundPort)))
+	c, err := p.Dial(ctx, netip.MustParseAddrPort(fmt.Sprintf("127.0.0.1:%d", listener.DefaultOutboundPort)))
 	if err != nil {
 		return 0, err
 	}
@@ -130,7 +130,7 @@ func (p *Pod) Readiness(ctx context.Context) (int, error) {
 	if dl, ok := ctx.Deadline(); ok {
 		_ = c.SetDeadline(dl)
 	}
-	if _, err := fmt.Fprintf(c, "GET %s HTTP/1.0\r\nHost: localhost\r\n\r\n", lds.ReadyPath); err != nil {
+	if _, err := fmt.Fprintf(c, "GET %s HTTP/1.0\r\nHost: localhost\r\n\r\n", listener.ReadyPath); err != nil {
 		return 0, err
 	}
 	line, err := bufio.NewReader(c).ReadString('\n')

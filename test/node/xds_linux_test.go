@@ -14,7 +14,7 @@ import (
 	"time"
 
 	current "github.com/containernetworking/cni/pkg/types/100"
-	listener "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -22,9 +22,9 @@ import (
 
 	"aether.io/node/api/istio/workload"
 	"aether.io/node/meshcni/e2e/agentproc"
-	"aether.io/node/proxy/lds"
 	"aether.io/node/test/harness"
-	"aether.io/node/wds/client"
+	"aether.io/node/xds/listener"
+	"aether.io/node/xds/workload/client"
 )
 
 func TestMain(m *testing.M) { harness.Main(m) }
@@ -73,7 +73,7 @@ func writePod(t *testing.T, a *agentproc.Agent, ns, name, uid, deletionTimestamp
 // ldsWatch follows the agent's listener discovery with a raw delta stream.
 type ldsWatch struct {
 	mu        sync.Mutex
-	listeners map[string]*listener.Listener
+	listeners map[string]*listenerv3.Listener
 }
 
 func watchLDS(t *testing.T, sock string) *ldsWatch {
@@ -88,10 +88,10 @@ func watchLDS(t *testing.T, sock string) *ldsWatch {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: lds.TypeURL, ResourceNamesSubscribe: []string{"*"}}); err != nil {
+	if err := stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: listener.TypeURL, ResourceNamesSubscribe: []string{"*"}}); err != nil {
 		t.Fatal(err)
 	}
-	w := &ldsWatch{listeners: map[string]*listener.Listener{}}
+	w := &ldsWatch{listeners: map[string]*listenerv3.Listener{}}
 	go func() {
 		for {
 			resp, err := stream.Recv()
@@ -100,7 +100,7 @@ func watchLDS(t *testing.T, sock string) *ldsWatch {
 			}
 			w.mu.Lock()
 			for _, r := range resp.GetResources() {
-				l := &listener.Listener{}
+				l := &listenerv3.Listener{}
 				if err := proto.Unmarshal(r.GetResource().GetValue(), l); err == nil {
 					w.listeners[r.GetName()] = l
 				}
@@ -109,16 +109,16 @@ func watchLDS(t *testing.T, sock string) *ldsWatch {
 				delete(w.listeners, n)
 			}
 			w.mu.Unlock()
-			_ = stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: lds.TypeURL, ResponseNonce: resp.GetNonce()})
+			_ = stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: listener.TypeURL, ResponseNonce: resp.GetNonce()})
 		}
 	}()
 	return w
 }
 
-func (w *ldsWatch) forPod(containerID string) []*listener.Listener {
+func (w *ldsWatch) forPod(containerID string) []*listenerv3.Listener {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	var out []*listener.Listener
+	var out []*listenerv3.Listener
 	for name, l := range w.listeners {
 		if strings.HasPrefix(name, "aether/"+containerID+"/") {
 			out = append(out, l)
@@ -127,7 +127,7 @@ func (w *ldsWatch) forPod(containerID string) []*listener.Listener {
 	return out
 }
 
-// wdsWatch follows the agent's workload discovery with wds/client.
+// wdsWatch follows the agent's workload discovery with xds/workload/client.
 func watchWDS(t *testing.T, sock string) *client.Client {
 	t.Helper()
 	c, err := client.Dial(context.Background(), client.Options{Socket: sock, NodeID: "node-test"})
@@ -213,7 +213,7 @@ func TestManagedPodOverXDS(t *testing.T) {
 		t.Fatalf("unexpected workload: %v", w)
 	}
 
-	eventually(t, "pod listeners served", func() bool { return len(ldsw.forPod(p.ContainerID)) == len(lds.Roles) })
+	eventually(t, "pod listeners served", func() bool { return len(ldsw.forPod(p.ContainerID)) == len(listener.Roles) })
 	pin := filepath.Join(pinDir, p.ContainerID)
 	for _, l := range ldsw.forPod(p.ContainerID) {
 		if got := l.GetAddress().GetSocketAddress().GetNetworkNamespaceFilepath(); got != pin {
@@ -227,7 +227,7 @@ func TestManagedPodOverXDS(t *testing.T) {
 		w := find(wds, uid)
 		return w != nil && w.GetStatus() == workload.WorkloadStatus_UNHEALTHY
 	})
-	if len(ldsw.forPod(p.ContainerID)) != len(lds.Roles) {
+	if len(ldsw.forPod(p.ContainerID)) != len(listener.Roles) {
 		t.Fatal("listeners of a terminating pod must stay until DEL")
 	}
 

@@ -19,7 +19,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"aether.io/node/agent/podsource"
-	"aether.io/node/agent/registry"
+	"aether.io/node/registry"
 )
 
 // Config loads a client config from kubeconfig, or the in-cluster config

@@ -1,0 +1,344 @@
+// Package spiderpool is a small client of spiderpool-agent's unix-socket API:
+// GetWorkloadEndpoint (GET /v1/workloadendpoint?podNamespace=&podName=) and
+// the health check (GET /v1/ipam/healthy). It is hand-rolled on net/http
+// with a context-aware unix dialer, so a hung or absent agent is bounded by
+// the caller's context, and it validates what the agent returns: the agent
+// reads an informer cache that lags the IPAM write, and omits "vlan" when 0
+// and "mac" when empty, so an answer is only a binding once it names a VLAN
+// in 1..4094, a unicast MAC, the IPs IPAM allocated and the pod's UID.
+package spiderpool
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"net/url"
+	"strings"
+	"time"
+)
+
+// Route is one route of an interface entry (all fields required by the API).
+type Route struct {
+	// IfName is the interface the route belongs to.
+	IfName string `json:"ifName"`
+	// Dst is the destination CIDR.
+	Dst string `json:"dst"`
+	// Gw is the next hop.
+	Gw string `json:"gw"`
+}
+
+// InterfaceDetail mirrors spiderpool's models.InterfaceDetail.
+// Field names and JSON keys follow api/v1/agent/openapi.yaml; vlan and mac
+// are omitted by the agent when zero/empty.
+type InterfaceDetail struct {
+	// Interface is the pod interface name (required).
+	Interface   *string  `json:"interface"`
+	IPv4        string   `json:"ipv4,omitempty"`
+	IPv6        string   `json:"ipv6,omitempty"`
+	IPv4Gateway string   `json:"ipv4Gateway,omitempty"`
+	IPv6Gateway string   `json:"ipv6Gateway,omitempty"`
+	IPv4Pool    string   `json:"ipv4Pool,omitempty"`
+	IPv6Pool    string   `json:"ipv6Pool,omitempty"`
+	MAC         string   `json:"mac,omitempty"`
+	VLAN        int64    `json:"vlan,omitempty"`
+	Routes      []*Route `json:"routes,omitempty"`
+}
+
+// WorkloadEndpointStatus mirrors spiderpool's models.WorkloadEndpointStatus.
+// Every field is required by the API.
+type WorkloadEndpointStatus struct {
+	// PodNamespace, PodName, PodUID and Node identify the pod.
+	PodNamespace *string            `json:"podNamespace"`
+	PodName      *string            `json:"podName"`
+	PodUID       *string            `json:"podUID"`
+	Node         *string            `json:"node"`
+	Interfaces   []*InterfaceDetail `json:"interfaces"`
+}
+
+// Query says which pod and interface to look up and what IPAM allocated.
+type Query struct {
+	// PodNamespace and PodName are K8S_POD_NAMESPACE and K8S_POD_NAME.
+	PodNamespace, PodName string
+	// PodUID is K8S_POD_UID; empty skips the UID cross-check.
+	PodUID string
+	// IfName is CNI_IFNAME; the entry with this "interface" is picked.
+	IfName string
+	// IPv4 and IPv6 are the addresses IPAM allocated (invalid = none).
+	IPv4, IPv6 netip.Addr
+}
+
+// Binding is a validated cloud binding for one interface.
+type Binding struct {
+	// VLAN is the 802.1Q VLAN ID, 1..4094.
+	VLAN int
+	// MAC is the sub-ENI's unicast MAC.
+	MAC net.HardwareAddr
+	// IPv4 and IPv6 are the addresses the agent reports (may be invalid).
+	IPv4, IPv6 netip.Prefix
+	// PodUID is the UID the agent reports.
+	PodUID string
+}
+
+// ErrIncomplete marks an answer that may still become valid (404, missing
+// vlan or mac, stale record): the lookup is retried within its budget.
+var ErrIncomplete = errors.New("workload endpoint not ready")
+
+// ErrInvalid marks an answer that is complete but unusable (VLAN out of
+// range, malformed MAC): it is not retried.
+var ErrInvalid = errors.New("invalid workload endpoint")
+
+// Decode parses a 200 body of GET /v1/workloadendpoint. Required fields of
+// the API (podNamespace, podName, podUID, node, interfaces, interface) must
+// be present.
+func Decode(body []byte) (*WorkloadEndpointStatus, error) {
+	var s WorkloadEndpointStatus
+	if err := json.Unmarshal(body, &s); err != nil {
+		return nil, fmt.Errorf("failed to decode workload endpoint: %w", err)
+	}
+	var missing []string
+	for name, p := range map[string]*string{"podNamespace": s.PodNamespace, "podName": s.PodName, "podUID": s.PodUID, "node": s.Node} {
+		if p == nil {
+			missing = append(missing, name)
+		}
+	}
+	if s.Interfaces == nil {
+		missing = append(missing, "interfaces")
+	}
+	for i, in := range s.Interfaces {
+		if in == nil || in.Interface == nil {
+			missing = append(missing, fmt.Sprintf("interfaces[%d].interface", i))
+		}
+	}
+	if len(missing) > 0 {
+		return nil, fmt.Errorf("failed to decode workload endpoint: required fields missing: %s", strings.Join(missing, ", "))
+	}
+	return &s, nil
+}
+
+// Select picks the entry for q.IfName and validates it against q. Errors
+// wrap ErrIncomplete (retry) or ErrInvalid (give up).
+func Select(s *WorkloadEndpointStatus, q Query) (*Binding, error) {
+	if q.PodUID != "" && s.PodUID != nil && *s.PodUID != q.PodUID {
+		return nil, fmt.Errorf("%w: agent reports podUID %q, K8S_POD_UID is %q (stale record)", ErrIncomplete, *s.PodUID, q.PodUID)
+	}
+	var in *InterfaceDetail
+	var names []string
+	for _, e := range s.Interfaces {
+		if e == nil || e.Interface == nil {
+			continue
+		}
+		names = append(names, *e.Interface)
+		if *e.Interface == q.IfName {
+			in = e
+		}
+	}
+	if in == nil {
+		return nil, fmt.Errorf("%w: no interface entry for %q (agent has %q)", ErrIncomplete, q.IfName, names)
+	}
+	b := &Binding{}
+	if s.PodUID != nil {
+		b.PodUID = *s.PodUID
+	}
+	if in.VLAN == 0 {
+		return nil, fmt.Errorf("%w: entry for %q has no \"vlan\"", ErrIncomplete, q.IfName)
+	}
+	if in.VLAN < 1 || in.VLAN > 4094 {
+		return nil, fmt.Errorf("%w: entry for %q has \"vlan\" %d: want 1..4094", ErrInvalid, q.IfName, in.VLAN)
+	}
+	b.VLAN = int(in.VLAN)
+	if in.MAC == "" {
+		return nil, fmt.Errorf("%w: entry for %q has no \"mac\"", ErrIncomplete, q.IfName)
+	}
+	mac, err := net.ParseMAC(in.MAC)
+	if err != nil || len(mac) != 6 {
+		return nil, fmt.Errorf("%w: entry for %q has \"mac\" %q: want six colon-separated hex bytes", ErrInvalid, q.IfName, in.MAC)
+	}
+	if mac[0]&1 != 0 || [6]byte(mac) == [6]byte{} {
+		return nil, fmt.Errorf("%w: entry for %q has \"mac\" %q: want a unicast, non-zero MAC", ErrInvalid, q.IfName, in.MAC)
+	}
+	b.MAC = mac
+	for _, fam := range []struct {
+		name string
+		got  string
+		want netip.Addr
+		dst  *netip.Prefix
+	}{{"ipv4", in.IPv4, q.IPv4, &b.IPv4}, {"ipv6", in.IPv6, q.IPv6, &b.IPv6}} {
+		if fam.got == "" {
+			continue
+		}
+		p, err := netip.ParsePrefix(fam.got)
+		if err != nil {
+			a, aerr := netip.ParseAddr(fam.got)
+			if aerr != nil {
+				return nil, fmt.Errorf("%w: entry for %q has %q %q: want an address in CIDR form", ErrInvalid, q.IfName, fam.name, fam.got)
+			}
+			p = netip.PrefixFrom(a, a.BitLen())
+		}
+		if fam.want.IsValid() && p.Addr().Unmap() != fam.want.Unmap() {
+			return nil, fmt.Errorf("%w: entry for %q has %s %s but IPAM allocated %s (stale record)", ErrIncomplete, q.IfName, fam.name, p.Addr(), fam.want)
+		}
+		*fam.dst = p
+	}
+	if q.IPv4.IsValid() && !b.IPv4.IsValid() {
+		return nil, fmt.Errorf("%w: entry for %q has no ipv4 but IPAM allocated %s", ErrIncomplete, q.IfName, q.IPv4)
+	}
+	return b, nil
+}
+
+// Client talks to spiderpool-agent over its unix socket.
+type Client struct {
+	socket string
+	http   *http.Client
+	// MinBackoff and MaxBackoff bound the retry delay of Lookup.
+	MinBackoff, MaxBackoff time.Duration
+}
+
+// New returns a client of the agent listening on socket. It does no I/O.
+func New(socket string) *Client {
+	d := &net.Dialer{}
+	tr := &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			return d.DialContext(ctx, "unix", socket)
+		},
+		DisableCompression: true,
+		MaxIdleConns:       1,
+	}
+	return &Client{socket: socket, http: &http.Client{Transport: tr}, MinBackoff: 10 * time.Millisecond, MaxBackoff: 500 * time.Millisecond}
+}
+
+// Close releases idle connections.
+func (c *Client) Close() { c.http.CloseIdleConnections() }
+
+// StatusError is a non-200 answer of the agent.
+type StatusError struct {
+	// Code is the HTTP status.
+	Code int
+	// Body is the (truncated) answer.
+	Body string
+}
+
+func (e *StatusError) Error() string {
+	return fmt.Sprintf("spiderpool-agent answered HTTP %d: %s", e.Code, e.Body)
+}
+
+func (c *Client) get(ctx context.Context, path string, q url.Values) ([]byte, error) {
+	u := url.URL{Scheme: "http", Host: "spiderpool-agent", Path: path, RawQuery: q.Encode()}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
+	if err != nil {
+		return nil, fmt.Errorf("failed to build request %q: %w", path, err)
+	}
+	req.Header.Set("Accept", "application/json")
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("failed to reach spiderpool-agent at %q: %w", c.socket, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return nil, fmt.Errorf("failed to read spiderpool-agent answer to %q: %w", path, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		b := strings.TrimSpace(string(body))
+		if len(b) > 256 {
+			b = b[:256]
+		}
+		return nil, &StatusError{Code: resp.StatusCode, Body: b}
+	}
+	return body, nil
+}
+
+// Healthy calls GET /v1/ipam/healthy and returns nil on HTTP 200.
+func (c *Client) Healthy(ctx context.Context) error {
+	_, err := c.get(ctx, "/v1/ipam/healthy", nil)
+	return err
+}
+
+// Get performs one GetWorkloadEndpoint call.
+func (c *Client) Get(ctx context.Context, podNamespace, podName string) (*WorkloadEndpointStatus, error) {
+	body, err := c.get(ctx, "/v1/workloadendpoint", url.Values{"podNamespace": {podNamespace}, "podName": {podName}})
+	if err != nil {
+		return nil, err
+	}
+	return Decode(body)
+}
+
+// retryable reports whether an error of one Get/Select round may clear up.
+func retryable(err error) bool {
+	var se *StatusError
+	if errors.As(err, &se) {
+		// 404: the informer cache has not seen the SpiderEndpoint yet;
+		// 5xx: agent-side trouble. 4xx other than 404 (422 for bad
+		// parameters) will not change.
+		return se.Code == http.StatusNotFound || se.Code >= 500
+	}
+	if errors.Is(err, ErrInvalid) {
+		return false
+	}
+	// Dial errors, missing fields and ErrIncomplete may clear up.
+	return true
+}
+
+// LookupError is returned when Lookup gives up.
+type LookupError struct {
+	// Attempts is how many calls were made.
+	Attempts int
+	// Last is the last round's error.
+	Last error
+	// Retryable says whether the caller should report "try again later".
+	Retryable bool
+	// Budget is set when the context ended the lookup.
+	Budget error
+}
+
+func (e *LookupError) Error() string {
+	if e.Budget != nil && !errors.Is(e.Last, e.Budget) {
+		return fmt.Sprintf("failed to get workload endpoint after %d attempt(s) (%v); last answer: %v", e.Attempts, e.Budget, e.Last)
+	}
+	return fmt.Sprintf("failed to get workload endpoint after %d attempt(s): %v", e.Attempts, e.Last)
+}
+
+func (e *LookupError) Unwrap() []error { return []error{e.Last, e.Budget} }
+
+// Lookup calls GetWorkloadEndpoint until it yields a valid binding for q,
+// retrying with exponential backoff while the answer may still change
+// (404, 5xx, unreachable agent, missing vlan/mac, stale record), within
+// ctx's deadline.
+func (c *Client) Lookup(ctx context.Context, q Query) (*Binding, error) {
+	backoff := c.MinBackoff
+	attempts := 0
+	var last error
+	for {
+		attempts++
+		s, err := c.Get(ctx, q.PodNamespace, q.PodName)
+		var b *Binding
+		if err == nil {
+			b, err = Select(s, q)
+		}
+		if err == nil {
+			return b, nil
+		}
+		if !retryable(err) {
+			return nil, &LookupError{Attempts: attempts, Last: err}
+		}
+		// Keep the last informative answer, not the deadline that cut a call.
+		if last == nil || ctx.Err() == nil {
+			last = err
+		}
+		if ctx.Err() != nil {
+			return nil, &LookupError{Attempts: attempts, Last: last, Retryable: true, Budget: ctx.Err()}
+		}
+		t := time.NewTimer(backoff)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil, &LookupError{Attempts: attempts, Last: last, Retryable: true, Budget: ctx.Err()}
+		case <-t.C:
+		}
+		backoff = min(backoff*2, c.MaxBackoff)
+	}
+}

@@ -1,0 +1,503 @@
+// Package etcd is the registry.Registry backend that spans nodes: every agent
+// writes its own node's endpoints to etcd under <prefix><node>/<key>, bound to
+// one lease per agent, and watches the whole prefix to learn every node's.
+//
+// Lease and liveness: the backend runs the lease keepalive itself (started by
+// the first Register, stopped by Close). If the lease is lost (etcd was away
+// longer than the TTL, or the lease was revoked) the backend grants a new one
+// and writes this node's endpoints again. A node that dies stops keeping its
+// lease alive and its endpoints disappear when the TTL runs out. Close does
+// not revoke the lease, so a restarting agent does not flap its workloads;
+// Revoke deletes this node's endpoints at once (node decommission).
+//
+// Watch is Get plus a watch from the next revision; it resumes from the last
+// revision it delivered after a disconnect, and if that revision was
+// compacted it lists again and sends the difference, so no change is lost.
+package etcd
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	"go.etcd.io/etcd/client/pkg/v3/transport"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+
+	"aether.io/node/registry"
+)
+
+// DefaultPrefix is the key prefix endpoints are stored under.
+const DefaultPrefix = "/aether/endpoints/"
+
+// DefaultLeaseTTL is the lease TTL when Options.LeaseTTL is zero.
+const DefaultLeaseTTL = 10 * time.Second
+
+// Options configure the etcd registry.
+type Options struct {
+	// Endpoints are the etcd client URLs (https://10.0.0.1:2379, unix://...).
+	Endpoints []string
+	// Node is this agent's node name; it owns <Prefix><Node>/. Required.
+	Node string
+	// Prefix is the key prefix shared by all agents; DefaultPrefix if empty.
+	// It must end with "/".
+	Prefix string
+	// LeaseTTL is how long a dead node's endpoints survive; DefaultLeaseTTL if
+	// zero. etcd rounds it up to whole seconds (minimum 2 s).
+	LeaseTTL time.Duration
+	// DialTimeout bounds the first connection; 5 s if zero.
+	DialTimeout time.Duration
+	// CertFile and KeyFile are the client certificate; CAFile the trusted CA.
+	// All empty for plain connections.
+	CertFile, KeyFile, CAFile string
+	// Logger receives lease and watch records; nil discards.
+	Logger *slog.Logger
+}
+
+// Registry is the etcd backend. It is safe for concurrent use.
+type Registry struct {
+	cli     *clientv3.Client
+	ownsCli bool
+	node    string
+	prefix  string
+	ttl     int64
+	log     *slog.Logger
+
+	ctx    context.Context // ends at Close; owns the keepalive loop
+	cancel context.CancelFunc
+
+	mu    sync.Mutex
+	lease clientv3.LeaseID // 0 = none yet
+	local map[string]registry.Endpoint
+	wg    sync.WaitGroup
+}
+
+var _ registry.Registry = (*Registry)(nil)
+
+func (o *Options) defaults() error {
+	if o.Node == "" {
+		return errors.New("invalid etcd registry options: node name is empty")
+	}
+	if strings.Contains(o.Node, "/") {
+		return fmt.Errorf("invalid etcd registry options: node name %q contains '/'", o.Node)
+	}
+	if o.Prefix == "" {
+		o.Prefix = DefaultPrefix
+	}
+	if !strings.HasSuffix(o.Prefix, "/") {
+		return fmt.Errorf("invalid etcd registry options: prefix %q must end with '/'", o.Prefix)
+	}
+	if o.LeaseTTL == 0 {
+		o.LeaseTTL = DefaultLeaseTTL
+	}
+	if o.LeaseTTL < 0 {
+		return fmt.Errorf("invalid etcd registry options: lease TTL %s is negative", o.LeaseTTL)
+	}
+	if o.DialTimeout == 0 {
+		o.DialTimeout = 5 * time.Second
+	}
+	return nil
+}
+
+// New connects a client to opts.Endpoints (without blocking) and returns the
+// registry. Close releases it.
+func New(opts Options) (*Registry, error) {
+	if err := opts.defaults(); err != nil {
+		return nil, err
+	}
+	if len(opts.Endpoints) == 0 {
+		return nil, errors.New("invalid etcd registry options: no etcd endpoints; set at least one URL")
+	}
+	cfg := clientv3.Config{
+		Endpoints:   opts.Endpoints,
+		DialTimeout: opts.DialTimeout,
+		Logger:      zap.NewNop(),
+	}
+	if opts.CertFile != "" || opts.KeyFile != "" || opts.CAFile != "" {
+		tlsInfo := transport.TLSInfo{CertFile: opts.CertFile, KeyFile: opts.KeyFile, TrustedCAFile: opts.CAFile}
+		tc, err := tlsInfo.ClientConfig()
+		if err != nil {
+			return nil, fmt.Errorf("failed to load etcd TLS files (cert %q, key %q, ca %q): %w", opts.CertFile, opts.KeyFile, opts.CAFile, err)
+		}
+		cfg.TLS = tc
+	}
+	cli, err := clientv3.New(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("failed to create etcd client for %q: %w", opts.Endpoints, err)
+	}
+	r := newRegistry(cli, opts)
+	r.ownsCli = true
+	return r, nil
+}
+
+// NewWithClient returns a registry on an existing client (Endpoints, TLS
+// and DialTimeout are ignored). Close does not close cli.
+func NewWithClient(cli *clientv3.Client, opts Options) (*Registry, error) {
+	if err := opts.defaults(); err != nil {
+		return nil, err
+	}
+	return newRegistry(cli, opts), nil
+}
+
+func newRegistry(cli *clientv3.Client, opts Options) *Registry {
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	ttl := int64((opts.LeaseTTL + time.Second - 1) / time.Second)
+	ctx, cancel := context.WithCancel(context.Background())
+	return &Registry{
+		cli: cli, node: opts.Node, prefix: opts.Prefix, ttl: ttl, log: log,
+		ctx: ctx, cancel: cancel, local: make(map[string]registry.Endpoint),
+	}
+}
+
+func (r *Registry) key(epKey string) string { return r.prefix + r.node + "/" + epKey }
+
+// endpointKey returns the endpoint key of an etcd key under the prefix.
+func (r *Registry) endpointKey(k string) (string, bool) {
+	rest, ok := strings.CutPrefix(k, r.prefix)
+	if !ok {
+		return "", false
+	}
+	_, key, ok := strings.Cut(rest, "/")
+	return key, ok && key != ""
+}
+
+// Register writes ep under this node with the node's lease.
+func (r *Registry) Register(ctx context.Context, ep registry.Endpoint) error {
+	if ep.Key == "" || strings.Contains(ep.Key, "/") {
+		return fmt.Errorf("failed to register endpoint %q: the key must be non-empty and free of '/'", ep.Key)
+	}
+	val, err := json.Marshal(ep)
+	if err != nil {
+		return fmt.Errorf("failed to encode endpoint %q: %w", ep.Key, err)
+	}
+	r.mu.Lock()
+	r.local[ep.Key] = ep
+	r.mu.Unlock()
+	for attempt := 0; ; attempt++ {
+		lease, err := r.ensureLease(ctx)
+		if err != nil {
+			return err
+		}
+		_, err = r.cli.Put(ctx, r.key(ep.Key), string(val), clientv3.WithLease(lease))
+		if err == nil {
+			return nil
+		}
+		if errors.Is(err, rpctypes.ErrLeaseNotFound) && attempt == 0 {
+			r.leaseLost(lease)
+			continue
+		}
+		return fmt.Errorf("failed to register endpoint %q in etcd: %w", ep.Key, err)
+	}
+}
+
+// Deregister deletes the endpoint at once.
+func (r *Registry) Deregister(ctx context.Context, key string) error {
+	r.mu.Lock()
+	delete(r.local, key)
+	r.mu.Unlock()
+	if _, err := r.cli.Delete(ctx, r.key(key)); err != nil {
+		return fmt.Errorf("failed to deregister endpoint %q from etcd: %w", key, err)
+	}
+	return nil
+}
+
+// List returns every node's endpoints.
+func (r *Registry) List(ctx context.Context) ([]registry.Endpoint, error) {
+	resp, err := r.cli.Get(ctx, r.prefix, clientv3.WithPrefix())
+	if err != nil {
+		return nil, fmt.Errorf("failed to list endpoints under %q: %w", r.prefix, err)
+	}
+	out := make([]registry.Endpoint, 0, len(resp.Kvs))
+	for _, kv := range resp.Kvs {
+		if ep, ok := r.decode(kv); ok {
+			out = append(out, ep)
+		}
+	}
+	return out, nil
+}
+
+func (r *Registry) decode(kv *mvccpb.KeyValue) (registry.Endpoint, bool) {
+	var ep registry.Endpoint
+	if err := json.Unmarshal(kv.Value, &ep); err != nil {
+		r.log.Warn("skipping undecodable endpoint", "etcd_key", string(kv.Key), "error", err)
+		return ep, false
+	}
+	if k, ok := r.endpointKey(string(kv.Key)); ok && ep.Key == "" {
+		ep.Key = k
+	}
+	return ep, true
+}
+
+// Revoke revokes this node's lease, deleting all its endpoints at once.
+func (r *Registry) Revoke(ctx context.Context) error {
+	r.mu.Lock()
+	lease := r.lease
+	r.lease = 0
+	r.local = make(map[string]registry.Endpoint)
+	r.mu.Unlock()
+	if lease == 0 {
+		return nil
+	}
+	if _, err := r.cli.Revoke(ctx, lease); err != nil && !errors.Is(err, rpctypes.ErrLeaseNotFound) {
+		return fmt.Errorf("failed to revoke lease %x: %w", int64(lease), err)
+	}
+	return nil
+}
+
+// Close stops the keepalive and closes the client if New created it. The
+// lease is left to expire (see the package doc); call Revoke first to
+// delete this node's endpoints at once.
+func (r *Registry) Close() error {
+	r.cancel()
+	r.wg.Wait()
+	if r.ownsCli {
+		return r.cli.Close()
+	}
+	return nil
+}
+
+// ensureLease returns the node's lease, granting it and starting its
+// keepalive if there is none.
+func (r *Registry) ensureLease(ctx context.Context) (clientv3.LeaseID, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.lease != 0 {
+		return r.lease, nil
+	}
+	if r.ctx.Err() != nil {
+		return 0, errors.New("failed to grant lease: the registry is closed")
+	}
+	resp, err := r.cli.Grant(ctx, r.ttl)
+	if err != nil {
+		return 0, fmt.Errorf("failed to grant etcd lease (TTL %ds): %w", r.ttl, err)
+	}
+	ka, err := r.cli.KeepAlive(r.ctx, resp.ID)
+	if err != nil {
+		return 0, fmt.Errorf("failed to keep etcd lease %x alive: %w", int64(resp.ID), err)
+	}
+	r.lease = resp.ID
+	r.log.Info("granted etcd lease", "lease", int64(resp.ID), "ttl_seconds", r.ttl)
+	r.wg.Add(1)
+	go r.keepAlive(resp.ID, ka)
+	return resp.ID, nil
+}
+
+// keepAlive drains the keepalive responses; when the channel closes while
+// the registry is open, the lease is gone: grant a new one and write this
+// node's endpoints again, retrying with backoff.
+func (r *Registry) keepAlive(lease clientv3.LeaseID, ka <-chan *clientv3.LeaseKeepAliveResponse) {
+	defer r.wg.Done()
+	for range ka {
+	}
+	if r.ctx.Err() != nil {
+		return
+	}
+	r.log.Warn("etcd lease lost; granting a new one and registering again", "lease", int64(lease))
+	r.leaseLost(lease)
+	backoff := 200 * time.Millisecond
+	for r.ctx.Err() == nil {
+		if err := r.reRegister(); err == nil {
+			return
+		} else {
+			r.log.Warn("failed to register again after losing the lease", "error", err, "backoff", backoff)
+		}
+		select {
+		case <-r.ctx.Done():
+			return
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, 5*time.Second)
+	}
+}
+
+func (r *Registry) leaseLost(lease clientv3.LeaseID) {
+	r.mu.Lock()
+	if r.lease == lease {
+		r.lease = 0
+	}
+	r.mu.Unlock()
+}
+
+// reRegister grants a lease (which starts a new keepalive loop) and puts
+// every local endpoint with it.
+func (r *Registry) reRegister() error {
+	ctx, cancel := context.WithTimeout(r.ctx, 10*time.Second)
+	defer cancel()
+	lease, err := r.ensureLease(ctx)
+	if err != nil {
+		return err
+	}
+	r.mu.Lock()
+	eps := make([]registry.Endpoint, 0, len(r.local))
+	for _, ep := range r.local {
+		eps = append(eps, ep)
+	}
+	r.mu.Unlock()
+	for _, ep := range eps {
+		val, err := json.Marshal(ep)
+		if err != nil {
+			return fmt.Errorf("failed to encode endpoint %q: %w", ep.Key, err)
+		}
+		// Skip endpoints deregistered meanwhile.
+		r.mu.Lock()
+		_, still := r.local[ep.Key]
+		r.mu.Unlock()
+		if !still {
+			continue
+		}
+		if _, err := r.cli.Put(ctx, r.key(ep.Key), string(val), clientv3.WithLease(lease)); err != nil {
+			return fmt.Errorf("failed to register endpoint %q again: %w", ep.Key, err)
+		}
+	}
+	return nil
+}
+
+// Watch sends every node's endpoints as Puts, then every change, until ctx
+// ends. It survives disconnects and compaction (see the package doc).
+func (r *Registry) Watch(ctx context.Context) (<-chan registry.Event, error) {
+	resp, err := r.cli.Get(ctx, r.prefix, clientv3.WithPrefix())
+	if err != nil {
+		return nil, fmt.Errorf("failed to list endpoints under %q: %w", r.prefix, err)
+	}
+	out := make(chan registry.Event, 256)
+	go r.watch(ctx, resp, out)
+	return out, nil
+}
+
+type watchState struct {
+	r     *Registry
+	out   chan<- registry.Event
+	known map[string]int64 // etcd key → mod revision delivered
+	rev   int64            // last revision delivered
+}
+
+func (w *watchState) send(ctx context.Context, ev registry.Event) bool {
+	select {
+	case w.out <- ev:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// apply sends a listing as the difference to what was delivered.
+func (w *watchState) apply(ctx context.Context, resp *clientv3.GetResponse) bool {
+	seen := make(map[string]struct{}, len(resp.Kvs))
+	for _, kv := range resp.Kvs {
+		k := string(kv.Key)
+		seen[k] = struct{}{}
+		if w.known[k] == kv.ModRevision {
+			continue
+		}
+		ep, ok := w.r.decode(kv)
+		if !ok {
+			continue
+		}
+		w.known[k] = kv.ModRevision
+		if !w.send(ctx, registry.Event{Type: registry.EventPut, Key: ep.Key, Endpoint: ep}) {
+			return false
+		}
+	}
+	for k := range w.known {
+		if _, ok := seen[k]; ok {
+			continue
+		}
+		delete(w.known, k)
+		if key, ok := w.r.endpointKey(k); ok {
+			if !w.send(ctx, registry.Event{Type: registry.EventDelete, Key: key}) {
+				return false
+			}
+		}
+	}
+	w.rev = resp.Header.Revision
+	return true
+}
+
+func (r *Registry) watch(ctx context.Context, initial *clientv3.GetResponse, out chan registry.Event) {
+	defer close(out)
+	w := &watchState{r: r, out: out, known: make(map[string]int64)}
+	if !w.apply(ctx, initial) {
+		return
+	}
+	r.watchLoop(ctx, w)
+}
+
+// watchLoop watches from w.rev+1 until ctx ends, resuming after errors and
+// listing again after compaction.
+func (r *Registry) watchLoop(ctx context.Context, w *watchState) {
+	backoff := 100 * time.Millisecond
+	for ctx.Err() == nil {
+		relist := false
+		wctx, cancel := context.WithCancel(ctx)
+		wch := r.cli.Watch(wctx, r.prefix, clientv3.WithPrefix(), clientv3.WithRev(w.rev+1))
+		for wr := range wch {
+			if wr.CompactRevision != 0 {
+				r.log.Warn("etcd watch revision compacted; listing again", "from_revision", w.rev+1, "compact_revision", wr.CompactRevision)
+				relist = true
+				break
+			}
+			if err := wr.Err(); err != nil {
+				r.log.Warn("etcd watch failed; resuming", "revision", w.rev+1, "error", err)
+				break
+			}
+			backoff = 100 * time.Millisecond
+			for _, ev := range wr.Events {
+				k := string(ev.Kv.Key)
+				var e registry.Event
+				switch ev.Type {
+				case mvccpb.PUT:
+					ep, ok := r.decode(ev.Kv)
+					if !ok {
+						continue
+					}
+					w.known[k] = ev.Kv.ModRevision
+					e = registry.Event{Type: registry.EventPut, Key: ep.Key, Endpoint: ep}
+				case mvccpb.DELETE:
+					delete(w.known, k)
+					key, ok := r.endpointKey(k)
+					if !ok {
+						continue
+					}
+					e = registry.Event{Type: registry.EventDelete, Key: key}
+				}
+				if !w.send(ctx, e) {
+					cancel()
+					return
+				}
+				w.rev = ev.Kv.ModRevision
+			}
+		}
+		cancel()
+		if ctx.Err() != nil {
+			return
+		}
+		if relist {
+			resp, err := r.cli.Get(ctx, r.prefix, clientv3.WithPrefix())
+			if err == nil {
+				if !w.apply(ctx, resp) {
+					return
+				}
+				continue
+			}
+			r.log.Warn("failed to list endpoints after compaction; retrying", "error", err)
+			// Keep relisting: watching from a compacted revision cannot work.
+			w.rev = 0
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, 5*time.Second)
+	}
+}

@@ -1,0 +1,160 @@
+package adsclient_test
+
+import (
+	"context"
+	"errors"
+	"net"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	listener "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	cachev3 "github.com/envoyproxy/go-control-plane/pkg/cache/v3"
+	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
+	"google.golang.org/grpc"
+
+	"aether.io/node/xds/adsclient"
+)
+
+const typeURL = "type.googleapis.com/envoy.config.listener.v3.Listener"
+
+// serve runs go-control-plane's delta server for cache on socket until the
+// returned stop is called; requests are copied to reqs.
+func serve(t *testing.T, socket string, cache cachev3.Cache, reqs chan<- *discovery.DeltaDiscoveryRequest) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	cb := serverv3.CallbackFuncs{StreamDeltaRequestFunc: func(_ int64, r *discovery.DeltaDiscoveryRequest) error {
+		select {
+		case reqs <- r:
+		default:
+		}
+		return nil
+	}}
+	g := grpc.NewServer()
+	discovery.RegisterAggregatedDiscoveryServiceServer(g, serverv3.NewServer(ctx, cache, cb))
+	ln, err := net.Listen("unix", socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = g.Serve(ln) }()
+	var once sync.Once
+	stop = func() { once.Do(func() { g.Stop(); cancel() }) }
+	t.Cleanup(stop)
+	return stop
+}
+
+type state struct {
+	mu    sync.Mutex
+	names map[string]bool
+}
+
+func (s *state) has(n string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.names[n]
+}
+
+func waitFor(ctx context.Context, cond func() bool) error {
+	for !cond() {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	return nil
+}
+
+// TestDeltaSubscribeAckNackReconnect: wildcard subscription, updates and
+// removals reach the handler, a handler error is sent as a NACK, and a
+// reconnect carries initial_resource_versions for what the client holds.
+func TestDeltaSubscribeAckNackReconnect(t *testing.T) {
+	socket := filepath.Join(t.TempDir(), "xds.sock")
+	cache := cachev3.NewLinearCache(typeURL)
+	if err := cache.UpdateResource("a", &listener.Listener{Name: "a"}); err != nil {
+		t.Fatal(err)
+	}
+	reqs := make(chan *discovery.DeltaDiscoveryRequest, 256)
+	stop := serve(t, socket, cache, reqs)
+
+	st := &state{names: map[string]bool{}}
+	c := &adsclient.Client{
+		Target: "unix://" + socket, TypeURLs: []string{typeURL}, MaxBackoff: 200 * time.Millisecond,
+		Handler: func(_ string, updated []*discovery.Resource, removed []string) error {
+			st.mu.Lock()
+			defer st.mu.Unlock()
+			for _, r := range updated {
+				if r.GetName() == "bad" {
+					return errors.New("resource bad is bad")
+				}
+				st.names[r.GetName()] = true
+			}
+			for _, n := range removed {
+				delete(st.names, n)
+			}
+			return nil
+		},
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	wctx, wcancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer wcancel()
+
+	first := <-reqs
+	if first.GetTypeUrl() != typeURL || len(first.GetResourceNamesSubscribe()) != 1 || first.GetResourceNamesSubscribe()[0] != "*" {
+		t.Fatalf("first request %v, want a wildcard subscription to %s", first, typeURL)
+	}
+	if err := waitFor(wctx, func() bool { return st.has("a") }); err != nil {
+		t.Fatal("resource a never arrived")
+	}
+	if err := cache.UpdateResource("b", &listener.Listener{Name: "b"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := cache.DeleteResource("a"); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitFor(wctx, func() bool { return st.has("b") && !st.has("a") }); err != nil {
+		t.Fatal("update and removal never arrived")
+	}
+	if err := cache.UpdateResource("bad", &listener.Listener{Name: "bad"}); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		r := <-reqs
+		if r.GetErrorDetail() != nil {
+			if r.GetErrorDetail().GetMessage() != "resource bad is bad" {
+				t.Errorf("NACK message %q", r.GetErrorDetail().GetMessage())
+			}
+			break
+		}
+	}
+	// Reconnect: the new stream announces b (the only resource ACKed and
+	// held), not the NACKed one.
+	if err := cache.DeleteResource("bad"); err != nil {
+		t.Fatal(err)
+	}
+	stop()
+	for len(reqs) > 0 {
+		<-reqs
+	}
+	serve(t, socket, cache, reqs)
+	for {
+		select {
+		case r := <-reqs:
+			if len(r.GetResourceNamesSubscribe()) == 0 {
+				continue // an ACK of the old stream
+			}
+			iv := r.GetInitialResourceVersions()
+			if _, ok := iv["b"]; !ok || len(iv) != 1 {
+				t.Fatalf("reconnect initial_resource_versions = %v, want just b", iv)
+			}
+			return
+		case <-wctx.Done():
+			t.Fatal("no reconnect")
+		}
+	}
+}

@@ -1,0 +1,170 @@
+package listener_test
+
+import (
+	"errors"
+	"net/netip"
+	"strings"
+	"testing"
+
+	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+
+	"aether.io/node/meshcni/capture"
+	"aether.io/node/xds/listener"
+)
+
+func pod(ips ...string) listener.Pod {
+	p := listener.Pod{ContainerID: "c0ffee", Namespace: "default", Name: "client", UID: "u-1", NetNSPath: "/var/run/netns/cni-1"}
+	for _, ip := range ips {
+		p.IPs = append(p.IPs, netip.MustParseAddr(ip))
+	}
+	return p
+}
+
+func TestDefaultsAgreeWithCapture(t *testing.T) {
+	if listener.DefaultCapturePort != capture.DefaultCapturePort || listener.DefaultOutboundPort != capture.DefaultOutboundPort ||
+		listener.DefaultInboundPort != capture.DefaultInboundPort {
+		t.Fatalf("listener ports %d/%d/%d differ from the divert's %d/%d/%d",
+			listener.DefaultCapturePort, listener.DefaultOutboundPort, listener.DefaultInboundPort,
+			capture.DefaultCapturePort, capture.DefaultOutboundPort, capture.DefaultInboundPort)
+	}
+}
+
+func TestBuildParse(t *testing.T) {
+	tests := []struct {
+		name  string
+		pod   listener.Pod
+		binds map[listener.Role][]listener.Bind
+	}{
+		{
+			name: "ipv4",
+			pod:  pod("10.0.0.2"),
+			binds: map[listener.Role][]listener.Bind{
+				listener.RoleOutbound:   {{Addr: netip.MustParseAddrPort("127.0.0.1:18081")}},
+				listener.RoleCapture:    {{Addr: netip.MustParseAddrPort("0.0.0.0:18001")}},
+				listener.RoleCaptureUDP: {{Addr: netip.MustParseAddrPort("0.0.0.0:18001"), UDP: true}},
+				listener.RoleInbound:    {{Addr: netip.MustParseAddrPort("0.0.0.0:18008")}},
+			},
+		},
+		{
+			name: "dual-stack",
+			pod:  pod("10.0.0.2", "fd00::2"),
+			binds: map[listener.Role][]listener.Bind{
+				listener.RoleOutbound: {{Addr: netip.MustParseAddrPort("127.0.0.1:18081")}, {Addr: netip.MustParseAddrPort("[::1]:18081")}},
+				listener.RoleCapture:  {{Addr: netip.MustParseAddrPort("0.0.0.0:18001")}, {Addr: netip.MustParseAddrPort("[::]:18001")}},
+				listener.RoleCaptureUDP: {
+					{Addr: netip.MustParseAddrPort("0.0.0.0:18001"), UDP: true},
+					{Addr: netip.MustParseAddrPort("[::]:18001"), UDP: true},
+				},
+				listener.RoleInbound: {{Addr: netip.MustParseAddrPort("0.0.0.0:18008")}, {Addr: netip.MustParseAddrPort("[::]:18008")}},
+			},
+		},
+		{
+			name: "ipv6-only-custom-ports",
+			pod: func() listener.Pod {
+				p := pod("fd00::2")
+				p.Ports = listener.Ports{Outbound: 19081, Capture: 19001, Inbound: 19008}
+				return p
+			}(),
+			binds: map[listener.Role][]listener.Bind{
+				listener.RoleOutbound:   {{Addr: netip.MustParseAddrPort("[::1]:19081")}},
+				listener.RoleCapture:    {{Addr: netip.MustParseAddrPort("[::]:19001")}},
+				listener.RoleCaptureUDP: {{Addr: netip.MustParseAddrPort("[::]:19001"), UDP: true}},
+				listener.RoleInbound:    {{Addr: netip.MustParseAddrPort("[::]:19008")}},
+			},
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			ls, err := listener.Build(tc.pod)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(ls) != len(listener.Roles) {
+				t.Fatalf("built %d listeners, want %d", len(ls), len(listener.Roles))
+			}
+			for _, l := range ls {
+				if err := l.ValidateAll(); err != nil {
+					t.Errorf("listener %s: ValidateAll: %v", l.GetName(), err)
+				}
+				s, err := listener.Parse(l)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if s.PodKey != tc.pod.ContainerID || s.Namespace != tc.pod.Namespace || s.PodName != tc.pod.Name || s.NetNSPath != tc.pod.NetNSPath {
+					t.Errorf("listener %s parsed as pod %q %s/%s in %q", l.GetName(), s.PodKey, s.Namespace, s.PodName, s.NetNSPath)
+				}
+				if len(s.PodIPs) != len(tc.pod.IPs) || s.PodIPs[0] != tc.pod.IPs[0] {
+					t.Errorf("listener %s parsed pod IPs %v, want %v", l.GetName(), s.PodIPs, tc.pod.IPs)
+				}
+				if l.GetName() != listener.ListenerName(tc.pod.ContainerID, s.Role) {
+					t.Errorf("listener name %q, role %q", l.GetName(), s.Role)
+				}
+				want := tc.binds[s.Role]
+				if len(s.Binds) != len(want) {
+					t.Fatalf("%s binds %v, want %v", s.Role, s.Binds, want)
+				}
+				for i := range want {
+					if s.Binds[i] != want[i] {
+						t.Errorf("%s bind %d = %v, want %v", s.Role, i, s.Binds[i], want[i])
+					}
+				}
+				wantTransparent := s.Role == listener.RoleCapture || s.Role == listener.RoleCaptureUDP
+				if s.Transparent != wantTransparent {
+					t.Errorf("%s transparent = %v, want %v", s.Role, s.Transparent, wantTransparent)
+				}
+			}
+		})
+	}
+}
+
+func TestBuildRejects(t *testing.T) {
+	tests := []struct {
+		name string
+		mut  func(*listener.Pod)
+		want string
+	}{
+		{"no container id", func(p *listener.Pod) { p.ContainerID = "" }, "container id"},
+		{"slash in container id", func(p *listener.Pod) { p.ContainerID = "a/b" }, "container id"},
+		{"no name", func(p *listener.Pod) { p.Name = "" }, "name"},
+		{"relative netns", func(p *listener.Pod) { p.NetNSPath = "netns/x" }, "must be absolute"},
+		{"no ips", func(p *listener.Pod) { p.IPs = nil }, "no IPs"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			p := pod("10.0.0.2")
+			tc.mut(&p)
+			_, err := listener.Build(p)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Build = %v, want an error containing %q", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestParseRejects(t *testing.T) {
+	good := func() *listenerv3.Listener {
+		ls, err := listener.Build(pod("10.0.0.2", "fd00::2"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ls[1]
+	}
+	if _, err := listener.Parse(&listenerv3.Listener{Name: "foreign"}); !errors.Is(err, listener.ErrNotOurs) {
+		t.Errorf("Parse(foreign) = %v, want ErrNotOurs", err)
+	}
+	l := good()
+	l.AdditionalAddresses[0].GetAddress().GetSocketAddress().NetworkNamespaceFilepath = "/other"
+	if _, err := listener.Parse(l); err == nil || !strings.Contains(err.Error(), "network_namespace_filepath") {
+		t.Errorf("Parse(mixed netns) = %v", err)
+	}
+	l = good()
+	l.Name = "aether/c0ffee/bogus"
+	if _, err := listener.Parse(l); err == nil || !strings.Contains(err.Error(), "role") {
+		t.Errorf("Parse(bad role) = %v", err)
+	}
+	l = good()
+	l.GetAddress().GetSocketAddress().Address = "not-an-ip"
+	if _, err := listener.Parse(l); err == nil {
+		t.Error("Parse accepted a non-IP address")
+	}
+}

@@ -1,0 +1,156 @@
+package client_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net/netip"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+
+	"aether.io/node/registry"
+	"aether.io/node/xds/workload"
+	"aether.io/node/xds/workload/client"
+)
+
+func serve(t *testing.T) (*workload.Index, string) {
+	t.Helper()
+	x := workload.NewIndex()
+	srv, err := workload.NewServer(x, workload.ServerOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	socket := filepath.Join(t.TempDir(), "xds.sock")
+	lis, err := workload.ListenUnix(socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := grpc.NewServer()
+	srv.Register(g)
+	go func() { _ = g.Serve(lis) }()
+	t.Cleanup(g.Stop)
+	return x, socket
+}
+
+func put(t *testing.T, x *workload.Index, key, name string, healthy bool, ips ...string) {
+	t.Helper()
+	ep := registry.Endpoint{
+		Key: key, Node: "node-a", Namespace: "shop", Name: name, Healthy: healthy,
+		Owner: &registry.Owner{Kind: "Job", Name: "backup-28861440"},
+	}
+	for _, ip := range ips {
+		ep.IPs = append(ep.IPs, netip.MustParseAddr(ip))
+	}
+	w, err := workload.Build(workload.Config{ClusterID: "c1"}, ep)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := x.Upsert(key, w); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestRunTable(t *testing.T) {
+	x, socket := serve(t)
+	put(t, x, "k1", "backup-1", true, "10.0.0.1", "fd00::1")
+	put(t, x, "k2", "backup-2", false, "10.0.0.2")
+	var out bytes.Buffer
+	if err := client.Run(context.Background(), []string{"--xds-socket", socket}, &out); err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	if len(lines) != 3 {
+		t.Fatalf("table has %d lines, want header + 2:\n%s", len(lines), out.String())
+	}
+	for _, want := range [][]string{
+		{"UID", "NAME", "NAMESPACE", "ADDRESSES", "NODE", "STATUS", "TYPE", "WORKLOAD"},
+		{"c1//Pod/shop/backup-1", "backup-1", "shop", "10.0.0.1,fd00::1", "node-a", "HEALTHY", "CRONJOB", "backup"},
+		{"c1//Pod/shop/backup-2", "backup-2", "shop", "10.0.0.2", "node-a", "UNHEALTHY", "CRONJOB", "backup"},
+	} {
+		got := strings.Fields(lines[0])
+		lines = lines[1:]
+		if strings.Join(got, " ") != strings.Join(want, " ") {
+			t.Errorf("row %q, want %q", got, want)
+		}
+	}
+}
+
+func TestRunJSONNamed(t *testing.T) {
+	x, socket := serve(t)
+	put(t, x, "k1", "backup-1", true, "10.0.0.1")
+	put(t, x, "k2", "backup-2", true, "10.0.0.2")
+	var out bytes.Buffer
+	if err := client.Run(context.Background(), []string{"--xds-socket", socket, "-o", "json", "c1//Pod/shop/backup-2"}, &out); err != nil {
+		t.Fatal(err)
+	}
+	var rows []client.Row
+	if err := json.Unmarshal(out.Bytes(), &rows); err != nil {
+		t.Fatalf("output is not JSON: %v\n%s", err, out.String())
+	}
+	if len(rows) != 1 || rows[0].UID != "c1//Pod/shop/backup-2" || rows[0].Addresses[0] != "10.0.0.2" {
+		t.Fatalf("rows = %+v", rows)
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe to read while Run writes.
+type syncBuffer struct {
+	ch chan string
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.ch <- string(p)
+	return len(p), nil
+}
+
+func TestRunWatch(t *testing.T) {
+	x, socket := serve(t)
+	put(t, x, "k1", "backup-1", true, "10.0.0.1")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	out := &syncBuffer{ch: make(chan string, 64)}
+	done := make(chan error, 1)
+	go func() { done <- client.Run(ctx, []string{"--xds-socket", socket, "--watch", "-o", "json"}, out) }()
+	next := func() map[string]any {
+		t.Helper()
+		select {
+		case s := <-out.ch:
+			var m map[string]any
+			if err := json.Unmarshal([]byte(s), &m); err != nil {
+				t.Fatalf("line %q: %v", s, err)
+			}
+			return m
+		case <-time.After(60 * time.Second):
+			t.Fatal("no output within 60s")
+			return nil
+		}
+	}
+	if ev := next(); ev["event"] != "put" || ev["uid"] != "c1//Pod/shop/backup-1" {
+		t.Fatalf("initial event %v", ev)
+	}
+	put(t, x, "k2", "backup-2", true, "10.0.0.2")
+	if ev := next(); ev["event"] != "put" || ev["uid"] != "c1//Pod/shop/backup-2" {
+		t.Fatalf("put event %v", ev)
+	}
+	x.Remove("k1")
+	if ev := next(); ev["event"] != "removed" || ev["uid"] != "c1//Pod/shop/backup-1" {
+		t.Fatalf("removed event %v", ev)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("Run after cancel: %v", err)
+	}
+}
+
+func TestRunRejectsBadFlags(t *testing.T) {
+	var out bytes.Buffer
+	if err := client.Run(context.Background(), []string{"-o", "yaml"}, &out); err == nil {
+		t.Error("-o yaml accepted")
+	}
+	if err := client.Run(context.Background(), []string{"--xds-socket", filepath.Join(t.TempDir(), "none.sock")}, &out); err == nil {
+		t.Error("missing server accepted")
+	}
+}
