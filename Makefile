@@ -9,16 +9,24 @@ GOLANGCI_VERSION := v2.15.0
 GOLANGCI := $(CACHE)/tools/golangci-lint-$(GOLANGCI_VERSION)/golangci-lint
 TOOLS := bin/tools
 TEST_TIMEOUT ?= 45m
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+IMAGE ?= localhost/aether-node:$(VERSION)
+# Every image entry and the config carry this time, so one commit gives one digest.
+SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
 BENCH ?= .
 BENCHTIME ?= 1s
 
-.PHONY: all build test bench demo generate lint tools deps clean
+.PHONY: all build image test bench demo generate lint tools deps clean
 
 all: build
 
 ## build: all binaries into bin/
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -o bin/ ./cmd/...
+
+## image: OCI image of the release binaries, no Docker daemon: bin/image/oci (layout) and bin/image/aether-node.tar
+image: build
+	$(GO) run ./tools/image -bin bin -out bin/image -ref $(IMAGE) -version $(VERSION) -created-unix $(SOURCE_DATE_EPOCH)
 
 ## tools: protoc-gen-go and protoc-gen-go-grpc at the versions go.mod pins
 tools:

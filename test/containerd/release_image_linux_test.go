@@ -1,0 +1,96 @@
+package containerd_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+
+	"aether.io/node/test/harness"
+	"aether.io/node/tools/image/oci"
+)
+
+// TestReleaseImage: the image `make image` writes (tools/image/oci) is
+// imported by `ctr images import` without a registry, the CRI image service
+// (what kubelet asks) knows it under its name and with its config digest,
+// and its binaries run from it: eni-vlan answers CNI VERSION inside a
+// container started by containerd + runc.
+func TestReleaseImage(t *testing.T) {
+	harness.RequireRoot(t)
+	need(t, "containerd", "runc", "ctr")
+	node := harness.NewNS(t, "ctdimg")
+	own := harness.BuildOwn(t, "aether-agent", "aether-cni", "aether-proxy", "aetherctl", "eni-vlan")
+
+	const ref = "localhost/aether-node:lane"
+	var files []oci.File
+	for _, n := range []string{"aether-agent", "aether-cni", "aether-proxy", "aetherctl", "eni-vlan"} {
+		files = append(files, oci.File{Path: oci.BinDir + "/" + n, Source: filepath.Join(own, n), Mode: 0o755})
+	}
+	img, err := oci.Build(oci.Spec{Files: files, Created: time.Unix(0, 0)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tarPath := filepath.Join(t.TempDir(), "aether-node.tar")
+	if err := oci.WriteTarball(tarPath, img, ref); err != nil {
+		t.Fatal(err)
+	}
+	configDigest, err := img.ConfigName()
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// CRI reports ready only with a loadable network config; this lane
+	// never starts a pod sandbox, so a loopback-only list is enough.
+	rt := startContainerd(t, node, t.TempDir(), func(string) string {
+		return `{"cniVersion":"1.0.0","name":"lo","plugins":[{"type":"loopback"}]}`
+	})
+	if out, err := exec.Command("ctr", "--address", rt.sock, "-n", "k8s.io", "images", "import", tarPath).CombinedOutput(); err != nil {
+		t.Fatalf("ctr images import: %v\n%s", err, out)
+	}
+	images := runtimeapi.NewImageServiceClient(rt.conn)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	st, err := images.ImageStatus(ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: ref}})
+	if err != nil {
+		t.Fatalf("CRI ImageStatus(%s): %v", ref, err)
+	}
+	if st.GetImage() == nil {
+		t.Fatalf("CRI does not know %s after the import", ref)
+	}
+	if st.GetImage().GetId() != configDigest.String() {
+		t.Fatalf("CRI image id = %s, want the config digest %s", st.GetImage().GetId(), configDigest)
+	}
+
+	// Run a binary from the image. runc state and the cgroup stay under
+	// this containerd's own dirs (cleanupHost removes them on failure).
+	id := "img-" + randHex(4)
+	cmd := exec.Command("ctr", "--address", rt.sock, "-n", "k8s.io", "run", "--rm",
+		"--runc-root", filepath.Join(rt.base, "runc", "k8s.io"), "--cgroup", rt.cgroupParent+"/"+id,
+		"--env", "CNI_COMMAND=VERSION", ref, id, oci.BinDir+"/eni-vlan")
+	cmd.Stdin = strings.NewReader(`{"cniVersion":"1.0.0"}`)
+	out, err := cmd.Output()
+	if err != nil {
+		var stderr []byte
+		if ee := (*exec.ExitError)(nil); errors.As(err, &ee) {
+			stderr = ee.Stderr
+		}
+		t.Fatalf("ctr run eni-vlan VERSION from the image: %v\n%s%s\n%s", err, out, stderr, rt.log())
+	}
+	var v struct {
+		CNIVersion        string   `json:"cniVersion"`
+		SupportedVersions []string `json:"supportedVersions"`
+	}
+	if err := json.Unmarshal(out, &v); err != nil || len(v.SupportedVersions) == 0 {
+		t.Fatalf("eni-vlan VERSION from the image printed %q (%v), want the CNI version JSON", out, err)
+	}
+	if _, err := os.Stat(filepath.Join(rt.base, "runc", "k8s.io", id)); !os.IsNotExist(err) {
+		t.Fatalf("runc state of the --rm container left behind: %v", err)
+	}
+}
