@@ -25,6 +25,7 @@ import (
 	"aether.io/node/meshcni/capture"
 	"aether.io/node/meshcni/e2e/agentproc"
 	"aether.io/node/test/harness"
+	"aether.io/node/tools/image/oci"
 )
 
 func TestMain(m *testing.M) { harness.Main(m) }
@@ -306,7 +307,16 @@ func TestRunPodSandboxThroughConflist(t *testing.T) {
 	// The pause image, built here and imported: nothing is pulled.
 	imgDir := t.TempDir()
 	goBuild(t, filepath.Join(imgDir, "pause"), "./test/containerd/pause")
-	writeImage(t, filepath.Join(imgDir, "pause.tar"), pauseImage, "/pause", map[string]string{"/pause": filepath.Join(imgDir, "pause")})
+	pause, err := oci.Build(oci.Spec{
+		Files:      []oci.File{{Path: "/pause", Source: filepath.Join(imgDir, "pause"), Mode: 0o755}},
+		Entrypoint: []string{"/pause"},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := oci.WriteTarball(filepath.Join(imgDir, "pause.tar"), pause, pauseImage); err != nil {
+		t.Fatal(err)
+	}
 
 	pinDir := filepath.Join(t.TempDir(), "pins")
 	t.Cleanup(func() {

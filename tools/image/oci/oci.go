@@ -51,7 +51,8 @@ type Spec struct {
 	// Files are the image's regular files; parent directories are added.
 	Files []File
 	// Created is the timestamp of every entry and of the config (for
-	// reproducibility: the commit time, or SOURCE_DATE_EPOCH).
+	// reproducibility: the commit time, or SOURCE_DATE_EPOCH); zero means
+	// the Unix epoch.
 	Created time.Time
 	// OS and Architecture are the platform (default linux / amd64).
 	OS, Architecture string
@@ -59,6 +60,9 @@ type Spec struct {
 	Env []string
 	// Labels are the config's labels (org.opencontainers.image.*).
 	Labels map[string]string
+	// Entrypoint is the config's entrypoint (none by default: each
+	// container of the DaemonSet names its command).
+	Entrypoint []string
 }
 
 // Build assembles the image: one layer with the files, /tmp (1777) and the
@@ -66,6 +70,9 @@ type Spec struct {
 func Build(spec Spec) (v1.Image, error) {
 	if len(spec.Files) == 0 {
 		return nil, errors.New("failed to build image: no files given")
+	}
+	if spec.Created.IsZero() {
+		spec.Created = time.Unix(0, 0).UTC()
 	}
 	layerTar, err := layerBytes(spec)
 	if err != nil {
@@ -101,6 +108,7 @@ func Build(spec Spec) (v1.Image, error) {
 	cfg.Config.Env = append([]string{"PATH=" + BinDir + ":/usr/bin:/bin"}, spec.Env...)
 	cfg.Config.Labels = spec.Labels
 	cfg.Config.WorkingDir = "/"
+	cfg.Config.Entrypoint = spec.Entrypoint
 	img, err = mutate.ConfigFile(img, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("failed to set image config: %w", err)
