@@ -13,7 +13,7 @@ func cacheIndex(t *testing.T) (*Index, map[string]string) {
 	x := NewIndex()
 	versions := map[string]string{}
 	for _, n := range []string{"a", "b", "c"} {
-		if _, err := x.Upsert("k"+n, &workloadpb.Workload{Uid: n, Name: n, Addresses: [][]byte{{10, 0, 0, byte(n[0])}}}); err != nil {
+		if _, err := x.Upsert("k"+n, &workloadpb.Workload{Uid: n, Name: n, Addresses: [][]byte{{10, 0, 0, n[0]}}}); err != nil {
 			t.Fatal(err)
 		}
 		versions[n] = x.Get(n).Version
@@ -43,9 +43,11 @@ func TestDeltaResponseSelection(t *testing.T) {
 	}{
 		{name: "wildcard", subscribe: []string{"*"}, wantSent: []string{"a", "b", "c"}},
 		{name: "legacy wildcard", wantSent: []string{"a", "b", "c"}},
-		{name: "wildcard with versions", subscribe: []string{"*"},
+		{
+			name: "wildcard with versions", subscribe: []string{"*"},
 			known:    map[string]string{"a": v["a"], "b": "stale", "gone": "x"},
-			wantSent: []string{"b", "c"}, wantRemoved: []string{"gone"}},
+			wantSent: []string{"b", "c"}, wantRemoved: []string{"gone"},
+		},
 		{name: "named", subscribe: []string{"a", "nope"}, wantSent: []string{"a"}, wantRemoved: []string{"nope"}},
 		{name: "named and held", subscribe: []string{"a"}, known: map[string]string{"a": v["a"]}},
 	} {
