@@ -68,6 +68,19 @@ func waitFor(ctx context.Context, cond func() bool) error {
 	return nil
 }
 
+// run runs c until the test ends. Run's result arrives on done (a reader
+// puts it back for the cleanup); wctx bounds the test's waits.
+func run(t *testing.T, c *adsclient.Client) (done chan error, wctx context.Context) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done = make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	wctx, wcancel := context.WithTimeout(context.Background(), 20*time.Second)
+	t.Cleanup(wcancel)
+	return done, wctx
+}
+
 // TestDeltaSubscribeAckNackReconnect: wildcard subscription, updates and
 // removals reach the handler, a handler error is sent as a NACK, and a
 // reconnect carries initial_resource_versions for what the client holds.
@@ -98,12 +111,7 @@ func TestDeltaSubscribeAckNackReconnect(t *testing.T) {
 			return nil
 		},
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
-	wctx, wcancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer wcancel()
+	_, wctx := run(t, c)
 
 	first := <-reqs
 	if first.GetTypeUrl() != typeURL || len(first.GetResourceNamesSubscribe()) != 1 || first.GetResourceNamesSubscribe()[0] != "*" {
@@ -189,12 +197,7 @@ func TestNamedOnceSynced(t *testing.T) {
 			return nil
 		},
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
-	wctx, wcancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer wcancel()
+	done, wctx := run(t, c)
 
 	first := <-reqs
 	if got := first.GetResourceNamesSubscribe(); len(got) != 1 || got[0] != "a" {
