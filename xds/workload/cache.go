@@ -5,6 +5,9 @@ import (
 	"time"
 )
 
+// wildcard is the resource name that subscribes to everything.
+const wildcard = "*"
+
 // Cache is everything the Server asks of the index: the seam between cache
 // and server (go-control-plane's ConfigWatcher). The server keeps one
 // Subscription per stream and asks the cache what to send for it; it never

@@ -21,9 +21,6 @@ import (
 	"aether.io/node/xds/resource"
 )
 
-// wildcard is the resource name that subscribes to everything.
-const wildcard = "*"
-
 // ServerOptions configure a Server.
 type ServerOptions struct {
 	// Logger receives stream open/close and NACK records; nil discards.
@@ -47,9 +44,10 @@ type NACK struct {
 }
 
 // Server serves the index over the Aggregated Discovery Service, Delta and
-// SotW, for resource.WorkloadType. Requests for other types are ignored. Resources are
-// never marshalled per client: every stream sends the shared, once-marshalled
-// Resource entries.
+// SotW, for resource.WorkloadType; requests for other types are ignored. It
+// sees the index only as a Cache: the cache selects, the server speaks the
+// protocol. Resources are never marshalled per client: every stream sends
+// the shared, once-marshalled Resource entries.
 type Server struct {
 	cache   Cache
 	log     *slog.Logger
