@@ -17,9 +17,10 @@ import (
 	"google.golang.org/grpc"
 
 	"aether.io/node/xds/adsclient"
+	"aether.io/node/xds/resource"
 )
 
-const typeURL = "type.googleapis.com/envoy.config.listener.v3.Listener"
+const typeURL = resource.ListenerType
 
 // serve runs go-control-plane's delta server for cache on socket until the
 // returned stop is called; requests are copied to reqs.
