@@ -23,10 +23,12 @@ import (
 	"aether.io/node/proxy/telemetry"
 	"aether.io/node/xds/adsclient"
 	"aether.io/node/xds/listener"
+	"aether.io/node/xds/resource"
 )
 
-// WorkloadTypeURL is the WDS type the proxy subscribes to.
-const WorkloadTypeURL = "type.googleapis.com/istio.workload.Workload"
+// WorkloadTypeURL is resource.WorkloadType, the WDS type the proxy
+// subscribes to (kept for callers of this package).
+const WorkloadTypeURL = resource.WorkloadType
 
 // Config is the proxy's configuration (the flags of cmd/aether-proxy).
 type Config struct {
@@ -83,12 +85,12 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 	p.Manager = m
 	node := &core.Node{Id: cfg.NodeID, Cluster: "aether-proxy"}
 	p.XDS = &adsclient.Client{
-		Target: cfg.XDSTarget, Node: node, TypeURLs: []string{listener.TypeURL, WorkloadTypeURL}, Handler: p.apply, Log: log,
+		Target: cfg.XDSTarget, Node: node, TypeURLs: []string{resource.ListenerType, resource.WorkloadType}, Handler: p.apply, Log: log,
 	}
 	if cfg.LDSTarget != "" && cfg.LDSTarget != cfg.XDSTarget {
-		p.XDS.TypeURLs = []string{WorkloadTypeURL}
+		p.XDS.TypeURLs = []string{resource.WorkloadType}
 		p.LDS = &adsclient.Client{
-			Target: cfg.LDSTarget, Node: node, TypeURLs: []string{listener.TypeURL}, Handler: p.apply, Log: log,
+			Target: cfg.LDSTarget, Node: node, TypeURLs: []string{resource.ListenerType}, Handler: p.apply, Log: log,
 		}
 	}
 	return p, nil
@@ -107,9 +109,9 @@ func (p *Proxy) AdminAddr(ctx context.Context) (net.Addr, error) {
 
 func (p *Proxy) apply(typeURL string, updated []*discovery.Resource, removed []string) error {
 	switch typeURL {
-	case listener.TypeURL:
+	case resource.ListenerType:
 		return p.applyListeners(updated, removed)
-	case WorkloadTypeURL:
+	case resource.WorkloadType:
 		var errs []error
 		for _, r := range updated {
 			w := &workload.Workload{}
@@ -127,7 +129,7 @@ func (p *Proxy) apply(typeURL string, updated []*discovery.Resource, removed []s
 		}
 		return errors.Join(errs...)
 	default:
-		return fmt.Errorf("unexpected type %q: subscribed to %s and %s", typeURL, listener.TypeURL, WorkloadTypeURL)
+		return fmt.Errorf("unexpected type %q: subscribed to %s and %s", typeURL, resource.ListenerType, resource.WorkloadType)
 	}
 }
 

@@ -1,9 +1,14 @@
-// Package adsclient is aether-proxy's xDS client: one delta ADS stream
-// (envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources)
-// to the agent, over a unix socket or TCP, with a wildcard subscription to
-// each configured type. Every response is handed to a Handler and ACKed, or
-// NACKed with the handler's error. On reconnect it sends
-// initial_resource_versions, so the server only sends what changed.
+// Package adsclient is aether-node's one delta xDS client: a delta ADS
+// stream (envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources)
+// over a unix socket or TCP, subscribed to each configured type, by wildcard
+// or by name. Every response is handed to a Handler and ACKed, or NACKed
+// with the handler's error. The client remembers the version of every
+// resource it ACKed; a new stream (a reconnect, or a first stream seeded
+// with InitialVersions) sends them as initial_resource_versions, so the
+// server only sends what changed.
+//
+// aether-proxy runs it reconnecting forever; aetherctl and the tests run it
+// Once (one stream, its error returned) through xds/workload/client.
 package adsclient
 
 import (
@@ -12,6 +17,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
+	"slices"
 	"sync"
 	"time"
 
@@ -23,28 +30,50 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 )
 
+// Wildcard is the resource name that subscribes to every resource of a type.
+const Wildcard = "*"
+
 // Handler applies one delta response of typeURL: resources added or
 // changed, and names removed. A non-nil error NACKs the response.
 type Handler func(typeURL string, updated []*discovery.Resource, removed []string) error
 
-// Client is a delta ADS client. Set the fields, then call Run.
+// Client is a delta ADS client. Set the fields, then call Run (once).
 type Client struct {
 	// Target is a gRPC target: "unix:///run/aether/xds.sock" or "host:port".
 	Target string
-	// Node identifies the proxy to the server.
+	// Node identifies the client to the server.
 	Node *core.Node
-	// TypeURLs are the types subscribed to (wildcard).
+	// TypeURLs are the types subscribed to, in this order.
 	TypeURLs []string
+	// Names are the resource names subscribed to per type; a type without
+	// names is subscribed by wildcard.
+	Names map[string][]string
+	// InitialVersions are versions the client already holds per type (from
+	// an earlier process): the first stream sends them as
+	// initial_resource_versions. Later streams send what was ACKed since.
+	InitialVersions map[string]map[string]string
 	// Handler receives every response.
 	Handler Handler
 	// Log receives connection events (nil: discarded).
 	Log *slog.Logger
 	// MaxBackoff bounds the reconnect backoff (default 5 s).
 	MaxBackoff time.Duration
+	// MaxMessageBytes bounds a received response (0: gRPC's default, 4 MiB).
+	// Servers that do not split responses send the whole state at once.
+	MaxMessageBytes int
+	// Once makes Run open a single stream, without waiting for the server to
+	// become reachable, and return its error when it ends instead of
+	// reconnecting.
+	Once bool
 
 	mu       sync.Mutex
 	versions map[string]map[string]string // type -> name -> version
 	acks     int
+	synced   map[string]bool
+	syncedCh chan struct{}
+	isSynced bool
+	cur      discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesClient
+	sendMu   sync.Mutex // serialises Sends on stream
 }
 
 // Acks is the number of responses ACKed so far (for tests and status).
@@ -54,7 +83,88 @@ func (c *Client) Acks() int {
 	return c.acks
 }
 
-// Run keeps a stream open until ctx ends, reconnecting with backoff.
+// Synced is closed once the first response of every subscribed type has
+// been ACKed: the client holds the server's state. A server answers every
+// subscription, even with an empty response.
+func (c *Client) Synced() <-chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.initLocked()
+	return c.syncedCh
+}
+
+// Versions returns the version of every ACKed resource of typeURL.
+func (c *Client) Versions(typeURL string) map[string]string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return maps.Clone(c.versions[typeURL])
+}
+
+// Subscribe adds names to the subscription of typeURL, on the open stream
+// (if any) and for later streams.
+func (c *Client) Subscribe(typeURL string, names ...string) error {
+	return c.change(typeURL, names, true)
+}
+
+// Unsubscribe removes names from the subscription of typeURL.
+func (c *Client) Unsubscribe(typeURL string, names ...string) error {
+	return c.change(typeURL, names, false)
+}
+
+func (c *Client) change(typeURL string, names []string, subscribe bool) error {
+	c.mu.Lock()
+	if c.Names == nil {
+		c.Names = map[string][]string{}
+	}
+	cur, named := c.Names[typeURL]
+	if !named {
+		cur = []string{Wildcard}
+	}
+	if subscribe {
+		for _, n := range names {
+			if !slices.Contains(cur, n) {
+				cur = append(cur, n)
+			}
+		}
+	} else {
+		cur = slices.DeleteFunc(slices.Clone(cur), func(n string) bool { return slices.Contains(names, n) })
+		if len(cur) == 0 {
+			cur = []string{} // nothing, not the wildcard
+		}
+	}
+	c.Names[typeURL] = cur
+	s := c.cur
+	c.mu.Unlock()
+	if s == nil {
+		return nil
+	}
+	req := &discovery.DeltaDiscoveryRequest{TypeUrl: typeURL}
+	if subscribe {
+		req.ResourceNamesSubscribe = names
+	} else {
+		req.ResourceNamesUnsubscribe = names
+	}
+	if err := c.send(s, req); err != nil {
+		return fmt.Errorf("failed to change subscription to %s: %w", typeURL, err)
+	}
+	return nil
+}
+
+func (c *Client) initLocked() {
+	if c.versions == nil {
+		c.versions = map[string]map[string]string{}
+		for t, vs := range c.InitialVersions {
+			c.versions[t] = maps.Clone(vs)
+		}
+	}
+	if c.syncedCh == nil {
+		c.syncedCh = make(chan struct{})
+		c.synced = map[string]bool{}
+	}
+}
+
+// Run keeps a stream open until ctx ends, reconnecting with backoff (or,
+// with Once, until its one stream ends). It returns nil when ctx ends.
 func (c *Client) Run(ctx context.Context) error {
 	if c.Log == nil {
 		c.Log = slog.New(slog.DiscardHandler)
@@ -63,11 +173,13 @@ func (c *Client) Run(ctx context.Context) error {
 		c.MaxBackoff = 5 * time.Second
 	}
 	c.mu.Lock()
-	if c.versions == nil {
-		c.versions = map[string]map[string]string{}
-	}
+	c.initLocked()
 	c.mu.Unlock()
-	conn, err := grpc.NewClient(c.Target, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
+	if c.MaxMessageBytes > 0 {
+		opts = append(opts, grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(c.MaxMessageBytes), grpc.MaxCallSendMsgSize(c.MaxMessageBytes)))
+	}
+	conn, err := grpc.NewClient(c.Target, opts...)
 	if err != nil {
 		return fmt.Errorf("failed to create xds client for %q: %w", c.Target, err)
 	}
@@ -79,6 +191,9 @@ func (c *Client) Run(ctx context.Context) error {
 		err := c.stream(ctx, conn)
 		if ctx.Err() != nil {
 			return nil
+		}
+		if c.Once {
+			return err
 		}
 		if time.Since(start) > 10*time.Second {
 			backoff = 100 * time.Millisecond
@@ -93,27 +208,47 @@ func (c *Client) Run(ctx context.Context) error {
 	}
 }
 
+func (c *Client) send(s discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesClient, req *discovery.DeltaDiscoveryRequest) error {
+	c.sendMu.Lock()
+	defer c.sendMu.Unlock()
+	return s.Send(req)
+}
+
 func (c *Client) stream(ctx context.Context, conn *grpc.ClientConn) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	s, err := discovery.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(ctx, grpc.WaitForReady(true))
+	s, err := discovery.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(ctx, grpc.WaitForReady(!c.Once))
 	if err != nil {
 		return fmt.Errorf("failed to open delta ADS stream: %w", err)
 	}
+	// Subscriptions and the stream are published together, so a concurrent
+	// Subscribe is either in the first request or sent after it.
+	c.sendMu.Lock()
+	c.mu.Lock()
+	reqs := make([]*discovery.DeltaDiscoveryRequest, 0, len(c.TypeURLs))
 	for _, t := range c.TypeURLs {
+		names, named := c.Names[t]
+		if !named {
+			names = []string{Wildcard}
+		}
+		reqs = append(reqs, &discovery.DeltaDiscoveryRequest{
+			Node: c.Node, TypeUrl: t, ResourceNamesSubscribe: slices.Clone(names), InitialResourceVersions: maps.Clone(c.versions[t]),
+		})
+	}
+	c.cur = s
+	c.mu.Unlock()
+	defer func() {
 		c.mu.Lock()
-		initial := map[string]string{}
-		for n, v := range c.versions[t] {
-			initial[n] = v
-		}
+		c.cur = nil
 		c.mu.Unlock()
-		req := &discovery.DeltaDiscoveryRequest{
-			Node: c.Node, TypeUrl: t, ResourceNamesSubscribe: []string{"*"}, InitialResourceVersions: initial,
-		}
+	}()
+	for _, req := range reqs {
 		if err := s.Send(req); err != nil {
-			return fmt.Errorf("failed to subscribe to %s: %w", t, err)
+			c.sendMu.Unlock()
+			return fmt.Errorf("failed to subscribe to %s: %w", req.GetTypeUrl(), err)
 		}
 	}
+	c.sendMu.Unlock()
 	c.Log.Info("xds stream open", "target", c.Target, "types", c.TypeURLs)
 	for {
 		resp, err := s.Recv()
@@ -128,23 +263,40 @@ func (c *Client) stream(ctx context.Context, conn *grpc.ClientConn) error {
 			c.Log.Error("rejected xds response", "type_url", resp.GetTypeUrl(), "nonce", resp.GetNonce(), "error", herr)
 			ack.ErrorDetail = &status.Status{Code: int32(codes.InvalidArgument), Message: herr.Error()}
 		} else {
-			c.mu.Lock()
-			vs := c.versions[resp.GetTypeUrl()]
-			if vs == nil {
-				vs = map[string]string{}
-				c.versions[resp.GetTypeUrl()] = vs
-			}
-			for _, r := range resp.GetResources() {
-				vs[r.GetName()] = r.GetVersion()
-			}
-			for _, n := range resp.GetRemovedResources() {
-				delete(vs, n)
-			}
-			c.acks++
-			c.mu.Unlock()
+			c.applied(resp)
 		}
-		if err := s.Send(ack); err != nil {
+		if err := c.send(s, ack); err != nil {
 			return fmt.Errorf("failed to ack %s: %w", resp.GetTypeUrl(), err)
 		}
 	}
+}
+
+// applied records the versions of an ACKed response and closes Synced once
+// every subscribed type has had one.
+func (c *Client) applied(resp *discovery.DeltaDiscoveryResponse) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	vs := c.versions[resp.GetTypeUrl()]
+	if vs == nil {
+		vs = map[string]string{}
+		c.versions[resp.GetTypeUrl()] = vs
+	}
+	for _, r := range resp.GetResources() {
+		vs[r.GetName()] = r.GetVersion()
+	}
+	for _, n := range resp.GetRemovedResources() {
+		delete(vs, n)
+	}
+	c.acks++
+	if c.isSynced {
+		return
+	}
+	c.synced[resp.GetTypeUrl()] = true
+	for _, t := range c.TypeURLs {
+		if !c.synced[t] {
+			return
+		}
+	}
+	c.isSynced = true
+	close(c.syncedCh)
 }

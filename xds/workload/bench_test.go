@@ -27,6 +27,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	workloadpb "aether.io/node/api/istio/workload"
+	"aether.io/node/xds/resource"
 )
 
 // benchServer is one of the two servers under comparison.
@@ -164,7 +165,7 @@ func newBenchServer(b *testing.B, kind string) benchServer {
 		o.sock = serveBench(b, append(opts, o.interceptor()), srv.Register)
 		return o
 	default:
-		c := cachev3.NewLinearCache(TypeURL)
+		c := cachev3.NewLinearCache(resource.WorkloadType)
 		ctx, cancel := context.WithCancel(context.Background())
 		b.Cleanup(cancel)
 		srv := serverv3.NewServer(ctx, c, nil)
@@ -239,7 +240,7 @@ func openBenchTracking(b *testing.B, conn *grpc.ClientConn, initial map[string]s
 		c.versions = map[string]string{}
 	}
 	if err := s.Send(&discovery.DeltaDiscoveryRequest{
-		Node: &core.Node{Id: "bench"}, TypeUrl: TypeURL, ResourceNamesSubscribe: []string{"*"}, InitialResourceVersions: initial,
+		Node: &core.Node{Id: "bench"}, TypeUrl: resource.WorkloadType, ResourceNamesSubscribe: []string{"*"}, InitialResourceVersions: initial,
 	}); err != nil {
 		b.Fatal(err)
 	}
@@ -263,7 +264,7 @@ func (c *benchClient) loop() {
 				delete(c.versions, n)
 			}
 		}
-		if err := c.stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeURL, ResponseNonce: resp.GetNonce()}); err != nil {
+		if err := c.stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.WorkloadType, ResponseNonce: resp.GetNonce()}); err != nil {
 			c.events <- benchEvent{err: err}
 			return
 		}
@@ -524,7 +525,7 @@ func BenchmarkWDSReconnect(b *testing.B) {
 // codec the peer uses.
 func BenchmarkWDSDecodeVersions(b *testing.B) {
 	const n = 70000
-	req := &discovery.DeltaDiscoveryRequest{TypeUrl: TypeURL, ResourceNamesSubscribe: []string{"*"}, InitialResourceVersions: map[string]string{}}
+	req := &discovery.DeltaDiscoveryRequest{TypeUrl: resource.WorkloadType, ResourceNamesSubscribe: []string{"*"}, InitialResourceVersions: map[string]string{}}
 	for i := range n {
 		req.InitialResourceVersions[UID("Kubernetes", "shop", endpointN(i).Name)] = fmt.Sprintf("%016x", i*7919)
 	}

@@ -2,7 +2,6 @@ package workload
 
 import (
 	"fmt"
-	"sync"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc/encoding"
@@ -12,12 +11,14 @@ import (
 
 	// Registers the default "proto" codec the fallback uses.
 	_ "google.golang.org/grpc/encoding/proto"
+
+	"aether.io/node/xds/resource"
 )
 
 // The xDS server's gRPC codec (installed by ServerGRPCOptions) does two
 // things the generic proto codec cannot:
 //
-//   - it sends responses as the concatenation of a small marshalled head and
+//   - it sends responses (wrapped as preEncoded) as the concatenation of a small marshalled head and
 //     each resource's bytes, encoded once per change in the index: no
 //     per-client marshalling, no copy of the workloads;
 //   - it decodes a DeltaDiscoveryRequest's initial_resource_versions (tens of
@@ -28,9 +29,14 @@ import (
 // Without the codec (a grpc.Server built without ServerGRPCOptions) the same
 // typed messages are marshalled normally: correct, only slower.
 
-// encodedParts maps a response being sent to its pre-encoded wire parts;
-// the server stores an entry around each Send.
-var encodedParts sync.Map // proto.Message → [][]byte
+// preEncoded is a response whose wire form is already laid out: parts
+// (a marshalled head, then each resource's shared bytes) concatenated are
+// the encoding of Message. The server sends it with SendMsg; this codec
+// writes the parts, any other codec marshals the embedded Message.
+type preEncoded struct {
+	proto.Message
+	parts [][]byte
+}
 
 type xdsCodec struct{ fallback encoding.CodecV2 }
 
@@ -41,10 +47,9 @@ func newCodec() encoding.CodecV2 {
 func (xdsCodec) Name() string { return "proto" }
 
 func (c xdsCodec) Marshal(v any) (mem.BufferSlice, error) {
-	if parts, ok := encodedParts.Load(v); ok {
-		ps := parts.([][]byte)
-		out := make(mem.BufferSlice, 0, len(ps))
-		for _, p := range ps {
+	if e, ok := v.(*preEncoded); ok {
+		out := make(mem.BufferSlice, 0, len(e.parts))
+		for _, p := range e.parts {
 			if len(p) > 0 {
 				out = append(out, mem.SliceBuffer(p))
 			}
@@ -164,7 +169,7 @@ func mapEntry(s string, entry []byte, base int) (string, string, error) {
 // DiscoveryResponse.resources field: same number, 2) and the body, all
 // sharing one allocation.
 func encodeResource(name, version string, body []byte) (delta, sotw, value []byte) {
-	anyLen := protowire.SizeTag(fieldAnyTypeURL) + protowire.SizeBytes(len(TypeURL)) +
+	anyLen := protowire.SizeTag(fieldAnyTypeURL) + protowire.SizeBytes(len(resource.WorkloadType)) +
 		protowire.SizeTag(fieldAnyValue) + protowire.SizeBytes(len(body))
 	resLen := protowire.SizeTag(fieldResourceVersion) + protowire.SizeBytes(len(version)) +
 		protowire.SizeTag(fieldResourceResource) + protowire.SizeBytes(anyLen) +
@@ -178,7 +183,7 @@ func encodeResource(name, version string, body []byte) (delta, sotw, value []byt
 	b = protowire.AppendTag(b, fieldResourceResource, protowire.BytesType)
 	b = protowire.AppendVarint(b, uint64(anyLen))
 	b = protowire.AppendTag(b, fieldAnyTypeURL, protowire.BytesType)
-	b = protowire.AppendString(b, TypeURL)
+	b = protowire.AppendString(b, resource.WorkloadType)
 	b = protowire.AppendTag(b, fieldAnyValue, protowire.BytesType)
 	b = protowire.AppendVarint(b, uint64(len(body)))
 	valueStart := len(b)

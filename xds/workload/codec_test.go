@@ -10,15 +10,17 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
+
+	"aether.io/node/xds/resource"
 )
 
 func TestDecodeDeltaRequestMatchesProto(t *testing.T) {
 	reqs := []*discovery.DeltaDiscoveryRequest{
 		{},
-		{TypeUrl: TypeURL, ResourceNamesSubscribe: []string{"*"}},
+		{TypeUrl: resource.WorkloadType, ResourceNamesSubscribe: []string{"*"}},
 		{
 			Node:                     &core.Node{Id: "n1", Cluster: "c"},
-			TypeUrl:                  TypeURL,
+			TypeUrl:                  resource.WorkloadType,
 			ResourceNamesSubscribe:   []string{"a", "b"},
 			ResourceNamesUnsubscribe: []string{"c"},
 			InitialResourceVersions:  map[string]string{"a": "1", "b": "", "": "x", "c//Pod/ns/ü": "ffee"},
@@ -65,7 +67,7 @@ func TestPreEncodedResourceMatchesProto(t *testing.T) {
 		if err := proto.Unmarshal(r.wireSotW, &sotw); err != nil {
 			t.Fatal(err)
 		}
-		if len(sotw.GetResources()) != 1 || !proto.Equal(sotw.GetResources()[0], &anypb.Any{TypeUrl: TypeURL, Value: r.Body}) {
+		if len(sotw.GetResources()) != 1 || !proto.Equal(sotw.GetResources()[0], &anypb.Any{TypeUrl: resource.WorkloadType, Value: r.Body}) {
 			t.Fatalf("sotw wire decodes to %v", sotw.GetResources())
 		}
 		// The body is the deterministic encoding of the workload (uid = field 20).
@@ -76,7 +78,7 @@ func TestPreEncodedResourceMatchesProto(t *testing.T) {
 			t.Errorf("body uid %q, want %q", w.str(20), r.Name)
 		}
 	}
-	// The codec sends a registered message as its parts, others with proto.
+	// The codec sends a preEncoded message as its parts, others with proto.
 	msg := &discovery.DeltaDiscoveryResponse{Nonce: "1"}
 	c := newCodec()
 	plain, err := c.Marshal(msg)
@@ -87,9 +89,7 @@ func TestPreEncodedResourceMatchesProto(t *testing.T) {
 	if string(plain.Materialize()) != string(want) {
 		t.Error("unregistered message not marshalled by proto")
 	}
-	encodedParts.Store(msg, [][]byte{[]byte("ab"), nil, []byte("cd")})
-	defer encodedParts.Delete(msg)
-	got, err := c.Marshal(msg)
+	got, err := c.Marshal(&preEncoded{Message: msg, parts: [][]byte{[]byte("ab"), nil, []byte("cd")}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -12,10 +12,8 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	workloadpb "aether.io/node/api/istio/workload"
+	"aether.io/node/xds/resource"
 )
-
-// TypeURL is the xDS type this package serves.
-const TypeURL = "type.googleapis.com/istio.workload.Workload"
 
 // Resource is one workload as it is served: marshalled once per change and
 // shared, read-only, by every stream. Never modify a Resource or the
@@ -44,7 +42,7 @@ func NewResource(w *workloadpb.Workload) (*Resource, error) {
 	}
 	version := strconv.FormatUint(xxhash.Sum64(body), 16)
 	wd, ws, value := encodeResource(w.GetUid(), version, body)
-	a := &anypb.Any{TypeUrl: TypeURL, Value: value}
+	a := &anypb.Any{TypeUrl: resource.WorkloadType, Value: value}
 	return &Resource{
 		Name:      w.GetUid(),
 		Version:   version,
@@ -68,7 +66,7 @@ type Index struct {
 	nameKey  map[string]string // name → endpoint key that owns it
 	keyName  map[string]string // endpoint key → name
 	rev      uint64
-	watchers map[*watcher]struct{}
+	watchers map[*Subscription]struct{}
 	onSize   func(int)
 
 	sotwMu   sync.Mutex
@@ -82,7 +80,7 @@ func NewIndex() *Index {
 		byName:   make(map[string]*Resource),
 		nameKey:  make(map[string]string),
 		keyName:  make(map[string]string),
-		watchers: make(map[*watcher]struct{}),
+		watchers: make(map[*Subscription]struct{}),
 	}
 }
 
@@ -196,73 +194,4 @@ func (x *Index) Keys() []string {
 		out = append(out, k)
 	}
 	return out
-}
-
-// sotwAll returns every resource, listed once per revision and shared by
-// all wildcard SotW streams.
-func (x *Index) sotwAll() (uint64, []*Resource) {
-	x.mu.RLock()
-	rev := x.rev
-	x.sotwMu.Lock()
-	defer x.sotwMu.Unlock()
-	if x.sotwList != nil && x.sotwRev == rev {
-		x.mu.RUnlock()
-		return rev, x.sotwList
-	}
-	list := make([]*Resource, 0, len(x.byName))
-	for _, r := range x.byName {
-		list = append(list, r)
-	}
-	x.mu.RUnlock()
-	x.sotwRev, x.sotwList = rev, list
-	return rev, list
-}
-
-// watcher collects the names that changed since a stream last looked.
-type watcher struct {
-	mu      sync.Mutex
-	pending map[string]struct{}
-	since   time.Time // time of the oldest pending change
-	ch      chan struct{}
-}
-
-func (x *Index) watch() *watcher {
-	w := &watcher{pending: make(map[string]struct{}), ch: make(chan struct{}, 1)}
-	x.mu.Lock()
-	x.watchers[w] = struct{}{}
-	x.mu.Unlock()
-	return w
-}
-
-func (x *Index) unwatch(w *watcher) {
-	x.mu.Lock()
-	delete(x.watchers, w)
-	x.mu.Unlock()
-}
-
-func (x *Index) notifyLocked(name string, now time.Time) {
-	for w := range x.watchers {
-		w.mu.Lock()
-		if len(w.pending) == 0 {
-			w.since = now
-		}
-		w.pending[name] = struct{}{}
-		w.mu.Unlock()
-		select {
-		case w.ch <- struct{}{}:
-		default:
-		}
-	}
-}
-
-// take returns and clears the pending names and the time of the oldest.
-func (w *watcher) take() (map[string]struct{}, time.Time) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if len(w.pending) == 0 {
-		return nil, time.Time{}
-	}
-	p, since := w.pending, w.since
-	w.pending = make(map[string]struct{})
-	return p, since
 }

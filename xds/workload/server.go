@@ -17,10 +17,9 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
-)
 
-// wildcard is the resource name that subscribes to everything.
-const wildcard = "*"
+	"aether.io/node/xds/resource"
+)
 
 // ServerOptions configure a Server.
 type ServerOptions struct {
@@ -45,11 +44,12 @@ type NACK struct {
 }
 
 // Server serves the index over the Aggregated Discovery Service, Delta and
-// SotW, for TypeURL. Requests for other types are ignored. Resources are
-// never marshalled per client: every stream sends the shared, once-marshalled
-// Resource entries.
+// SotW, for resource.WorkloadType; requests for other types are ignored. It
+// sees the index only as a Cache: the cache selects, the server speaks the
+// protocol. Resources are never marshalled per client: every stream sends
+// the shared, once-marshalled Resource entries.
 type Server struct {
-	idx     *Index
+	cache   Cache
 	log     *slog.Logger
 	m       *metrics
 	streams atomic.Int64
@@ -71,11 +71,8 @@ func NewServer(idx *Index, opts ServerOptions) (*Server, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	idx.mu.Lock()
-	idx.onSize = func(n int) { m.workloads.Set(float64(n)) }
-	m.workloads.Set(float64(len(idx.byName)))
-	idx.mu.Unlock()
-	return &Server{idx: idx, log: log, m: m}, nil
+	idx.ObserveSize(func(n int) { m.workloads.Set(float64(n)) })
+	return &Server{cache: idx, log: log, m: m}, nil
 }
 
 // Register registers the ADS service on g.
@@ -201,12 +198,11 @@ func ListenUnix(path string) (net.Listener, error) {
 	return l, nil
 }
 
-// recvLoop forwards requests from recv until it fails.
 // serveStream is the loop of one ADS stream, Delta or SotW: client requests
 // go to handle, index changes to changed, until the client leaves (nil) or
 // ctx ends.
 func serveStream[T any](s *Server, ctx context.Context, protocol string, id int64, node func() string,
-	recv func() (T, error), w *watcher, handle func(T) error, changed func() error,
+	recv func() (T, error), sub *Subscription, handle func(T) error, changed func() error,
 ) error {
 	s.m.clients.WithLabelValues(protocol).Inc()
 	defer s.m.clients.WithLabelValues(protocol).Dec()
@@ -224,7 +220,7 @@ func serveStream[T any](s *Server, ctx context.Context, protocol string, id int6
 			if err := handle(req); err != nil {
 				return err
 			}
-		case <-w.ch:
+		case <-sub.Changed():
 			if err := changed(); err != nil {
 				return err
 			}
@@ -232,6 +228,7 @@ func serveStream[T any](s *Server, ctx context.Context, protocol string, id int6
 	}
 }
 
+// recvLoop forwards requests from recv until it fails.
 func recvLoop[T any](ctx context.Context, recv func() (T, error), out chan<- T, errc chan<- error) {
 	for {
 		req, err := recv()
@@ -250,23 +247,21 @@ func recvLoop[T any](ctx context.Context, recv func() (T, error), out chan<- T, 
 // ---- Delta ----
 
 type deltaStream struct {
-	s        *Server
-	stream   discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer
-	w        *watcher
-	node     string
-	id       int64
-	nonce    uint64
-	started  bool
-	wildcard bool
-	names    map[string]struct{}
+	s       *Server
+	stream  discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer
+	sub     *Subscription
+	node    string
+	id      int64
+	nonce   uint64
+	started bool
 }
 
-// DeltaAggregatedResources implements incremental ADS for TypeURL.
+// DeltaAggregatedResources implements incremental ADS for resource.WorkloadType.
 func (s *Server) DeltaAggregatedResources(stream discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
-	st := &deltaStream{s: s, stream: stream, id: s.streams.Add(1), names: make(map[string]struct{})}
-	st.w = s.idx.watch()
-	defer s.idx.unwatch(st.w)
-	return serveStream(s, stream.Context(), protoDelta, st.id, func() string { return st.node }, stream.Recv, st.w,
+	sub, cancel := s.cache.Watch()
+	defer cancel()
+	st := &deltaStream{s: s, stream: stream, id: s.streams.Add(1), sub: sub}
+	return serveStream(s, stream.Context(), protoDelta, st.id, func() string { return st.node }, stream.Recv, sub,
 		st.handle, func() error {
 			if !st.started {
 				return nil
@@ -279,7 +274,7 @@ func (st *deltaStream) handle(req *discovery.DeltaDiscoveryRequest) error {
 	if st.node == "" && req.GetNode() != nil {
 		st.node = req.GetNode().GetId()
 	}
-	if req.GetTypeUrl() != TypeURL {
+	if req.GetTypeUrl() != resource.WorkloadType {
 		st.s.log.Debug("ignoring xds request for an unserved type", "type_url", req.GetTypeUrl(), "node", st.node)
 		return nil
 	}
@@ -293,137 +288,47 @@ func (st *deltaStream) handle(req *discovery.DeltaDiscoveryRequest) error {
 	}
 	first := !st.started
 	st.started = true
-	var added []string
-	addWildcard := false
-	subs := req.GetResourceNamesSubscribe()
-	if first && len(subs) == 0 {
-		subs = []string{wildcard} // legacy wildcard
-	}
-	for _, n := range subs {
-		if n == wildcard {
-			if !st.wildcard {
-				st.wildcard, addWildcard = true, true
-			}
-			continue
-		}
-		if _, ok := st.names[n]; !ok {
-			st.names[n] = struct{}{}
-			added = append(added, n)
-		}
-	}
-	for _, n := range req.GetResourceNamesUnsubscribe() {
-		if n == wildcard {
-			st.wildcard = false
-			continue
-		}
-		delete(st.names, n)
-	}
+	added, addedWildcard := st.sub.ApplyDelta(first, req.GetResourceNamesSubscribe(), req.GetResourceNamesUnsubscribe())
 	var known map[string]string
 	if first {
 		known = req.GetInitialResourceVersions()
 	}
-	if addWildcard || len(added) > 0 {
-		return st.flush(added, addWildcard, known, received)
+	if addedWildcard || len(added) > 0 {
+		return st.flush(added, addedWildcard, known, received)
 	}
 	return nil
 }
 
-func (st *deltaStream) subscribed(name string) bool {
-	if st.wildcard {
-		return true
+// flush sends, in one response, what the cache selects for the stream: the
+// pending changes it subscribes to plus the newly subscribed names. A new
+// subscription always gets a response, even empty, so a client sees it is
+// synced.
+func (st *deltaStream) flush(added []string, addedWildcard bool, known map[string]string, since time.Time) error {
+	d := st.s.cache.DeltaResponse(st.sub, added, addedWildcard, known)
+	if since.IsZero() || (!d.Since.IsZero() && d.Since.Before(since)) {
+		since = d.Since
 	}
-	_, ok := st.names[name]
-	return ok
-}
-
-// flush sends, in one response, the pending changes the stream subscribes to
-// plus the newly subscribed names (all, for a new wildcard), skipping those
-// whose version the client already has (known: initial_resource_versions).
-// A first flush always responds, even empty, so a client sees it is synced.
-func (st *deltaStream) flush(added []string, addWildcard bool, known map[string]string, since time.Time) error {
-	x := st.s.idx
-	resp := &discovery.DeltaDiscoveryResponse{TypeUrl: TypeURL}
-	var parts [][]byte
-	add := func(r *Resource) {
-		resp.Resources = append(resp.Resources, r.Delta)
-		parts = append(parts, r.wireDelta)
-	}
-	seen := make(map[string]struct{}, len(added))
-	send := func(name string, absentIsRemoval bool) {
-		if _, dup := seen[name]; dup {
-			return
-		}
-		seen[name] = struct{}{}
-		r, ok := x.byName[name]
-		switch {
-		case ok && known[name] != r.Version:
-			add(r)
-		case !ok && absentIsRemoval:
-			resp.RemovedResources = append(resp.RemovedResources, name)
-		}
-	}
-	x.mu.RLock()
-	pending, psince := st.w.take()
-	if since.IsZero() || (!psince.IsZero() && psince.Before(since)) {
-		since = psince
-	}
-	if addWildcard {
-		// One pass over the index; a second over the client's versions only
-		// if some of them name workloads we no longer have.
-		hits := 0
-		for name, r := range x.byName {
-			v, had := known[name]
-			if had {
-				hits++
-				if v == r.Version {
-					continue
-				}
-			}
-			add(r)
-		}
-		if hits < len(known) {
-			for name := range known {
-				if _, ok := x.byName[name]; !ok {
-					seen[name] = struct{}{}
-					resp.RemovedResources = append(resp.RemovedResources, name)
-				}
-			}
-		}
-	}
-	if !addWildcard {
-		for _, name := range added {
-			send(name, true) // absent: tell the client it does not exist
-		}
-	}
-	known = nil // pending changes are sent whatever the client had
-	for name := range pending {
-		if !st.subscribed(name) {
-			continue
-		}
-		if addWildcard {
-			// The wildcard pass sent the current state; only removals are left.
-			if _, ok := x.byName[name]; !ok {
-				send(name, true)
-			}
-			continue
-		}
-		send(name, true)
-	}
-	rev := x.rev
-	x.mu.RUnlock()
-	answer := addWildcard || len(added) > 0
-	if !answer && len(resp.Resources) == 0 && len(resp.RemovedResources) == 0 {
+	answer := addedWildcard || len(added) > 0
+	if !answer && len(d.Resources) == 0 && len(d.Removed) == 0 {
 		return nil
 	}
 	st.nonce++
-	resp.Nonce = strconv.FormatUint(st.nonce, 10)
-	resp.SystemVersionInfo = strconv.FormatUint(rev, 10)
-	if err := sendEncoded(st.stream.Send, resp, &discovery.DeltaDiscoveryResponse{
-		SystemVersionInfo: resp.SystemVersionInfo, TypeUrl: resp.TypeUrl, Nonce: resp.Nonce, RemovedResources: resp.RemovedResources,
-	}, parts); err != nil {
+	head := &discovery.DeltaDiscoveryResponse{
+		SystemVersionInfo: strconv.FormatUint(d.Revision, 10), TypeUrl: resource.WorkloadType,
+		Nonce: strconv.FormatUint(st.nonce, 10), RemovedResources: d.Removed,
+	}
+	resp := &discovery.DeltaDiscoveryResponse{
+		SystemVersionInfo: head.SystemVersionInfo, TypeUrl: head.TypeUrl, Nonce: head.Nonce, RemovedResources: d.Removed,
+		Resources: make([]*discovery.Resource, len(d.Resources)),
+	}
+	parts := make([][]byte, len(d.Resources))
+	for i, r := range d.Resources {
+		resp.Resources[i], parts[i] = r.Delta, r.wireDelta
+	}
+	if err := sendEncoded(st.stream, resp, head, parts); err != nil {
 		return err
 	}
-	st.s.m.pushed(protoDelta, len(resp.Resources)+len(resp.RemovedResources), since)
+	st.s.m.pushed(protoDelta, len(d.Resources)+len(d.Removed), since)
 	return nil
 }
 
@@ -432,27 +337,25 @@ func (st *deltaStream) flush(added []string, addWildcard bool, known map[string]
 type sotwStream struct {
 	s       *Server
 	stream  discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer
-	w       *watcher
+	sub     *Subscription
 	node    string
 	id      int64
 	nonce   uint64
 	started bool
 	// waiting is true between a response and the client's next request: a
 	// SotW server answers requests, so updates wait for the ACK.
-	waiting  bool
-	dirty    bool
-	since    time.Time
-	wildcard bool
-	names    map[string]struct{}
+	waiting bool
+	dirty   bool
+	since   time.Time
 }
 
-// StreamAggregatedResources implements state-of-the-world ADS for TypeURL:
-// every response carries every subscribed workload.
+// StreamAggregatedResources implements state-of-the-world ADS for
+// resource.WorkloadType: every response carries every subscribed workload.
 func (s *Server) StreamAggregatedResources(stream discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
-	st := &sotwStream{s: s, stream: stream, id: s.streams.Add(1)}
-	st.w = s.idx.watch()
-	defer s.idx.unwatch(st.w)
-	return serveStream(s, stream.Context(), protoSotW, st.id, func() string { return st.node }, stream.Recv, st.w,
+	sub, cancel := s.cache.Watch()
+	defer cancel()
+	st := &sotwStream{s: s, stream: stream, id: s.streams.Add(1), sub: sub}
+	return serveStream(s, stream.Context(), protoSotW, st.id, func() string { return st.node }, stream.Recv, sub,
 		st.handle, st.changed)
 }
 
@@ -460,7 +363,7 @@ func (st *sotwStream) handle(req *discovery.DiscoveryRequest) error {
 	if st.node == "" && req.GetNode() != nil {
 		st.node = req.GetNode().GetId()
 	}
-	if req.GetTypeUrl() != TypeURL {
+	if req.GetTypeUrl() != resource.WorkloadType {
 		st.s.log.Debug("ignoring xds request for an unserved type", "type_url", req.GetTypeUrl(), "node", st.node)
 		return nil
 	}
@@ -476,19 +379,8 @@ func (st *sotwStream) handle(req *discovery.DiscoveryRequest) error {
 			st.s.m.acks.WithLabelValues(protoSotW).Inc()
 		}
 	}
-	wild, names := false, make(map[string]struct{}, len(req.GetResourceNames()))
-	for _, n := range req.GetResourceNames() {
-		if n == wildcard {
-			wild = true
-		} else {
-			names[n] = struct{}{}
-		}
-	}
-	if len(names) == 0 {
-		wild = true
-	}
-	changedSub := !st.started || wild != st.wildcard || !sameSet(names, st.names)
-	st.started, st.wildcard, st.names = true, wild, names
+	changedSub := st.sub.SetSotW(req.GetResourceNames()) || !st.started
+	st.started = true
 	if changedSub {
 		st.dirty, st.since = true, received
 	}
@@ -501,84 +393,45 @@ func (st *sotwStream) changed() error {
 	if !st.started {
 		return nil
 	}
-	pending, psince := st.w.take()
-	for name := range pending {
-		if st.subscribed(name) {
-			if !st.dirty || psince.Before(st.since) {
-				st.since = psince
-			}
-			st.dirty = true
-			break
+	if hit, psince := st.sub.TakeChanged(); hit {
+		if !st.dirty || psince.Before(st.since) {
+			st.since = psince
 		}
+		st.dirty = true
 	}
 	if !st.dirty || st.waiting {
 		return nil
 	}
-	var rev uint64
-	var list []*Resource
-	if st.wildcard {
-		rev, list = st.s.idx.sotwAll()
-	} else {
-		x := st.s.idx
-		x.mu.RLock()
-		rev = x.rev
-		for name := range st.names {
-			if r, ok := x.byName[name]; ok {
-				list = append(list, r)
-			}
-		}
-		x.mu.RUnlock()
-	}
+	state := st.s.cache.SotWResponse(st.sub)
 	st.nonce++
 	head := &discovery.DiscoveryResponse{
-		TypeUrl:     TypeURL,
-		VersionInfo: strconv.FormatUint(rev, 10),
+		TypeUrl:     resource.WorkloadType,
+		VersionInfo: strconv.FormatUint(state.Revision, 10),
 		Nonce:       strconv.FormatUint(st.nonce, 10),
 	}
 	resp := &discovery.DiscoveryResponse{
 		TypeUrl: head.TypeUrl, VersionInfo: head.VersionInfo, Nonce: head.Nonce,
-		Resources: make([]*anypb.Any, len(list)),
+		Resources: make([]*anypb.Any, len(state.Resources)),
 	}
-	parts := make([][]byte, len(list))
-	for i, r := range list {
+	parts := make([][]byte, len(state.Resources))
+	for i, r := range state.Resources {
 		resp.Resources[i], parts[i] = r.Any, r.wireSotW
 	}
-	if err := sendEncoded(st.stream.Send, resp, head, parts); err != nil {
+	if err := sendEncoded(st.stream, resp, head, parts); err != nil {
 		return err
 	}
-	st.s.m.pushed(protoSotW, len(list), st.since)
+	st.s.m.pushed(protoSotW, len(state.Resources), st.since)
 	st.dirty, st.waiting, st.since = false, true, time.Time{}
 	return nil
 }
 
-func (st *sotwStream) subscribed(name string) bool {
-	if st.wildcard {
-		return true
-	}
-	_, ok := st.names[name]
-	return ok
-}
-
-// sendEncoded sends msg; with the server codec installed it goes out as
-// head (marshalled here, small) followed by the pre-encoded resource parts.
-func sendEncoded[M proto.Message](send func(M) error, msg M, head proto.Message, parts [][]byte) error {
+// sendEncoded sends msg as a preEncoded wrapper: the server codec writes it
+// as head (marshalled here, small) followed by the pre-encoded resource
+// parts; any other codec marshals msg itself.
+func sendEncoded(stream grpc.ServerStream, msg, head proto.Message, parts [][]byte) error {
 	hb, err := proto.Marshal(head)
 	if err != nil {
 		return fmt.Errorf("failed to marshal xds response head: %w", err)
 	}
-	encodedParts.Store(msg, append([][]byte{hb}, parts...))
-	defer encodedParts.Delete(msg)
-	return send(msg)
-}
-
-func sameSet(a, b map[string]struct{}) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for k := range a {
-		if _, ok := b[k]; !ok {
-			return false
-		}
-	}
-	return true
+	return stream.SendMsg(&preEncoded{Message: msg, parts: append([][]byte{hb}, parts...)})
 }

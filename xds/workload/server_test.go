@@ -21,6 +21,7 @@ import (
 
 	workloadpb "aether.io/node/api/istio/workload"
 	"aether.io/node/registry"
+	"aether.io/node/xds/resource"
 )
 
 // testServer is a Server on a unix socket in a temp dir.
@@ -221,15 +222,15 @@ func testSotW(t *testing.T, opts []grpc.ServerOption) {
 	ts := startServerWith(t, x, opts)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	c := sotwclient.NewADSClient(ctx, &core.Node{Id: "gcp-sotw"}, TypeURL)
+	c := sotwclient.NewADSClient(ctx, &core.Node{Id: "gcp-sotw"}, resource.WorkloadType)
 	if err := c.InitConnect(dialTest(t, ts.socket)); err != nil {
 		t.Fatal(err)
 	}
 	byName := func(resp *sotwclient.Response) map[string][]byte {
 		out := map[string][]byte{}
 		for _, a := range resp.Resources {
-			if a.GetTypeUrl() != TypeURL {
-				t.Errorf("resource type %q, want %q", a.GetTypeUrl(), TypeURL)
+			if a.GetTypeUrl() != resource.WorkloadType {
+				t.Errorf("resource type %q, want %q", a.GetTypeUrl(), resource.WorkloadType)
 			}
 			w := parseWire(t, a.GetValue())
 			out[w.str(20)] = a.GetValue()
@@ -333,7 +334,7 @@ func openDelta(t *testing.T, socket string, first *discovery.DeltaDiscoveryReque
 	if err != nil {
 		t.Fatal(err)
 	}
-	first.TypeUrl = TypeURL
+	first.TypeUrl = resource.WorkloadType
 	first.Node = &core.Node{Id: "gcp-delta"}
 	if err := s.Send(first); err != nil {
 		t.Fatal(err)
@@ -348,10 +349,10 @@ func (d *rawDelta) recv() *discovery.DeltaDiscoveryResponse {
 	if err != nil {
 		d.t.Fatal(err)
 	}
-	if resp.GetTypeUrl() != TypeURL {
+	if resp.GetTypeUrl() != resource.WorkloadType {
 		d.t.Fatalf("response type %q", resp.GetTypeUrl())
 	}
-	if err := d.s.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeURL, ResponseNonce: resp.GetNonce()}); err != nil {
+	if err := d.s.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.WorkloadType, ResponseNonce: resp.GetNonce()}); err != nil {
 		d.t.Fatal(err)
 	}
 	return resp
@@ -508,7 +509,7 @@ func TestDeltaNamedSubscriptions(t *testing.T) {
 		t.Fatalf("got %v, want only %s", got, uid(0))
 	}
 	// Subscribe to 2 later; unsubscribe 0.
-	if err := d.s.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeURL, ResourceNamesSubscribe: []string{uid(2)}, ResourceNamesUnsubscribe: []string{uid(0)}}); err != nil {
+	if err := d.s.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.WorkloadType, ResourceNamesSubscribe: []string{uid(2)}, ResourceNamesUnsubscribe: []string{uid(0)}}); err != nil {
 		t.Fatal(err)
 	}
 	if got := names(d.recv()); !slices.Equal(got, []string{uid(2)}) {
@@ -520,7 +521,7 @@ func TestDeltaNamedSubscriptions(t *testing.T) {
 		t.Fatalf("after unsubscribe got %v, want only %s", got, uid(2))
 	}
 	// NACK through the delta stream.
-	if err := d.s.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeURL, ResponseNonce: "3", ErrorDetail: &status.Status{Message: "nope"}}); err != nil {
+	if err := d.s.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.WorkloadType, ResponseNonce: "3", ErrorDetail: &status.Status{Message: "nope"}}); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, func() bool { return ts.srv.LastNACK() != nil })

@@ -1,7 +1,9 @@
-// Package client is a delta xDS client of istio.workload.Workload: it
-// subscribes (wildcard or by uid), ACKs or NACKs every response, keeps the
-// resulting state and can resume with initial_resource_versions. It works
-// against any server of the type URL, not only ours.
+// Package client is the istio.workload.Workload view of xds/adsclient: one
+// delta stream (adsclient.Client, run Once) subscribed to the workload type,
+// wildcard or by uid, whose responses are decoded into Workloads, kept as
+// the client's state and handed out one at a time by Recv. It works against
+// any server of the type, not only ours. It also holds `aetherctl workloads`
+// (Run).
 package client
 
 import (
@@ -15,16 +17,12 @@ import (
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
-	"google.golang.org/genproto/googleapis/rpc/status"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/proto"
 
 	"aether.io/node/api/istio/workload"
+	"aether.io/node/xds/adsclient"
+	"aether.io/node/xds/resource"
 )
-
-// TypeURL is the type the client subscribes to.
-const TypeURL = "type.googleapis.com/istio.workload.Workload"
 
 // Options say where and what to subscribe.
 type Options struct {
@@ -48,19 +46,25 @@ type Update struct {
 	Updated []*workload.Workload
 	// Removed are the uids removed.
 	Removed []string
-	// Nonce is the response nonce.
-	Nonce string
 }
 
-// Client is one delta ADS stream.
-type Client struct {
-	conn   *grpc.ClientConn
-	stream discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesClient
-	cancel context.CancelFunc
+// response is one decoded response handed from the stream to Recv.
+type response struct {
+	up  *Update
+	err error
+}
 
-	mu       sync.Mutex
-	state    map[string]*workload.Workload
-	versions map[string]string
+// Client is one delta ADS stream of workloads.
+type Client struct {
+	ads    *adsclient.Client
+	ctx    context.Context
+	cancel context.CancelFunc
+	events chan response
+	done   chan struct{} // closed when the stream has ended
+	runErr error         // why, once done is closed
+
+	mu    sync.Mutex
+	state map[string]*workload.Workload
 }
 
 // Target returns the gRPC target for opts.
@@ -77,8 +81,8 @@ func Target(opts Options) (string, error) {
 	}
 }
 
-// Dial opens the stream and sends the subscription. The first response is
-// read with Recv.
+// Dial opens the stream and sends the subscription; read the responses
+// with Recv. A server that cannot be reached shows as Recv's error.
 func Dial(ctx context.Context, opts Options) (*Client, error) {
 	target, err := Target(opts)
 	if err != nil {
@@ -88,96 +92,83 @@ func Dial(ctx context.Context, opts Options) (*Client, error) {
 	if maxMsg <= 0 {
 		maxMsg = 1 << 30
 	}
-	conn, err := grpc.NewClient(target,
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMsg), grpc.MaxCallSendMsgSize(maxMsg)))
-	if err != nil {
-		return nil, fmt.Errorf("failed to create xds client for %q: %w", target, err)
-	}
-	c, err := Open(ctx, conn, opts)
-	if err != nil {
-		_ = conn.Close()
-		return nil, err
-	}
-	c.conn = conn
-	return c, nil
-}
-
-// Open opens the stream on an existing connection (Socket and Address are
-// ignored). Close does not close conn.
-func Open(ctx context.Context, conn grpc.ClientConnInterface, opts Options) (*Client, error) {
-	sctx, cancel := context.WithCancel(ctx)
-	stream, err := discovery.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(sctx)
-	if err != nil {
-		cancel()
-		return nil, fmt.Errorf("failed to open delta xds stream: %w", err)
-	}
 	node := opts.NodeID
 	if node == "" {
 		node = "aetherctl"
 	}
-	names := opts.Names
-	if len(names) == 0 {
-		names = []string{"*"}
+	c := &Client{
+		events: make(chan response),
+		done:   make(chan struct{}),
+		state:  make(map[string]*workload.Workload),
 	}
-	req := &discovery.DeltaDiscoveryRequest{
-		Node:                    &core.Node{Id: node},
-		TypeUrl:                 TypeURL,
-		ResourceNamesSubscribe:  names,
-		InitialResourceVersions: opts.InitialVersions,
+	c.ads = &adsclient.Client{
+		Target: target, Node: &core.Node{Id: node}, TypeURLs: []string{resource.WorkloadType},
+		Handler: c.handle, MaxMessageBytes: maxMsg, Once: true,
 	}
-	if err := stream.Send(req); err != nil {
-		cancel()
-		return nil, fmt.Errorf("failed to send delta xds subscription: %w", err)
+	if len(opts.Names) > 0 {
+		c.ads.Names = map[string][]string{resource.WorkloadType: slices.Clone(opts.Names)}
 	}
-	return &Client{
-		stream: stream, cancel: cancel,
-		state:    make(map[string]*workload.Workload),
-		versions: make(map[string]string),
-	}, nil
+	if opts.InitialVersions != nil {
+		c.ads.InitialVersions = map[string]map[string]string{resource.WorkloadType: opts.InitialVersions}
+	}
+	c.ctx, c.cancel = context.WithCancel(ctx)
+	go func() {
+		defer close(c.done)
+		err := c.ads.Run(c.ctx)
+		if err == nil {
+			err = c.ctx.Err()
+		}
+		if err == nil {
+			err = errors.New("stream ended")
+		}
+		c.runErr = err
+	}()
+	return c, nil
 }
 
-// Recv waits for the next response, applies it to the state and ACKs it. A
-// response that does not decode is NACKed, leaves the state alone and is
-// returned as an error.
+// handle decodes a response, applies it to the state and waits for Recv to
+// take it. A response that does not decode is NACKed and leaves the state
+// alone.
+func (c *Client) handle(typeURL string, updated []*discovery.Resource, removed []string) error {
+	up, err := decode(typeURL, updated, removed)
+	if err == nil {
+		c.mu.Lock()
+		for _, w := range up.Updated {
+			c.state[w.GetUid()] = w
+		}
+		for _, n := range up.Removed {
+			delete(c.state, n)
+		}
+		c.mu.Unlock()
+	}
+	select {
+	case c.events <- response{up: up, err: err}:
+	case <-c.ctx.Done():
+	}
+	return err
+}
+
+// Recv waits for the next response (already applied to the state and
+// ACKed). A response that does not decode is NACKed and returned as an
+// error; so is the end of the stream.
 func (c *Client) Recv() (*Update, error) {
-	resp, err := c.stream.Recv()
-	if err != nil {
-		return nil, fmt.Errorf("failed to receive delta xds response: %w", err)
+	select {
+	case ev := <-c.events:
+		return ev.up, ev.err
+	case <-c.done:
+		return nil, fmt.Errorf("failed to receive delta xds response: %w", c.runErr)
 	}
-	up, derr := decode(resp)
-	ack := &discovery.DeltaDiscoveryRequest{TypeUrl: TypeURL, ResponseNonce: resp.GetNonce()}
-	if derr != nil {
-		ack.ErrorDetail = &status.Status{Code: 3, Message: derr.Error()}
-	}
-	if err := c.stream.Send(ack); err != nil {
-		return nil, fmt.Errorf("failed to acknowledge delta xds response %q: %w", resp.GetNonce(), err)
-	}
-	if derr != nil {
-		return nil, derr
-	}
-	c.mu.Lock()
-	for i, w := range up.Updated {
-		c.state[w.GetUid()] = w
-		c.versions[w.GetUid()] = resp.GetResources()[i].GetVersion()
-	}
-	for _, n := range up.Removed {
-		delete(c.state, n)
-		delete(c.versions, n)
-	}
-	c.mu.Unlock()
-	return up, nil
 }
 
-func decode(resp *discovery.DeltaDiscoveryResponse) (*Update, error) {
-	if resp.GetTypeUrl() != TypeURL {
-		return nil, fmt.Errorf("unexpected type %q in response, want %q", resp.GetTypeUrl(), TypeURL)
+func decode(typeURL string, updated []*discovery.Resource, removed []string) (*Update, error) {
+	if typeURL != resource.WorkloadType {
+		return nil, fmt.Errorf("unexpected type %q in response, want %q", typeURL, resource.WorkloadType)
 	}
-	up := &Update{Nonce: resp.GetNonce(), Removed: resp.GetRemovedResources()}
-	for _, r := range resp.GetResources() {
+	up := &Update{Removed: removed}
+	for _, r := range updated {
 		a := r.GetResource()
-		if a.GetTypeUrl() != TypeURL {
-			return nil, fmt.Errorf("resource %q has type %q, want %q", r.GetName(), a.GetTypeUrl(), TypeURL)
+		if a.GetTypeUrl() != resource.WorkloadType {
+			return nil, fmt.Errorf("resource %q has type %q, want %q", r.GetName(), a.GetTypeUrl(), resource.WorkloadType)
 		}
 		w := &workload.Workload{}
 		if err := proto.Unmarshal(a.GetValue(), w); err != nil {
@@ -191,14 +182,14 @@ func decode(resp *discovery.DeltaDiscoveryResponse) (*Update, error) {
 	return up, nil
 }
 
-// Subscribe adds (and Unsubscribe removes) names on the stream.
+// Subscribe adds uids to the subscription.
 func (c *Client) Subscribe(names ...string) error {
-	return c.stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeURL, ResourceNamesSubscribe: names})
+	return c.ads.Subscribe(resource.WorkloadType, names...)
 }
 
-// Unsubscribe removes names from the subscription.
+// Unsubscribe removes uids from the subscription.
 func (c *Client) Unsubscribe(names ...string) error {
-	return c.stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: TypeURL, ResourceNamesUnsubscribe: names})
+	return c.ads.Unsubscribe(resource.WorkloadType, names...)
 }
 
 // Workloads returns the current state sorted by uid.
@@ -220,16 +211,12 @@ func (c *Client) Len() int {
 // Versions returns the version of every held workload, for
 // Options.InitialVersions of a later stream.
 func (c *Client) Versions() map[string]string {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return maps.Clone(c.versions)
+	return c.ads.Versions(resource.WorkloadType)
 }
 
-// Close ends the stream (and the connection Dial made).
+// Close ends the stream and waits for it.
 func (c *Client) Close() error {
 	c.cancel()
-	if c.conn != nil {
-		return c.conn.Close()
-	}
+	<-c.done
 	return nil
 }

@@ -1,0 +1,14 @@
+// Package resource names the xDS resource types aether-node serves and
+// consumes, in one neutral place (the shape of go-control-plane's
+// pkg/resource/v3): the agent's servers, aether-proxy, aetherctl and the
+// tests refer to these constants instead of spelling the type URLs.
+package resource
+
+const (
+	// WorkloadType is istio.workload.Workload, served by xds/workload
+	// (workload discovery, WDS) and consumed by aether-proxy and aetherctl.
+	WorkloadType = "type.googleapis.com/istio.workload.Workload"
+	// ListenerType is envoy.config.listener.v3.Listener, built by
+	// xds/listener and consumed by aether-proxy.
+	ListenerType = "type.googleapis.com/envoy.config.listener.v3.Listener"
+)

@@ -1,0 +1,319 @@
+package workload
+
+import (
+	"sync"
+	"time"
+)
+
+// wildcard is the resource name that subscribes to everything.
+const wildcard = "*"
+
+// Cache is everything the Server asks of the index: the seam between cache
+// and server (go-control-plane's ConfigWatcher). The server keeps one
+// Subscription per stream and asks the cache what to send for it; it never
+// sees the cache's lock or maps. *Index implements it.
+type Cache interface {
+	// Watch registers a subscription (empty: nothing subscribed yet) whose
+	// Changed channel fires when a resource changes; cancel unregisters it.
+	Watch() (sub *Subscription, cancel func())
+	// DeltaResponse selects a delta response for sub and consumes its
+	// pending changes; see Index.DeltaResponse.
+	DeltaResponse(sub *Subscription, added []string, addedWildcard bool, known map[string]string) Delta
+	// SotWResponse selects the full state sub subscribes to.
+	SotWResponse(sub *Subscription) SotW
+	// ObserveSize calls fn with the number of resources now and after every
+	// change that alters it.
+	ObserveSize(fn func(int))
+}
+
+var _ Cache = (*Index)(nil)
+
+// Delta is what a delta response carries: resources to send (shared and
+// read-only) and names to remove.
+type Delta struct {
+	// Resources are the resources to send.
+	Resources []*Resource
+	// Removed are names the client must drop (or that do not exist).
+	Removed []string
+	// Revision is the index revision the selection was made at.
+	Revision uint64
+	// Since is the time of the oldest change included (zero: none).
+	Since time.Time
+}
+
+// SotW is what a state-of-the-world response carries: every subscribed
+// resource that exists.
+type SotW struct {
+	// Resources are the resources, shared and read-only (for wildcard
+	// subscriptions, one list shared per revision).
+	Resources []*Resource
+	// Revision is the index revision the list was made at.
+	Revision uint64
+}
+
+// Subscription is one stream's subscription, Delta or SotW: wildcard or a
+// set of names, and the names that changed in the index since the stream
+// last asked (coalesced). The index adds changes; the stream's goroutine
+// owns the rest.
+type Subscription struct {
+	wildcard bool
+	names    map[string]struct{}
+
+	mu      sync.Mutex
+	pending map[string]struct{}
+	since   time.Time // time of the oldest pending change
+	ch      chan struct{}
+}
+
+// Changed fires (coalesced) after the index changed.
+func (s *Subscription) Changed() <-chan struct{} { return s.ch }
+
+// Wildcard reports whether the subscription is to every resource.
+func (s *Subscription) Wildcard() bool { return s.wildcard }
+
+// Subscribed reports whether name is subscribed to.
+func (s *Subscription) Subscribed(name string) bool {
+	if s.wildcard {
+		return true
+	}
+	_, ok := s.names[name]
+	return ok
+}
+
+// ApplyDelta applies a delta request's subscribe and unsubscribe lists
+// ("*" is the wildcard; an empty first subscription is the legacy wildcard)
+// and returns what became newly subscribed: those need an answer.
+func (s *Subscription) ApplyDelta(first bool, subscribe, unsubscribe []string) (added []string, addedWildcard bool) {
+	if first && len(subscribe) == 0 {
+		subscribe = []string{wildcard}
+	}
+	for _, n := range subscribe {
+		if n == wildcard {
+			if !s.wildcard {
+				s.wildcard, addedWildcard = true, true
+			}
+			continue
+		}
+		if _, ok := s.names[n]; !ok {
+			s.names[n] = struct{}{}
+			added = append(added, n)
+		}
+	}
+	for _, n := range unsubscribe {
+		if n == wildcard {
+			s.wildcard = false
+			continue
+		}
+		delete(s.names, n)
+	}
+	return added, addedWildcard
+}
+
+// SetSotW replaces the subscription with a SotW request's names (none, or
+// "*", is the wildcard) and reports whether it differs from before.
+func (s *Subscription) SetSotW(resourceNames []string) bool {
+	wild, names := false, make(map[string]struct{}, len(resourceNames))
+	for _, n := range resourceNames {
+		if n == wildcard {
+			wild = true
+		} else {
+			names[n] = struct{}{}
+		}
+	}
+	if len(names) == 0 {
+		wild = true
+	}
+	changed := wild != s.wildcard || !sameSet(names, s.names)
+	s.wildcard, s.names = wild, names
+	return changed
+}
+
+// TakeChanged consumes the pending changes and reports whether any of them
+// is subscribed to, and the time of the oldest change.
+func (s *Subscription) TakeChanged() (bool, time.Time) {
+	pending, since := s.take()
+	for name := range pending {
+		if s.Subscribed(name) {
+			return true, since
+		}
+	}
+	return false, time.Time{}
+}
+
+// take returns and clears the pending names and the time of the oldest.
+func (s *Subscription) take() (map[string]struct{}, time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.pending) == 0 {
+		return nil, time.Time{}
+	}
+	p, since := s.pending, s.since
+	s.pending = make(map[string]struct{})
+	return p, since
+}
+
+// notify records a change of name; called with the index locked.
+func (s *Subscription) notify(name string, now time.Time) {
+	s.mu.Lock()
+	if len(s.pending) == 0 {
+		s.since = now
+	}
+	s.pending[name] = struct{}{}
+	s.mu.Unlock()
+	select {
+	case s.ch <- struct{}{}:
+	default:
+	}
+}
+
+// Watch implements Cache.
+func (x *Index) Watch() (*Subscription, func()) {
+	s := &Subscription{
+		names:   make(map[string]struct{}),
+		pending: make(map[string]struct{}),
+		ch:      make(chan struct{}, 1),
+	}
+	x.mu.Lock()
+	x.watchers[s] = struct{}{}
+	x.mu.Unlock()
+	return s, func() {
+		x.mu.Lock()
+		delete(x.watchers, s)
+		x.mu.Unlock()
+	}
+}
+
+// ObserveSize implements Cache.
+func (x *Index) ObserveSize(fn func(int)) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.onSize = fn
+	fn(len(x.byName))
+}
+
+func (x *Index) notifyLocked(name string, now time.Time) {
+	for s := range x.watchers {
+		s.notify(name, now)
+	}
+}
+
+// DeltaResponse selects, in one pass under the read lock, the next delta
+// response of sub: its pending changes it subscribes to, plus the newly
+// subscribed names (added; every resource for a new wildcard), skipping
+// resources whose version the client already has (known: the first
+// request's initial_resource_versions). A newly subscribed name that does
+// not exist, and a known name we no longer have, are returned as Removed.
+// Pending changes are sent whatever the client had.
+func (x *Index) DeltaResponse(sub *Subscription, added []string, addedWildcard bool, known map[string]string) Delta {
+	var d Delta
+	seen := make(map[string]struct{}, len(added))
+	send := func(name string) {
+		if _, dup := seen[name]; dup {
+			return
+		}
+		seen[name] = struct{}{}
+		r, ok := x.byName[name]
+		switch {
+		case ok && known[name] != r.Version:
+			d.Resources = append(d.Resources, r)
+		case !ok:
+			d.Removed = append(d.Removed, name) // gone, or never existed
+		}
+	}
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	pending, since := sub.take()
+	d.Since = since
+	if addedWildcard {
+		// One pass over the index; a second over the client's versions only
+		// if some of them name workloads we no longer have.
+		hits := 0
+		for name, r := range x.byName {
+			v, had := known[name]
+			if had {
+				hits++
+				if v == r.Version {
+					continue
+				}
+			}
+			d.Resources = append(d.Resources, r)
+		}
+		if hits < len(known) {
+			for name := range known {
+				if _, ok := x.byName[name]; !ok {
+					seen[name] = struct{}{}
+					d.Removed = append(d.Removed, name)
+				}
+			}
+		}
+	} else {
+		for _, name := range added {
+			send(name)
+		}
+	}
+	known = nil // pending changes are sent whatever the client had
+	for name := range pending {
+		if !sub.Subscribed(name) {
+			continue
+		}
+		if addedWildcard {
+			// The wildcard pass sent the current state; only removals are left.
+			if _, ok := x.byName[name]; !ok {
+				send(name)
+			}
+			continue
+		}
+		send(name)
+	}
+	d.Revision = x.rev
+	return d
+}
+
+// SotWResponse selects every resource sub subscribes to. Wildcard
+// subscriptions share one list per index revision.
+func (x *Index) SotWResponse(sub *Subscription) SotW {
+	if sub.Wildcard() {
+		return x.sotwAll()
+	}
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	out := SotW{Revision: x.rev}
+	for name := range sub.names {
+		if r, ok := x.byName[name]; ok {
+			out.Resources = append(out.Resources, r)
+		}
+	}
+	return out
+}
+
+// sotwAll returns every resource, listed once per revision and shared by
+// all wildcard SotW streams.
+func (x *Index) sotwAll() SotW {
+	x.mu.RLock()
+	rev := x.rev
+	x.sotwMu.Lock()
+	defer x.sotwMu.Unlock()
+	if x.sotwList != nil && x.sotwRev == rev {
+		x.mu.RUnlock()
+		return SotW{Resources: x.sotwList, Revision: rev}
+	}
+	list := make([]*Resource, 0, len(x.byName))
+	for _, r := range x.byName {
+		list = append(list, r)
+	}
+	x.mu.RUnlock()
+	x.sotwRev, x.sotwList = rev, list
+	return SotW{Resources: list, Revision: rev}
+}
+
+func sameSet(a, b map[string]struct{}) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k := range a {
+		if _, ok := b[k]; !ok {
+			return false
+		}
+	}
+	return true
+}
