@@ -23,7 +23,7 @@ func Main() int {
 		about += " [" + link.SurrogateBanner + "]"
 		log.Warn("TEST BUILD: surrogate link, not 802.1Q; never deploy this binary", "banner", link.SurrogateBanner)
 	}
-	p := &Plugin{Linker: link.Default(), Log: log}
+	p := New(log)
 	info := SupportedVersions
 	if link.SurrogateBanner != "" {
 		info = surrogateInfo{SupportedVersions}
