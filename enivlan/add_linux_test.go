@@ -207,7 +207,7 @@ func (u *unit) add(t *testing.T, validate bool) error {
 		Args: "K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0;K8S_POD_UID=uid-1", StdinData: u.conf(validate),
 	}
 	var err error
-	if derr := u.node.Do(func() error { err = u.p.Funcs().Add(a); return nil }); derr != nil {
+	if derr := u.node.Do(func() error { err = cniutil.Funcs(u.p.Verbs()).Add(a); return nil }); derr != nil {
 		t.Fatal(derr)
 	}
 	return err

@@ -81,17 +81,9 @@ type Plugin struct {
 	Exec invoke.Exec
 }
 
-// Funcs returns the skel callbacks of p, each mapping errors to CNI codes.
-func (p *Plugin) Funcs() skel.CNIFuncs {
-	wrap := func(f func(*skel.CmdArgs) error) func(*skel.CmdArgs) error {
-		return func(a *skel.CmdArgs) error {
-			if err := f(a); err != nil {
-				return cniutil.AsCNIError(err)
-			}
-			return nil
-		}
-	}
-	return skel.CNIFuncs{Add: wrap(p.Add), Del: wrap(p.Del), Check: wrap(p.Check), Status: wrap(p.Status), GC: wrap(p.GC)}
+// Verbs returns p's CNI verbs for cniutil.PluginMain.
+func (p *Plugin) Verbs() cniutil.Verbs {
+	return cniutil.Verbs{Add: p.Add, Del: p.Del, Check: p.Check, Status: p.Status, GC: p.GC}
 }
 
 // SupportedVersions are the CNI spec versions eni-vlan speaks.
