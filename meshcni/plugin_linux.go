@@ -55,8 +55,9 @@ type Pinner interface {
 	Name(containerID string) string
 }
 
-// Prober probes the proxy's readiness endpoint inside a netns (probe.Prober).
-type Prober interface {
+// ReadinessProber probes the proxy's readiness endpoint inside a netns
+// (readiness.Prober).
+type ReadinessProber interface {
 	Probe(ctx context.Context, nsPath, url string, budget time.Duration) error
 }
 
@@ -74,11 +75,11 @@ type Plugin struct {
 	Now func() time.Time
 	// DialAgent returns a client of the agent of cfg.
 	DialAgent func(cfg *Config) (Agent, error)
-	// Capture, Pins, Probe and PIDs are the data-plane dependencies.
-	Capture Capturer
-	Pins    Pinner
-	Probe   Prober
-	PIDs    PIDLookup
+	// Capture, Pins, Readiness and PIDs are the data-plane dependencies.
+	Capture   Capturer
+	Pins      Pinner
+	Readiness ReadinessProber
+	PIDs      PIDLookup
 	// Stdout receives results; Stderr logs unless the netconf names a file.
 	Stdout, Stderr io.Writer
 }
@@ -284,7 +285,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	t := &cniv1.PluginTimings{Started: timestamppb.New(p.Started), PreCall: durationpb.New(preCall)}
 	if cfg.ProbeBudget > 0 {
 		step = p.Now()
-		if err := p.Probe.Probe(ctx, args.Netns, cfg.ProbeURL, cfg.ProbeBudget); err != nil {
+		if err := p.Readiness.Probe(ctx, args.Netns, cfg.ProbeURL, cfg.ProbeBudget); err != nil {
 			t.ReadinessProbeError = truncate(err.Error())
 			log.Warn("data plane not confirmed serving", "error", err)
 		}

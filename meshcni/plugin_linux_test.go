@@ -116,7 +116,7 @@ func newTestPlugin(r *recorder) (*Plugin, *bytes.Buffer) {
 		Started:   clock,
 		Now:       func() time.Time { clock = clock.Add(time.Millisecond); return clock },
 		DialAgent: func(*Config) (Agent, error) { return r, nil },
-		Capture:   r, Pins: r, Probe: r, PIDs: r,
+		Capture:   r, Pins: r, Readiness: r, PIDs: r,
 		Stdout: out, Stderr: io.Discard,
 	}, out
 }
