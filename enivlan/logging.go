@@ -38,3 +38,20 @@ func NewLogger() (*slog.Logger, func()) {
 	}
 	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: lvl})).With("plugin", "eni-vlan"), closeFn
 }
+
+// Log attribute keys.
+const (
+	keyContainer = "container_id"
+	keyPod       = "pod"
+	keyIfName    = "if_name"
+	keyVLAN      = "vlan"
+	keyMAC       = "mac"
+	keyIP        = "ip"
+	keyGateway   = "gateway"
+	keyAttempts  = "attempts"
+	keyRTT       = "rtt"
+	keyFamily    = "family"
+	keyErr       = "error"
+	keyLink      = "link_kind"
+	keyStep      = "step"
+)

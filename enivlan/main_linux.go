@@ -4,10 +4,10 @@ import (
 	"encoding/json"
 	"io"
 
-	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/version"
 
 	"aether.io/node/enivlan/link"
+	"aether.io/node/pkg/cniutil"
 )
 
 // About is the plugin's VERSION "about" text.
@@ -23,18 +23,12 @@ func Main() int {
 		about += " [" + link.SurrogateBanner + "]"
 		log.Warn("TEST BUILD: surrogate link, not 802.1Q; never deploy this binary", "banner", link.SurrogateBanner)
 	}
-	p := &Plugin{Linker: link.Default(), Log: log}
+	p := New(log)
 	info := SupportedVersions
 	if link.SurrogateBanner != "" {
 		info = surrogateInfo{SupportedVersions}
 	}
-	if err := skel.PluginMainFuncsWithError(p.Funcs(), info, about); err != nil {
-		if perr := err.Print(); perr != nil {
-			log.Error("failed to print error", "error", perr)
-		}
-		return 1
-	}
-	return 0
+	return cniutil.PluginMain(p.Verbs(), info, about, log)
 }
 
 // BuildKey is the VERSION output key a surrogate-link build adds.

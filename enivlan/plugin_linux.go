@@ -32,31 +32,47 @@ import (
 	"aether.io/node/pkg/cniutil"
 )
 
-// Log attribute keys.
-const (
-	keyContainer = "container_id"
-	keyPod       = "pod"
-	keyIfName    = "if_name"
-	keyVLAN      = "vlan"
-	keyMAC       = "mac"
-	keyIP        = "ip"
-	keyGateway   = "gateway"
-	keyAttempts  = "attempts"
-	keyRTT       = "rtt"
-	keyFamily    = "family"
-	keyErr       = "error"
-	keyLink      = "link_kind"
-	keyStep      = "step"
-)
-
 // ValidationKey is the key eni-vlan adds to its ADD result to say what the
 // pre-flight did per family ("ok ...", "skipped: ...", "disabled").
 const ValidationKey = "eni-vlan.aether.io/validation"
 
-// Plugin implements eni-vlan's CNI verbs. Its fields are its dependencies.
+// Endpoints is spiderpool-agent as eni-vlan asks it (*spiderpool.Client;
+// a fake in unit tests).
+type Endpoints interface {
+	// Lookup returns the pod's validated cloud binding, retrying within
+	// ctx while the answer may still change.
+	Lookup(ctx context.Context, q spiderpool.Query) (*spiderpool.Binding, error)
+	// Get is one GET /v1/workloadendpoint.
+	Get(ctx context.Context, podNamespace, podName string) (*spiderpool.WorkloadEndpointStatus, error)
+	// Healthy is GET /v1/ipam/healthy.
+	Healthy(ctx context.Context) error
+	// Close releases idle connections.
+	Close()
+}
+
+// Prober is the ARP/NDP pre-flight on one link, used from inside the pod
+// netns (*preflight.Conn; a fake in unit tests).
+type Prober interface {
+	// Probe asks s.Gateway for s.IP's binding; no matching reply within
+	// the budget is a *preflight.NoReplyError.
+	Probe(ctx context.Context, s preflight.Spec) (preflight.Result, error)
+	// Announce sends a gratuitous ARP or unsolicited NA for ip from mac.
+	Announce(mac net.HardwareAddr, ip netip.Addr) error
+	// Close closes the sockets.
+	Close() error
+}
+
+// Plugin implements eni-vlan's CNI verbs. Its fields are its dependencies;
+// New wires the real ones, unit tests fakes. Constructing it does no I/O.
 type Plugin struct {
 	// Linker creates and verifies the pod link.
 	Linker link.Linker
+	// DialSpiderpool returns a client of the spiderpool-agent listening on
+	// socket (no I/O until it is used).
+	DialSpiderpool func(socket string) Endpoints
+	// OpenPreflight opens the pre-flight on link; it is called inside the
+	// pod netns, and its sockets are opened there on first use.
+	OpenPreflight func(link *net.Interface) Prober
 	// Log receives the plugin's logs (never stdout).
 	Log *slog.Logger
 	// Stdout receives the ADD result.
@@ -65,17 +81,9 @@ type Plugin struct {
 	Exec invoke.Exec
 }
 
-// Funcs returns the skel callbacks of p, each mapping errors to CNI codes.
-func (p *Plugin) Funcs() skel.CNIFuncs {
-	wrap := func(f func(*skel.CmdArgs) error) func(*skel.CmdArgs) error {
-		return func(a *skel.CmdArgs) error {
-			if err := f(a); err != nil {
-				return cniutil.AsCNIError(err)
-			}
-			return nil
-		}
-	}
-	return skel.CNIFuncs{Add: wrap(p.Add), Del: wrap(p.Del), Check: wrap(p.Check), Status: wrap(p.Status), GC: wrap(p.GC)}
+// Verbs returns p's CNI verbs for cniutil.PluginMain.
+func (p *Plugin) Verbs() cniutil.Verbs {
+	return cniutil.Verbs{Add: p.Add, Del: p.Del, Check: p.Check, Status: p.Status, GC: p.GC}
 }
 
 // SupportedVersions are the CNI spec versions eni-vlan speaks.
@@ -130,229 +138,6 @@ func findMaster(conf *config.NetConf, podNS ns.NetNS) (master, error) {
 	return m, look()
 }
 
-// Add implements CNI ADD: IPAM → GWE → link → pre-flight → IPs/routes →
-// announce. On any failure after IPAM it fails closed: the link is deleted
-// and IPAM released before the error is returned.
-func (p *Plugin) Add(a *skel.CmdArgs) (retErr error) {
-	conf, err := config.Parse(a.StdinData)
-	if err != nil {
-		return err
-	}
-	k, err := cniutil.ParseK8sArgs(a.Args)
-	if err != nil {
-		return &types.Error{Code: types.ErrInvalidEnvironmentVariables, Msg: err.Error()}
-	}
-	if k.PodName == "" || k.PodNamespace == "" {
-		return &types.Error{Code: types.ErrInvalidEnvironmentVariables, Msg: "CNI_ARGS must carry K8S_POD_NAME and K8S_POD_NAMESPACE: eni-vlan looks the pod's cloud binding up by them"}
-	}
-	log := p.logFor(a, k)
-	podNS, err := ns.GetNS(a.Netns)
-	if err != nil {
-		return fmt.Errorf("failed to open netns %q: %w", a.Netns, err)
-	}
-	defer func() { _ = podNS.Close() }()
-	m, err := findMaster(conf, podNS)
-	if err != nil {
-		return err
-	}
-	mtu := conf.MTU
-	if mtu == 0 {
-		mtu = m.mtu
-	}
-	if mtu > m.mtu {
-		return cniutil.InvalidConfigf("invalid \"mtu\" %d: want at most the MTU of master %q (%d)", conf.MTU, conf.Master, m.mtu)
-	}
-
-	ctx := context.Background()
-	t0 := time.Now()
-	ipamRes, err := p.ipam(ctx, "ADD", conf, a.StdinData)
-	tIPAM := time.Since(t0)
-	if err != nil {
-		return fmt.Errorf("failed to allocate addresses with IPAM %q: %w", conf.IPAMConf.Type, err)
-	}
-	// From here on every failure releases IPAM (fail closed).
-	defer func() {
-		if retErr == nil {
-			return
-		}
-		if err := p.releaseIPAM(ctx, conf, a.StdinData); err != nil {
-			log.Error("failed to release IPAM after failed ADD", keyErr, err)
-			retErr = fmt.Errorf("%w (and releasing IPAM failed: %w)", retErr, err)
-		}
-	}()
-	res, err := current.NewResultFromResult(ipamRes)
-	if err != nil {
-		return fmt.Errorf("failed to convert IPAM result: %w", err)
-	}
-	if len(res.IPs) == 0 {
-		return fmt.Errorf("failed to allocate addresses with IPAM %q: the result has no IPs", conf.IPAMConf.Type)
-	}
-	var v4, v6 *current.IPConfig
-	for _, c := range res.IPs {
-		if c.Address.IP.To4() != nil && v4 == nil {
-			v4 = c
-		} else if c.Address.IP.To4() == nil && v6 == nil {
-			v6 = c
-		}
-	}
-	q := spiderpool.Query{PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID, IfName: a.IfName}
-	if v4 != nil {
-		q.IPv4, _ = netip.AddrFromSlice(v4.Address.IP.To4())
-	}
-	if v6 != nil {
-		q.IPv6, _ = netip.AddrFromSlice(v6.Address.IP.To16())
-	}
-
-	client := spiderpool.New(conf.SpiderpoolSocket)
-	defer client.Close()
-	lctx, cancel := context.WithTimeout(ctx, conf.EndpointTimeout())
-	t1 := time.Now()
-	b, err := client.Lookup(lctx, q)
-	tGWE := time.Since(t1)
-	cancel()
-	if err != nil {
-		var le *spiderpool.LookupError
-		if errors.As(err, &le) && le.Retryable {
-			return cniutil.TryAgainf("failed to get the cloud binding of pod %s/%s interface %q from spiderpool-agent within %s: %w", k.PodNamespace, k.PodName, a.IfName, conf.EndpointTimeout(), err)
-		}
-		return fmt.Errorf("failed to get the cloud binding of pod %s/%s interface %q from spiderpool-agent: %w", k.PodNamespace, k.PodName, a.IfName, err)
-	}
-	log = log.With(keyVLAN, b.VLAN, keyMAC, b.MAC.String())
-
-	t2 := time.Now()
-	unlock, err := lockState(conf.StateDir)
-	if err != nil {
-		return err
-	}
-	locked := true
-	defer func() {
-		if locked {
-			unlock()
-		}
-	}()
-	cid := k.ContainerID(a.ContainerID)
-	if err := p.resolveHolder(ctx, conf, client, log, cid, a.IfName, k, b.VLAN); err != nil {
-		return err
-	}
-	tmp := fmt.Sprintf("ev%x", time.Now().UnixNano()&0xffffffffff)
-	spec := link.Spec{
-		MasterIndex: m.index, MasterInPod: conf.LinkInContainer, VLAN: b.VLAN, MAC: b.MAC, MTU: mtu,
-		TempName: tmp, IfName: a.IfName, PodNS: podNS,
-	}
-	if conf.LinkInContainer {
-		// The master is in the pod netns: create the link there.
-		err = podNS.Do(func(ns.NetNS) error { return p.Linker.Add(spec) })
-	} else {
-		err = p.Linker.Add(spec)
-	}
-	if errors.Is(err, link.ErrVLANExists) {
-		return fmt.Errorf("failed to create the link for pod %s/%s: VLAN %d on master %q is already held by a device eni-vlan has no record of (created outside eni-vlan?): %w", k.PodNamespace, k.PodName, b.VLAN, conf.Master, err)
-	}
-	if err != nil {
-		return err
-	}
-	// From here on every failure deletes the link.
-	linkName := tmp
-	defer func() {
-		if retErr == nil {
-			return
-		}
-		if err := podNS.Do(func(ns.NetNS) error { return deleteLink(linkName) }); err != nil {
-			log.Error("failed to delete link after failed ADD", keyErr, err)
-			retErr = fmt.Errorf("%w (and deleting link %q failed: %w)", retErr, linkName, err)
-		}
-	}()
-	rec := &record{
-		Master: conf.Master, VLAN: b.VLAN, MAC: b.MAC.String(), ContainerID: cid, NetNS: a.Netns, IfName: a.IfName,
-		PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID,
-	}
-	if err := writeRecord(conf.StateDir, rec); err != nil {
-		return err
-	}
-	defer func() {
-		if retErr != nil {
-			removeRecord(conf.StateDir, conf.Master, b.VLAN)
-		}
-	}()
-	unlock()
-	locked = false
-
-	validation := map[string]string{}
-	var iface *current.Interface
-	tLink := time.Since(t2)
-	t3 := time.Now()
-	var tProbe, tClose time.Duration
-	err = podNS.Do(func(ns.NetNS) error {
-		if err := ip.RenameLink(tmp, a.IfName); err != nil {
-			return fmt.Errorf("failed to rename link %q to %q: %w", tmp, a.IfName, err)
-		}
-		linkName = a.IfName
-		l, err := netlinksafe.LinkByName(a.IfName)
-		if err != nil {
-			return fmt.Errorf("failed to find link %q: %w", a.IfName, err)
-		}
-		ifi := &net.Interface{Index: l.Attrs().Index, Name: a.IfName, HardwareAddr: l.Attrs().HardwareAddr, MTU: l.Attrs().MTU}
-		iface = &current.Interface{Name: a.IfName, Mac: ifi.HardwareAddr.String(), Mtu: ifi.MTU, Sandbox: a.Netns}
-		res.Interfaces = []*current.Interface{iface}
-		for _, c := range res.IPs {
-			c.Interface = current.Int(0)
-		}
-		if !conf.ValidateIaasNetConfig {
-			// No probe: addresses go on before the link comes up and the
-			// kernel announces them on up (arp_notify, ndisc_notify), with
-			// no packet socket to pay for.
-			validation["ipv4"], validation["ipv6"] = "disabled", "disabled"
-			setNotify(a.IfName)
-			if err := addAddrs(l, res); err != nil {
-				return err
-			}
-			if err := netlink.LinkSetUp(l); err != nil {
-				return fmt.Errorf("failed to set link %q up: %w", a.IfName, err)
-			}
-			return addRoutes(l, res)
-		}
-		// Probe before any IP: the link is up with its real MAC, no address.
-		if err := netlink.LinkSetUp(l); err != nil {
-			return fmt.Errorf("failed to set link %q up: %w", a.IfName, err)
-		}
-		pc := preflight.Open(ifi)
-		defer func() {
-			tc := time.Now()
-			if err := pc.Close(); err != nil {
-				log.Warn("failed to close probe sockets", keyErr, err)
-			}
-			tClose = time.Since(tc)
-		}()
-		tp := time.Now()
-		if err := p.preflight(ctx, conf, log, pc, ifi, b, v4, v6, validation); err != nil {
-			return err
-		}
-		tProbe = time.Since(tp)
-		if err := addAddrs(l, res); err != nil {
-			return err
-		}
-		if err := addRoutes(l, res); err != nil {
-			return err
-		}
-		for _, c := range res.IPs {
-			a, _ := netip.AddrFromSlice(c.Address.IP)
-			if err := pc.Announce(ifi.HardwareAddr, a.Unmap()); err != nil {
-				log.Warn("failed to announce address", keyIP, a, keyErr, err)
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		return err
-	}
-	if len(conf.DNS.Nameservers) > 0 || conf.DNS.Domain != "" {
-		res.DNS = conf.DNS
-	}
-	log.Info("ADD done", keyLink, p.Linker.Kind(), "validation", validation,
-		"ipam_ms", ms(tIPAM), "endpoint_ms", ms(tGWE), "link_ms", ms(tLink), "configure_ms", ms(time.Since(t3)), "preflight_ms", ms(tProbe), "socket_close_ms", ms(tClose), "total_ms", ms(time.Since(t0)))
-	return p.printResult(res, conf.CNIVersion, validation)
-}
-
 func (p *Plugin) printResult(res *current.Result, ver string, validation map[string]string) error {
 	r, err := res.GetAsVersion(ver)
 	if err != nil {
@@ -400,42 +185,6 @@ func (e *FailClosedError) Error() string {
 		e.Gateway, e.IP, e.VLAN, e.MAC, e.Attempts, e.Timeout)
 }
 
-// preflight probes each family that has a gateway; must run in the pod netns.
-func (p *Plugin) preflight(ctx context.Context, conf *config.NetConf, log *slog.Logger, pc *preflight.Conn, ifi *net.Interface, b *spiderpool.Binding, v4, v6 *current.IPConfig, out map[string]string) error {
-	for _, fam := range []struct {
-		name string
-		c    *current.IPConfig
-	}{{"ipv4", v4}, {"ipv6", v6}} {
-		if fam.c == nil {
-			out[fam.name] = "skipped: no " + fam.name + " address"
-			continue
-		}
-		if fam.c.Gateway == nil {
-			out[fam.name] = "skipped: IPAM result has no " + fam.name + " gateway"
-			log.Info("pre-flight skipped: no gateway", keyFamily, fam.name)
-			continue
-		}
-		src, _ := netip.AddrFromSlice(fam.c.Address.IP)
-		gw, _ := netip.AddrFromSlice(fam.c.Gateway)
-		src, gw = src.Unmap(), gw.Unmap()
-		spec := preflight.Spec{Link: ifi, MAC: ifi.HardwareAddr, IP: src, Gateway: gw, Attempts: conf.ValidationRetries, Timeout: conf.ValidationTimeout()}
-		r, err := pc.Probe(ctx, spec)
-		var nr *preflight.NoReplyError
-		if errors.As(err, &nr) {
-			log.Info("pre-flight failed: failing closed", keyFamily, fam.name, keyIP, src, keyGateway, gw, keyAttempts, spec.Attempts)
-			// Code 11: a binding not pushed yet becomes effective later, and
-			// the runtime retries the sandbox.
-			return cniutil.TryAgainf("%w", &FailClosedError{IP: src, Gateway: gw, VLAN: b.VLAN, MAC: ifi.HardwareAddr, Attempts: spec.Attempts, Timeout: spec.Timeout})
-		}
-		if err != nil {
-			return fmt.Errorf("failed to validate the cloud binding (IP %s, VLAN %d, MAC %s, gateway %s): %w", src, b.VLAN, ifi.HardwareAddr, gw, err)
-		}
-		out[fam.name] = fmt.Sprintf("ok: gateway %s answered attempt %d in %s", gw, r.Attempts, r.RTT.Round(time.Microsecond))
-		log.Info("pre-flight ok", keyFamily, fam.name, keyGateway, gw, keyAttempts, r.Attempts, keyRTT, r.RTT)
-	}
-	return nil
-}
-
 // setNotify asks the kernel to announce the link's addresses when it comes
 // up (gratuitous ARP, unsolicited NA). IPv6 may be disabled: best effort.
 func setNotify(ifName string) {
@@ -460,24 +209,12 @@ func addAddrs(l netlink.Link, res *current.Result) error {
 }
 
 // addRoutes adds the result's routes via l (up); a route without a gateway
-// uses its family's gateway from the result.
-func addRoutes(l netlink.Link, res *current.Result) error {
-	var gw4, gw6 net.IP
-	for _, c := range res.IPs {
-		if c.Address.IP.To4() == nil && gw6 == nil {
-			gw6 = c.Gateway
-		} else if c.Address.IP.To4() != nil && gw4 == nil {
-			gw4 = c.Gateway
-		}
-	}
+// uses its family's gateway (fam).
+func addRoutes(l netlink.Link, res *current.Result, fam families) error {
 	for _, r := range res.Routes {
 		gw := r.GW
 		if gw == nil {
-			if r.Dst.IP.To4() != nil {
-				gw = gw4
-			} else {
-				gw = gw6
-			}
+			gw = fam.gateway(r.Dst.IP)
 		}
 		rt := &netlink.Route{LinkIndex: l.Attrs().Index, Dst: &r.Dst, Gw: gw, MTU: r.MTU, AdvMSS: r.AdvMSS, Priority: r.Priority}
 		if r.Table != nil {
@@ -520,7 +257,7 @@ func (p *Plugin) releaseIPAM(ctx context.Context, conf *config.NetConf, stdin []
 // whose device is gone is dropped; a device whose owner is gone (same pod
 // with a new sandbox, or the agent no longer binds this VLAN/MAC to it) is
 // deleted; a device still in use is an error. Called under the state lock.
-func (p *Plugin) resolveHolder(ctx context.Context, conf *config.NetConf, client *spiderpool.Client, log *slog.Logger, cid, ifName string, k cniutil.K8sArgs, vlan int) error {
+func (p *Plugin) resolveHolder(ctx context.Context, conf *config.NetConf, client Endpoints, log *slog.Logger, cid, ifName string, k cniutil.K8sArgs, vlan int) error {
 	r, err := readRecord(conf.StateDir, conf.Master, vlan)
 	if err != nil || r == nil {
 		return err
@@ -660,19 +397,13 @@ func (p *Plugin) Check(a *skel.CmdArgs) error {
 		return fmt.Errorf("failed to check: prevResult has no interface %q in %q", a.IfName, a.Netns)
 	}
 	var ips []*current.IPConfig
-	q := spiderpool.Query{PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID, IfName: a.IfName}
 	for _, c := range prev.IPs {
 		if c.Interface != nil && *c.Interface == idx {
 			ips = append(ips, c)
-			ad, _ := netip.AddrFromSlice(c.Address.IP)
-			if ad.Unmap().Is4() && !q.IPv4.IsValid() {
-				q.IPv4 = ad.Unmap()
-			} else if !ad.Unmap().Is4() && !q.IPv6.IsValid() {
-				q.IPv6 = ad
-			}
 		}
 	}
-	client := spiderpool.New(conf.SpiderpoolSocket)
+	q := familiesOf(ips).query(spiderpool.Query{PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID, IfName: a.IfName})
+	client := p.DialSpiderpool(conf.SpiderpoolSocket)
 	defer client.Close()
 	gctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	s, err := client.Get(gctx, k.PodNamespace, k.PodName)
@@ -730,22 +461,11 @@ func checkRoutes(l netlink.Link, prev *current.Result) error {
 	if err != nil {
 		return fmt.Errorf("failed to list routes of %q: %w", l.Attrs().Name, err)
 	}
-	var gw4, gw6 net.IP
-	for _, c := range prev.IPs {
-		if c.Address.IP.To4() != nil && gw4 == nil {
-			gw4 = c.Gateway
-		} else if c.Address.IP.To4() == nil && gw6 == nil {
-			gw6 = c.Gateway
-		}
-	}
+	fam := familiesOf(prev.IPs)
 	for _, r := range prev.Routes {
 		gw := r.GW
 		if gw == nil {
-			if r.Dst.IP.To4() != nil {
-				gw = gw4
-			} else {
-				gw = gw6
-			}
+			gw = fam.gateway(r.Dst.IP)
 		}
 		found := slices.ContainsFunc(routes, func(x netlink.Route) bool {
 			dst := x.Dst
@@ -771,7 +491,7 @@ func (p *Plugin) Status(a *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	client := spiderpool.New(conf.SpiderpoolSocket)
+	client := p.DialSpiderpool(conf.SpiderpoolSocket)
 	defer client.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()

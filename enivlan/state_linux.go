@@ -77,26 +77,9 @@ func removeRecord(dir, master string, vlan int) {
 	_ = os.Remove(recordPath(dir, master, vlan))
 }
 
-// removeRecordsOf drops the records held by (containerID, ifName).
+// removeRecordsOf drops the records held by (containerID, ifName) (DEL).
 func removeRecordsOf(dir, containerID, ifName string) {
-	entries, err := os.ReadDir(dir)
-	if err != nil {
-		return
-	}
-	for _, e := range entries {
-		if !strings.HasSuffix(e.Name(), ".json") {
-			continue
-		}
-		p := filepath.Join(dir, e.Name())
-		b, err := os.ReadFile(p)
-		if err != nil {
-			continue
-		}
-		var r record
-		if json.Unmarshal(b, &r) == nil && r.ContainerID == containerID && r.IfName == ifName {
-			_ = os.Remove(p)
-		}
-	}
+	removeRecords(dir, func(r *record) bool { return r.ContainerID == containerID && r.IfName == ifName })
 }
 
 // dropRecordsExcept removes the records of attachments not in valid (GC:
@@ -106,6 +89,14 @@ func dropRecordsExcept(dir string, valid []types.GCAttachment) {
 	for _, v := range valid {
 		keep[v.ContainerID+"/"+v.IfName] = true
 	}
+	removeRecords(dir, func(r *record) bool { return !keep[r.ContainerID+"/"+r.IfName] })
+}
+
+// removeRecords is the one scan of the state directory: it removes every
+// record for which drop is true. Unreadable or torn records are left alone
+// (they carry no owner; the next ADD of their pair treats them as absent).
+// Callers hold the state lock.
+func removeRecords(dir string, drop func(r *record) bool) {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
 		return
@@ -120,7 +111,7 @@ func dropRecordsExcept(dir string, valid []types.GCAttachment) {
 			continue
 		}
 		var r record
-		if json.Unmarshal(b, &r) == nil && !keep[r.ContainerID+"/"+r.IfName] {
+		if json.Unmarshal(b, &r) == nil && drop(&r) {
 			_ = os.Remove(p)
 		}
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/cni/pkg/version"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
@@ -54,8 +55,9 @@ type Pinner interface {
 	Name(containerID string) string
 }
 
-// Prober probes the proxy's readiness endpoint inside a netns (probe.Prober).
-type Prober interface {
+// ReadinessProber probes the proxy's readiness endpoint inside a netns
+// (readiness.Prober).
+type ReadinessProber interface {
 	Probe(ctx context.Context, nsPath, url string, budget time.Duration) error
 }
 
@@ -73,13 +75,24 @@ type Plugin struct {
 	Now func() time.Time
 	// DialAgent returns a client of the agent of cfg.
 	DialAgent func(cfg *Config) (Agent, error)
-	// Capture, Pins, Probe and PIDs are the data-plane dependencies.
-	Capture Capturer
-	Pins    Pinner
-	Probe   Prober
-	PIDs    PIDLookup
+	// Capture, Pins, Readiness and PIDs are the data-plane dependencies.
+	Capture   Capturer
+	Pins      Pinner
+	Readiness ReadinessProber
+	PIDs      PIDLookup
 	// Stdout receives results; Stderr logs unless the netconf names a file.
 	Stdout, Stderr io.Writer
+}
+
+// About is aether-cni's VERSION "about" text.
+const About = "aether-cni: chained mesh CNI plugin (aether-agent registration, readiness probe, transparent-capture divert)"
+
+// SupportedVersions are the CNI spec versions aether-cni speaks.
+var SupportedVersions = version.PluginSupports("0.4.0", "1.0.0", "1.1.0")
+
+// Verbs returns p's CNI verbs for cniutil.PluginMain.
+func (p *Plugin) Verbs() cniutil.Verbs {
+	return cniutil.Verbs{Add: p.Add, Del: p.Del, Check: p.Check, Status: p.Status, GC: p.GC}
 }
 
 func (p *Plugin) logger(cfg *Config) (*slog.Logger, func()) {
@@ -115,6 +128,57 @@ func (id podIdentity) require() error {
 	return nil
 }
 
+// verb says what a CNI verb needs from its invocation.
+type verb struct {
+	// name is the verb in messages ("ADD").
+	name string
+	// chained makes a missing prevResult an error.
+	chained bool
+	// pod requires the Kubernetes identity in CNI_ARGS and CNI_NETNS.
+	pod bool
+}
+
+var (
+	verbAdd   = verb{name: "ADD", chained: true, pod: true}
+	verbDel   = verb{name: "DEL"}
+	verbCheck = verb{name: "CHECK", chained: true, pod: true}
+)
+
+// call is what every verb starts from: the netconf, the pod's identity
+// and a logger carrying it.
+type call struct {
+	cfg *Config
+	id  podIdentity
+	log *slog.Logger
+	// closeLog closes the netconf's log file (deferred by the verb).
+	closeLog func()
+}
+
+// begin is the preamble of ADD, DEL and CHECK: parse the netconf (code 7),
+// CNI_ARGS (code 7), check what v needs, then open the logger (so a
+// rejected call opens no log file).
+func (p *Plugin) begin(args *skel.CmdArgs, v verb) (*call, error) {
+	cfg, err := ParseConfig(args.StdinData, v.chained)
+	if err != nil {
+		return nil, err
+	}
+	id, err := identity(args)
+	if err != nil {
+		return nil, err
+	}
+	if v.pod {
+		if err := id.require(); err != nil {
+			return nil, err
+		}
+		if args.Netns == "" {
+			return nil, cniutil.InvalidConfigf("CNI_NETNS is empty: %s needs the pod's network namespace path", v.name)
+		}
+	}
+	log, closeLog := p.logger(cfg)
+	log = log.With("pod", id.namespace+"/"+id.name, "container_id", id.sandboxID)
+	return &call{cfg: cfg, id: id, log: log, closeLog: closeLog}, nil
+}
+
 func podIPs(prev types.Result) ([]string, error) {
 	if prev == nil {
 		return nil, nil
@@ -141,23 +205,12 @@ func agentErr(err error, what string) error {
 // the readiness probe, the capture divert and ReportAddResult; it prints
 // prevResult unchanged.
 func (p *Plugin) Add(args *skel.CmdArgs) error {
-	cfg, err := ParseConfig(args.StdinData, true)
+	c, err := p.begin(args, verbAdd)
 	if err != nil {
 		return err
 	}
-	log, closeLog := p.logger(cfg)
-	defer closeLog()
-	id, err := identity(args)
-	if err != nil {
-		return err
-	}
-	if err := id.require(); err != nil {
-		return err
-	}
-	if args.Netns == "" {
-		return cniutil.InvalidConfigf("CNI_NETNS is empty: ADD needs the pod's network namespace path")
-	}
-	log = log.With("pod", id.namespace+"/"+id.name, "container_id", id.sandboxID)
+	defer c.closeLog()
+	cfg, id, log := c.cfg, c.id, c.log
 	ips, err := podIPs(cfg.Raw.PrevResult)
 	if err != nil {
 		return err
@@ -232,7 +285,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	t := &cniv1.PluginTimings{Started: timestamppb.New(p.Started), PreCall: durationpb.New(preCall)}
 	if cfg.ProbeBudget > 0 {
 		step = p.Now()
-		if err := p.Probe.Probe(ctx, args.Netns, cfg.ProbeURL, cfg.ProbeBudget); err != nil {
+		if err := p.Readiness.Probe(ctx, args.Netns, cfg.ProbeURL, cfg.ProbeBudget); err != nil {
 			t.ReadinessProbeError = truncate(err.Error())
 			log.Warn("data plane not confirmed serving", "error", err)
 		}
@@ -279,17 +332,12 @@ func truncate(s string) string {
 // Del is CNI DEL: RemovePod (IGNORED is success), then the pin is released
 // (after the configured delay). It needs no netns and no earlier ADD.
 func (p *Plugin) Del(args *skel.CmdArgs) error {
-	cfg, err := ParseConfig(args.StdinData, false)
+	c, err := p.begin(args, verbDel)
 	if err != nil {
 		return err
 	}
-	log, closeLog := p.logger(cfg)
-	defer closeLog()
-	id, err := identity(args)
-	if err != nil {
-		return err
-	}
-	log = log.With("pod", id.namespace+"/"+id.name, "container_id", id.sandboxID)
+	defer c.closeLog()
+	cfg, id, log := c.cfg, c.id, c.log
 	if id.require() == nil {
 		agent, err := p.DialAgent(cfg)
 		if err != nil {
@@ -325,20 +373,12 @@ func (p *Plugin) Del(args *skel.CmdArgs) error {
 // pod, and the netns must hold exactly the divert ADD installs (or none for
 // a pod the agent does not manage).
 func (p *Plugin) Check(args *skel.CmdArgs) error {
-	cfg, err := ParseConfig(args.StdinData, true)
+	c, err := p.begin(args, verbCheck)
 	if err != nil {
 		return err
 	}
-	id, err := identity(args)
-	if err != nil {
-		return err
-	}
-	if err := id.require(); err != nil {
-		return err
-	}
-	if args.Netns == "" {
-		return cniutil.InvalidConfigf("CNI_NETNS is empty: CHECK needs the pod's network namespace path")
-	}
+	defer c.closeLog()
+	cfg, id := c.cfg, c.id
 	agent, err := p.DialAgent(cfg)
 	if err != nil {
 		return err

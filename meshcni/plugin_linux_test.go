@@ -116,7 +116,7 @@ func newTestPlugin(r *recorder) (*Plugin, *bytes.Buffer) {
 		Started:   clock,
 		Now:       func() time.Time { clock = clock.Add(time.Millisecond); return clock },
 		DialAgent: func(*Config) (Agent, error) { return r, nil },
-		Capture:   r, Pins: r, Probe: r, PIDs: r,
+		Capture:   r, Pins: r, Readiness: r, PIDs: r,
 		Stdout: out, Stderr: io.Discard,
 	}, out
 }
@@ -314,5 +314,47 @@ func TestGC(t *testing.T) {
 	}
 	if left, _ := r.List(""); !slices.Equal(left, []string{"keep"}) {
 		t.Fatalf("pins after GC = %v", left)
+	}
+}
+
+// TestPreamble checks the one preamble of ADD, DEL and CHECK: what each
+// verb requires from its invocation, and that a rejected call reaches no
+// dependency.
+func TestPreamble(t *testing.T) {
+	noPrev := []byte(`{"cniVersion":"1.0.0","name":"n","type":"aether-cni","netns_pin_dir":"/pins"}`)
+	tests := []struct {
+		name    string
+		mutate  func(a *skel.CmdArgs)
+		wantErr map[string]string // verb → message part; absent: accepted
+	}{
+		{"complete", func(*skel.CmdArgs) {}, nil},
+		{"no prevResult", func(a *skel.CmdArgs) { a.StdinData = noPrev }, map[string]string{"ADD": "chained", "CHECK": "chained"}},
+		{"no pod identity", func(a *skel.CmdArgs) { a.Args = "IgnoreUnknown=1" }, map[string]string{"ADD": "K8S_POD_NAME", "CHECK": "K8S_POD_NAME"}},
+		{"bad CNI_ARGS", func(a *skel.CmdArgs) { a.Args = "bare" }, map[string]string{"ADD": "CNI_ARGS", "DEL": "CNI_ARGS", "CHECK": "CNI_ARGS"}},
+		{"empty netns", func(a *skel.CmdArgs) { a.Netns = "" }, map[string]string{"ADD": "ADD needs the pod's network namespace", "CHECK": "CHECK needs the pod's network namespace"}},
+	}
+	p, _ := newTestPlugin(&recorder{pins: map[string]bool{}})
+	for _, tt := range tests {
+		for _, v := range []verb{verbAdd, verbDel, verbCheck} {
+			t.Run(tt.name+"/"+v.name, func(t *testing.T) {
+				a := args("/run/netns/pod", conf(""))
+				tt.mutate(a)
+				c, err := p.begin(a, v)
+				want, fails := tt.wantErr[v.name]
+				if !fails {
+					if err != nil {
+						t.Fatalf("begin = %v, want success", err)
+					}
+					c.closeLog()
+					if c.id.sandboxID == "" || c.cfg == nil {
+						t.Errorf("call = %+v, want sandbox ID and netconf", c)
+					}
+					return
+				}
+				if ce := cniutil.AsCNIError(err); ce == nil || ce.Code != 7 || !strings.Contains(ce.Msg, want) {
+					t.Errorf("begin = %v, want code 7 naming %q", err, want)
+				}
+			})
+		}
 	}
 }

@@ -20,7 +20,7 @@ func New(started time.Time) *Plugin {
 		DialAgent: DialAgent,
 		Capture:   capture.Installer{},
 		Pins:      pin.Pins{},
-		Probe:     readiness.Prober{},
+		Readiness: readiness.Prober{},
 		PIDs:      podpid.CRI{Timeout: DefaultCRITimeout},
 		Stdout:    os.Stdout,
 		Stderr:    os.Stderr,

@@ -2,12 +2,10 @@ package main
 
 import (
 	"fmt"
+	"log/slog"
 	"os"
 	"runtime"
 	"time"
-
-	"github.com/containernetworking/cni/pkg/skel"
-	"github.com/containernetworking/cni/pkg/version"
 
 	"aether.io/node/meshcni"
 	"aether.io/node/meshcni/pin"
@@ -29,19 +27,5 @@ func main() {
 		os.Exit(0)
 	}
 	p := meshcni.New(started)
-	wrap := func(f func(*skel.CmdArgs) error) func(*skel.CmdArgs) error {
-		return func(a *skel.CmdArgs) error {
-			if err := f(a); err != nil {
-				return cniutil.AsCNIError(err)
-			}
-			return nil
-		}
-	}
-	skel.PluginMainFuncs(skel.CNIFuncs{
-		Add:    wrap(p.Add),
-		Del:    wrap(p.Del),
-		Check:  wrap(p.Check),
-		Status: wrap(p.Status),
-		GC:     wrap(p.GC),
-	}, version.PluginSupports("0.4.0", "1.0.0", "1.1.0"), "aether-cni: chained mesh CNI plugin (aether-agent registration, readiness probe, transparent-capture divert)")
+	os.Exit(cniutil.PluginMain(p.Verbs(), meshcni.SupportedVersions, meshcni.About, slog.New(slog.NewTextHandler(os.Stderr, nil))))
 }

@@ -21,13 +21,13 @@ const (
 	DefaultValidationTimeoutMs = 500
 	DefaultSpiderpoolSocket    = "/var/run/spidernet/spiderpool.sock"
 	DefaultEndpointTimeoutMs   = 20000
-	// MaxValidationRetries bounds the probe attempts so a typo cannot hold a
-	// pod sandbox for minutes.
+	// MaxValidationRetries bounds the pre-flight attempts so a typo cannot
+	// hold a pod sandbox for minutes.
 	MaxValidationRetries = 20
-	// MaxValidationTimeoutMs bounds one probe attempt.
+	// MaxValidationTimeoutMs bounds one pre-flight attempt.
 	MaxValidationTimeoutMs = 10000
-	// MaxEndpointTimeoutMs keeps the GWE budget well under kubelet's 2 min
-	// sandbox budget.
+	// MaxEndpointTimeoutMs keeps the workload-endpoint lookup budget well
+	// under kubelet's 2 min sandbox budget.
 	MaxEndpointTimeoutMs = 90000
 )
 
@@ -52,13 +52,14 @@ type NetConf struct {
 	LinkInContainer bool `json:"linkInContainer,omitempty"`
 	// ValidateIaasNetConfig enables the ARP/NDP pre-flight.
 	ValidateIaasNetConfig bool `json:"validateIaasNetConfig,omitempty"`
-	// ValidationRetries is the number of probe attempts per family.
+	// ValidationRetries is the number of pre-flight attempts per family.
 	ValidationRetries int `json:"validationRetries,omitempty"`
 	// ValidationTimeoutMs is the reply timeout of one attempt.
 	ValidationTimeoutMs int `json:"validationTimeoutMs,omitempty"`
 	// SpiderpoolSocket is the spiderpool-agent unix socket (extension).
 	SpiderpoolSocket string `json:"spiderpoolSocket,omitempty"`
-	// EndpointTimeoutMs bounds the GWE lookup including its retries (extension).
+	// EndpointTimeoutMs bounds the spiderpool-agent workload-endpoint lookup
+	// including its retries (extension).
 	EndpointTimeoutMs int `json:"endpointTimeoutMs,omitempty"`
 	// StateDir holds the per-(master, VLAN) ownership records (extension).
 	StateDir string `json:"stateDir,omitempty"`
@@ -75,7 +76,7 @@ func (c *NetConf) ValidationTimeout() time.Duration {
 	return time.Duration(c.ValidationTimeoutMs) * time.Millisecond
 }
 
-// EndpointTimeout returns the GWE budget.
+// EndpointTimeout returns the workload-endpoint lookup budget.
 func (c *NetConf) EndpointTimeout() time.Duration {
 	return time.Duration(c.EndpointTimeoutMs) * time.Millisecond
 }

@@ -114,7 +114,7 @@ func StartAgent(tb testing.TB) *Agent {
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /v1/ipam/healthy", a.handleHealthy)
-	mux.HandleFunc("GET /v1/workloadendpoint", a.handleGWE)
+	mux.HandleFunc("GET /v1/workloadendpoint", a.handleEndpoint)
 	a.srv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go func() { _ = a.srv.Serve(l) }()
 	tb.Cleanup(func() {
@@ -170,7 +170,7 @@ func writeJSON(w http.ResponseWriter, code int, v any) {
 	_ = json.NewEncoder(w).Encode(v)
 }
 
-func (a *Agent) handleGWE(w http.ResponseWriter, r *http.Request) {
+func (a *Agent) handleEndpoint(w http.ResponseWriter, r *http.Request) {
 	a.requests.Add(1)
 	ns, name := r.URL.Query().Get("podNamespace"), r.URL.Query().Get("podName")
 	if ns == "" || name == "" {

@@ -254,7 +254,7 @@ func (c *Cloud) program(vlan int, mac net.HardwareAddr, ip netip.Addr) error {
 }
 
 // BindFabric pushes an (IP, MAC, VLAN) binding to the fabric directly,
-// without the agent (benchmarks and probe tests).
+// without the agent (benchmarks and pre-flight tests).
 func (c *Cloud) BindFabric(vlan int, mac net.HardwareAddr, ip netip.Addr) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()

@@ -1,11 +1,13 @@
 // Package cniutil holds what both CNI plugins of this module share at their
 // boundary with the runtime: CNI_ARGS parsing (containerd passes the keys in
-// any order) and the mapping of errors to CNI error codes.
+// any order), the mapping of errors to CNI error codes, and the verb table
+// (PluginMain: skel dispatch, VERSION, about text, exit code).
 //
 // Codes: 7 invalid network config (the user must fix the netconf), 11 try
 // again later (a daemon the plugin needs is not there yet), 999 internal.
 // Errors are built lower-case and wrapped inside the plugin; the boundary
-// (skel's callbacks) turns them into *types.Error with AsCNIError.
+// (skel's callbacks, built by Funcs) turns them into *types.Error with
+// AsCNIError.
 package cniutil
 
 import (

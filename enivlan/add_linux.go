@@ -1,0 +1,383 @@
+package enivlan
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/plugins/pkg/ip"
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/vishvananda/netlink"
+
+	"aether.io/node/enivlan/config"
+	"aether.io/node/enivlan/link"
+	"aether.io/node/enivlan/preflight"
+	"aether.io/node/enivlan/spiderpool"
+	"aether.io/node/pkg/cniutil"
+)
+
+// Add implements CNI ADD as named steps (see README.md, "ADD"):
+//
+//	parse → allocate → bind → claim → configure → announce → result
+//
+// Each step that creates something pushes its undo; on any failure the
+// undo stack runs once, in reverse (fail closed: record dropped, link
+// deleted, IPAM released) and the step's error is returned.
+func (p *Plugin) Add(a *skel.CmdArgs) error {
+	c, err := p.parseAdd(a)
+	if err != nil {
+		return err
+	}
+	defer c.close()
+	if err := c.run(); err != nil {
+		return c.undo.unwind(err, c.log)
+	}
+	return nil
+}
+
+// addCall is one ADD in progress: its inputs and what its steps made.
+type addCall struct {
+	p      *Plugin
+	args   *skel.CmdArgs
+	k      cniutil.K8sArgs
+	conf   *config.NetConf
+	log    *slog.Logger
+	ctx    context.Context
+	podNS  ns.NetNS
+	master master
+	mtu    int
+
+	res        *current.Result
+	fam        families
+	endpoints  Endpoints
+	binding    *spiderpool.Binding
+	linkName   string         // the pod link's current name (temporary, then CNI_IFNAME)
+	ifi        *net.Interface // the pod link, once configure found it
+	prober     Prober         // open between configure and the end of announce
+	validation map[string]string
+
+	undo undoStack
+	t    addTimings
+}
+
+// addTimings are the durations ADD logs (keys *_ms in "ADD done").
+type addTimings struct {
+	start                                                   time.Time
+	ipam, endpoint, link, configure, preflight, socketClose time.Duration
+}
+
+// time runs f and adds its duration to d.
+func (t *addTimings) time(d *time.Duration, f func() error) error {
+	s := time.Now()
+	err := f()
+	*d += time.Since(s)
+	return err
+}
+
+// attrs are the log attributes of t.
+func (t *addTimings) attrs() []any {
+	return []any{
+		"ipam_ms", ms(t.ipam), "endpoint_ms", ms(t.endpoint), "link_ms", ms(t.link), "configure_ms", ms(t.configure),
+		"preflight_ms", ms(t.preflight), "socket_close_ms", ms(t.socketClose), "total_ms", ms(time.Since(t.start)),
+	}
+}
+
+// parseAdd is the parse step: netconf (code 7), CNI_ARGS (code 4), the pod
+// netns, the master and the MTU. It creates nothing but the open netns.
+func (p *Plugin) parseAdd(a *skel.CmdArgs) (*addCall, error) {
+	conf, err := config.Parse(a.StdinData)
+	if err != nil {
+		return nil, err
+	}
+	k, err := cniutil.ParseK8sArgs(a.Args)
+	if err != nil {
+		return nil, &types.Error{Code: types.ErrInvalidEnvironmentVariables, Msg: err.Error()}
+	}
+	if k.PodName == "" || k.PodNamespace == "" {
+		return nil, &types.Error{Code: types.ErrInvalidEnvironmentVariables, Msg: "CNI_ARGS must carry K8S_POD_NAME and K8S_POD_NAMESPACE: eni-vlan looks the pod's cloud binding up by them"}
+	}
+	podNS, err := ns.GetNS(a.Netns)
+	if err != nil {
+		return nil, fmt.Errorf("failed to open netns %q: %w", a.Netns, err)
+	}
+	m, err := findMaster(conf, podNS)
+	if err != nil {
+		_ = podNS.Close()
+		return nil, err
+	}
+	mtu := conf.MTU
+	if mtu == 0 {
+		mtu = m.mtu
+	}
+	if mtu > m.mtu {
+		_ = podNS.Close()
+		return nil, cniutil.InvalidConfigf("invalid \"mtu\" %d: want at most the MTU of master %q (%d)", conf.MTU, conf.Master, m.mtu)
+	}
+	return &addCall{
+		p: p, args: a, k: k, conf: conf, log: p.logFor(a, k), ctx: context.Background(),
+		podNS: podNS, master: m, mtu: mtu, validation: map[string]string{},
+	}, nil
+}
+
+// close releases what the call holds open whatever the outcome.
+func (c *addCall) close() {
+	if c.endpoints != nil {
+		c.endpoints.Close()
+	}
+	_ = c.podNS.Close()
+}
+
+// run runs the steps after parse; the caller unwinds on error.
+func (c *addCall) run() error {
+	c.t.start = time.Now()
+	if err := c.t.time(&c.t.ipam, c.allocate); err != nil {
+		return err
+	}
+	if err := c.t.time(&c.t.endpoint, c.bind); err != nil {
+		return err
+	}
+	if err := c.t.time(&c.t.link, c.claim); err != nil {
+		return err
+	}
+	err := c.t.time(&c.t.configure, func() error {
+		err := c.configure()
+		if err == nil {
+			err = c.announce()
+		}
+		c.closeProber()
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	if len(c.conf.DNS.Nameservers) > 0 || c.conf.DNS.Domain != "" {
+		c.res.DNS = c.conf.DNS
+	}
+	c.log.Info("ADD done", append([]any{keyLink, c.p.Linker.Kind(), "validation", c.validation}, c.t.attrs()...)...)
+	return c.p.printResult(c.res, c.conf.CNIVersion, c.validation)
+}
+
+// allocate is IPAM ADD; its undo is IPAM DEL.
+func (c *addCall) allocate() error {
+	ipamRes, err := c.p.ipam(c.ctx, "ADD", c.conf, c.args.StdinData)
+	if err != nil {
+		return fmt.Errorf("failed to allocate addresses with IPAM %q: %w", c.conf.IPAMConf.Type, err)
+	}
+	c.undo.push(undo{
+		what:   func() string { return "releasing IPAM" },
+		logErr: func(log *slog.Logger, err error) { log.Error("failed to release IPAM after failed ADD", keyErr, err) },
+		fn:     func() error { return c.p.releaseIPAM(c.ctx, c.conf, c.args.StdinData) },
+	})
+	res, err := current.NewResultFromResult(ipamRes)
+	if err != nil {
+		return fmt.Errorf("failed to convert IPAM result: %w", err)
+	}
+	if len(res.IPs) == 0 {
+		return fmt.Errorf("failed to allocate addresses with IPAM %q: the result has no IPs", c.conf.IPAMConf.Type)
+	}
+	c.res, c.fam = res, familiesOf(res.IPs)
+	return nil
+}
+
+// bind asks spiderpool-agent for the pod's VLAN ID and sub-ENI MAC within
+// the endpoint budget; a budget spent on answers that may still change is
+// code 11.
+func (c *addCall) bind() error {
+	k, ifName := c.k, c.args.IfName
+	c.endpoints = c.p.DialSpiderpool(c.conf.SpiderpoolSocket)
+	q := c.fam.query(spiderpool.Query{PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID, IfName: ifName})
+	ctx, cancel := context.WithTimeout(c.ctx, c.conf.EndpointTimeout())
+	defer cancel()
+	b, err := c.endpoints.Lookup(ctx, q)
+	if err != nil {
+		var le *spiderpool.LookupError
+		if errors.As(err, &le) && le.Retryable {
+			return cniutil.TryAgainf("failed to get the cloud binding of pod %s/%s interface %q from spiderpool-agent within %s: %w", k.PodNamespace, k.PodName, ifName, c.conf.EndpointTimeout(), err)
+		}
+		return fmt.Errorf("failed to get the cloud binding of pod %s/%s interface %q from spiderpool-agent: %w", k.PodNamespace, k.PodName, ifName, err)
+	}
+	c.binding = b
+	c.log = c.log.With(keyVLAN, b.VLAN, keyMAC, b.MAC.String())
+	return nil
+}
+
+// claim makes (master, VLAN ID) this pod's under the state lock: resolve a
+// previous holder, create the link under a temporary name in the pod netns,
+// write the ownership record. Its undos delete the link and drop the
+// record. On failure those two undos run before the lock is released (so no
+// other ADD finds a device without its record) and IPAM's after it.
+func (c *addCall) claim() (err error) {
+	unlock, err := lockState(c.conf.StateDir)
+	if err != nil {
+		return err
+	}
+	mark := c.undo.mark()
+	defer func() {
+		if err != nil {
+			err = c.undo.unwindTo(mark, err, c.log)
+		}
+		unlock()
+	}()
+	k, vlan := c.k, c.binding.VLAN
+	cid := k.ContainerID(c.args.ContainerID)
+	if err := c.p.resolveHolder(c.ctx, c.conf, c.endpoints, c.log, cid, c.args.IfName, k, vlan); err != nil {
+		return err
+	}
+	c.linkName = fmt.Sprintf("ev%x", time.Now().UnixNano()&0xffffffffff)
+	spec := link.Spec{
+		MasterIndex: c.master.index, MasterInPod: c.conf.LinkInContainer, VLAN: vlan, MAC: c.binding.MAC, MTU: c.mtu,
+		TempName: c.linkName, IfName: c.args.IfName, PodNS: c.podNS,
+	}
+	if c.conf.LinkInContainer {
+		// The master is in the pod netns: create the link there.
+		err = c.podNS.Do(func(ns.NetNS) error { return c.p.Linker.Add(spec) })
+	} else {
+		err = c.p.Linker.Add(spec)
+	}
+	if errors.Is(err, link.ErrVLANExists) {
+		return fmt.Errorf("failed to create the link for pod %s/%s: VLAN %d on master %q is already held by a device eni-vlan has no record of (created outside eni-vlan?): %w", k.PodNamespace, k.PodName, vlan, c.conf.Master, err)
+	}
+	if err != nil {
+		return err
+	}
+	c.undo.push(undo{
+		what:   func() string { return fmt.Sprintf("deleting link %q", c.linkName) },
+		logErr: func(log *slog.Logger, err error) { log.Error("failed to delete link after failed ADD", keyErr, err) },
+		fn:     func() error { return c.podNS.Do(func(ns.NetNS) error { return deleteLink(c.linkName) }) },
+	})
+	rec := &record{
+		Master: c.conf.Master, VLAN: vlan, MAC: c.binding.MAC.String(), ContainerID: cid, NetNS: c.args.Netns, IfName: c.args.IfName,
+		PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID,
+	}
+	if err := writeRecord(c.conf.StateDir, rec); err != nil {
+		return err
+	}
+	c.undo.push(undo{fn: func() error { removeRecord(c.conf.StateDir, c.conf.Master, vlan); return nil }})
+	return nil
+}
+
+// configure runs in the pod netns: rename the link to CNI_IFNAME, then
+// either (validation on) set it up with no IP, run the pre-flight and add
+// addresses and routes, or (validation off) add the addresses, let the
+// kernel announce them on up, and add routes.
+func (c *addCall) configure() error {
+	ifName := c.args.IfName
+	return c.podNS.Do(func(ns.NetNS) error {
+		if err := ip.RenameLink(c.linkName, ifName); err != nil {
+			return fmt.Errorf("failed to rename link %q to %q: %w", c.linkName, ifName, err)
+		}
+		c.linkName = ifName
+		l, err := netlinksafe.LinkByName(ifName)
+		if err != nil {
+			return fmt.Errorf("failed to find link %q: %w", ifName, err)
+		}
+		ifi := &net.Interface{Index: l.Attrs().Index, Name: ifName, HardwareAddr: l.Attrs().HardwareAddr, MTU: l.Attrs().MTU}
+		c.ifi = ifi
+		c.res.Interfaces = []*current.Interface{{Name: ifName, Mac: ifi.HardwareAddr.String(), Mtu: ifi.MTU, Sandbox: c.args.Netns}}
+		for _, ipc := range c.res.IPs {
+			ipc.Interface = current.Int(0)
+		}
+		if !c.conf.ValidateIaasNetConfig {
+			// No pre-flight: addresses go on before the link comes up and
+			// the kernel announces them on up (arp_notify, ndisc_notify),
+			// with no packet socket to pay for.
+			c.validation["ipv4"], c.validation["ipv6"] = "disabled", "disabled"
+			setNotify(ifName)
+			if err := addAddrs(l, c.res); err != nil {
+				return err
+			}
+			if err := netlink.LinkSetUp(l); err != nil {
+				return fmt.Errorf("failed to set link %q up: %w", ifName, err)
+			}
+			return addRoutes(l, c.res, c.fam)
+		}
+		// Pre-flight before any IP: the link is up with its real MAC, no
+		// address.
+		if err := netlink.LinkSetUp(l); err != nil {
+			return fmt.Errorf("failed to set link %q up: %w", ifName, err)
+		}
+		c.prober = c.p.OpenPreflight(ifi)
+		if err := c.t.time(&c.t.preflight, func() error { return c.preflight(ifi) }); err != nil {
+			return err
+		}
+		if err := addAddrs(l, c.res); err != nil {
+			return err
+		}
+		return addRoutes(l, c.res, c.fam)
+	})
+}
+
+// announce sends a gratuitous ARP / unsolicited NA per address on the
+// pre-flight's sockets (validation on; off, the kernel announced). A failed
+// announcement is logged, not fatal.
+func (c *addCall) announce() error {
+	if c.prober == nil {
+		return nil
+	}
+	return c.podNS.Do(func(ns.NetNS) error {
+		for _, ipc := range c.res.IPs {
+			a, _ := netip.AddrFromSlice(ipc.Address.IP)
+			if err := c.prober.Announce(c.ifi.HardwareAddr, a.Unmap()); err != nil {
+				c.log.Warn("failed to announce address", keyIP, a, keyErr, err)
+			}
+		}
+		return nil
+	})
+}
+
+// closeProber closes the pre-flight's sockets (timed: closing a packet
+// socket waits for an RCU grace period).
+func (c *addCall) closeProber() {
+	if c.prober == nil {
+		return
+	}
+	_ = c.t.time(&c.t.socketClose, func() error {
+		if err := c.prober.Close(); err != nil {
+			c.log.Warn("failed to close probe sockets", keyErr, err)
+		}
+		return nil
+	})
+	c.prober = nil
+}
+
+// preflight probes each family that has a gateway; it runs in the pod
+// netns. No reply fails closed with code 11 (a binding not pushed yet
+// becomes effective later, and the runtime retries the sandbox).
+func (c *addCall) preflight(ifi *net.Interface) error {
+	vlan := c.binding.VLAN
+	for _, fam := range c.fam.each() {
+		if fam.addr == nil {
+			c.validation[fam.name] = "skipped: no " + fam.name + " address"
+			continue
+		}
+		if fam.gw == nil {
+			c.validation[fam.name] = "skipped: IPAM result has no " + fam.name + " gateway"
+			c.log.Info("pre-flight skipped: no gateway", keyFamily, fam.name)
+			continue
+		}
+		src, _ := netip.AddrFromSlice(fam.addr.Address.IP)
+		gw, _ := netip.AddrFromSlice(fam.gw)
+		src, gw = src.Unmap(), gw.Unmap()
+		spec := preflight.Spec{Link: ifi, MAC: ifi.HardwareAddr, IP: src, Gateway: gw, Attempts: c.conf.ValidationRetries, Timeout: c.conf.ValidationTimeout()}
+		r, err := c.prober.Probe(c.ctx, spec)
+		var nr *preflight.NoReplyError
+		if errors.As(err, &nr) {
+			c.log.Info("pre-flight failed: failing closed", keyFamily, fam.name, keyIP, src, keyGateway, gw, keyAttempts, spec.Attempts)
+			return cniutil.TryAgainf("%w", &FailClosedError{IP: src, Gateway: gw, VLAN: vlan, MAC: ifi.HardwareAddr, Attempts: spec.Attempts, Timeout: spec.Timeout})
+		}
+		if err != nil {
+			return fmt.Errorf("failed to validate the cloud binding (IP %s, VLAN %d, MAC %s, gateway %s): %w", src, vlan, ifi.HardwareAddr, gw, err)
+		}
+		c.validation[fam.name] = fmt.Sprintf("ok: gateway %s answered attempt %d in %s", gw, r.Attempts, r.RTT.Round(time.Microsecond))
+		c.log.Info("pre-flight ok", keyFamily, fam.name, keyGateway, gw, keyAttempts, r.Attempts, keyRTT, r.RTT)
+	}
+	return nil
+}
