@@ -16,13 +16,26 @@ SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
 BENCH ?= .
 BENCHTIME ?= 1s
 
-.PHONY: all build image test bench demo generate lint tools deps clean
+.PHONY: all build build-debug image test bench demo generate lint tools deps clean
+
+# LDFLAGS for `build`: release binaries carry no symbol table or DWARF.
+# `make build-debug` (or `make build LDFLAGS=`) keeps them for dlv and pprof.
+LDFLAGS ?= -s -w
+
+# SURROGATE_TAG selects eni-vlan's macvlan surrogate link (test builds only);
+# SURROGATE_PKGS are the packages holding tests behind that tag.
+SURROGATE_TAG := enivlan_surrogate_link
+SURROGATE_PKGS = $(sort $(dir $(shell grep -rl --include='*_test.go' '^//go:build $(SURROGATE_TAG)' enivlan)))
 
 all: build
 
-## build: all binaries into bin/
+## build: all release binaries into bin/ (stripped: -s -w)
 build:
-	CGO_ENABLED=0 $(GO) build -trimpath -o bin/ ./cmd/...
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/ ./cmd/...
+
+## build-debug: all binaries into bin/ with symbols and DWARF (for dlv, pprof, panics with file:line)
+build-debug:
+	$(MAKE) build LDFLAGS=
 
 ## image: OCI image of the release binaries, no Docker daemon: bin/image/oci (layout) and bin/image/aether-node.tar
 image: build
@@ -44,6 +57,7 @@ $(GOLANGCI):
 lint: $(GOLANGCI)
 	$(GO) vet ./...
 	$(GO) vet -tags aethervm ./test/vm/...
+	$(GO) vet -tags $(SURROGATE_TAG) ./enivlan/...
 	$(GOLANGCI) run ./...
 
 ## deps: Debian packages the test lanes, benchmarks and demo need (as root)
@@ -54,6 +68,7 @@ deps:
 test: deps
 	@if [ "$$(id -u)" != 0 ]; then echo "make test needs root (network namespaces, mounts, qemu lane)"; exit 1; fi
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...
+	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) -tags $(SURROGATE_TAG) $(addprefix ./,$(SURROGATE_PKGS))
 
 ## bench: every comparison benchmark, one table (bench/out/results.json)
 bench: deps

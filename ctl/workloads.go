@@ -5,12 +5,12 @@ import (
 	"context"
 	"io"
 
-	"aether.io/node/xds/workload/client"
+	workloadclient "aether.io/node/xds/workload/client"
 )
 
 // RunWorkloads is `aetherctl workloads`: a delta xDS client of the agent's
 // istio.workload.Workload resources that prints a table or JSON, and with
 // --watch streams changes. Flags: --xds-socket, --xds-address, -o, --watch.
 func RunWorkloads(ctx context.Context, args []string, stdout io.Writer) error {
-	return client.Run(ctx, args, stdout)
+	return workloadclient.Run(ctx, args, stdout)
 }

@@ -1,19 +1,56 @@
 package filelock
 
 import (
+	"errors"
+	"os"
 	"path/filepath"
 	"sync/atomic"
 	"testing"
-	"time"
+
+	"golang.org/x/sys/unix"
 )
 
-// TestLockExcludes holds the lock and checks a second taker waits for the
-// release (ordering only; nothing is timed).
+// tryLock reports whether an exclusive flock on path can be taken right now,
+// through its own open file description (as another process would), without
+// blocking. A lock it gets is released before it returns.
+func tryLock(t *testing.T, path string) bool {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatalf("failed to open lock %q: %v", path, err)
+	}
+	defer f.Close()
+	for {
+		err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		if !errors.Is(err, unix.EINTR) {
+			break
+		}
+	}
+	switch {
+	case err == nil:
+		if err := unix.Flock(int(f.Fd()), unix.LOCK_UN); err != nil {
+			t.Fatalf("failed to unlock %q: %v", path, err)
+		}
+		return true
+	case errors.Is(err, unix.EWOULDBLOCK):
+		return false
+	default:
+		t.Fatalf("failed to try lock %q: %v", path, err)
+		return false
+	}
+}
+
+// TestLockExcludes holds the lock and checks that nobody else can take it
+// (a non-blocking attempt fails), that a second Lock waits for the release,
+// and that each unlock really releases (ordering only; nothing is timed).
 func TestLockExcludes(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "lock")
 	unlock, err := Lock(path, 0o600)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if tryLock(t, path) {
+		t.Fatal("the lock was free while Lock held it")
 	}
 	var released atomic.Bool
 	got := make(chan bool)
@@ -24,14 +61,20 @@ func TestLockExcludes(t *testing.T) {
 			got <- false
 			return
 		}
-		got <- released.Load()
+		inOrder := released.Load()
 		u()
+		got <- inOrder
 	}()
-	time.Sleep(50 * time.Millisecond) // give the second taker a chance to (wrongly) get in
+	if tryLock(t, path) {
+		t.Fatal("the lock was free while Lock held it and a second Lock waited")
+	}
 	released.Store(true)
 	unlock()
 	if !<-got {
 		t.Fatal("a second Lock succeeded while the first was held")
+	}
+	if !tryLock(t, path) {
+		t.Fatal("the lock was still held after both unlocks")
 	}
 }
 

@@ -172,7 +172,7 @@ func unixHTTP(sock string) *http.Client {
 	}}
 }
 
-// adminPod is the part of the agent's admin view (agent/app.PodView) the
+// adminPod is the part of the agent's admin view (agent/adminapi.Pod) the
 // demo checks.
 type adminPod struct {
 	Namespace   string   `json:"namespace"`

@@ -20,11 +20,11 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/proto"
 
-	"aether.io/node/api/istio/workload"
+	workloadpb "aether.io/node/api/istio/workload"
 	"aether.io/node/meshcni/e2e/agentproc"
 	"aether.io/node/test/harness"
 	"aether.io/node/xds/listener"
-	"aether.io/node/xds/workload/client"
+	workloadclient "aether.io/node/xds/workload/client"
 )
 
 func TestMain(m *testing.M) { harness.Main(m) }
@@ -127,10 +127,10 @@ func (w *ldsWatch) forPod(containerID string) []*listenerv3.Listener {
 	return out
 }
 
-// wdsWatch follows the agent's workload discovery with xds/workload/client.
-func watchWDS(t *testing.T, sock string) *client.Client {
+// watchWDS follows the agent's workload discovery with xds/workload/client.
+func watchWDS(t *testing.T, sock string) *workloadclient.Client {
 	t.Helper()
-	c, err := client.Dial(context.Background(), client.Options{Socket: sock, NodeID: "node-test"})
+	c, err := workloadclient.Dial(context.Background(), workloadclient.Options{Socket: sock, NodeID: "node-test"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -145,7 +145,7 @@ func watchWDS(t *testing.T, sock string) *client.Client {
 	return c
 }
 
-func find(c *client.Client, uid string) *workload.Workload {
+func find(c *workloadclient.Client, uid string) *workloadpb.Workload {
 	for _, w := range c.Workloads() {
 		if w.GetUid() == uid {
 			return w
@@ -207,7 +207,7 @@ func TestManagedPodOverXDS(t *testing.T) {
 	if len(w.GetAddresses()) != 1 || !slices.Equal(w.GetAddresses()[0], ip.AsSlice()) || len(w.GetAddresses()[0]) != 4 {
 		t.Fatalf("addresses %v, want the raw 4 bytes of %s", w.GetAddresses(), ip)
 	}
-	if w.GetStatus() != workload.WorkloadStatus_HEALTHY || w.GetWorkloadType() != workload.WorkloadType_DEPLOYMENT ||
+	if w.GetStatus() != workloadpb.WorkloadStatus_HEALTHY || w.GetWorkloadType() != workloadpb.WorkloadType_DEPLOYMENT ||
 		w.GetWorkloadName() != "web" || w.GetCanonicalName() != "web" || w.GetCanonicalRevision() != "v2" ||
 		w.GetServiceAccount() != "web-sa" || w.GetNode() != agentproc.NodeName || w.GetNamespace() != "shop" {
 		t.Fatalf("unexpected workload: %v", w)
@@ -225,7 +225,7 @@ func TestManagedPodOverXDS(t *testing.T) {
 	writePod(t, agent, "shop", "web-7d9f8c6b5-abcde", "uid-web", time.Now().UTC().Format(time.RFC3339))
 	eventually(t, "terminating workload UNHEALTHY", func() bool {
 		w := find(wds, uid)
-		return w != nil && w.GetStatus() == workload.WorkloadStatus_UNHEALTHY
+		return w != nil && w.GetStatus() == workloadpb.WorkloadStatus_UNHEALTHY
 	})
 	if len(ldsw.forPod(p.ContainerID)) != len(listener.Roles) {
 		t.Fatal("listeners of a terminating pod must stay until DEL")
