@@ -27,6 +27,8 @@ const (
 	DefaultMaxBackoff = 30 * time.Second
 	// DefaultResync re-checks the chain even without events.
 	DefaultResync = time.Minute
+	// DefaultFightWindow: see Config.FightWindow.
+	DefaultFightWindow = 2 * time.Second
 )
 
 // Config is the installer's configuration.
@@ -45,6 +47,10 @@ type Config struct {
 	StateFile string
 	// Debounce, MaxBackoff and Resync: see the defaults (0 = default).
 	Debounce, MaxBackoff, Resync time.Duration
+	// FightWindow: a repair this soon after the previous one means another
+	// writer keeps removing aether-cni, and the next repair waits an
+	// exponentially growing backoff (0 = DefaultFightWindow).
+	FightWindow time.Duration
 }
 
 // Outcome is what one Reconcile did.
@@ -119,6 +125,9 @@ func New(cfg Config, log *slog.Logger) (*Installer, error) {
 	}
 	if cfg.Resync <= 0 {
 		cfg.Resync = DefaultResync
+	}
+	if cfg.FightWindow <= 0 {
+		cfg.FightWindow = DefaultFightWindow
 	}
 	return &Installer{cfg: cfg, log: log}, nil
 }

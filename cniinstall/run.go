@@ -10,10 +10,6 @@ import (
 	"github.com/fsnotify/fsnotify"
 )
 
-// fightWindow: a repair this soon after the previous one means another
-// writer is removing aether-cni again; the installer backs off.
-const fightWindow = 2 * time.Second
-
 // minBackoff is the first wait once a fight is detected.
 const minBackoff = 100 * time.Millisecond
 
@@ -62,11 +58,19 @@ func (i *Installer) watch(ctx context.Context, w *fsnotify.Watcher) error {
 		errBackoff time.Duration // between failed reconciles
 		notBefore  time.Time
 	)
+	// One pending timer at a time, armed by the first event of a burst
+	// and not pushed back by later ones: a writer that never pauses must
+	// not starve the repair.
+	pending := false
 	arm := func(d time.Duration) {
+		if pending {
+			return
+		}
 		if wait := time.Until(notBefore); wait > d {
 			d = wait
 		}
 		debounce.Reset(d)
+		pending = true
 	}
 	for {
 		select {
@@ -89,6 +93,7 @@ func (i *Installer) watch(ctx context.Context, w *fsnotify.Watcher) error {
 		case <-resync.C:
 			arm(0)
 		case <-debounce.C:
+			pending = false
 			out, err := i.Reconcile()
 			now := time.Now()
 			if err != nil {
@@ -101,7 +106,7 @@ func (i *Installer) watch(ctx context.Context, w *fsnotify.Watcher) error {
 			if out == Repaired {
 				// Our own write echoes back as Unchanged, so only the
 				// time between repairs tells a fight from a one-off.
-				if now.Sub(lastRepair) < fightWindow {
+				if now.Sub(lastRepair) < i.cfg.FightWindow {
 					backoff = nextBackoff(backoff, i.cfg.MaxBackoff)
 					i.log.Warn("another writer keeps removing aether-cni; backing off", "backoff", backoff.String())
 				} else {
