@@ -125,7 +125,7 @@ func layout(data []byte) (*listLayout, error) {
 			return nil, err
 		}
 		key, _ := tok.(string)
-		if key != "plugins" || l != nil {
+		if key != "plugins" { // a repeated "plugins": the last wins, as in libcni
 			var skip json.RawMessage
 			if err := dec.Decode(&skip); err != nil {
 				return nil, err
@@ -179,18 +179,23 @@ func expectDelim(dec *json.Decoder, want json.Delim) error {
 	return nil
 }
 
+// chains reports whether the list has an aether-cni entry.
+func (l *listLayout) chains() bool {
+	for _, t := range l.types {
+		if t == PluginType {
+			return true
+		}
+	}
+	return false
+}
+
 // HasPlugin reports whether a conflist chains aether-cni.
 func HasPlugin(data []byte) (bool, error) {
 	l, err := layout(data)
 	if err != nil {
 		return false, err
 	}
-	for _, t := range l.types {
-		if t == PluginType {
-			return true, nil
-		}
-	}
-	return false, nil
+	return l.chains(), nil
 }
 
 // Insert returns the conflist with entry appended as the last plugin. The
@@ -203,10 +208,8 @@ func Insert(data, entry []byte) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	for _, t := range l.types {
-		if t == PluginType {
-			return data, nil
-		}
+	if l.chains() {
+		return data, nil
 	}
 	if len(l.plugins) == 0 {
 		return splice(data, l.open, l.open, entry), nil

@@ -56,10 +56,7 @@ func TestInsertRemove(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			list := orig
 			if !isList(name) {
-				var err error
-				if list, err = ConfToList(orig); err != nil {
-					t.Fatal(err)
-				}
+				list = mustConfToList(t, orig)
 			}
 			had, err := HasPlugin(list)
 			if err != nil {
@@ -189,4 +186,17 @@ func TestFindPrimary(t *testing.T) {
 
 func list(name string) string {
 	return `{"cniVersion":"1.0.0","name":"` + name + `","plugins":[{"type":"bridge"}]}`
+}
+
+func TestRepeatedPluginsKey(t *testing.T) {
+	// libcni decodes into a map: the last "plugins" wins; so do we.
+	in := `{"name":"n","plugins":[{"type":"a"}],"plugins":[{"type":"b"}]}`
+	got, err := Insert([]byte(in), []byte(`{"type":"aether-cni"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := `{"name":"n","plugins":[{"type":"a"}],"plugins":[{"type":"b"},{"type":"aether-cni"}]}`
+	if string(got) != want {
+		t.Fatalf("Insert = %s, want %s", got, want)
+	}
 }

@@ -19,12 +19,23 @@ func TestParseFlags(t *testing.T) {
 		binaries []string
 		entry    string
 	}{
-		{"defaults", nil, []string{"aether-cni"},
-			`{"type":"aether-cni","agent_socket":"/run/aether/cni.sock","netns_pin_dir":"/run/aether/netns","capture":{"redirect_all":true},"capabilities":{"io.kubernetes.cri.pod-annotations":true}}`},
-		{"eni-vlan and entry flags", []string{"--install-eni-vlan", "--agent-socket=/a.sock", "--netns-pin-dir=/pins", "--redirect-all=false", "--plugin-log-level=debug"}, []string{"aether-cni", "eni-vlan"},
-			`{"type":"aether-cni","agent_socket":"/a.sock","netns_pin_dir":"/pins","capture":{},"log_level":"debug","capabilities":{"io.kubernetes.cri.pod-annotations":true}}`},
-		{"plugin config file, compacted", []string{"--plugin-config=" + conf}, []string{"aether-cni"},
-			`{"type":"aether-cni","agent_socket":"/x.sock"}`},
+		{
+			"defaults", nil,
+			[]string{"aether-cni"},
+			`{"type":"aether-cni","agent_socket":"/run/aether/cni.sock","netns_pin_dir":"/run/aether/netns","capture":{"redirect_all":true},"capabilities":{"io.kubernetes.cri.pod-annotations":true}}`,
+		},
+		{
+			"eni-vlan and entry flags",
+			[]string{"--install-eni-vlan", "--agent-socket=/a.sock", "--netns-pin-dir=/pins", "--redirect-all=false", "--plugin-log-level=debug"},
+			[]string{"aether-cni", "eni-vlan"},
+			`{"type":"aether-cni","agent_socket":"/a.sock","netns_pin_dir":"/pins","capture":{},"log_level":"debug","capabilities":{"io.kubernetes.cri.pod-annotations":true}}`,
+		},
+		{
+			"plugin config file, compacted",
+			[]string{"--plugin-config=" + conf},
+			[]string{"aether-cni"},
+			`{"type":"aether-cni","agent_socket":"/x.sock"}`,
+		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			o, err := ParseFlags(tc.args, io.Discard)

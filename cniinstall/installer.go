@@ -207,35 +207,28 @@ func (i *Installer) Reconcile() (Outcome, error) {
 	if err != nil {
 		return Unchanged, err
 	}
-	if st != nil {
-		if sha256Hex(data) == st.WrittenSHA256 {
-			return Unchanged, nil
-		}
-		has, err := HasPlugin(data)
-		if err != nil {
+	if st != nil && sha256Hex(data) == st.WrittenSHA256 {
+		return Unchanged, nil
+	}
+	has := false
+	if isList(primary) { // st != nil: primary is what we wrote, a conflist
+		if has, err = HasPlugin(data); err != nil {
 			return Unchanged, fmt.Errorf("failed to parse primary %q: %w", primary, err)
 		}
-		if has {
-			// Rewritten by someone who kept aether-cni: theirs now;
-			// uninstall removes only the aether-cni entry.
-			return Unchanged, nil
-		}
-		if err := i.chain(primary, data, mode, st); err != nil {
-			return Unchanged, err
-		}
-		return Repaired, nil
 	}
-	if isList(primary) {
-		has, err := HasPlugin(data)
-		if err != nil {
-			return Unchanged, fmt.Errorf("failed to parse primary %q: %w", primary, err)
-		}
-		if has {
-			return Foreign, nil
-		}
+	switch {
+	case has && st != nil:
+		// Rewritten by someone who kept aether-cni: theirs now;
+		// uninstall removes only the aether-cni entry.
+		return Unchanged, nil
+	case has:
+		return Foreign, nil
 	}
-	if err := i.chain(primary, data, mode, nil); err != nil {
+	if err := i.chain(primary, data, mode, st); err != nil {
 		return Unchanged, err
+	}
+	if st != nil {
+		return Repaired, nil
 	}
 	return Chained, nil
 }

@@ -227,11 +227,7 @@ func TestRepair(t *testing.T) {
 			name:    "rewritten keeping aether-cni: left alone, uninstall removes only aether-cni",
 			primary: "10-bridge.conflist", orig: bridge,
 			rewrite: func(t *testing.T, e env) {
-				withUs, err := Insert(bridgeV2, []byte(testEntry))
-				if err != nil {
-					t.Fatal(err)
-				}
-				e.write(t, "10-bridge.conflist", withUs)
+				e.write(t, "10-bridge.conflist", mustInsert(t, bridgeV2))
 			},
 			outcome: Unchanged,
 			want:    map[string][]byte{"10-bridge.conflist": bridgeV2},
@@ -255,15 +251,7 @@ func TestRepair(t *testing.T) {
 			name:    "converted conflist rewritten by someone else keeping aether-cni: stays a conflist without aether-cni",
 			primary: "10-bridge.conf", orig: single,
 			rewrite: func(t *testing.T, e env) {
-				l, err := ConfToList(singleV2)
-				if err != nil {
-					t.Fatal(err)
-				}
-				withUs, err := Insert(l, []byte(testEntry))
-				if err != nil {
-					t.Fatal(err)
-				}
-				e.write(t, "10-bridge.conflist", withUs)
+				e.write(t, "10-bridge.conflist", mustInsert(t, mustConfToList(t, singleV2)))
 			},
 			outcome: Unchanged,
 			want:    map[string][]byte{"10-bridge.conflist": mustConfToList(t, singleV2)},
@@ -328,6 +316,15 @@ func mustRead(t testing.TB, path string) []byte {
 		t.Fatal(err)
 	}
 	return b
+}
+
+func mustInsert(t testing.TB, list []byte) []byte {
+	t.Helper()
+	out, err := Insert(list, []byte(testEntry))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
 }
 
 func mustConfToList(t testing.TB, conf []byte) []byte {

@@ -22,7 +22,7 @@ func (i *Installer) Run(ctx context.Context) (err error) {
 	if err != nil {
 		return fmt.Errorf("failed to create conf dir watcher: %w", err)
 	}
-	defer w.Close()
+	defer func() { _ = w.Close() }()
 	// Watch before the first reconcile so no rewrite in between is missed.
 	if err := w.Add(i.cfg.ConfDir); err != nil {
 		return fmt.Errorf("failed to watch conf dir %q: %w", i.cfg.ConfDir, err)
@@ -50,6 +50,7 @@ func (i *Installer) Run(ctx context.Context) (err error) {
 func (i *Installer) watch(ctx context.Context, w *fsnotify.Watcher) error {
 	debounce := time.NewTimer(time.Hour)
 	debounce.Stop()
+	defer debounce.Stop()
 	resync := time.NewTicker(i.cfg.Resync)
 	defer resync.Stop()
 	var (
