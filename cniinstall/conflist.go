@@ -18,14 +18,14 @@ import (
 // primary with this type is aether-cni.
 const PluginType = "aether-cni"
 
-// Extensions are the file extensions the runtime reads from the conf dir
-// (containerd's go-cni and CRI-O: libcni.ConfFiles with these, sorted).
-var Extensions = []string{".conf", ".conflist", ".json"}
+// confExtensions are the file extensions the runtime reads from the conf
+// dir (containerd's go-cni and CRI-O: libcni.ConfFiles with these, sorted).
+var confExtensions = []string{".conf", ".conflist", ".json"}
 
 // IsConfName reports whether the runtime would consider a file of this name.
 func IsConfName(name string) bool {
 	ext := filepath.Ext(name)
-	for _, e := range Extensions {
+	for _, e := range confExtensions {
 		if ext == e {
 			return true
 		}
@@ -42,12 +42,12 @@ type Skipped struct {
 }
 
 // FindPrimary returns the runtime's primary network configuration: the
-// lexically first file of dir with one of Extensions that loads, as
+// lexically first file of dir ending in .conf, .conflist or .json that loads, as
 // containerd does (".conflist" as a list with at least one inline plugin;
 // ".conf" and ".json" as a single plugin with a "type"). It returns "" when
 // there is none, and the files it skipped before the primary.
 func FindPrimary(dir string) (string, []Skipped, error) {
-	files, err := libcni.ConfFiles(dir, Extensions)
+	files, err := libcni.ConfFiles(dir, confExtensions)
 	if err != nil {
 		return "", nil, fmt.Errorf("failed to list conf dir %q: %w", dir, err)
 	}
