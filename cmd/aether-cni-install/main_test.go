@@ -1,0 +1,215 @@
+package main
+
+import (
+	"bytes"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"aether.io/node/cniinstall"
+	"aether.io/node/test/harness"
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	harness.CleanupOwn()
+	os.Exit(code)
+}
+
+// deadline bounds a broken test; it is no speed goal.
+const deadline = 10 * time.Second
+
+type node struct{ conf, bin, src, state string }
+
+func newNode(t *testing.T) node {
+	t.Helper()
+	root := t.TempDir()
+	n := node{
+		conf:  filepath.Join(root, "host/etc/cni/net.d"),
+		bin:   filepath.Join(root, "host/opt/cni/bin"),
+		src:   filepath.Join(root, "image/bin"),
+		state: filepath.Join(root, "host/var/lib/aether/cni-install/state.json"),
+	}
+	for _, d := range []string{n.conf, n.bin, n.src} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, b := range []string{"aether-cni", "eni-vlan"} {
+		if err := os.WriteFile(filepath.Join(n.src, b), []byte("#!/bin/sh\n# "+b+"\n"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return n
+}
+
+func (n node) flags(extra ...string) []string {
+	return append([]string{
+		"--cni-conf-dir=" + n.conf, "--cni-bin-dir=" + n.bin, "--source-dir=" + n.src,
+		"--state-file=" + n.state, "--log-level=debug",
+	}, extra...)
+}
+
+// run starts the real binary; the returned stderr is safe to read once the
+// process has exited.
+func run(t *testing.T, args ...string) (*exec.Cmd, *bytes.Buffer) {
+	t.Helper()
+	bin := filepath.Join(harness.BuildOwn(t, "aether-cni-install"), "aether-cni-install")
+	cmd := exec.Command(bin, args...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			_ = cmd.Process.Kill() // only the process this test started
+			_ = cmd.Wait()
+		}
+	})
+	return cmd, &stderr
+}
+
+func wait(t *testing.T, cmd *exec.Cmd, stderr *bytes.Buffer) int {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		var ee *exec.ExitError
+		if err != nil && !errors.As(err, &ee) {
+			t.Fatal(err)
+		}
+		t.Logf("aether-cni-install stderr:\n%s", stderr.String())
+		return cmd.ProcessState.ExitCode()
+	case <-time.After(deadline):
+		t.Fatalf("aether-cni-install did not exit within %v", deadline)
+		return -1
+	}
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	begin := time.Now()
+	for !cond() {
+		if time.Since(begin) > deadline {
+			t.Fatalf("%s: not within %v", what, deadline)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	t.Logf("%s after %v", what, time.Since(begin))
+}
+
+// chained: the runtime's primary is the conflist the installer writes for
+// path (a converted single-plugin file is gone) and it chains aether-cni.
+func chained(path string) func() bool {
+	written := cniinstall.ListPath(path)
+	return func() bool {
+		if written != path {
+			if _, err := os.Lstat(path); !os.IsNotExist(err) {
+				return false
+			}
+		}
+		data, err := os.ReadFile(written)
+		if err != nil {
+			return false
+		}
+		has, err := cniinstall.HasPlugin(data)
+		return err == nil && has
+	}
+}
+
+// TestBinary drives the real binary: install, another writer's rewrite
+// repaired, SIGTERM, then the primary is back byte for byte and the
+// binaries are gone.
+func TestBinary(t *testing.T) {
+	for _, primary := range []string{"10-calico.conflist", "10-bridge.conf"} {
+		t.Run(primary, func(t *testing.T) {
+			orig, err := os.ReadFile(filepath.Join("../../cniinstall/testdata/primaries", primary))
+			if err != nil {
+				t.Fatal(err)
+			}
+			n := newNode(t)
+			path := filepath.Join(n.conf, primary)
+			if err := os.WriteFile(path, orig, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			cmd, stderr := run(t, n.flags("--install-eni-vlan")...)
+			waitFor(t, "chained", chained(path))
+			for _, b := range []string{"aether-cni", "eni-vlan"} {
+				fi, err := os.Stat(filepath.Join(n.bin, b))
+				if err != nil || fi.Mode().Perm() != cniinstall.BinaryMode {
+					t.Fatalf("%s in bin dir: %v (err %v), want mode %v", b, fi, err, cniinstall.BinaryMode)
+				}
+			}
+			// The primary's owner writes its file again, without aether-cni.
+			if err := os.WriteFile(path, orig, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			waitFor(t, "repaired", chained(path))
+			if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+				t.Fatal(err)
+			}
+			if code := wait(t, cmd, stderr); code != 0 {
+				t.Fatalf("exit code %d after SIGTERM, want 0", code)
+			}
+			got, err := os.ReadFile(path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, orig) {
+				t.Fatalf("primary after uninstall:\nwant %q\ngot  %q", orig, got)
+			}
+			ents, err := os.ReadDir(n.conf)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(ents) != 1 {
+				t.Fatalf("conf dir holds %d files after uninstall, want only %s", len(ents), primary)
+			}
+			for _, p := range []string{filepath.Join(n.bin, "aether-cni"), filepath.Join(n.bin, "eni-vlan"), n.state} {
+				if _, err := os.Lstat(p); !os.IsNotExist(err) {
+					t.Fatalf("%s still exists after uninstall (err %v)", p, err)
+				}
+			}
+		})
+	}
+}
+
+func TestBinaryErrors(t *testing.T) {
+	n := newNode(t)
+	badEntry := filepath.Join(t.TempDir(), "entry.json")
+	if err := os.WriteFile(badEntry, []byte(`{"type":"bridge"}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+		code int
+		want string
+	}{
+		{"unknown flag", []string{"--nope"}, 2, "flag provided but not defined: -nope"},
+		{"stray argument", n.flags("install"), 2, `unexpected arguments "install"`},
+		{"bad log level", n.flags("--log-level=loud"), 2, `invalid log level "loud": must be debug, info, warn or error`},
+		{"plugin config of another type", n.flags("--plugin-config=" + badEntry), 2, `"type" must be "aether-cni"`},
+		{"relative agent socket", n.flags("--agent-socket=cni.sock"), 2, `invalid agent_socket "cni.sock": must be an absolute path`},
+		{"state file in conf dir", n.flags("--state-file=" + filepath.Join(n.conf, "state.json")), 2, "must be outside the conf dir"},
+		{"missing conf dir", n.flags("--cni-conf-dir=" + filepath.Join(n.conf, "missing")), 1, "failed to watch conf dir"},
+		{"missing source binary", n.flags("--source-dir=" + t.TempDir()), 1, "failed to read plugin binary"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cmd, stderr := run(t, tc.args...)
+			if code := wait(t, cmd, stderr); code != tc.code {
+				t.Fatalf("exit code %d, want %d", code, tc.code)
+			}
+			if !strings.Contains(stderr.String(), tc.want) {
+				t.Fatalf("stderr does not say %q", tc.want)
+			}
+		})
+	}
+}

@@ -1,0 +1,159 @@
+package cniinstall
+
+import (
+	"bytes"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+)
+
+// Defaults of the chained aether-cni entry; they match meshcni's netconf
+// defaults and deploy/cni (checked by a test).
+const (
+	// DefaultAgentSocket is aether-agent's CNIService socket.
+	DefaultAgentSocket = "/run/aether/cni.sock"
+	// DefaultPinDir holds the netns pins.
+	DefaultPinDir = "/run/aether/netns"
+	// DefaultSourceDir holds the plugin binaries in the installer image.
+	DefaultSourceDir = "/opt/aether/bin"
+	// EniVlanBinary is the optional primary plugin's binary.
+	EniVlanBinary = "eni-vlan"
+)
+
+// EntryOptions are the netconf keys of the generated aether-cni entry.
+type EntryOptions struct {
+	// AgentSocket is agent_socket.
+	AgentSocket string
+	// PinDir is netns_pin_dir.
+	PinDir string
+	// RedirectAll is capture.redirect_all.
+	RedirectAll bool
+	// LogLevel is the plugin's log_level ("" = the plugin's default).
+	LogLevel string
+}
+
+// Entry renders the aether-cni plugin object (one line of JSON, keys in a
+// fixed order), with the pod-annotations capability the per-pod capture
+// annotations need.
+func (o EntryOptions) Entry() ([]byte, error) {
+	type capture struct {
+		RedirectAll bool `json:"redirect_all,omitempty"`
+	}
+	e := struct {
+		Type         string          `json:"type"`
+		AgentSocket  string          `json:"agent_socket"`
+		PinDir       string          `json:"netns_pin_dir"`
+		Capture      capture         `json:"capture"`
+		LogLevel     string          `json:"log_level,omitempty"`
+		Capabilities map[string]bool `json:"capabilities"`
+	}{
+		Type:         PluginType,
+		AgentSocket:  o.AgentSocket,
+		PinDir:       o.PinDir,
+		Capture:      capture{RedirectAll: o.RedirectAll},
+		LogLevel:     o.LogLevel,
+		Capabilities: map[string]bool{"io.kubernetes.cri.pod-annotations": true},
+	}
+	for _, p := range []struct{ key, v string }{{"agent_socket", o.AgentSocket}, {"netns_pin_dir", o.PinDir}} {
+		if !filepath.IsAbs(p.v) {
+			return nil, fmt.Errorf("invalid %s %q: must be an absolute path", p.key, p.v)
+		}
+	}
+	switch o.LogLevel {
+	case "", "debug", "info", "warn", "error":
+	default:
+		return nil, fmt.Errorf("invalid plugin log level %q: must be debug, info, warn or error", o.LogLevel)
+	}
+	return json.Marshal(e)
+}
+
+// Options are the installer's command-line options.
+type Options struct {
+	// Config is the installer's configuration.
+	Config Config
+	// LogLevel is the installer's own log level.
+	LogLevel string
+}
+
+// ParseFlags parses the installer's flags; usage and errors go to out.
+func ParseFlags(args []string, out io.Writer) (*Options, error) {
+	fs := flag.NewFlagSet("aether-cni-install", flag.ContinueOnError)
+	fs.SetOutput(out)
+	o := &Options{}
+	var (
+		entry      EntryOptions
+		withVlan   bool
+		pluginConf string
+	)
+	fs.StringVar(&o.Config.BinDir, "cni-bin-dir", DefaultBinDir, "host CNI bin dir the plugins are copied into")
+	fs.StringVar(&o.Config.ConfDir, "cni-conf-dir", DefaultConfDir, "host CNI conf dir holding the primary network configuration")
+	fs.StringVar(&o.Config.SourceDir, "source-dir", DefaultSourceDir, "directory of the plugin binaries in the image")
+	fs.StringVar(&o.Config.StateFile, "state-file", DefaultStateFile, "file recording what to restore on uninstall (host path outside the conf dir)")
+	fs.BoolVar(&withVlan, "install-eni-vlan", false, "also copy the eni-vlan plugin (aether-cni is always copied)")
+	fs.StringVar(&entry.AgentSocket, "agent-socket", DefaultAgentSocket, "agent_socket of the chained aether-cni entry")
+	fs.StringVar(&entry.PinDir, "netns-pin-dir", DefaultPinDir, "netns_pin_dir of the chained aether-cni entry")
+	fs.BoolVar(&entry.RedirectAll, "redirect-all", true, "capture.redirect_all of the chained aether-cni entry")
+	fs.StringVar(&entry.LogLevel, "plugin-log-level", "", "log_level of the chained aether-cni entry (debug, info, warn, error; empty = plugin default)")
+	fs.StringVar(&pluginConf, "plugin-config", "", "file with the whole aether-cni plugin object (JSON, \"type\": \"aether-cni\"); overrides the entry flags")
+	fs.StringVar(&o.LogLevel, "log-level", "info", "installer log level: debug, info, warn or error")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments %q: aether-cni-install takes flags only", strings.Join(fs.Args(), " "))
+	}
+	o.Config.Binaries = []string{PluginType}
+	if withVlan {
+		o.Config.Binaries = append(o.Config.Binaries, EniVlanBinary)
+	}
+	var err error
+	if pluginConf != "" {
+		if o.Config.Entry, err = os.ReadFile(pluginConf); err != nil {
+			return nil, fmt.Errorf("failed to read plugin config %q: %w", pluginConf, err)
+		}
+		if err := ValidateEntry(o.Config.Entry); err != nil {
+			return nil, err
+		}
+		var compact bytes.Buffer
+		if err := json.Compact(&compact, o.Config.Entry); err != nil {
+			return nil, fmt.Errorf("failed to compact plugin config %q: %w", pluginConf, err)
+		}
+		o.Config.Entry = compact.Bytes()
+	} else if o.Config.Entry, err = entry.Entry(); err != nil {
+		return nil, err
+	}
+	if _, err := parseLevel(o.LogLevel); err != nil {
+		return nil, err
+	}
+	return o, nil
+}
+
+func parseLevel(s string) (slog.Level, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(s)); err != nil || !validLevel(s) {
+		return 0, fmt.Errorf("invalid log level %q: must be debug, info, warn or error", s)
+	}
+	return l, nil
+}
+
+func validLevel(s string) bool {
+	switch s {
+	case "debug", "info", "warn", "error":
+		return true
+	}
+	return false
+}
+
+// NewLogger returns a text logger on w at level (debug, info, warn, error).
+func NewLogger(w io.Writer, level string) (*slog.Logger, error) {
+	l, err := parseLevel(level)
+	if err != nil {
+		return nil, err
+	}
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l})), nil
+}

@@ -1,0 +1,58 @@
+package cniinstall
+
+import (
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+)
+
+func TestParseFlags(t *testing.T) {
+	conf := filepath.Join(t.TempDir(), "entry.json")
+	if err := os.WriteFile(conf, []byte("{\n  \"type\": \"aether-cni\",\n  \"agent_socket\": \"/x.sock\"\n}\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name     string
+		args     []string
+		binaries []string
+		entry    string
+	}{
+		{
+			"defaults", nil,
+			[]string{"aether-cni"},
+			`{"type":"aether-cni","agent_socket":"/run/aether/cni.sock","netns_pin_dir":"/run/aether/netns","capture":{"redirect_all":true},"capabilities":{"io.kubernetes.cri.pod-annotations":true}}`,
+		},
+		{
+			"eni-vlan and entry flags",
+			[]string{"--install-eni-vlan", "--agent-socket=/a.sock", "--netns-pin-dir=/pins", "--redirect-all=false", "--plugin-log-level=debug"},
+			[]string{"aether-cni", "eni-vlan"},
+			`{"type":"aether-cni","agent_socket":"/a.sock","netns_pin_dir":"/pins","capture":{},"log_level":"debug","capabilities":{"io.kubernetes.cri.pod-annotations":true}}`,
+		},
+		{
+			"plugin config file, compacted",
+			[]string{"--plugin-config=" + conf},
+			[]string{"aether-cni"},
+			`{"type":"aether-cni","agent_socket":"/x.sock"}`,
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			o, err := ParseFlags(tc.args, io.Discard)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(o.Config.Binaries, tc.binaries) || string(o.Config.Entry) != tc.entry {
+				t.Fatalf("binaries %v entry %s; want %v %s", o.Config.Binaries, o.Config.Entry, tc.binaries, tc.entry)
+			}
+			if o.Config.BinDir != DefaultBinDir || o.Config.ConfDir != DefaultConfDir || o.Config.StateFile != DefaultStateFile || o.LogLevel != "info" {
+				t.Fatalf("defaults not applied: %+v", o)
+			}
+		})
+	}
+	for _, bad := range [][]string{{"--plugin-log-level=loud"}, {"--netns-pin-dir=rel"}, {"--plugin-config=/nonexistent"}, {"--log-level=trace"}} {
+		if _, err := ParseFlags(bad, io.Discard); err == nil {
+			t.Errorf("ParseFlags(%v) succeeded; want an error", bad)
+		}
+	}
+}
