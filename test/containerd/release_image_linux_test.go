@@ -26,11 +26,12 @@ func TestReleaseImage(t *testing.T) {
 	harness.RequireRoot(t)
 	need(t, "containerd", "runc", "ctr")
 	node := harness.NewNS(t, "ctdimg")
-	own := harness.BuildOwn(t, "aether-agent", "aether-cni", "aether-proxy", "aetherctl", "eni-vlan")
+	bins := []string{"aether-agent", "aether-cni", "aether-cni-install", "aether-proxy", "aetherctl", "eni-vlan"}
+	own := harness.BuildOwn(t, bins...)
 
 	const ref = "localhost/aether-node:lane"
 	var files []oci.File
-	for _, n := range []string{"aether-agent", "aether-cni", "aether-proxy", "aetherctl", "eni-vlan"} {
+	for _, n := range bins {
 		files = append(files, oci.File{Path: oci.BinDir + "/" + n, Source: filepath.Join(own, n), Mode: 0o755})
 	}
 	img, err := oci.Build(oci.Spec{Files: files, Created: time.Unix(0, 0)})
