@@ -12,7 +12,6 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
-	"github.com/containernetworking/plugins/pkg/ip"
 	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
@@ -271,7 +270,7 @@ func (c *addCall) claim() (err error) {
 func (c *addCall) configure() error {
 	ifName := c.args.IfName
 	return c.podNS.Do(func(ns.NetNS) error {
-		if err := ip.RenameLink(c.linkName, ifName); err != nil {
+		if err := renameLink(c.linkName, ifName); err != nil {
 			return fmt.Errorf("failed to rename link %q to %q: %w", c.linkName, ifName, err)
 		}
 		c.linkName = ifName

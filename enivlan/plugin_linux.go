@@ -19,7 +19,6 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/containernetworking/cni/pkg/version"
-	"github.com/containernetworking/plugins/pkg/ip"
 	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
@@ -449,11 +448,51 @@ func (p *Plugin) Check(a *skel.CmdArgs) error {
 		if wantMTU != 0 && l.Attrs().MTU != wantMTU {
 			return fmt.Errorf("link %q has MTU %d, %s says %d", a.IfName, l.Attrs().MTU, mtuFrom, wantMTU)
 		}
-		if err := ip.ValidateExpectedInterfaceIPs(a.IfName, ips); err != nil {
+		if err := checkAddrs(l, ips); err != nil {
 			return fmt.Errorf("failed to check addresses of %q: %w", a.IfName, err)
 		}
 		return checkRoutes(l, prev)
 	})
+}
+
+// renameLink renames the link curName (in the current netns) to newName.
+// It is the two netlink calls of plugins' ip.RenameLink, written here so
+// eni-vlan does not link that package's iptables and nft helpers.
+func renameLink(curName, newName string) error {
+	l, err := netlinksafe.LinkByName(curName)
+	if err != nil {
+		return err
+	}
+	return netlink.LinkSetName(l, newName)
+}
+
+// checkAddrs is CHECK's address test (as plugins' ip.ValidateExpectedInterfaceIPs):
+// every address of want is on l with its prefix length, and the kernel has
+// the prefix route for it.
+func checkAddrs(l netlink.Link, want []*current.IPConfig) error {
+	have, err := netlinksafe.AddrList(l, netlink.FAMILY_ALL)
+	if err != nil {
+		return fmt.Errorf("failed to list addresses: %w", err)
+	}
+	for _, ipc := range want {
+		ours := netlink.Addr{IPNet: &ipc.Address}
+		if !slices.ContainsFunc(have, func(a netlink.Addr) bool { return a.Equal(ours) }) {
+			return fmt.Errorf("address %s is not configured", ipc.Address.String())
+		}
+		prefix := &net.IPNet{IP: ipc.Address.IP.Mask(ipc.Address.Mask), Mask: ipc.Address.Mask}
+		family := netlink.FAMILY_V6
+		if ipc.Address.IP.To4() != nil {
+			family = netlink.FAMILY_V4
+		}
+		routes, err := netlinksafe.RouteListFiltered(family, &netlink.Route{Dst: prefix}, netlink.RT_FILTER_DST)
+		if err != nil {
+			return fmt.Errorf("failed to list routes to %s: %w", prefix, err)
+		}
+		if len(routes) == 0 {
+			return fmt.Errorf("no route to the prefix %s of address %s", prefix, ipc.Address.String())
+		}
+	}
+	return nil
 }
 
 func checkRoutes(l netlink.Link, prev *current.Result) error {

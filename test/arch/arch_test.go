@@ -207,19 +207,18 @@ var heavy = append([]string{
 	"sigs.k8s.io/yaml",
 	"go.yaml.in/yaml",
 	"testing",
+	// plugins' pkg/ip helpers exec iptables and nft; neither plugin calls them.
+	"sigs.k8s.io/knftables",
+	"github.com/coreos/go-iptables",
+	"github.com/safchain/ethtool",
 	module + "/api/internal/apitest",
 	module + "/enivlan/enivlantest",
 	module + "/registry/etcd/etcdtest",
 }, mod("test", "registry", "xds")...)
 
-// notForMeshCNI are linked by eni-vlan only through
-// github.com/containernetworking/plugins/pkg/ip (iptables and nft-exec
-// helpers it does not call at runtime); aether-cni programs nftables through
-// netlink and never needs them, nor tracing.
+// notForMeshCNI are linked by eni-vlan only through libcni's invoke (the
+// OpenTelemetry API, for IPAM delegation); aether-cni delegates nothing.
 var notForMeshCNI = []string{
-	"sigs.k8s.io/knftables",
-	"github.com/coreos/go-iptables",
-	"github.com/safchain/ethtool",
 	"go.opentelemetry.io/otel",
 }
 
