@@ -18,6 +18,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"aether.io/node/api/istio/workload"
+	"aether.io/node/pkg/lifecycle"
 	"aether.io/node/proxy/dataplane"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"
@@ -181,61 +182,41 @@ func (p *Proxy) Handler() http.Handler {
 	return mux
 }
 
-// Run serves until ctx ends: the data plane, the xDS stream and the admin
-// server. Open pods are closed on return.
+// Run serves until ctx ends: the admin server, the data plane and the xDS
+// stream(s). The parts start in this order and stop in reverse:
+//
+//	admin server → open pods (closed at stop) → data plane → xDS client(s)
+//
+// so SIGTERM first stops taking xDS updates, then stops the data plane
+// loop, closes every open pod, and stops the admin server last (/healthz
+// answers while the pods drain). Every goroutine has returned when Run does;
+// a failed start (the admin address in use) stops what started.
 func (p *Proxy) Run(ctx context.Context) error {
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	var wg sync.WaitGroup
-	errc := make(chan error, 4)
+	lc := lifecycle.New(p.log, 0)
 	if p.cfg.AdminAddress != "" {
-		ln, err := net.Listen("tcp", p.cfg.AdminAddress)
-		if err != nil {
-			return fmt.Errorf("failed to listen on admin address %q: %w", p.cfg.AdminAddress, err)
-		}
-		p.adminAddr <- ln.Addr()
-		srv := &http.Server{Handler: p.Handler(), ReadHeaderTimeout: 5 * time.Second}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				errc <- err
-			}
-		}()
-		go func() {
-			<-ctx.Done()
-			_ = srv.Close()
-		}()
+		lc.Serve("admin", p.listenAdmin)
 	}
-	wg.Add(2)
-	go func() {
-		defer wg.Done()
-		if err := p.Manager.Run(ctx); err != nil {
-			errc <- err
+	lc.Append(lifecycle.Hook{Name: "pods", Stop: func(context.Context) error {
+		if err := p.Manager.Close(); err != nil {
+			p.log.Warn("failed to close pods", "error", err.Error())
 		}
-	}()
-	go func() {
-		defer wg.Done()
-		if err := p.XDS.Run(ctx); err != nil {
-			errc <- err
-		}
-	}()
+		return nil
+	}})
+	lc.Go("dataplane", p.Manager.Run)
+	lc.Go("xds_client", p.XDS.Run)
 	if p.LDS != nil {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := p.LDS.Run(ctx); err != nil {
-				errc <- err
-			}
-		}()
+		lc.Go("lds_client", p.LDS.Run)
 	}
-	var err error
-	select {
-	case <-ctx.Done():
-	case err = <-errc:
-		cancel()
+	return lc.Run(ctx)
+}
+
+// listenAdmin opens the admin address; the server is closed at once at stop.
+func (p *Proxy) listenAdmin() (net.Listener, lifecycle.Server, error) {
+	ln, err := net.Listen("tcp", p.cfg.AdminAddress)
+	if err != nil {
+		return nil, lifecycle.Server{}, fmt.Errorf("failed to listen on admin address %q: %w", p.cfg.AdminAddress, err)
 	}
-	wg.Wait()
-	_ = p.Manager.Close()
-	return err
+	p.adminAddr <- ln.Addr()
+	srv := &http.Server{Handler: p.Handler(), ReadHeaderTimeout: 5 * time.Second}
+	return ln, lifecycle.Server{Serve: srv.Serve, Shutdown: func(context.Context) { _ = srv.Close() }}, nil
 }

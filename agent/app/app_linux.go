@@ -2,15 +2,11 @@ package app
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
-	"slices"
-	"strings"
 	"sync/atomic"
 	"time"
 
@@ -29,6 +25,8 @@ import (
 	"aether.io/node/agent/podsource/manifests"
 	"aether.io/node/agent/store"
 	"aether.io/node/agent/telemetry"
+	"aether.io/node/pkg/lifecycle"
+	"aether.io/node/pkg/unixsock"
 	"aether.io/node/registry"
 	etcdreg "aether.io/node/registry/etcd"
 	"aether.io/node/registry/local"
@@ -43,21 +41,119 @@ func NewLogger(w *os.File, level string) (*slog.Logger, error) {
 	return slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: l})), nil
 }
 
-// Run runs the agent until ctx ends, then shuts down gracefully.
+// Run runs the agent until ctx ends, then shuts down gracefully. The parts
+// start in this order and stop in reverse (agent/README.md, "Lifecycle"):
+//
+//	tracing → store → registry → pods (pod source client, replay) →
+//	health HTTP → workload discovery → listener discovery →
+//	pod source, sync, liveness → CNI socket → admin socket → readiness
+//
+// so SIGTERM first fails /readyz, stops accepting admin and CNI calls
+// (in-flight RPCs drain), stops the pod source and the loops, stops xDS
+// serving, closes the registry and last closes the store: every goroutine
+// has returned before the store closes. A part that fails to start stops
+// every part started before it.
 func Run(ctx context.Context, c *Config, log *slog.Logger) error {
-	metrics := telemetry.NewMetrics()
+	err := newAgent(c, log).lc.Run(ctx)
+	log.Info("stopped")
+	return err
+}
 
-	tracer, shutdownTracing, err := newTracer(ctx, c.OTLPEndpoint)
+// agent holds the parts start hooks create for later hooks; it is built
+// with no I/O.
+type agent struct {
+	c       *Config
+	log     *slog.Logger
+	metrics *telemetry.Metrics
+	lc      *lifecycle.Lifecycle
+	ready   atomic.Bool
+
+	tracer        trace.Tracer
+	stopTracing   func()
+	st            *store.Store
+	reg           registry.Registry
+	closeRegistry func()
+	src           podsource.Source
+	nodeRes       *nodeXDS
+	mgr           *pods.Manager
+}
+
+func newAgent(c *Config, log *slog.Logger) *agent {
+	a := &agent{c: c, log: log, metrics: telemetry.NewMetrics(), lc: lifecycle.New(log, c.ShutdownTimeout)}
+	a.nodeRes = newNodeXDS(c, log)
+	a.lc.Append(lifecycle.Hook{Name: "tracing", Start: a.startTracing, Stop: func(context.Context) error {
+		a.stopTracing()
+		return nil
+	}})
+	a.lc.Append(lifecycle.Hook{Name: "store", Start: a.openStore, Stop: func(context.Context) error {
+		if err := a.st.Close(); err != nil {
+			log.Error("failed to close store", "error", err.Error())
+		}
+		return nil
+	}})
+	a.lc.Append(lifecycle.Hook{Name: "registry", Start: a.openRegistry, Stop: func(context.Context) error {
+		a.closeRegistry()
+		return nil
+	}})
+	a.lc.Append(lifecycle.Hook{Name: "pods", Start: a.startPods})
+	a.lc.Serve("http", a.listenHTTP)
+	a.appendXDS()
+	a.lc.Go("pod_source", func(ctx context.Context) error { return a.src.Run(ctx, a.mgr.Handler(ctx)) })
+	a.lc.Go("pod_source_sync", a.awaitSync)
+	a.lc.Go("liveness", func(ctx context.Context) error {
+		a.mgr.RunLiveness(ctx, c.LivenessInterval)
+		return nil
+	})
+	a.lc.Serve("cni_socket", a.listenCNI)
+	if c.AdminSocket != "" {
+		a.lc.Serve("admin_socket", a.listenAdmin)
+	}
+	// Stops first: /readyz fails before anything else shuts down.
+	a.lc.Append(lifecycle.Hook{Name: "readiness", Stop: func(context.Context) error {
+		a.ready.Store(false)
+		log.Info("shutting down")
+		return nil
+	}})
+	return a
+}
+
+func (a *agent) startTracing(ctx context.Context) error {
+	tracer, shutdown, err := newTracer(ctx, a.c.OTLPEndpoint)
 	if err != nil {
 		return err
 	}
-	defer shutdownTracing()
+	a.tracer, a.stopTracing = tracer, shutdown
+	return nil
+}
 
-	// Pod source (no I/O yet).
-	var src podsource.Source
+func (a *agent) openStore(context.Context) error {
+	st, err := store.Open(a.c.StateDir, store.Options{
+		Logger:       a.log.With("component", "store"),
+		OnQuarantine: func(string, error) { a.metrics.Quarantined.Inc() },
+	})
+	if err != nil {
+		return err
+	}
+	a.st = st
+	return nil
+}
+
+func (a *agent) openRegistry(context.Context) error {
+	reg, closeReg, err := newRegistry(a.c, a.log)
+	if err != nil {
+		return err
+	}
+	a.reg, a.closeRegistry = reg, closeReg
+	return nil
+}
+
+// startPods builds the pod source and the manager, then replays the store:
+// nothing is served before every stored pod is back.
+func (a *agent) startPods(ctx context.Context) error {
+	c, log := a.c, a.log
 	locality := c.Locality
 	if c.PodManifests != "" {
-		src = manifests.New(c.PodManifests, c.NodeName, c.ManifestInterval, log.With("component", "pod_manifests"))
+		a.src = manifests.New(c.PodManifests, c.NodeName, c.ManifestInterval, log.With("component", "pod_manifests"))
 	} else {
 		rc, err := kube.Config(c.Kubeconfig)
 		if err != nil {
@@ -68,7 +164,7 @@ func Run(ctx context.Context, c *Config, log *slog.Logger) error {
 		if err != nil {
 			return fmt.Errorf("failed to build kubernetes client: %w", err)
 		}
-		src = kube.New(cs, c.NodeName, 0, log.With("component", "pod_source"))
+		a.src = kube.New(cs, c.NodeName, 0, log.With("component", "pod_source"))
 		if locality == (registry.Locality{}) {
 			lctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 			if l, err := kube.NodeLocality(lctx, cs, c.NodeName); err == nil {
@@ -79,128 +175,66 @@ func Run(ctx context.Context, c *Config, log *slog.Logger) error {
 			cancel()
 		}
 	}
-
-	st, err := store.Open(c.StateDir, store.Options{
-		Logger:       log.With("component", "store"),
-		OnQuarantine: func(string, error) { metrics.Quarantined.Inc() },
-	})
-	if err != nil {
-		return err
-	}
-	defer func() {
-		if err := st.Close(); err != nil {
-			log.Error("failed to close store", "error", err.Error())
-		}
-	}()
-
-	reg, closeReg, err := newRegistry(c, log)
-	if err != nil {
-		return err
-	}
-	defer closeReg()
-	nodeRes := newNodeXDS(c, log)
-	mgr := pods.New(pods.Config{
+	a.mgr = pods.New(pods.Config{
 		Node: c.NodeName, Locality: locality, SystemNamespaces: c.SystemNamespaces,
-		UDSRoot: c.UDSRoot, PodWait: c.PodWait, Observer: nodeRes,
-	}, st, reg, src, nil, metrics, log.With("component", "pods"))
+		UDSRoot: c.UDSRoot, PodWait: c.PodWait, Observer: a.nodeRes,
+	}, a.st, a.reg, a.src, nil, a.metrics, log.With("component", "pods"))
+	_, err := a.mgr.Replay(ctx)
+	return err
+}
 
-	// Replay before serving anything.
-	if _, err := mgr.Replay(ctx); err != nil {
-		return err
+// awaitSync marks the agent ready after the pod source's first sync.
+func (a *agent) awaitSync(ctx context.Context) error {
+	select {
+	case <-a.src.Synced():
+		a.mgr.Reconcile(ctx)
+		a.mgr.LivenessTick(ctx)
+		a.ready.Store(true)
+		a.log.Info("agent ready")
+	case <-ctx.Done():
 	}
+	return nil
+}
 
-	var ready atomic.Bool
-	httpLn, err := net.Listen("tcp", c.HTTPAddr)
+func (a *agent) listenHTTP() (net.Listener, lifecycle.Server, error) {
+	ln, err := net.Listen("tcp", a.c.HTTPAddr)
 	if err != nil {
-		return fmt.Errorf("failed to listen on --http-addr %q: %w", c.HTTPAddr, err)
+		return nil, lifecycle.Server{}, fmt.Errorf("failed to listen on --http-addr %q: %w", a.c.HTTPAddr, err)
 	}
-	httpSrv := &http.Server{Handler: healthMux(metrics, &ready), ReadHeaderTimeout: 5 * time.Second}
-	go func() { _ = httpSrv.Serve(httpLn) }()
-	log.Info("http listening", "addr", httpLn.Addr().String())
+	a.log.Info("http listening", "addr", ln.Addr().String())
+	srv := &http.Server{Handler: healthMux(a.metrics, &a.ready), ReadHeaderTimeout: 5 * time.Second}
+	return ln, lifecycle.HTTP(srv), nil
+}
 
-	gs, err := cniserver.NewGRPCServer(cniserver.New(mgr, log.With("component", "cni_server")), cniserver.Options{
-		AllowedUIDs: c.AllowedUIDs, Tracer: tracer, Metrics: metrics, Logger: log.With("component", "cni_server"),
+func (a *agent) listenCNI() (net.Listener, lifecycle.Server, error) {
+	gs, err := cniserver.NewGRPCServer(cniserver.New(a.mgr, a.log.With("component", "cni_server")), cniserver.Options{
+		AllowedUIDs: a.c.AllowedUIDs, Tracer: a.tracer, Metrics: a.metrics, Logger: a.log.With("component", "cni_server"),
 	})
 	if err != nil {
-		return err
+		return nil, lifecycle.Server{}, err
 	}
-	cniLn, err := cniserver.Listen(c.CNISocket)
+	ln, err := unixsock.Listen(a.c.CNISocket)
 	if err != nil {
-		return err
+		return nil, lifecycle.Server{}, err
 	}
-	serveErr := make(chan error, 8)
-	go func() { serveErr <- gs.Serve(cniLn) }()
-	log.Info("cni socket listening", "path", c.CNISocket)
+	a.log.Info("cni socket listening", "path", a.c.CNISocket)
+	return ln, lifecycle.GRPC(gs), nil
+}
 
-	var adminSrv *http.Server
-	if c.AdminSocket != "" {
-		adminLn, err := cniserver.Listen(c.AdminSocket)
-		if err != nil {
-			gs.Stop()
-			return err
-		}
-		adminSrv = &http.Server{
-			Handler: adminMux(mgr, c.AllowedUIDs, metrics, log), ReadHeaderTimeout: 5 * time.Second,
-			ConnContext: func(ctx context.Context, conn net.Conn) context.Context {
-				if pi, err := cniserver.ConnPeer(conn); err == nil {
-					return context.WithValue(ctx, peerKey{}, pi)
-				}
-				return ctx
-			},
-		}
-		go func() { _ = adminSrv.Serve(adminLn) }()
-		log.Info("admin socket listening", "path", c.AdminSocket)
+func (a *agent) listenAdmin() (net.Listener, lifecycle.Server, error) {
+	ln, err := unixsock.Listen(a.c.AdminSocket)
+	if err != nil {
+		return nil, lifecycle.Server{}, err
 	}
-
-	runCtx, stop := context.WithCancel(ctx)
-	defer stop()
-	// xDS starts after replay, so the first snapshot the proxy sees already
-	// holds every stored pod (an empty one would drain them all).
-	if _, err := startXDS(runCtx, c, reg, nodeRes, metrics.Registry, log, serveErr); err != nil {
-		gs.Stop()
-		return err
+	srv := &http.Server{
+		Handler: adminapi.NewHandler(a.mgr, adminapi.HandlerOptions{
+			AllowedUIDs: a.c.AllowedUIDs, Rejected: a.metrics.PeerRejected, Logger: a.log,
+		}),
+		ReadHeaderTimeout: 5 * time.Second,
+		ConnContext:       adminapi.ConnContext,
 	}
-	go func() {
-		if err := src.Run(runCtx, mgr.Handler(runCtx)); err != nil {
-			serveErr <- err
-		}
-	}()
-	go func() {
-		select {
-		case <-src.Synced():
-			mgr.Reconcile(runCtx)
-			mgr.LivenessTick(runCtx)
-			ready.Store(true)
-			log.Info("agent ready")
-		case <-runCtx.Done():
-		}
-	}()
-	go mgr.RunLiveness(runCtx, c.LivenessInterval)
-
-	select {
-	case <-ctx.Done():
-		log.Info("shutting down")
-	case err = <-serveErr:
-		log.Error("agent failed", "error", err.Error())
-	}
-	ready.Store(false)
-	stop()
-	done := make(chan struct{})
-	go func() { gs.GracefulStop(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(c.ShutdownTimeout):
-		log.Warn("in-flight rpcs did not finish in time; stopping", "timeout", c.ShutdownTimeout.String())
-		gs.Stop()
-	}
-	sctx, cancel := context.WithTimeout(context.Background(), c.ShutdownTimeout)
-	defer cancel()
-	_ = httpSrv.Shutdown(sctx)
-	if adminSrv != nil {
-		_ = adminSrv.Shutdown(sctx)
-	}
-	log.Info("stopped")
-	return err
+	a.log.Info("admin socket listening", "path", a.c.AdminSocket)
+	return ln, lifecycle.HTTP(srv), nil
 }
 
 // newRegistry opens the endpoint registry --registry names.
@@ -249,87 +283,5 @@ func healthMux(m *telemetry.Metrics, ready *atomic.Bool) *http.ServeMux {
 	return mux
 }
 
-type peerKey struct{}
-
-// PodView is one record as the admin API returns it.
+// PodView is one record as the admin API returns it (adminapi.Pod).
 type PodView = adminapi.Pod
-
-// View renders a pod state for the admin API.
-func View(s pods.PodState) PodView {
-	r := s.Record
-	p := r.Pod
-	v := PodView{
-		Namespace: p.GetNamespace(), Name: p.GetName(), ContainerID: p.GetContainerId(), UID: p.GetUid(),
-		IPs: p.GetIps(), NetworkNS: p.GetNetworkNamespace(), ServiceAccount: p.GetServiceAccount(), Labels: p.GetLabels(),
-		Managed: true, Terminating: p.GetTerminating(), Registered: s.Registered, Healthy: s.Healthy,
-		Uncaptured: r.Uncaptured, UncapturedError: r.UncapturedError, UDSPath: s.UDSPath, UDSRefusal: s.UDSRefusal,
-		Volumes: p.GetVolumes(), UDSCSIVolume: p.GetUdsCsiVolume(), UDSCSIVolumes: p.GetUdsCsiVolumes(), AddedAt: r.AddedAt,
-	}
-	if t := r.LastTimings; t != nil {
-		v.LastTimings = map[string]string{}
-		if t.GetStarted() != nil {
-			v.LastTimings["started"] = t.GetStarted().AsTime().Format(time.RFC3339Nano)
-		}
-		add := func(k string, set bool, d time.Duration) {
-			if set {
-				v.LastTimings[k] = d.String()
-			}
-		}
-		add("pre_call", t.GetPreCall() != nil, t.GetPreCall().AsDuration())
-		add("readiness_probe", t.GetReadinessProbe() != nil, t.GetReadinessProbe().AsDuration())
-		add("capture_divert", t.GetCaptureDivert() != nil, t.GetCaptureDivert().AsDuration())
-		add("total", t.GetTotal() != nil, t.GetTotal().AsDuration())
-		if e := t.GetReadinessProbeError(); e != "" {
-			v.LastTimings["readiness_probe_error"] = e
-		}
-		if e := t.GetCaptureDivertError(); e != "" {
-			v.LastTimings["capture_divert_error"] = e
-		}
-	}
-	return v
-}
-
-func adminMux(mgr *pods.Manager, uids []uint32, m *telemetry.Metrics, log *slog.Logger) http.Handler {
-	mux := http.NewServeMux()
-	mux.HandleFunc("GET /v1/pods", func(w http.ResponseWriter, _ *http.Request) {
-		states := mgr.List()
-		out := make([]PodView, 0, len(states))
-		for _, s := range states {
-			out = append(out, View(s))
-		}
-		writeJSON(w, out)
-	})
-	mux.HandleFunc("GET /v1/pods/{namespace}/{name}", func(w http.ResponseWriter, r *http.Request) {
-		ns, name := r.PathValue("namespace"), r.PathValue("name")
-		var out []PodView
-		for _, s := range mgr.List() {
-			if s.Record.Pod.GetNamespace() == ns && s.Record.Pod.GetName() == name {
-				out = append(out, View(s))
-			}
-		}
-		if len(out) == 0 {
-			http.Error(w, fmt.Sprintf("no record for pod %s/%s", ns, name), http.StatusNotFound)
-			return
-		}
-		writeJSON(w, out)
-	})
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		pi, ok := r.Context().Value(peerKey{}).(cniserver.PeerInfo)
-		if !ok || !slices.Contains(uids, pi.UID) {
-			m.PeerRejected.Inc()
-			log.Warn("admin peer rejected", "path", r.URL.Path, "peer_uid", int64(pi.UID), "peer_known", ok)
-			http.Error(w, "permission denied: peer uid not allowed", http.StatusForbidden)
-			return
-		}
-		mux.ServeHTTP(w, r)
-	})
-}
-
-func writeJSON(w http.ResponseWriter, v any) {
-	w.Header().Set("Content-Type", "application/json")
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	if err := enc.Encode(v); err != nil && !errors.Is(err, net.ErrClosed) && !strings.Contains(err.Error(), "broken pipe") {
-		return
-	}
-}

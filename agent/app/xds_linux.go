@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/netip"
 	"sync"
+	"time"
 
 	"github.com/cespare/xxhash/v2"
 	"google.golang.org/protobuf/proto"
@@ -14,12 +16,13 @@ import (
 	cachev3 "github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	linearcache "github.com/envoyproxy/go-control-plane/pkg/cache/v3"
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
-	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 
 	"aether.io/node/agent/store"
+	"aether.io/node/pkg/lifecycle"
+	"aether.io/node/pkg/unixsock"
 	"aether.io/node/registry"
 	"aether.io/node/xds/listener"
 	"aether.io/node/xds/workload"
@@ -203,63 +206,88 @@ func (r remoteOnly) Watch(ctx context.Context) (<-chan registry.Event, error) {
 	return out, nil
 }
 
-// xdsServers are the agent's two discovery endpoints: workload discovery
-// (istio.workload.Workload, delta and SotW, built from the registry) and the
-// per-pod listeners for aether-proxy.
-type xdsServers struct {
-	wds      *workload.Server
-	follower *workload.Follower
-	lds      *grpc.Server
-}
+// wdsDrain bounds the graceful stop of workload discovery: its streams end
+// only when clients leave, so they are cut after this (as
+// workload.Server.Serve does).
+const wdsDrain = 5 * time.Second
 
-func startXDS(ctx context.Context, c *Config, reg registry.Registry, n *nodeXDS, promReg prometheus.Registerer,
-	log *slog.Logger, errc chan<- error,
-) (*xdsServers, error) {
-	if c.XDSSocket == "" && c.XDSAddress == "" && c.LDSSocket == "" {
-		return &xdsServers{}, nil
-	}
-	x := &xdsServers{}
+// appendXDS adds the agent's discovery endpoints to its lifecycle: workload
+// discovery (istio.workload.Workload, delta and SotW, built from the
+// registry) and the per-pod listeners for aether-proxy. Every socket follows
+// pkg/unixsock.
+func (a *agent) appendXDS() {
+	c, n, log := a.c, a.nodeRes, a.log
 	if n.workloads != nil {
-		srv, err := workload.NewServer(n.workloads.idx, workload.ServerOptions{Logger: log.With("component", "wds"), Registerer: promReg})
-		if err != nil {
-			return nil, fmt.Errorf("failed to create the workload discovery server: %w", err)
-		}
-		x.wds = srv
+		var srv *workload.Server
+		a.lc.Append(lifecycle.Hook{Name: "wds", Start: func(context.Context) error {
+			s, err := workload.NewServer(n.workloads.idx, workload.ServerOptions{Logger: log.With("component", "wds"), Registerer: a.metrics.Registry})
+			if err != nil {
+				return fmt.Errorf("failed to create the workload discovery server: %w", err)
+			}
+			srv = s
+			return nil
+		}})
 		if c.Registry == "etcd" {
 			// Other nodes' pods come from the shared registry.
-			x.follower = workload.NewFollower(remoteOnly{Registry: reg, node: c.NodeName}, n.workloads.cfg, n.workloads.idx,
-				log.With("component", "wds_follower"))
-			go func() {
-				if err := x.follower.Run(ctx); err != nil && !errors.Is(err, context.Canceled) {
-					errc <- fmt.Errorf("workload discovery stopped following the registry: %w", err)
+			a.lc.Go("wds_follower", func(ctx context.Context) error {
+				f := workload.NewFollower(remoteOnly{Registry: a.reg, node: c.NodeName}, n.workloads.cfg, n.workloads.idx,
+					log.With("component", "wds_follower"))
+				if err := f.Run(ctx); err != nil && !errors.Is(err, context.Canceled) {
+					return fmt.Errorf("workload discovery stopped following the registry: %w", err)
 				}
-			}()
+				return nil
+			})
 		}
-		go func() {
-			if err := srv.Serve(ctx, workload.ListenConfig{Socket: c.XDSSocket, TCPAddress: c.XDSAddress}); err != nil {
-				errc <- err
+		serve := func(ln net.Listener) (net.Listener, lifecycle.Server, error) {
+			g := grpc.NewServer(workload.ServerGRPCOptions(0)...)
+			srv.Register(g)
+			s := lifecycle.GRPC(g)
+			drain := s.Shutdown
+			s.Shutdown = func(ctx context.Context) {
+				ctx, cancel := context.WithTimeout(ctx, wdsDrain)
+				defer cancel()
+				drain(ctx)
 			}
-		}()
-		log.Info("workload discovery serving", "socket", c.XDSSocket, "address", c.XDSAddress)
+			log.Info("workload discovery serving", "address", ln.Addr().String())
+			return ln, s, nil
+		}
+		if c.XDSSocket != "" {
+			a.lc.Serve("wds_socket", func() (net.Listener, lifecycle.Server, error) {
+				ln, err := unixsock.Listen(c.XDSSocket)
+				if err != nil {
+					return nil, lifecycle.Server{}, err
+				}
+				return serve(ln)
+			})
+		}
+		if c.XDSAddress != "" {
+			a.lc.Serve("wds_tcp", func() (net.Listener, lifecycle.Server, error) {
+				ln, err := net.Listen("tcp", c.XDSAddress)
+				if err != nil {
+					return nil, lifecycle.Server{}, fmt.Errorf("failed to listen on --xds-address %q: %w", c.XDSAddress, err)
+				}
+				return serve(ln)
+			})
+		}
 	}
 	if c.LDSSocket != "" {
-		ln, err := workload.ListenUnix(c.LDSSocket)
-		if err != nil {
-			return nil, fmt.Errorf("failed to listen on --lds-socket %q: %w", c.LDSSocket, err)
-		}
-		g := grpc.NewServer()
-		discovery.RegisterAggregatedDiscoveryServiceServer(g, serverv3.NewServer(ctx, n.listeners.cache, nil))
-		x.lds = g
-		go func() {
-			if err := g.Serve(ln); err != nil {
-				errc <- fmt.Errorf("listener discovery server failed: %w", err)
+		a.lc.Serve("lds_socket", func() (net.Listener, lifecycle.Server, error) {
+			ln, err := unixsock.Listen(c.LDSSocket)
+			if err != nil {
+				return nil, lifecycle.Server{}, err
 			}
-		}()
-		go func() {
-			<-ctx.Done()
-			g.GracefulStop()
-		}()
-		log.Info("listener discovery serving", "socket", c.LDSSocket)
+			// The listener streams end when the ADS server's context does.
+			ctx, cancel := context.WithCancel(context.Background())
+			g := grpc.NewServer()
+			discovery.RegisterAggregatedDiscoveryServiceServer(g, serverv3.NewServer(ctx, n.listeners.cache, nil))
+			s := lifecycle.GRPC(g)
+			drain := s.Shutdown
+			s.Shutdown = func(ctx context.Context) {
+				cancel()
+				drain(ctx)
+			}
+			log.Info("listener discovery serving", "socket", c.LDSSocket)
+			return ln, s, nil
+		})
 	}
-	return x, nil
 }

@@ -1,4 +1,16 @@
-package cniserver
+// Package unixsock is the agent's one policy for the unix sockets it
+// serves (CNI, admin, workload discovery, listener discovery):
+//
+//   - the socket's directory is created with mode 0700 when missing; an
+//     existing directory open to group or others is refused, never chmod'ed
+//     (a socket under /tmp must not chmod /tmp);
+//   - a socket file left by a dead process is replaced;
+//   - a live socket (something accepts a connection on it) is refused with
+//     an error naming the path, so two agents never steal each other's
+//     socket; any other file type in the way is refused too;
+//   - the socket is created with mode 0600 and unlinked when the listener
+//     closes.
+package unixsock
 
 import (
 	"errors"
@@ -9,12 +21,10 @@ import (
 	"time"
 )
 
-// Listen opens a unix socket at path with mode 0600 in a directory of mode
-// 0700 (created if missing; an existing directory open to group or others
-// is refused rather than changed, so a socket path under /tmp never
-// chmods /tmp). A socket file left by a dead agent is replaced;
-// a live one (it accepts a connection) or a non-socket file is an error, so
-// two agents never steal each other's socket.
+// probeTimeout bounds the dial that tells a live socket from a stale one.
+const probeTimeout = time.Second
+
+// Listen opens a unix socket at path following the package policy.
 func Listen(path string) (*net.UnixListener, error) {
 	dir := filepath.Dir(path)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -29,8 +39,8 @@ func Listen(path string) (*net.UnixListener, error) {
 		if fi.Mode()&os.ModeSocket == 0 {
 			return nil, fmt.Errorf("failed to listen on %q: a %s file is in the way; only a stale socket is replaced", path, fi.Mode().Type())
 		}
-		if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
-			c.Close()
+		if c, err := net.DialTimeout("unix", path, probeTimeout); err == nil {
+			_ = c.Close()
 			return nil, fmt.Errorf("failed to listen on %q: another process is serving it", path)
 		}
 		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {

@@ -1,0 +1,96 @@
+package adminapi
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"slices"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"aether.io/node/agent/cniserver"
+	"aether.io/node/agent/pods"
+)
+
+// Lister lists the stored pod states (*pods.Manager implements it).
+type Lister interface {
+	List() []pods.PodState
+}
+
+// HandlerOptions configure NewHandler.
+type HandlerOptions struct {
+	// AllowedUIDs may call the API; a peer with any other uid, or whose
+	// credentials are unknown, gets 403.
+	AllowedUIDs []uint32
+	// Rejected counts refused peers; may be nil.
+	Rejected prometheus.Counter
+	// Logger logs refused peers; nil discards.
+	Logger *slog.Logger
+}
+
+type peerKey struct{}
+
+// ConnContext is the http.Server ConnContext that records each connection's
+// SO_PEERCRED credentials for the handler's uid check.
+func ConnContext(ctx context.Context, conn net.Conn) context.Context {
+	if pi, err := cniserver.ConnPeer(conn); err == nil {
+		return context.WithValue(ctx, peerKey{}, pi)
+	}
+	return ctx
+}
+
+// NewHandler returns the admin API handler over l. Serve it with
+// ConnContext on a unix socket: peers are checked before any route.
+func NewHandler(l Lister, o HandlerOptions) http.Handler {
+	log := o.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v1/pods", func(w http.ResponseWriter, _ *http.Request) {
+		states := l.List()
+		out := make([]Pod, 0, len(states))
+		for _, s := range states {
+			out = append(out, View(s))
+		}
+		writeJSON(w, out)
+	})
+	mux.HandleFunc("GET /v1/pods/{namespace}/{name}", func(w http.ResponseWriter, r *http.Request) {
+		ns, name := r.PathValue("namespace"), r.PathValue("name")
+		var out []Pod
+		for _, s := range l.List() {
+			if s.Record.Pod.GetNamespace() == ns && s.Record.Pod.GetName() == name {
+				out = append(out, View(s))
+			}
+		}
+		if len(out) == 0 {
+			http.Error(w, fmt.Sprintf("no record for pod %s/%s", ns, name), http.StatusNotFound)
+			return
+		}
+		writeJSON(w, out)
+	})
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		pi, ok := r.Context().Value(peerKey{}).(cniserver.PeerInfo)
+		if !ok || !slices.Contains(o.AllowedUIDs, pi.UID) {
+			if o.Rejected != nil {
+				o.Rejected.Inc()
+			}
+			log.Warn("admin peer rejected", "path", r.URL.Path, "peer_uid", int64(pi.UID), "peer_known", ok)
+			http.Error(w, "permission denied: peer uid not allowed", http.StatusForbidden)
+			return
+		}
+		mux.ServeHTTP(w, r)
+	})
+}
+
+// writeJSON writes v indented; a client that went away is not an error
+// worth reporting.
+func writeJSON(w http.ResponseWriter, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(v)
+}

@@ -1,0 +1,154 @@
+package adminapi
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	"aether.io/node/agent/pods"
+	"aether.io/node/agent/store"
+	cniv1 "aether.io/node/api/aether/cni/v1"
+)
+
+// fakePods is a Lister with fixed states.
+type fakePods []pods.PodState
+
+func (f fakePods) List() []pods.PodState { return f }
+
+func state(ns, name, id string) pods.PodState {
+	return pods.PodState{
+		Record: &store.Record{
+			Pod:     &cniv1.CNIPod{Namespace: ns, Name: name, ContainerId: id, Ips: []string{"10.0.0.1"}},
+			AddedAt: time.Date(2026, 11, 30, 10, 0, 0, 0, time.UTC),
+			LastTimings: &cniv1.PluginTimings{
+				Total: durationpb.New(3 * time.Millisecond), CaptureDivertError: "nft failed",
+			},
+		},
+		Registered: true, Healthy: true,
+	}
+}
+
+// serveAdmin serves NewHandler on a unix socket with ConnContext, as the
+// agent does, and returns a client of it and the rejection counter.
+func serveAdmin(t *testing.T, allowed []uint32, states fakePods) (*Client, prometheus.Counter) {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "admin.sock")
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rejected := prometheus.NewCounter(prometheus.CounterOpts{Name: "rejected"})
+	srv := &http.Server{
+		Handler:     NewHandler(states, HandlerOptions{AllowedUIDs: allowed, Rejected: rejected}),
+		ConnContext: ConnContext, ReadHeaderTimeout: 5 * time.Second,
+	}
+	done := make(chan struct{})
+	go func() { defer close(done); _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.Close(); <-done })
+	return NewClient(sock), rejected
+}
+
+func TestHandler(t *testing.T) {
+	me := uint32(os.Geteuid())
+	states := fakePods{state("shop", "web", "c1"), state("shop", "web", "c2"), state("shop", "db", "c3")}
+	for _, tc := range []struct {
+		name         string
+		allowed      []uint32
+		call         func(context.Context, *Client) ([]Pod, error)
+		wantIDs      []string
+		wantErr      string
+		wantRejected float64
+	}{
+		{
+			name: "list every record", allowed: []uint32{me},
+			call:    func(ctx context.Context, c *Client) ([]Pod, error) { return c.Pods(ctx) },
+			wantIDs: []string{"c1", "c2", "c3"},
+		},
+		{
+			name: "records of one pod", allowed: []uint32{me},
+			call:    func(ctx context.Context, c *Client) ([]Pod, error) { return c.Pod(ctx, "shop", "web") },
+			wantIDs: []string{"c1", "c2"},
+		},
+		{
+			name: "unknown pod is not found", allowed: []uint32{me},
+			call:    func(ctx context.Context, c *Client) ([]Pod, error) { return c.Pod(ctx, "shop", "nobody") },
+			wantErr: ErrNotFound.Error(),
+		},
+		{
+			name: "peer uid not allowed", allowed: []uint32{me + 4242},
+			call:         func(ctx context.Context, c *Client) ([]Pod, error) { return c.Pods(ctx) },
+			wantErr:      "403 Forbidden: permission denied: peer uid not allowed",
+			wantRejected: 1,
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, rejected := serveAdmin(t, tc.allowed, states)
+			got, err := tc.call(context.Background(), c)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("err = %v, want %q", err, tc.wantErr)
+				}
+			} else if err != nil {
+				t.Fatal(err)
+			}
+			var ids []string
+			for _, p := range got {
+				ids = append(ids, p.ContainerID)
+			}
+			if strings.Join(ids, ",") != strings.Join(tc.wantIDs, ",") {
+				t.Errorf("container ids %v, want %v", ids, tc.wantIDs)
+			}
+			var m dto.Metric
+			if err := rejected.Write(&m); err != nil {
+				t.Fatal(err)
+			}
+			if n := m.GetCounter().GetValue(); n != tc.wantRejected {
+				t.Errorf("rejected = %v, want %v", n, tc.wantRejected)
+			}
+		})
+	}
+}
+
+// TestHandlerUnknownPeer refuses a connection whose credentials were never
+// read (a server without ConnContext, or a TCP peer).
+func TestHandlerUnknownPeer(t *testing.T) {
+	h := NewHandler(fakePods{}, HandlerOptions{AllowedUIDs: []uint32{0}})
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() { defer close(done); _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.Close(); <-done })
+	resp, err := http.Get("http://" + ln.Addr().String() + "/v1/pods")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusForbidden {
+		t.Fatalf("status %d, want 403", resp.StatusCode)
+	}
+}
+
+func TestView(t *testing.T) {
+	v := View(state("shop", "web", "c1"))
+	if v.Namespace != "shop" || v.Name != "web" || v.ContainerID != "c1" || !v.Managed || !v.Registered || !v.Healthy {
+		t.Fatalf("view = %+v", v)
+	}
+	if v.LastTimings["total"] != "3ms" || v.LastTimings["capture_divert_error"] != "nft failed" {
+		t.Fatalf("last timings = %v", v.LastTimings)
+	}
+	if _, ok := v.LastTimings["pre_call"]; ok {
+		t.Fatalf("unset timing rendered: %v", v.LastTimings)
+	}
+}

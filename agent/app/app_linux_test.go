@@ -1,0 +1,209 @@
+package app
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"aether.io/node/agent/adminapi"
+	"aether.io/node/agent/store"
+	cniv1 "aether.io/node/api/aether/cni/v1"
+)
+
+// testConfig is a config whose every socket, the store and the pod
+// manifests live under a fresh directory; HTTP picks a free port.
+func testConfig(t *testing.T, extra ...string) *Config {
+	t.Helper()
+	dir := t.TempDir()
+	run := filepath.Join(dir, "run")
+	if err := os.MkdirAll(filepath.Join(dir, "manifests"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	args := append([]string{
+		"--node-name", "n1", "--allowed-uids", "0",
+		"--cni-socket", filepath.Join(run, "cni.sock"), "--admin-socket", filepath.Join(run, "admin.sock"),
+		"--xds-socket", filepath.Join(run, "xds.sock"), "--lds-socket", filepath.Join(run, "lds.sock"),
+		"--state-dir", filepath.Join(dir, "state"), "--pod-manifests", filepath.Join(dir, "manifests"),
+		"--http-addr", "127.0.0.1:0", "--shutdown-timeout", "5s",
+	}, extra...)
+	c, err := ParseFlags(args, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// assertNoSockets checks Run removed the socket files it created.
+func assertNoSockets(t *testing.T, paths ...string) {
+	t.Helper()
+	for _, p := range paths {
+		if fi, err := os.Lstat(p); err == nil && fi.Mode()&os.ModeSocket != 0 {
+			t.Errorf("socket %q left behind", p)
+		}
+	}
+}
+
+// assertStoreFree checks Run closed the store: it opens again (bbolt's
+// flock would otherwise time out).
+func assertStoreFree(t *testing.T, dir string) {
+	t.Helper()
+	if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {
+		return // the store never opened
+	}
+	st, err := store.Open(dir, store.Options{NoSync: true})
+	if err != nil {
+		t.Fatalf("store still held after Run: %v", err)
+	}
+	_ = st.Close()
+}
+
+// TestRunCleanStop serves every socket, answers a CNI and an admin call,
+// then stops on ctx and joins every goroutine.
+func TestRunCleanStop(t *testing.T) {
+	leak := goleak.IgnoreCurrent()
+	c := testConfig(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- Run(ctx, c, slog.New(slog.DiscardHandler)) }()
+
+	// The admin socket is the last part started: once it answers, every
+	// part is up.
+	admin := adminapi.NewClient(c.AdminSocket)
+	for {
+		if _, err := admin.Pods(ctx); err == nil {
+			break
+		}
+		select {
+		case err := <-done:
+			t.Fatalf("Run returned before serving: %v", err)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	cc, err := grpc.NewClient("unix://"+c.CNISocket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = cniv1.NewCNIServiceClient(cc).GetPod(ctx, &cniv1.GetPodRequest{ContainerId: "c1"})
+	if status.Code(err) != codes.NotFound {
+		t.Errorf("GetPod of an unknown container = %v, want NotFound", err)
+	}
+	_ = cc.Close()
+	for _, p := range []string{c.XDSSocket, c.LDSSocket} {
+		conn, err := net.Dial("unix", p)
+		if err != nil {
+			t.Errorf("xds socket %q not served: %v", p, err)
+			continue
+		}
+		_ = conn.Close()
+	}
+
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("Run after a clean stop = %v", err)
+	}
+	goleak.VerifyNone(t, leak)
+	assertNoSockets(t, c.CNISocket, c.AdminSocket, c.XDSSocket, c.LDSSocket)
+	assertStoreFree(t, c.StateDir)
+}
+
+// TestRunFailedStart checks a part that cannot start stops every part
+// started before it and releases their sockets, files and locks.
+func TestRunFailedStart(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		// breakIt prepares c so that one part cannot start.
+		breakIt func(t *testing.T, c *Config)
+		wantErr []string
+	}{
+		{
+			name: "store cannot open",
+			breakIt: func(t *testing.T, c *Config) {
+				if err := os.WriteFile(c.StateDir, []byte("not a dir"), 0o600); err != nil {
+					t.Fatal(err)
+				}
+			},
+			wantErr: []string{"failed to start store"},
+		},
+		{
+			name: "http port in use",
+			breakIt: func(t *testing.T, c *Config) {
+				ln, err := net.Listen("tcp", "127.0.0.1:0")
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = ln.Close() })
+				c.HTTPAddr = ln.Addr().String()
+			},
+			wantErr: []string{"failed to start http", "--http-addr"},
+		},
+		{
+			name: "xds socket dir open to others",
+			breakIt: func(t *testing.T, c *Config) {
+				open := filepath.Join(filepath.Dir(c.StateDir), "open")
+				if err := os.Mkdir(open, 0o755); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.Chmod(open, 0o755); err != nil {
+					t.Fatal(err)
+				}
+				c.XDSSocket = filepath.Join(open, "xds.sock")
+			},
+			wantErr: []string{"failed to start wds_socket", "must be 0700"},
+		},
+		{
+			name: "cni socket served by another process",
+			breakIt: func(t *testing.T, c *Config) {
+				if err := os.MkdirAll(filepath.Dir(c.CNISocket), 0o700); err != nil {
+					t.Fatal(err)
+				}
+				ln, err := net.Listen("unix", c.CNISocket)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = ln.Close() })
+			},
+			wantErr: []string{"failed to start cni_socket", "cni.sock", "another process is serving it"},
+		},
+		{
+			name: "admin socket path is a directory",
+			breakIt: func(t *testing.T, c *Config) {
+				if err := os.MkdirAll(c.AdminSocket, 0o700); err != nil {
+					t.Fatal(err)
+				}
+			},
+			wantErr: []string{"failed to start admin_socket", "admin.sock", "in the way"},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := testConfig(t)
+			tc.breakIt(t, c)
+			leak := goleak.IgnoreCurrent()
+			err := Run(context.Background(), c, slog.New(slog.DiscardHandler))
+			if err == nil {
+				t.Fatal("Run succeeded, want a failed start")
+			}
+			for _, w := range tc.wantErr {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("Run = %q, want it to contain %q", err, w)
+				}
+			}
+			goleak.VerifyNone(t, leak)
+			// Every socket the agent opened is gone; the live CNI socket
+			// belongs to someone else and stays.
+			assertNoSockets(t, c.AdminSocket, c.XDSSocket, c.LDSSocket)
+			assertStoreFree(t, c.StateDir)
+		})
+	}
+}

@@ -1,0 +1,87 @@
+package proxy_test
+
+import (
+	"context"
+	"log/slog"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"aether.io/node/proxy"
+	"aether.io/node/proxy/proxytest"
+)
+
+// TestRunCleanStop: once the proxy serves a pod over one ADS stream or two,
+// ending ctx closes the pod and returns nil with every goroutine joined.
+func TestRunCleanStop(t *testing.T) {
+	for _, split := range []bool{false, true} {
+		name := map[bool]string{false: "one stream", true: "split streams"}[split]
+		t.Run(name, func(t *testing.T) {
+			topo := proxytest.New(t, []string{"client"})
+			client := topo.Pods[0]
+			ag := startAgent(t)
+			ag.addPod(t, client)
+			cfg := proxy.Config{XDSTarget: "unix://" + ag.socket, NodeID: "node-1", AdminAddress: "127.0.0.1:0"}
+			if split {
+				agL := startAgent(t)
+				agL.addPod(t, client)
+				cfg.LDSTarget = "unix://" + agL.socket
+			}
+			leak := goleak.IgnoreCurrent()
+			p, err := proxy.New(cfg, slog.New(slog.DiscardHandler))
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- p.Run(ctx) }()
+			wctx, wcancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer wcancel()
+			if _, err := p.AdminAddr(wctx); err != nil {
+				t.Fatal(err)
+			}
+			if err := proxytest.WaitFor(wctx, func() bool { return client.ReadyCode(wctx) == 200 && p.Peers.Len() == 1 }); err != nil {
+				t.Fatalf("pod never served: %+v, %d workloads", p.Manager.Status(), p.Peers.Len())
+			}
+
+			cancel()
+			if err := <-done; err != nil {
+				t.Fatalf("Run after a clean stop = %v", err)
+			}
+			goleak.VerifyNone(t, leak)
+			if code := client.ReadyCode(wctx); code != 0 {
+				t.Fatalf("pod still answers readiness (%d) after Run returned", code)
+			}
+		})
+	}
+}
+
+// TestRunAdminAddressInUse: a failed start returns the error naming the
+// address, opens no xDS stream and leaves no goroutine behind.
+func TestRunAdminAddressInUse(t *testing.T) {
+	ag := startAgent(t)
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = taken.Close() })
+	leak := goleak.IgnoreCurrent()
+	p, err := proxy.New(proxy.Config{XDSTarget: "unix://" + ag.socket, NodeID: "node-1", AdminAddress: taken.Addr().String()},
+		slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = p.Run(context.Background())
+	if err == nil || !strings.Contains(err.Error(), "failed to start admin") || !strings.Contains(err.Error(), taken.Addr().String()) {
+		t.Fatalf("Run = %v, want a failed start naming %s", err, taken.Addr())
+	}
+	goleak.VerifyNone(t, leak)
+	select {
+	case r := <-ag.requests:
+		t.Fatalf("the proxy opened an xDS stream (%s) although it failed to start", r.GetTypeUrl())
+	default:
+	}
+}
