@@ -27,10 +27,6 @@ import (
 	"aether.io/node/xds/resource"
 )
 
-// WorkloadTypeURL is resource.WorkloadType, the WDS type the proxy
-// subscribes to (kept for callers of this package).
-const WorkloadTypeURL = resource.WorkloadType
-
 // Config is the proxy's configuration (the flags of cmd/aether-proxy).
 type Config struct {
 	// XDSTarget is the agent's xDS endpoint as a gRPC target

@@ -25,6 +25,7 @@ import (
 	"aether.io/node/proxy/proxytest"
 	"aether.io/node/test/harness"
 	"aether.io/node/xds/listener"
+	"aether.io/node/xds/resource"
 )
 
 func TestMain(m *testing.M) { harness.Main(m) }
@@ -44,13 +45,13 @@ func startAgent(t *testing.T) *agent {
 	a := &agent{
 		requests:  make(chan *discovery.DeltaDiscoveryRequest, 256),
 		socket:    filepath.Join(t.TempDir(), "xds.sock"),
-		listeners: cachev3.NewLinearCache(listener.TypeURL),
-		workloads: cachev3.NewLinearCache(proxy.WorkloadTypeURL),
+		listeners: cachev3.NewLinearCache(resource.ListenerType),
+		workloads: cachev3.NewLinearCache(resource.WorkloadType),
 	}
 	mux := &cachev3.MuxCache{
 		Classify:      func(r *cachev3.Request) string { return r.GetTypeUrl() },
 		ClassifyDelta: func(r *cachev3.DeltaRequest) string { return r.GetTypeUrl() },
-		Caches:        map[string]cachev3.Cache{listener.TypeURL: a.listeners, proxy.WorkloadTypeURL: a.workloads},
+		Caches:        map[string]cachev3.Cache{resource.ListenerType: a.listeners, resource.WorkloadType: a.workloads},
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	cb := serverv3.CallbackFuncs{StreamDeltaRequestFunc: func(_ int64, r *discovery.DeltaDiscoveryRequest) error {
@@ -272,7 +273,7 @@ func TestNackKeepsValidListeners(t *testing.T) {
 			t.Fatal("no NACK for the foreign listener")
 		}
 	}
-	if nack.GetTypeUrl() != listener.TypeURL || !strings.Contains(nack.GetErrorDetail().GetMessage(), "foreign") {
+	if nack.GetTypeUrl() != resource.ListenerType || !strings.Contains(nack.GetErrorDetail().GetMessage(), "foreign") {
 		t.Errorf("NACK %s: %q, want the listener type naming \"foreign\"", nack.GetTypeUrl(), nack.GetErrorDetail().GetMessage())
 	}
 	err := proxytest.WaitFor(wctx, func() bool { return client.ReadyCode(wctx) == 200 })

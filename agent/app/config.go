@@ -14,6 +14,7 @@ import (
 
 	"aether.io/node/agent/pods"
 	"aether.io/node/registry"
+	"aether.io/node/xds/resource"
 )
 
 // Config is the agent's configuration (one field per flag).
@@ -76,7 +77,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", 10*time.Second, "how long shutdown waits for in-flight RPCs")
 	fs.StringVar(&c.OTLPEndpoint, "otlp-endpoint", "", "OTLP/gRPC collector (host:port) for traces; empty disables export")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
-	fs.StringVar(&c.XDSSocket, "xds-socket", "/run/aether/xds.sock", "unix socket serving workload discovery (type.googleapis.com/istio.workload.Workload, delta and SotW ADS); empty disables it")
+	fs.StringVar(&c.XDSSocket, "xds-socket", "/run/aether/xds.sock", "unix socket serving workload discovery ("+resource.WorkloadType+", delta and SotW ADS); empty disables it")
 	fs.StringVar(&c.XDSAddress, "xds-address", "", "optional TCP host:port also serving workload discovery")
 	fs.StringVar(&c.LDSSocket, "lds-socket", "/run/aether/lds.sock", "unix socket serving aether-proxy's per-pod listeners (envoy.config.listener.v3.Listener, ADS); empty disables it")
 	fs.StringVar(&c.ClusterID, "cluster-id", "Kubernetes", "cluster name: the first segment of every workload uid and its cluster_id")

@@ -25,6 +25,7 @@ import (
 	"aether.io/node/pkg/unixsock"
 	"aether.io/node/registry"
 	"aether.io/node/xds/listener"
+	"aether.io/node/xds/resource"
 	"aether.io/node/xds/workload"
 )
 
@@ -42,7 +43,7 @@ type listenerSync struct {
 }
 
 func newListenerSync(ports listener.Ports, log *slog.Logger) *listenerSync {
-	return &listenerSync{cache: linearcache.NewLinearCache(listener.TypeURL), ports: ports, log: log, sent: map[string]uint64{}}
+	return &listenerSync{cache: linearcache.NewLinearCache(resource.ListenerType), ports: ports, log: log, sent: map[string]uint64{}}
 }
 
 // RecordStored builds the pod's listeners and publishes them when they

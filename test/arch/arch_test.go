@@ -415,3 +415,49 @@ func TestReadLayout(t *testing.T) {
 		t.Error("readLayout of a document without a layout table: got nil error")
 	}
 }
+
+// TestTypeURLsDefinedOnce: the xDS type URLs are spelled once, in
+// xds/resource; everything else refers to its constants (generated code
+// aside).
+func TestTypeURLsDefinedOnce(t *testing.T) {
+	root := moduleRoot(t)
+	// Split so that this file does not hold the literals it looks for.
+	const prefix = `"type.googleapis.com/`
+	literals := []string{prefix + `istio.workload.Workload"`, prefix + `envoy.config.listener.v3.Listener"`}
+	var found []string
+	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() {
+			if n := d.Name(); p != root && (strings.HasPrefix(n, ".") || n == "bin" || n == "testdata") {
+				return filepath.SkipDir
+			}
+			return nil
+		}
+		if !strings.HasSuffix(p, ".go") || strings.HasSuffix(p, ".pb.go") {
+			return nil
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(root, p)
+		for _, l := range literals {
+			if bytes.Contains(b, []byte(l)) {
+				found = append(found, rel+": "+l)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{
+		filepath.Join("xds", "resource", "resource.go") + ": " + literals[0],
+		filepath.Join("xds", "resource", "resource.go") + ": " + literals[1],
+	}
+	if !slices.Equal(found, want) {
+		t.Fatalf("type URL literals found at %q; want them only in xds/resource (use resource.WorkloadType / resource.ListenerType elsewhere)", found)
+	}
+}

@@ -24,6 +24,7 @@ import (
 	"aether.io/node/meshcni/e2e/agentproc"
 	"aether.io/node/test/harness"
 	"aether.io/node/xds/listener"
+	"aether.io/node/xds/resource"
 	workloadclient "aether.io/node/xds/workload/client"
 )
 
@@ -88,7 +89,7 @@ func watchLDS(t *testing.T, sock string) *ldsWatch {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: listener.TypeURL, ResourceNamesSubscribe: []string{"*"}}); err != nil {
+	if err := stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.ListenerType, ResourceNamesSubscribe: []string{"*"}}); err != nil {
 		t.Fatal(err)
 	}
 	w := &ldsWatch{listeners: map[string]*listenerv3.Listener{}}
@@ -109,7 +110,7 @@ func watchLDS(t *testing.T, sock string) *ldsWatch {
 				delete(w.listeners, n)
 			}
 			w.mu.Unlock()
-			_ = stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: listener.TypeURL, ResponseNonce: resp.GetNonce()})
+			_ = stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.ListenerType, ResponseNonce: resp.GetNonce()})
 		}
 	}()
 	return w

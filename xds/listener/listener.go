@@ -28,7 +28,6 @@ import (
 	"strings"
 
 	"aether.io/node/pkg/meshcontract"
-	"aether.io/node/xds/resource"
 
 	xdscore "github.com/cncf/xds/go/xds/core/v3"
 	matcher "github.com/cncf/xds/go/xds/type/matcher/v3"
@@ -44,11 +43,6 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
-
-// TypeURL is resource.ListenerType, the xDS type of the resources this
-// package builds (kept for callers outside xds/; new code uses
-// resource.ListenerType).
-const TypeURL = resource.ListenerType
 
 // MetadataKey is the filter-metadata key under which a listener carries the
 // identity of its pod.
