@@ -27,6 +27,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	workloadpb "aether.io/node/api/istio/workload"
+	"aether.io/node/pkg/unixsock"
 	"aether.io/node/xds/resource"
 )
 
@@ -136,8 +137,8 @@ func (p *peerServer) socket() string { return p.sock }
 
 func serveBench(b *testing.B, opts []grpc.ServerOption, register func(*grpc.Server)) string {
 	b.Helper()
-	sock := filepath.Join(b.TempDir(), "xds.sock")
-	lis, err := ListenUnix(sock)
+	sock := filepath.Join(b.TempDir(), "run", "xds.sock")
+	lis, err := unixsock.Listen(sock)
 	if err != nil {
 		b.Fatal(err)
 	}

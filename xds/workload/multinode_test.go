@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc"
 
 	workloadpb "aether.io/node/api/istio/workload"
+	"aether.io/node/pkg/unixsock"
 	"aether.io/node/registry"
 	etcdreg "aether.io/node/registry/etcd"
 	"aether.io/node/registry/etcd/etcdtest"
@@ -46,8 +47,8 @@ func startAgentNode(t *testing.T, e *etcdtest.Etcd, name string, ttl time.Durati
 	ctx, cancel := context.WithCancel(context.Background())
 	f := NewFollower(reg, testConfig, x, nil)
 	go func() { _ = f.Run(ctx) }()
-	socket := filepath.Join(t.TempDir(), "xds.sock")
-	lis, err := ListenUnix(socket)
+	socket := filepath.Join(t.TempDir(), "run", "xds.sock")
+	lis, err := unixsock.Listen(socket)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,11 +2,8 @@ package workload
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
-	"net"
-	"os"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -99,66 +96,6 @@ func (s *Server) nack(protocol, node, nonce, message string) {
 	s.log.Warn("xds client rejected a response", "protocol", protocol, "node", node, "nonce", nonce, "error", message)
 }
 
-// ListenConfig says where Serve listens.
-type ListenConfig struct {
-	// Socket is the unix socket path (created with mode 0600, a stale file
-	// is replaced). Empty for none.
-	Socket string
-	// TCPAddress is an optional host:port.
-	TCPAddress string
-	// MaxMessageBytes bounds received messages (initial_resource_versions
-	// of a large wildcard reconnect is ~90 B per workload); 0 means 256 MiB.
-	MaxMessageBytes int
-}
-
-// Serve listens as lc says and serves until ctx ends, then stops gracefully.
-func (s *Server) Serve(ctx context.Context, lc ListenConfig) error {
-	if lc.Socket == "" && lc.TCPAddress == "" {
-		return errors.New("failed to serve xds: neither a unix socket nor a TCP address is configured")
-	}
-	var lis []net.Listener
-	closeAll := func() {
-		for _, l := range lis {
-			_ = l.Close()
-		}
-	}
-	if lc.Socket != "" {
-		l, err := ListenUnix(lc.Socket)
-		if err != nil {
-			return err
-		}
-		lis = append(lis, l)
-	}
-	if lc.TCPAddress != "" {
-		l, err := net.Listen("tcp", lc.TCPAddress)
-		if err != nil {
-			closeAll()
-			return fmt.Errorf("failed to listen on xds address %q: %w", lc.TCPAddress, err)
-		}
-		lis = append(lis, l)
-	}
-	g := grpc.NewServer(ServerGRPCOptions(lc.MaxMessageBytes)...)
-	s.Register(g)
-	errc := make(chan error, len(lis))
-	for _, l := range lis {
-		go func() { errc <- g.Serve(l) }()
-	}
-	select {
-	case <-ctx.Done():
-		stopped := make(chan struct{})
-		go func() { g.GracefulStop(); close(stopped) }()
-		select {
-		case <-stopped:
-		case <-time.After(5 * time.Second):
-			g.Stop()
-		}
-		return nil
-	case err := <-errc:
-		g.Stop()
-		return fmt.Errorf("failed to serve xds: %w", err)
-	}
-}
-
 // ServerGRPCOptions are the grpc.Server options the xDS server needs: its
 // codec (pre-encoded responses, fast initial_resource_versions decoding; see
 // codec.go), a receive limit large enough for initial_resource_versions
@@ -179,23 +116,6 @@ func transportOptions(maxMessageBytes int) []grpc.ServerOption {
 		grpc.InitialWindowSize(8 << 20),
 		grpc.InitialConnWindowSize(16 << 20),
 	}
-}
-
-// ListenUnix listens on a unix socket at path with mode 0600, replacing a
-// stale socket file.
-func ListenUnix(path string) (net.Listener, error) {
-	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("failed to remove stale xds socket %q: %w", path, err)
-	}
-	l, err := net.Listen("unix", path)
-	if err != nil {
-		return nil, fmt.Errorf("failed to listen on xds socket %q: %w", path, err)
-	}
-	if err := os.Chmod(path, 0o600); err != nil {
-		_ = l.Close()
-		return nil, fmt.Errorf("failed to set mode of xds socket %q: %w", path, err)
-	}
-	return l, nil
 }
 
 // serveStream is the loop of one ADS stream, Delta or SotW: client requests

@@ -20,6 +20,7 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 
 	workloadpb "aether.io/node/api/istio/workload"
+	"aether.io/node/pkg/unixsock"
 	"aether.io/node/registry"
 	"aether.io/node/xds/resource"
 )
@@ -46,8 +47,8 @@ func startServerWith(t *testing.T, idx *Index, opts []grpc.ServerOption) *testSe
 	if err != nil {
 		t.Fatal(err)
 	}
-	socket := filepath.Join(t.TempDir(), "xds.sock")
-	lis, err := ListenUnix(socket)
+	socket := filepath.Join(t.TempDir(), "run", "xds.sock")
+	lis, err := unixsock.Listen(socket)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -12,6 +12,7 @@ import (
 
 	"google.golang.org/grpc"
 
+	"aether.io/node/pkg/unixsock"
 	"aether.io/node/registry"
 	"aether.io/node/xds/workload"
 	"aether.io/node/xds/workload/client"
@@ -24,8 +25,8 @@ func serve(t *testing.T) (*workload.Index, string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	socket := filepath.Join(t.TempDir(), "xds.sock")
-	lis, err := workload.ListenUnix(socket)
+	socket := filepath.Join(t.TempDir(), "run", "xds.sock")
+	lis, err := unixsock.Listen(socket)
 	if err != nil {
 		t.Fatal(err)
 	}
