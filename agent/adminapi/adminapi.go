@@ -1,7 +1,7 @@
 // Package adminapi is the agent's read-only admin API on its admin unix
-// socket (HTTP, mode 0600, peers checked with SO_PEERCRED): the handlers
-// the agent serves (NewHandler, ConnContext), the types and the client
-// aetherctl uses:
+// socket (HTTP, mode 0600, peers checked with SO_PEERCRED): the types and
+// the client aetherctl uses. The server side is agent/adminapi/handler, so
+// a client links nothing else of the agent:
 //
 //	GET /v1/pods                   every stored record
 //	GET /v1/pods/{namespace}/{name} the records of one pod (404 if none)

@@ -18,6 +18,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"aether.io/node/agent/adminapi"
+	adminhandler "aether.io/node/agent/adminapi/handler"
 	"aether.io/node/agent/cniserver"
 	"aether.io/node/agent/pods"
 	"aether.io/node/agent/podsource"
@@ -227,11 +228,11 @@ func (a *agent) listenAdmin() (net.Listener, lifecycle.Server, error) {
 		return nil, lifecycle.Server{}, err
 	}
 	srv := &http.Server{
-		Handler: adminapi.NewHandler(a.mgr, adminapi.HandlerOptions{
+		Handler: adminhandler.New(a.mgr, adminhandler.Options{
 			AllowedUIDs: a.c.AllowedUIDs, Rejected: a.metrics.PeerRejected, Logger: a.log,
 		}),
 		ReadHeaderTimeout: 5 * time.Second,
-		ConnContext:       adminapi.ConnContext,
+		ConnContext:       adminhandler.ConnContext,
 	}
 	a.log.Info("admin socket listening", "path", a.c.AdminSocket)
 	return ln, lifecycle.HTTP(srv), nil

@@ -170,6 +170,9 @@ func TestImportBoundaries(t *testing.T) {
 		{"xds imports neither agent nor proxy", mod("xds"), mod("agent", "proxy")},
 		{"registry imports neither agent nor proxy", mod("registry"), mod("agent", "proxy")},
 		{"CNI plugins import neither agent nor proxy", plugins, mod("agent", "proxy")},
+		// aetherctl talks to the agent through the admin API's client only,
+		// never through its server side (store, registry, pod manager).
+		{"aetherctl links only the agent's admin API client", mod("ctl", "cmd/aetherctl"), mod("agent/app", "agent/pods", "agent/store", "agent/adminapi/handler", "agent/cniserver", "registry", "proxy")},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			from := g.modulePackages(tt.from)

@@ -1,6 +1,7 @@
-package adminapi
+package handler
 
 import (
+	"aether.io/node/agent/adminapi"
 	"context"
 	"net"
 	"net/http"
@@ -39,7 +40,7 @@ func state(ns, name, id string) pods.PodState {
 
 // serveAdmin serves NewHandler on a unix socket with ConnContext, as the
 // agent does, and returns a client of it and the rejection counter.
-func serveAdmin(t *testing.T, allowed []uint32, states fakePods) (*Client, prometheus.Counter) {
+func serveAdmin(t *testing.T, allowed []uint32, states fakePods) (*adminapi.Client, prometheus.Counter) {
 	t.Helper()
 	sock := filepath.Join(t.TempDir(), "admin.sock")
 	ln, err := net.Listen("unix", sock)
@@ -48,13 +49,13 @@ func serveAdmin(t *testing.T, allowed []uint32, states fakePods) (*Client, prome
 	}
 	rejected := prometheus.NewCounter(prometheus.CounterOpts{Name: "rejected"})
 	srv := &http.Server{
-		Handler:     NewHandler(states, HandlerOptions{AllowedUIDs: allowed, Rejected: rejected}),
+		Handler:     New(states, Options{AllowedUIDs: allowed, Rejected: rejected}),
 		ConnContext: ConnContext, ReadHeaderTimeout: 5 * time.Second,
 	}
 	done := make(chan struct{})
 	go func() { defer close(done); _ = srv.Serve(ln) }()
 	t.Cleanup(func() { _ = srv.Close(); <-done })
-	return NewClient(sock), rejected
+	return adminapi.NewClient(sock), rejected
 }
 
 func TestHandler(t *testing.T) {
@@ -63,29 +64,33 @@ func TestHandler(t *testing.T) {
 	for _, tc := range []struct {
 		name         string
 		allowed      []uint32
-		call         func(context.Context, *Client) ([]Pod, error)
+		call         func(context.Context, *adminapi.Client) ([]adminapi.Pod, error)
 		wantIDs      []string
 		wantErr      string
 		wantRejected float64
 	}{
 		{
 			name: "list every record", allowed: []uint32{me},
-			call:    func(ctx context.Context, c *Client) ([]Pod, error) { return c.Pods(ctx) },
+			call:    func(ctx context.Context, c *adminapi.Client) ([]adminapi.Pod, error) { return c.Pods(ctx) },
 			wantIDs: []string{"c1", "c2", "c3"},
 		},
 		{
 			name: "records of one pod", allowed: []uint32{me},
-			call:    func(ctx context.Context, c *Client) ([]Pod, error) { return c.Pod(ctx, "shop", "web") },
+			call: func(ctx context.Context, c *adminapi.Client) ([]adminapi.Pod, error) {
+				return c.Pod(ctx, "shop", "web")
+			},
 			wantIDs: []string{"c1", "c2"},
 		},
 		{
 			name: "unknown pod is not found", allowed: []uint32{me},
-			call:    func(ctx context.Context, c *Client) ([]Pod, error) { return c.Pod(ctx, "shop", "nobody") },
-			wantErr: ErrNotFound.Error(),
+			call: func(ctx context.Context, c *adminapi.Client) ([]adminapi.Pod, error) {
+				return c.Pod(ctx, "shop", "nobody")
+			},
+			wantErr: adminapi.ErrNotFound.Error(),
 		},
 		{
 			name: "peer uid not allowed", allowed: []uint32{me + 4242},
-			call:         func(ctx context.Context, c *Client) ([]Pod, error) { return c.Pods(ctx) },
+			call:         func(ctx context.Context, c *adminapi.Client) ([]adminapi.Pod, error) { return c.Pods(ctx) },
 			wantErr:      "403 Forbidden: permission denied: peer uid not allowed",
 			wantRejected: 1,
 		},
@@ -121,7 +126,7 @@ func TestHandler(t *testing.T) {
 // TestHandlerUnknownPeer refuses a connection whose credentials were never
 // read (a server without ConnContext, or a TCP peer).
 func TestHandlerUnknownPeer(t *testing.T) {
-	h := NewHandler(fakePods{}, HandlerOptions{AllowedUIDs: []uint32{0}})
+	h := New(fakePods{}, Options{AllowedUIDs: []uint32{0}})
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {

@@ -1,16 +1,21 @@
-package adminapi
+// Package handler is the server side of the agent's admin API
+// (agent/adminapi): the HTTP handlers over the pod manager's records, with
+// the SO_PEERCRED uid check (ConnContext), and View, which turns a record
+// into the API's Pod.
+package handler
 
 import (
+	"aether.io/node/agent/adminapi"
 	"time"
 
 	"aether.io/node/agent/pods"
 )
 
 // View renders a pod state as the admin API returns it.
-func View(s pods.PodState) Pod {
+func View(s pods.PodState) adminapi.Pod {
 	r := s.Record
 	p := r.Pod
-	v := Pod{
+	v := adminapi.Pod{
 		Namespace: p.GetNamespace(), Name: p.GetName(), ContainerID: p.GetContainerId(), UID: p.GetUid(),
 		IPs: p.GetIps(), NetworkNS: p.GetNetworkNamespace(), ServiceAccount: p.GetServiceAccount(), Labels: p.GetLabels(),
 		Managed: true, Terminating: p.GetTerminating(), Registered: s.Registered, Healthy: s.Healthy,

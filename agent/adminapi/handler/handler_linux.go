@@ -1,6 +1,7 @@
-package adminapi
+package handler
 
 import (
+	"aether.io/node/agent/adminapi"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -20,8 +21,8 @@ type Lister interface {
 	List() []pods.PodState
 }
 
-// HandlerOptions configure NewHandler.
-type HandlerOptions struct {
+// Options configure NewHandler.
+type Options struct {
 	// AllowedUIDs may call the API; a peer with any other uid, or whose
 	// credentials are unknown, gets 403.
 	AllowedUIDs []uint32
@@ -44,7 +45,7 @@ func ConnContext(ctx context.Context, conn net.Conn) context.Context {
 
 // NewHandler returns the admin API handler over l. Serve it with
 // ConnContext on a unix socket: peers are checked before any route.
-func NewHandler(l Lister, o HandlerOptions) http.Handler {
+func New(l Lister, o Options) http.Handler {
 	log := o.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -52,7 +53,7 @@ func NewHandler(l Lister, o HandlerOptions) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /v1/pods", func(w http.ResponseWriter, _ *http.Request) {
 		states := l.List()
-		out := make([]Pod, 0, len(states))
+		out := make([]adminapi.Pod, 0, len(states))
 		for _, s := range states {
 			out = append(out, View(s))
 		}
@@ -60,7 +61,7 @@ func NewHandler(l Lister, o HandlerOptions) http.Handler {
 	})
 	mux.HandleFunc("GET /v1/pods/{namespace}/{name}", func(w http.ResponseWriter, r *http.Request) {
 		ns, name := r.PathValue("namespace"), r.PathValue("name")
-		var out []Pod
+		var out []adminapi.Pod
 		for _, s := range l.List() {
 			if s.Record.Pod.GetNamespace() == ns && s.Record.Pod.GetName() == name {
 				out = append(out, View(s))
