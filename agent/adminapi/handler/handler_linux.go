@@ -1,7 +1,6 @@
 package handler
 
 import (
-	"aether.io/node/agent/adminapi"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -12,6 +11,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/cniserver"
 	"aether.io/node/agent/pods"
 )
@@ -43,7 +43,7 @@ func ConnContext(ctx context.Context, conn net.Conn) context.Context {
 	return ctx
 }
 
-// NewHandler returns the admin API handler over l. Serve it with
+// New returns the admin API handler over l. Serve it with
 // ConnContext on a unix socket: peers are checked before any route.
 func New(l Lister, o Options) http.Handler {
 	log := o.Logger

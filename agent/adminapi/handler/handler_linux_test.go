@@ -1,7 +1,6 @@
 package handler
 
 import (
-	"aether.io/node/agent/adminapi"
 	"context"
 	"net"
 	"net/http"
@@ -15,6 +14,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/pods"
 	"aether.io/node/agent/store"
 	cniv1 "aether.io/node/api/aether/cni/v1"

@@ -5,9 +5,9 @@
 package handler
 
 import (
-	"aether.io/node/agent/adminapi"
 	"time"
 
+	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/pods"
 )
 
