@@ -19,9 +19,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
 
-	"aether.io/node/agent/internal/kubetest"
 	cniv1 "aether.io/node/api/aether/cni/v1"
-	"aether.io/node/test/harness"
 )
 
 // watchGate holds back the bytes of watch streams while frozen.
@@ -130,12 +128,7 @@ current-context: lag
 // not terminating and registered; an ADD whose uid the API server does not
 // have either is refused with Unavailable (CNI code 11) and not recorded.
 func TestKubernetesPodRecreatedSameName(t *testing.T) {
-	harness.RequireRoot(t)
-	if testing.Short() {
-		t.Skip("needs a kube-apiserver build (minutes when cold)")
-	}
-	cl := kubetest.Start(t)
-	cl.Namespace(t, "shop")
+	cl := startKube(t)
 	kubeconfig, gate := lagProxy(t, cl.Config)
 	ctx := ctxT(t, 2*time.Minute)
 	pods := cl.Client.CoreV1().Pods("shop")
