@@ -262,7 +262,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	preCall := p.Now().Sub(p.Started)
 	step = p.Now()
 	res, err := agent.AddPod(ctx, &cniv1.CNIPod{
-		Name: id.name, Namespace: id.namespace, NetworkNamespace: registered,
+		Name: id.name, Namespace: id.namespace, Uid: id.uid, NetworkNamespace: registered,
 		ContainerId: id.sandboxID, Ips: ips, Pid: pid,
 	})
 	log.Debug("step done", "step", "add_pod", "duration", p.Now().Sub(step))

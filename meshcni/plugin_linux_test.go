@@ -358,3 +358,28 @@ func TestPreamble(t *testing.T) {
 		}
 	}
 }
+
+// TestAddForwardsPodUID: K8S_POD_UID (containerd passes it) reaches the
+// AddPod request so the agent can refuse a lagging pod source's old pod;
+// a runtime that does not pass it sends no uid.
+func TestAddForwardsPodUID(t *testing.T) {
+	for _, tc := range []struct {
+		name, extraArgs, want string
+	}{
+		{"K8S_POD_UID given", ";K8S_POD_UID=3f1c2d4e-0000-4000-8000-000000000001", "3f1c2d4e-0000-4000-8000-000000000001"},
+		{"no K8S_POD_UID", "", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := &recorder{addResult: cniv1.AddPodResponse_RESULT_SUCCESS, pins: map[string]bool{}}
+			p, _ := newTestPlugin(r)
+			a := args("/run/netns/pod", conf(""))
+			a.Args += tc.extraArgs
+			if err := p.Add(a); err != nil {
+				t.Fatal(err)
+			}
+			if got := r.added.GetUid(); got != tc.want {
+				t.Fatalf("AddPod uid = %q, want %q", got, tc.want)
+			}
+		})
+	}
+}

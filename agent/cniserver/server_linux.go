@@ -43,7 +43,7 @@ func New(mgr *pods.Manager, log *slog.Logger) *Server {
 // AddPod implements CNIService.AddPod.
 func (s *Server) AddPod(ctx context.Context, req *cniv1.AddPodRequest) (*cniv1.AddPodResponse, error) {
 	res, err := s.mgr.AddPod(ctx, req.GetPod())
-	if errors.Is(err, pods.ErrPodUnavailable) {
+	if errors.Is(err, pods.ErrPodUnavailable) || errors.Is(err, pods.ErrPodUIDMismatch) {
 		return nil, status.Error(grpccodes.Unavailable, err.Error())
 	}
 	if err != nil {

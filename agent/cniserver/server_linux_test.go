@@ -26,7 +26,8 @@ import (
 	"aether.io/node/registry/local"
 )
 
-func serve(t *testing.T, allowed []uint32) (cniv1.CNIServiceClient, *tracetest.SpanRecorder) {
+// serve runs a CNIService whose pod source is the returned manifest dir.
+func serve(t *testing.T, allowed []uint32) (cniv1.CNIServiceClient, *tracetest.SpanRecorder, string) {
 	t.Helper()
 	dir := t.TempDir()
 	st, err := store.Open(filepath.Join(dir, "state"), store.Options{NoSync: true})
@@ -60,11 +61,11 @@ func serve(t *testing.T, allowed []uint32) (cniv1.CNIServiceClient, *tracetest.S
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cc.Close() })
-	return cniv1.NewCNIServiceClient(cc), rec
+	return cniv1.NewCNIServiceClient(cc), rec, mdir
 }
 
 func TestReportAddResultSpanAttributes(t *testing.T) {
-	c, rec := serve(t, []uint32{uint32(os.Geteuid())})
+	c, rec, _ := serve(t, []uint32{uint32(os.Geteuid())})
 	started := time.Date(2026, 11, 29, 10, 0, 0, 0, time.UTC)
 	_, err := c.ReportAddResult(context.Background(), &cniv1.ReportAddResultRequest{
 		ContainerId: "c1", Name: "p", Namespace: "ns",
@@ -103,7 +104,7 @@ func TestReportAddResultSpanAttributes(t *testing.T) {
 }
 
 func TestValidationAndPeer(t *testing.T) {
-	c, _ := serve(t, []uint32{uint32(os.Geteuid())})
+	c, _, _ := serve(t, []uint32{uint32(os.Geteuid())})
 	for _, tc := range []struct {
 		name string
 		req  *cniv1.AddPodRequest
@@ -124,8 +125,37 @@ func TestValidationAndPeer(t *testing.T) {
 		t.Errorf("unknown pod: %v, want Unavailable", err)
 	}
 	// Our own uid not allowed → PermissionDenied before validation.
-	c2, _ := serve(t, []uint32{uint32(os.Geteuid()) + 4242})
+	c2, _, _ := serve(t, []uint32{uint32(os.Geteuid()) + 4242})
 	if _, err := c2.GetPod(context.Background(), &cniv1.GetPodRequest{}); status.Code(err) != codes.PermissionDenied {
 		t.Errorf("disallowed uid: %v, want PermissionDenied", err)
+	}
+}
+
+// TestAddPodUIDMismatchUnavailable: a request whose uid is not the pod
+// source's pod of that name (a re-created pod the source has not seen yet)
+// answers Unavailable (aether-cni: code 11) naming both uids, and leaves
+// no record.
+func TestAddPodUIDMismatchUnavailable(t *testing.T) {
+	c, _, mdir := serve(t, []uint32{uint32(os.Geteuid())})
+	manifest := `apiVersion: v1
+kind: Pod
+metadata: {name: db-0, namespace: shop, uid: uid-old, labels: {aether.io/managed: "true"}}
+spec: {nodeName: "n", containers: [{name: c, image: pause}]}
+`
+	if err := os.WriteFile(filepath.Join(mdir, "db-0.yaml"), []byte(manifest), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	pod := &cniv1.CNIPod{Name: "db-0", Namespace: "shop", Uid: "uid-new", ContainerId: "c-new", NetworkNamespace: "/n", Ips: []string{"10.0.0.1"}}
+	_, err := c.AddPod(context.Background(), &cniv1.AddPodRequest{Pod: pod})
+	msg := status.Convert(err).Message()
+	if status.Code(err) != codes.Unavailable || !strings.Contains(msg, "uid-old") || !strings.Contains(msg, "uid-new") {
+		t.Fatalf("AddPod with another uid = %v, want Unavailable naming uid-old and uid-new", err)
+	}
+	if _, err := c.GetPod(context.Background(), &cniv1.GetPodRequest{ContainerId: "c-new"}); status.Code(err) != codes.NotFound {
+		t.Fatalf("GetPod after a refused AddPod = %v, want NotFound", err)
+	}
+	pod.Uid = "uid-old"
+	if r, err := c.AddPod(context.Background(), &cniv1.AddPodRequest{Pod: pod}); err != nil || r.GetResult() != cniv1.AddPodResponse_RESULT_SUCCESS {
+		t.Fatalf("AddPod with the source's uid = %v, %v", r, err)
 	}
 }

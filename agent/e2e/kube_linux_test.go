@@ -38,17 +38,25 @@ func kubePod(name string, managed bool, node string) *corev1.Pod {
 	}
 }
 
-// TestKubernetesPodSource runs the agent against a real kube-apiserver:
-// pods are created, labelled, annotated and deleted through the API and the
-// agent follows; then the API server is stopped and a restarted agent
-// serves every stored pod from disk.
-func TestKubernetesPodSource(t *testing.T) {
+// startKube runs kube-apiserver with namespace "shop" for a test that
+// needs root and is skipped under -short.
+func startKube(t *testing.T) *kubetest.Cluster {
+	t.Helper()
 	harness.RequireRoot(t)
 	if testing.Short() {
 		t.Skip("needs a kube-apiserver build (minutes when cold)")
 	}
 	cl := kubetest.Start(t)
 	cl.Namespace(t, "shop")
+	return cl
+}
+
+// TestKubernetesPodSource runs the agent against a real kube-apiserver:
+// pods are created, labelled, annotated and deleted through the API and the
+// agent follows; then the API server is stopped and a restarted agent
+// serves every stored pod from disk.
+func TestKubernetesPodSource(t *testing.T) {
+	cl := startKube(t)
 	ctx := context.Background()
 	pods := cl.Client.CoreV1().Pods("shop")
 	web1, err := pods.Create(ctx, kubePod("web-1", true, "node-a"), metav1.CreateOptions{})

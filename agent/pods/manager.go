@@ -42,6 +42,12 @@ var DefaultSystemNamespaces = []string{"kube-system", "kube-public", "kube-node-
 // request's deadline (the plugin maps it to CNI code 11, try again later).
 var ErrPodUnavailable = errors.New("pod not known to the pod source yet")
 
+// ErrPodUIDMismatch means the pod source's pod of the request's
+// namespace/name has another uid than the request's, even after fetching
+// it again: the source has not caught up with a delete and re-create of
+// the same name (the plugin maps it to CNI code 11, try again later).
+var ErrPodUIDMismatch = errors.New("pod source has another pod of this name")
+
 // Config configures a Manager.
 type Config struct {
 	// Node is this node's name.
@@ -196,17 +202,20 @@ func (m *Manager) isSystemNamespace(ns string) bool {
 	return slices.Contains(m.cfg.SystemNamespaces, ns)
 }
 
-// lookup asks the source for the pod until it is found or the deadline.
-func (m *Manager) lookup(ctx context.Context, ns, name string) (*podsource.Pod, error) {
+// lookupContext bounds the pod lookups of one AddPod: ctx's deadline, but
+// no later than PodWait from now, and a little before the caller's deadline
+// so it gets Unavailable, not DeadlineExceeded.
+func (m *Manager) lookupContext(ctx context.Context) (context.Context, context.CancelFunc) {
 	deadline, ok := ctx.Deadline()
 	if !ok || time.Until(deadline) > m.cfg.PodWait {
 		deadline = m.now().Add(m.cfg.PodWait)
 	}
-	// Answer a little before the caller's deadline so it gets Unavailable,
-	// not DeadlineExceeded.
 	margin := min(time.Until(deadline)/10, 250*time.Millisecond)
-	lctx, cancel := context.WithDeadline(ctx, deadline.Add(-margin))
-	defer cancel()
+	return context.WithDeadline(ctx, deadline.Add(-margin))
+}
+
+// lookup asks the source for the pod until it is found or lctx ends.
+func (m *Manager) lookup(lctx context.Context, ns, name string) (*podsource.Pod, error) {
 	backoff := 10 * time.Millisecond
 	for {
 		p, err := m.src.Get(lctx, ns, name)
@@ -225,6 +234,32 @@ func (m *Manager) lookup(ctx context.Context, ns, name string) (*podsource.Pod, 
 		case <-t.C:
 		}
 		backoff = min(backoff*2, 500*time.Millisecond)
+	}
+}
+
+// samePod makes sure p is the pod whose sandbox the runtime is adding.
+// When the request carries a uid (K8S_POD_UID) and the source's pod has
+// another, the source's cache lags behind a delete and re-create of the
+// same name: the pod is fetched once more from the source's authority
+// (bounded by lctx) and refused with ErrPodUIDMismatch if it is still
+// not that uid. A request without uid, or a source pod without one,
+// keeps p.
+func (m *Manager) samePod(lctx context.Context, uid string, p *podsource.Pod) (*podsource.Pod, error) {
+	if uid == "" || p.UID == "" || p.UID == uid {
+		return p, nil
+	}
+	m.log.Info("pod source holds another pod of this name; fetching it again", "namespace", p.Namespace, "name", p.Name,
+		"uid", uid, "source_uid", p.UID)
+	f, err := m.src.Fetch(lctx, p.Namespace, p.Name)
+	switch {
+	case err == nil && f.UID == uid:
+		return f, nil
+	case err == nil:
+		return nil, fmt.Errorf("failed to match pod %s/%s: %w: the sandbox is for uid %q, the pod source has uid %q (cached) and %q (fetched)",
+			p.Namespace, p.Name, ErrPodUIDMismatch, uid, p.UID, f.UID)
+	default:
+		return nil, fmt.Errorf("failed to match pod %s/%s: %w: the sandbox is for uid %q, the pod source has uid %q (cached) and fetching it again failed: %w",
+			p.Namespace, p.Name, ErrPodUIDMismatch, uid, p.UID, err)
 	}
 }
 
@@ -253,8 +288,16 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod) (cniv1.AddPodRes
 		log.Debug("pod ignored", "reason", "no_ips")
 		return cniv1.AddPodResponse_RESULT_IGNORED, nil
 	}
-	p, err := m.lookup(ctx, ns, name)
+	lctx, cancel := m.lookupContext(ctx)
+	defer cancel()
+	p, err := m.lookup(lctx, ns, name)
 	if err != nil {
+		return cniv1.AddPodResponse_RESULT_ERROR, err
+	}
+	// Never take a deleted pod's uid (or its terminating mark) for a new
+	// sandbox of the same name.
+	if p, err = m.samePod(lctx, in.GetUid(), p); err != nil {
+		log.Warn("pod refused: uid mismatch", "error", err.Error())
 		return cniv1.AddPodResponse_RESULT_ERROR, err
 	}
 	if p.Labels[ManagedLabel] != "true" {

@@ -22,6 +22,11 @@ type fakeSource struct {
 	// stale makes Get answer as a lagging cache would: the pod as it was
 	// before deletion was requested.
 	stale bool
+	// cached, when it holds a pod, is what Get answers for it (a cache
+	// that missed a delete and re-create); Fetch always reads pods.
+	cached map[string]*podsource.Pod
+	// fetches counts Fetch calls.
+	fetches int
 }
 
 func newFakeSource() *fakeSource { return &fakeSource{pods: map[string]*podsource.Pod{}} }
@@ -42,11 +47,26 @@ func (f *fakeSource) remove(id string) {
 func (f *fakeSource) Get(_ context.Context, ns, name string) (*podsource.Pod, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if p, ok := f.cached[ns+"/"+name]; ok {
+		c := *p
+		return &c, nil
+	}
 	if p, ok := f.pods[ns+"/"+name]; ok {
 		c := *p
 		if f.stale {
 			c.Terminating = false
 		}
+		return &c, nil
+	}
+	return nil, podsource.ErrNotFound
+}
+
+func (f *fakeSource) Fetch(_ context.Context, ns, name string) (*podsource.Pod, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.fetches++
+	if p, ok := f.pods[ns+"/"+name]; ok {
+		c := *p
 		return &c, nil
 	}
 	return nil, podsource.ErrNotFound

@@ -64,6 +64,12 @@ type Source interface {
 	// Get returns the pod, or ErrNotFound. It does not wait for the pod to
 	// appear; callers retry within their deadline.
 	Get(ctx context.Context, namespace, name string) (*Pod, error)
+	// Fetch reads the pod from the source's authority, bypassing any
+	// cache (the API server for kube, the directory for manifests), or
+	// returns ErrNotFound. The agent calls it once when Get's answer is
+	// for another pod than the runtime's sandbox (a different uid: the
+	// cache still holds a deleted pod of the same name). ctx bounds it.
+	Fetch(ctx context.Context, namespace, name string) (*Pod, error)
 	// Run follows the source and calls h until ctx ends. It returns nil on
 	// ctx end and an error only if it cannot start.
 	Run(ctx context.Context, h Handler) error

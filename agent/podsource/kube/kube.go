@@ -75,6 +75,11 @@ func (s *Source) Get(ctx context.Context, namespace, name string) (*podsource.Po
 	if obj, ok, err := s.informer.GetStore().GetByKey(namespace + "/" + name); err == nil && ok {
 		return podsource.FromKube(obj.(*corev1.Pod)), nil
 	}
+	return s.Fetch(ctx, namespace, name)
+}
+
+// Fetch GETs the pod from the API server, bypassing the informer's cache.
+func (s *Source) Fetch(ctx context.Context, namespace, name string) (*podsource.Pod, error) {
 	p, err := s.client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
 		return nil, fmt.Errorf("failed to get pod %s/%s: %w", namespace, name, podsource.ErrNotFound)

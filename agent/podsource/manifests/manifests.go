@@ -108,7 +108,13 @@ func (s *Source) Get(ctx context.Context, namespace, name string) (*podsource.Po
 	if ok {
 		return p, nil
 	}
+	return s.Fetch(ctx, namespace, name)
+}
+
+// Fetch rescans the directory, then returns the pod.
+func (s *Source) Fetch(_ context.Context, namespace, name string) (*podsource.Pod, error) {
 	s.scan()
+	id := namespace + "/" + name
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if p, ok := s.pods[id]; ok {

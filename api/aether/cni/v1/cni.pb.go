@@ -188,10 +188,14 @@ type CNIPod struct {
 	// must never re-register it. Local xDS resources stay until the CNI DEL
 	// performs final teardown.
 	Terminating bool `protobuf:"varint,10,opt,name=terminating,proto3" json:"terminating,omitempty"`
-	// uid is the Kubernetes pod UID, fetched from the API server on CNI ADD and
-	// persisted so listener regeneration from storage can resolve the pod's UDS
-	// socket path (<uds-csi-root>/<uid>/<file>) without the API server. Empty on
-	// records written before the field existed.
+	// uid is the Kubernetes pod UID. In AddPod the plugin sends K8S_POD_UID when
+	// the runtime passes it (containerd does): the agent then refuses, with
+	// UNAVAILABLE (CNI code 11), a pod source whose pod of this namespace/name
+	// has another uid even after fetching it again (a re-created pod the
+	// source has not seen yet). The agent records the uid of the pod it
+	// fetched, persisted so listener regeneration from storage can resolve the
+	// pod's UDS socket path (<uds-csi-root>/<uid>/<file>) without the API
+	// server. Empty on records written before the field existed.
 	Uid string `protobuf:"bytes,11,opt,name=uid,proto3" json:"uid,omitempty"`
 	// uds_csi_volume is the name of the pod's inline csi: {driver: csi.aether.io}
 	// volume, the only carrier for a UDS-delivered socket. Recorded by the agent
@@ -346,7 +350,8 @@ func (x *CNIPod) GetUdsCsiVolumes() uint32 {
 type AddPodRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// pod carries what the plugin knows: name, namespace, network_namespace,
-	// container_id, ips and, when found, pid. The agent fills the rest.
+	// container_id, ips and, when the runtime gives them, pid and uid. The agent
+	// fills the rest.
 	Pod           *CNIPod `protobuf:"bytes,1,opt,name=pod,proto3" json:"pod,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
