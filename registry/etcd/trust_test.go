@@ -7,7 +7,6 @@ import (
 	"errors"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 
 	"aether.io/node/registry"
@@ -130,27 +129,11 @@ func TestKeyAndNodeComeFromTheEtcdKey(t *testing.T) {
 	}
 }
 
-// syncBuffer is a bytes.Buffer safe for the watch goroutine's logging.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 func TestRejectedValuesCountedAndLoggedOncePerKey(t *testing.T) {
 	e := etcdtest.Start(t)
-	var logs syncBuffer
+	// Only this goroutine logs here: no watch runs, and the keepalive loop
+	// logs only when a lease is lost.
+	var logs bytes.Buffer
 	r, err := New(Options{
 		Endpoints: []string{e.Endpoint()}, Node: "node-a", Prefix: "/test/eps/", Insecure: true,
 		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
@@ -241,15 +224,21 @@ func regrant(t *testing.T, r *Registry) {
 	}
 }
 
-func TestFailedRegisterIsNotWrittenBackByARegrant(t *testing.T) {
-	e := etcdtest.Start(t)
-	a := newReg(t, e, "node-a", 0)
-	ctx := context.Background()
-	if err := a.Register(ctx, ep("node-a", 1)); err != nil {
+// registeredWithFailingCtx returns node-a's registry holding a/1, and a
+// context every etcd call fails with.
+func registeredWithFailingCtx(t *testing.T) (*Registry, context.Context) {
+	t.Helper()
+	a := newReg(t, etcdtest.Start(t), "node-a", 0)
+	if err := a.Register(context.Background(), ep("node-a", 1)); err != nil {
 		t.Fatal(err)
 	}
-	failed, cancel := context.WithCancel(ctx)
+	failed, cancel := context.WithCancel(context.Background())
 	cancel()
+	return a, failed
+}
+
+func TestFailedRegisterIsNotWrittenBackByARegrant(t *testing.T) {
+	a, failed := registeredWithFailingCtx(t)
 	// A new endpoint whose Register fails, and a change of a registered one
 	// whose Register fails.
 	if err := a.Register(failed, ep("node-a", 2)); err == nil {
@@ -271,14 +260,7 @@ func TestFailedRegisterIsNotWrittenBackByARegrant(t *testing.T) {
 }
 
 func TestDeregisterForgetsEvenIfTheDeleteFails(t *testing.T) {
-	e := etcdtest.Start(t)
-	a := newReg(t, e, "node-a", 0)
-	ctx := context.Background()
-	if err := a.Register(ctx, ep("node-a", 1)); err != nil {
-		t.Fatal(err)
-	}
-	failed, cancel := context.WithCancel(ctx)
-	cancel()
+	a, failed := registeredWithFailingCtx(t)
 	if err := a.Deregister(failed, "node-a-sandbox-1"); err == nil {
 		t.Fatal("Deregister with a cancelled context succeeded")
 	}
