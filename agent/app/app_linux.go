@@ -179,7 +179,7 @@ func (a *agent) startPods(ctx context.Context) error {
 	a.mgr = pods.New(pods.Config{
 		Node: c.NodeName, Locality: locality, SystemNamespaces: c.SystemNamespaces,
 		UDSRoot: c.UDSRoot, PodWait: c.PodWait, Observer: a.nodeRes,
-	}, a.st, a.reg, a.src, nil, a.metrics, log.With("component", "pods"))
+	}, a.st, livenessView(a.reg, c.LivenessInterval), a.src, nil, a.metrics, log.With("component", "pods"))
 	_, err := a.mgr.Replay(ctx)
 	return err
 }
@@ -243,11 +243,9 @@ func newRegistry(c *Config, log *slog.Logger) (registry.Registry, func(), error)
 	if c.Registry != "etcd" {
 		return local.New(), func() {}, nil
 	}
-	r, err := etcdreg.New(etcdreg.Options{
-		Endpoints: c.EtcdEndpoints, Node: c.NodeName, Prefix: c.EtcdPrefix, LeaseTTL: c.EtcdLeaseTTL,
-		CAFile: c.EtcdCAFile, CertFile: c.EtcdCertFile, KeyFile: c.EtcdKeyFile,
-		Logger: log.With("component", "registry_etcd"),
-	})
+	opts := c.etcdOptions()
+	opts.Logger = log.With("component", "registry_etcd")
+	r, err := etcdreg.New(opts)
 	if err != nil {
 		return nil, nil, fmt.Errorf("failed to open the etcd registry at %v: %w", c.EtcdEndpoints, err)
 	}

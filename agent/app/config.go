@@ -14,6 +14,7 @@ import (
 
 	"aether.io/node/agent/pods"
 	"aether.io/node/registry"
+	etcdreg "aether.io/node/registry/etcd"
 	"aether.io/node/xds/resource"
 )
 
@@ -47,6 +48,8 @@ type Config struct {
 	EtcdPrefix                            string
 	EtcdLeaseTTL                          time.Duration
 	EtcdCAFile, EtcdCertFile, EtcdKeyFile string
+	// EtcdInsecure allows plaintext etcd (http:// endpoints, or no TLS files).
+	EtcdInsecure bool
 }
 
 // ParseFlags parses args (without the program name). It returns
@@ -90,6 +93,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.StringVar(&c.EtcdCAFile, "etcd-ca", "", "CA bundle to verify etcd (TLS)")
 	fs.StringVar(&c.EtcdCertFile, "etcd-cert", "", "client certificate for etcd (TLS)")
 	fs.StringVar(&c.EtcdKeyFile, "etcd-key", "", "client key for etcd (TLS)")
+	fs.BoolVar(&c.EtcdInsecure, "etcd-insecure", false, "allow plaintext etcd: http:// endpoints, or none of --etcd-ca, --etcd-cert, --etcd-key (never TLS files with http://)")
 	fs.StringVar(&locality, "locality", "", "node locality region/zone/subzone; empty reads the Node's topology labels (Kubernetes source only)")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: aether-agent [flags]\n\nThe aether node agent: serves aether.cni.v1.CNIService, keeps durable pod records\nand registers mesh-managed pods' endpoints.\n\nFlags:\n")
@@ -131,6 +135,12 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 		if len(c.EtcdEndpoints) == 0 {
 			return nil, errors.New("invalid --registry=etcd: --etcd-endpoints is empty; give the etcd client URLs")
 		}
+		if err := c.etcdOptions().CheckTransport(); err != nil {
+			if errors.Is(err, etcdreg.ErrTLSOverHTTP) {
+				return nil, fmt.Errorf("invalid --etcd-endpoints: %w; --etcd-ca, --etcd-cert and --etcd-key need https:// endpoints, even with --etcd-insecure", err)
+			}
+			return nil, fmt.Errorf("invalid --etcd-endpoints: %w; pass --etcd-insecure to allow plaintext etcd", err)
+		}
 	default:
 		return nil, fmt.Errorf("invalid --registry %q: want local or etcd", c.Registry)
 	}
@@ -155,4 +165,13 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 		return nil, errors.New("--liveness-interval and --pod-wait must be positive")
 	}
 	return c, nil
+}
+
+// etcdOptions are the etcd registry options the flags give (without the
+// logger).
+func (c *Config) etcdOptions() etcdreg.Options {
+	return etcdreg.Options{
+		Endpoints: c.EtcdEndpoints, Node: c.NodeName, Prefix: c.EtcdPrefix, LeaseTTL: c.EtcdLeaseTTL,
+		CAFile: c.EtcdCAFile, CertFile: c.EtcdCertFile, KeyFile: c.EtcdKeyFile, Insecure: c.EtcdInsecure,
+	}
 }

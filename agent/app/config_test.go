@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"flag"
+	"slices"
 	"strings"
 	"testing"
 
@@ -29,9 +30,28 @@ func TestParseFlags(t *testing.T) {
 		{[]string{"--node-name", ""}, "invalid --node-name"},
 		{[]string{"extra"}, "unexpected arguments"},
 		{[]string{"--liveness-interval", "0s"}, "must be positive"},
+		{[]string{"--registry=etcd", "--etcd-endpoints", "http://10.0.0.1:2379"}, `endpoint "http://10.0.0.1:2379" is http://`},
+		{[]string{"--registry=etcd", "--etcd-endpoints", "http://10.0.0.1:2379"}, "pass --etcd-insecure"},
+		{[]string{"--registry=etcd", "--etcd-endpoints", "https://10.0.0.1:2379"}, "pass --etcd-insecure"},
+		{[]string{"--registry=etcd", "--etcd-endpoints", "https://10.0.0.1:2379,http://10.0.0.2:2379", "--etcd-ca", "/etc/ca.pem"}, `endpoint "http://10.0.0.2:2379" would drop TLS`},
+		{[]string{"--registry=etcd", "--etcd-endpoints", "http://10.0.0.1:2379", "--etcd-ca", "/etc/ca.pem", "--etcd-insecure"}, "need https:// endpoints, even with --etcd-insecure"},
 	} {
 		if _, err := ParseFlags(tc.args, &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("ParseFlags(%q) = %v, want %q", tc.args, err, tc.want)
+		}
+	}
+	for _, args := range [][]string{
+		{"--etcd-endpoints", "http://10.0.0.1:2379", "--etcd-insecure"},
+		{"--etcd-endpoints", "unix:///run/etcd.sock", "--etcd-insecure"},
+		{"--etcd-endpoints", "https://10.0.0.1:2379", "--etcd-ca", "/etc/ca.pem"},
+	} {
+		c, err := ParseFlags(append([]string{"--registry=etcd"}, args...), &bytes.Buffer{})
+		if err != nil {
+			t.Errorf("ParseFlags(%q) = %v", args, err)
+			continue
+		}
+		if o := c.etcdOptions(); o.Insecure != slices.Contains(args, "--etcd-insecure") || o.CAFile != c.EtcdCAFile || len(o.Endpoints) != 1 {
+			t.Errorf("ParseFlags(%q): etcd options %+v", args, o)
 		}
 	}
 	var out bytes.Buffer

@@ -13,6 +13,13 @@
 // Watch is Get plus a watch from the next revision; it resumes from the last
 // revision it delivered after a disconnect, and if that revision was
 // compacted it lists again and sends the difference, so no change is lost.
+//
+// Trust: an endpoint's key and node are those of its etcd key path
+// (<prefix><node>/<key>), never the JSON value's; a value that names another
+// key or node is ignored, counted (Rejected) and logged at WARN once per etcd
+// key. New refuses plaintext connections (an http:// endpoint, or no TLS
+// material at all) unless Options.Insecure is set, and always refuses TLS
+// material with an http:// endpoint, which the client would silently drop.
 package etcd
 
 import (
@@ -21,8 +28,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
@@ -55,8 +64,12 @@ type Options struct {
 	// DialTimeout bounds the first connection; 5 s if zero.
 	DialTimeout time.Duration
 	// CertFile and KeyFile are the client certificate; CAFile the trusted CA.
-	// All empty for plain connections.
+	// All empty for plain connections, which need Insecure.
 	CertFile, KeyFile, CAFile string
+	// Insecure allows plaintext connections: http:// endpoints, or no TLS
+	// material at all. TLS material with an http:// endpoint is refused even
+	// then.
+	Insecure bool
 	// Logger receives lease and watch records; nil discards.
 	Logger *slog.Logger
 }
@@ -75,11 +88,56 @@ type Registry struct {
 
 	mu    sync.Mutex
 	lease clientv3.LeaseID // 0 = none yet
-	local map[string]registry.Endpoint
+	// local holds the endpoints a lease re-grant writes again: those whose
+	// Register succeeded (or is in flight) and that were not deregistered.
+	local map[string]localEntry
+	gen   uint64 // last localEntry.gen handed out
 	wg    sync.WaitGroup
+
+	rejected atomic.Uint64
+	warnMu   sync.Mutex
+	warned   map[string]struct{} // etcd keys whose rejection was logged
+}
+
+// localEntry is one endpoint of this node; gen tells a failed Register
+// whether its entry is still the newest, and prev is the last value whose
+// Register succeeded, restored when a later Register of the key fails.
+type localEntry struct {
+	ep   registry.Endpoint
+	gen  uint64
+	prev *registry.Endpoint
 }
 
 var _ registry.Registry = (*Registry)(nil)
+
+// ErrPlaintext is wrapped by the error of New (and CheckTransport) for a
+// plaintext connection without Options.Insecure.
+var ErrPlaintext = errors.New("plaintext etcd connection refused")
+
+// ErrTLSOverHTTP is wrapped by the error of New (and CheckTransport) for TLS
+// material given with an http:// endpoint, which would drop it.
+var ErrTLSOverHTTP = errors.New("TLS material given for an http:// etcd endpoint")
+
+// CheckTransport reports whether New would connect to o.Endpoints as o asks:
+// an http:// endpoint with any of CertFile, KeyFile or CAFile wraps
+// ErrTLSOverHTTP; a plaintext connection (an http:// endpoint, or no TLS
+// material) without Insecure wraps ErrPlaintext. Both name the endpoint.
+func (o Options) CheckTransport() error {
+	hasTLS := o.CertFile != "" || o.KeyFile != "" || o.CAFile != ""
+	for _, ep := range o.Endpoints {
+		u, err := url.Parse(ep)
+		isHTTP := err == nil && strings.EqualFold(u.Scheme, "http")
+		switch {
+		case isHTTP && hasTLS:
+			return fmt.Errorf("%w: endpoint %q would drop TLS (cert %q, key %q, ca %q); use https://", ErrTLSOverHTTP, ep, o.CertFile, o.KeyFile, o.CAFile)
+		case isHTTP && !o.Insecure:
+			return fmt.Errorf("%w: endpoint %q is http://; use https:// with TLS, or allow plaintext explicitly (insecure)", ErrPlaintext, ep)
+		case !hasTLS && !o.Insecure:
+			return fmt.Errorf("%w: endpoint %q has no TLS material (cert, key, ca); give it, or allow plaintext explicitly (insecure)", ErrPlaintext, ep)
+		}
+	}
+	return nil
+}
 
 func (o *Options) defaults() error {
 	if o.Node == "" {
@@ -114,6 +172,9 @@ func New(opts Options) (*Registry, error) {
 	}
 	if len(opts.Endpoints) == 0 {
 		return nil, errors.New("invalid etcd registry options: no etcd endpoints; set at least one URL")
+	}
+	if err := opts.CheckTransport(); err != nil {
+		return nil, fmt.Errorf("invalid etcd registry options: %w", err)
 	}
 	cfg := clientv3.Config{
 		Endpoints:   opts.Endpoints,
@@ -155,7 +216,7 @@ func newRegistry(cli *clientv3.Client, opts Options) *Registry {
 	ctx, cancel := context.WithCancel(context.Background())
 	return &Registry{
 		cli: cli, node: opts.Node, prefix: opts.Prefix, ttl: ttl, log: log,
-		ctx: ctx, cancel: cancel, local: make(map[string]registry.Endpoint),
+		ctx: ctx, cancel: cancel, local: make(map[string]localEntry), warned: make(map[string]struct{}),
 	}
 }
 
@@ -163,12 +224,46 @@ func (r *Registry) key(epKey string) string { return r.prefix + r.node + "/" + e
 
 // endpointKey returns the endpoint key of an etcd key under the prefix.
 func (r *Registry) endpointKey(k string) (string, bool) {
+	_, key, ok := r.splitKey(k)
+	return key, ok
+}
+
+// splitKey splits an etcd key <prefix><node>/<key> into node and endpoint
+// key, both non-empty and the key free of '/'.
+func (r *Registry) splitKey(k string) (node, key string, ok bool) {
 	rest, ok := strings.CutPrefix(k, r.prefix)
 	if !ok {
-		return "", false
+		return "", "", false
 	}
-	_, key, ok := strings.Cut(rest, "/")
-	return key, ok && key != ""
+	node, key, ok = strings.Cut(rest, "/")
+	if !ok || node == "" || key == "" || strings.Contains(key, "/") {
+		return "", "", false
+	}
+	return node, key, true
+}
+
+// Rejected returns how many etcd values were ignored because their etcd key
+// is not <prefix><node>/<key> or their JSON names another key or node.
+func (r *Registry) Rejected() uint64 { return r.rejected.Load() }
+
+// reject counts an ignored value and logs it at WARN once per etcd key.
+func (r *Registry) reject(etcdKey, reason string, args ...any) {
+	r.rejected.Add(1)
+	r.warnMu.Lock()
+	_, done := r.warned[etcdKey]
+	r.warned[etcdKey] = struct{}{}
+	r.warnMu.Unlock()
+	if !done {
+		r.log.Warn("ignoring etcd endpoint value", append([]any{"etcd_key", etcdKey, "reason", reason}, args...)...)
+	}
+}
+
+// forget lets the next rejection of a deleted etcd key be logged again, so
+// the set of logged keys does not outgrow what etcd holds.
+func (r *Registry) forget(etcdKey string) {
+	r.warnMu.Lock()
+	delete(r.warned, etcdKey)
+	r.warnMu.Unlock()
 }
 
 // Register writes ep under this node with the node's lease.
@@ -180,9 +275,39 @@ func (r *Registry) Register(ctx context.Context, ep registry.Endpoint) error {
 	if err != nil {
 		return fmt.Errorf("failed to encode endpoint %q: %w", ep.Key, err)
 	}
+	// The entry goes in before the Put so that a lease lost meanwhile is
+	// re-granted with it; a failed Register takes it out again.
 	r.mu.Lock()
-	r.local[ep.Key] = ep
+	r.gen++
+	gen := r.gen
+	var prev *registry.Endpoint
+	if old, ok := r.local[ep.Key]; ok {
+		prev = old.prev
+	}
+	r.local[ep.Key] = localEntry{ep: ep, gen: gen, prev: prev}
 	r.mu.Unlock()
+	err = r.put(ctx, ep, val)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	cur, ok := r.local[ep.Key]
+	if !ok || cur.gen != gen {
+		return err // deregistered or registered again meanwhile
+	}
+	switch {
+	case err == nil:
+		committed := ep
+		r.local[ep.Key] = localEntry{ep: ep, gen: gen, prev: &committed}
+	case prev != nil:
+		r.local[ep.Key] = localEntry{ep: *prev, gen: gen, prev: prev}
+	default:
+		delete(r.local, ep.Key)
+	}
+	return err
+}
+
+// put writes ep's encoded value val with the node's lease, granting a new
+// lease once if etcd no longer has it.
+func (r *Registry) put(ctx context.Context, ep registry.Endpoint, val []byte) error {
 	for attempt := 0; ; attempt++ {
 		lease, err := r.ensureLease(ctx)
 		if err != nil {
@@ -200,7 +325,8 @@ func (r *Registry) Register(ctx context.Context, ep registry.Endpoint) error {
 	}
 }
 
-// Deregister deletes the endpoint at once.
+// Deregister deletes the endpoint at once. It is forgotten locally even if
+// the delete fails, so no lease re-grant writes it back.
 func (r *Registry) Deregister(ctx context.Context, key string) error {
 	r.mu.Lock()
 	delete(r.local, key)
@@ -213,9 +339,19 @@ func (r *Registry) Deregister(ctx context.Context, key string) error {
 
 // List returns every node's endpoints.
 func (r *Registry) List(ctx context.Context) ([]registry.Endpoint, error) {
-	resp, err := r.cli.Get(ctx, r.prefix, clientv3.WithPrefix())
+	return r.list(ctx, r.prefix)
+}
+
+// ListNode returns this node's endpoints only: it reads <prefix><node>/,
+// so its cost does not grow with the cluster (liveness uses it).
+func (r *Registry) ListNode(ctx context.Context) ([]registry.Endpoint, error) {
+	return r.list(ctx, r.prefix+r.node+"/")
+}
+
+func (r *Registry) list(ctx context.Context, prefix string) ([]registry.Endpoint, error) {
+	resp, err := r.cli.Get(ctx, prefix, clientv3.WithPrefix())
 	if err != nil {
-		return nil, fmt.Errorf("failed to list endpoints under %q: %w", r.prefix, err)
+		return nil, fmt.Errorf("failed to list endpoints under %q: %w", prefix, err)
 	}
 	out := make([]registry.Endpoint, 0, len(resp.Kvs))
 	for _, kv := range resp.Kvs {
@@ -226,15 +362,28 @@ func (r *Registry) List(ctx context.Context) ([]registry.Endpoint, error) {
 	return out, nil
 }
 
+// decode returns the endpoint stored at kv, its key and node taken from the
+// etcd key path. A value at a key outside the layout, or whose JSON names
+// another key or node, is rejected: a writer cannot take over another
+// endpoint key or node by what it puts in the value.
 func (r *Registry) decode(kv *mvccpb.KeyValue) (registry.Endpoint, bool) {
 	var ep registry.Endpoint
-	if err := json.Unmarshal(kv.Value, &ep); err != nil {
-		r.log.Warn("skipping undecodable endpoint", "etcd_key", string(kv.Key), "error", err)
+	k := string(kv.Key)
+	node, key, ok := r.splitKey(k)
+	if !ok {
+		r.reject(k, "etcd key outside the <prefix><node>/<key> layout", "prefix", r.prefix)
 		return ep, false
 	}
-	if k, ok := r.endpointKey(string(kv.Key)); ok && ep.Key == "" {
-		ep.Key = k
+	if err := json.Unmarshal(kv.Value, &ep); err != nil {
+		r.log.Warn("skipping undecodable endpoint", "etcd_key", k, "error", err)
+		return ep, false
 	}
+	if (ep.Key != "" && ep.Key != key) || (ep.Node != "" && ep.Node != node) {
+		r.reject(k, "value key or node differs from its etcd key",
+			"value_key", ep.Key, "value_node", ep.Node, "path_key", key, "path_node", node)
+		return registry.Endpoint{}, false
+	}
+	ep.Key, ep.Node = key, node
 	return ep, true
 }
 
@@ -243,7 +392,7 @@ func (r *Registry) Revoke(ctx context.Context) error {
 	r.mu.Lock()
 	lease := r.lease
 	r.lease = 0
-	r.local = make(map[string]registry.Endpoint)
+	r.local = make(map[string]localEntry)
 	r.mu.Unlock()
 	if lease == 0 {
 		return nil
@@ -339,8 +488,8 @@ func (r *Registry) reRegister() error {
 	}
 	r.mu.Lock()
 	eps := make([]registry.Endpoint, 0, len(r.local))
-	for _, ep := range r.local {
-		eps = append(eps, ep)
+	for _, e := range r.local {
+		eps = append(eps, e.ep)
 	}
 	r.mu.Unlock()
 	for _, ep := range eps {
@@ -395,14 +544,15 @@ func (w *watchState) apply(ctx context.Context, resp *clientv3.GetResponse) bool
 	seen := make(map[string]struct{}, len(resp.Kvs))
 	for _, kv := range resp.Kvs {
 		k := string(kv.Key)
-		seen[k] = struct{}{}
 		if w.known[k] == kv.ModRevision {
+			seen[k] = struct{}{}
 			continue
 		}
 		ep, ok := w.r.decode(kv)
 		if !ok {
-			continue
+			continue // a delivered key whose value is now rejected is deleted below
 		}
+		seen[k] = struct{}{}
 		w.known[k] = kv.ModRevision
 		if !w.send(ctx, registry.Event{Type: registry.EventPut, Key: ep.Key, Endpoint: ep}) {
 			return false
@@ -458,11 +608,20 @@ func (r *Registry) watchLoop(ctx context.Context, w *watchState) {
 				case mvccpb.PUT:
 					ep, ok := r.decode(ev.Kv)
 					if !ok {
-						continue
+						// A delivered endpoint overwritten by a rejected value
+						// is gone; anything else is skipped.
+						if _, was := w.known[k]; !was {
+							continue
+						}
+						delete(w.known, k)
+						key, _ := r.endpointKey(k)
+						e = registry.Event{Type: registry.EventDelete, Key: key}
+						break
 					}
 					w.known[k] = ev.Kv.ModRevision
 					e = registry.Event{Type: registry.EventPut, Key: ep.Key, Endpoint: ep}
 				case mvccpb.DELETE:
+					r.forget(k)
 					delete(w.known, k)
 					key, ok := r.endpointKey(k)
 					if !ok {

@@ -23,7 +23,7 @@ func ep(node string, i int) registry.Endpoint {
 
 func newReg(t *testing.T, e *etcdtest.Etcd, node string, ttl time.Duration) *Registry {
 	t.Helper()
-	r, err := New(Options{Endpoints: []string{e.Endpoint()}, Node: node, LeaseTTL: ttl, Prefix: "/test/eps/"})
+	r, err := New(Options{Endpoints: []string{e.Endpoint()}, Node: node, LeaseTTL: ttl, Prefix: "/test/eps/", Insecure: true})
 	if err != nil {
 		t.Fatal(err)
 	}
