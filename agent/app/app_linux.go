@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"sync/atomic"
 	"time"
 
@@ -214,7 +215,7 @@ func (a *agent) listenCNI() (net.Listener, lifecycle.Server, error) {
 	if err != nil {
 		return nil, lifecycle.Server{}, err
 	}
-	ln, err := unixsock.Listen(a.c.CNISocket)
+	ln, err := listenSocket("cni-socket", a.c.CNISocket)
 	if err != nil {
 		return nil, lifecycle.Server{}, err
 	}
@@ -223,7 +224,7 @@ func (a *agent) listenCNI() (net.Listener, lifecycle.Server, error) {
 }
 
 func (a *agent) listenAdmin() (net.Listener, lifecycle.Server, error) {
-	ln, err := unixsock.Listen(a.c.AdminSocket)
+	ln, err := listenSocket("admin-socket", a.c.AdminSocket)
 	if err != nil {
 		return nil, lifecycle.Server{}, err
 	}
@@ -236,6 +237,22 @@ func (a *agent) listenAdmin() (net.Listener, lifecycle.Server, error) {
 	}
 	a.log.Info("admin socket listening", "path", a.c.AdminSocket)
 	return ln, lifecycle.HTTP(srv), nil
+}
+
+// listenSocket opens the unix socket of --flag at path with the one socket
+// policy (pkg/unixsock: a missing directory is created 0700, one open to
+// group or others is refused). A refused directory gets an error that says
+// how to fix it.
+func listenSocket(flag, path string) (*net.UnixListener, error) {
+	ln, err := unixsock.Listen(path)
+	if err == nil {
+		return ln, nil
+	}
+	dir := filepath.Dir(path)
+	if fi, serr := os.Stat(dir); serr == nil && fi.IsDir() && fi.Mode().Perm()&0o077 != 0 {
+		return nil, fmt.Errorf("failed to serve --%s %q: %w; fix: chmod 0700 %q, or point --%s at a directory only the agent uses (the default %s is created 0700)", flag, path, err, dir, flag, SocketDir)
+	}
+	return nil, err
 }
 
 // newRegistry opens the endpoint registry --registry names.

@@ -160,7 +160,7 @@ func TestRunFailedStart(t *testing.T) {
 				}
 				c.XDSSocket = filepath.Join(open, "xds.sock")
 			},
-			wantErr: []string{"failed to start wds_socket", "must be 0700"},
+			wantErr: []string{"failed to start wds_socket", "must be 0700", "--xds-socket", "fix: chmod 0700"},
 		},
 		{
 			name: "cni socket served by another process",
@@ -205,5 +205,62 @@ func TestRunFailedStart(t *testing.T) {
 			assertNoSockets(t, c.AdminSocket, c.XDSSocket, c.LDSSocket)
 			assertStoreFree(t, c.StateDir)
 		})
+	}
+}
+
+// TestRunSocketDirUnderOpenParent lays the sockets out as the defaults do
+// (<root>/run/aether/agent/*.sock) with <root>/run/aether already 0755, as
+// kubelet's hostPath DirectoryOrCreate and aether-cni's pin directory make
+// it: the agent starts, creates its own socket directory 0700 and serves.
+func TestRunSocketDirUnderOpenParent(t *testing.T) {
+	root := t.TempDir()
+	parent := filepath.Join(root, strings.TrimPrefix(filepath.Dir(SocketDir), "/"))
+	if err := os.MkdirAll(parent, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(parent, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	sockDir := filepath.Join(root, strings.TrimPrefix(SocketDir, "/"))
+	var extra []string
+	for _, name := range []string{"cni", "admin", "xds", "lds"} {
+		extra = append(extra, "--"+name+"-socket", filepath.Join(sockDir, name+".sock"))
+	}
+	c := testConfig(t, extra...)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- Run(ctx, c, slog.New(slog.DiscardHandler)) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run after a clean stop = %v", err)
+		}
+	})
+	admin := adminapi.NewClient(c.AdminSocket)
+	for {
+		if _, err := admin.Pods(ctx); err == nil {
+			break
+		}
+		select {
+		case err := <-done:
+			done <- err
+			t.Fatalf("Run returned before serving: %v", err)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	fi, err := os.Stat(sockDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if perm := fi.Mode().Perm(); perm != 0o700 {
+		t.Errorf("socket dir %q mode = %04o, want 0700", sockDir, perm)
+	}
+	for _, p := range []string{c.CNISocket, c.XDSSocket, c.LDSSocket} {
+		conn, err := net.Dial("unix", p)
+		if err != nil {
+			t.Errorf("socket %q not served: %v", p, err)
+			continue
+		}
+		_ = conn.Close()
 	}
 }
