@@ -44,6 +44,10 @@ type Config struct {
 	OTLPEndpoint     string
 	LogLevel         string
 	Locality         registry.Locality
+	// RemoveNotReadyTaint removes nodegate.TaintKey from this node's Node
+	// once the CNI socket serves and the pod source has synced (Kubernetes
+	// pod source only).
+	RemoveNotReadyTaint bool
 	// XDSSocket and XDSAddress serve workload discovery; LDSSocket serves
 	// aether-proxy's per-pod listeners.
 	XDSSocket, XDSAddress, LDSSocket string
@@ -75,6 +79,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.StringVar(&c.PodManifests, "pod-manifests", "", "directory of Pod manifests (YAML/JSON) to use as the pod source instead of the Kubernetes API")
 	fs.DurationVar(&c.ManifestInterval, "pod-manifests-interval", time.Second, "how often --pod-manifests is rescanned (a lookup miss also rescans)")
 	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig for the Kubernetes pod source; empty means in-cluster config")
+	fs.BoolVar(&c.RemoveNotReadyTaint, "remove-not-ready-taint", true, "remove the taint aether.io/agent-not-ready:NoSchedule from this node's Node once the CNI socket serves and the pod source has synced (Kubernetes pod source only; needs patch on nodes)")
 	fs.StringVar(&c.NodeName, "node-name", defNode, "this node's name (default $NODE_NAME, else the hostname)")
 	fs.StringVar(&uids, "allowed-uids", "0", "comma-separated peer uids allowed on the CNI and admin sockets")
 	fs.StringVar(&sysNS, "system-namespaces", strings.Join(pods.DefaultSystemNamespaces, ","), "comma-separated namespaces that are never mesh-managed")
