@@ -282,7 +282,18 @@ current-context: test
 	}
 	a.waitReady(t)
 	eventually(t, "the not-ready taint removed", func() bool { return slices.Equal(taints(), survivors) })
-	if a.logs.find("removed node taint") == nil {
-		t.Errorf("no \"removed node taint\" log:\n%s", a.logs.String())
+	// Lifecycle order: node_gate starts after cni_socket; the taint goes
+	// after the agent is ready.
+	var order []string
+	for _, l := range a.logs.logLines() {
+		if l["msg"] == "started" && (l["part"] == "cni_socket" || l["part"] == "node_gate") {
+			order = append(order, l["part"].(string))
+		}
+		if l["msg"] == "agent ready" || l["msg"] == "removed node taint" {
+			order = append(order, l["msg"].(string))
+		}
+	}
+	if want := []string{"cni_socket", "node_gate", "agent ready", "removed node taint"}; !slices.Equal(order, want) {
+		t.Errorf("order = %q, want %q", order, want)
 	}
 }
