@@ -45,6 +45,25 @@ func testConfig(t *testing.T, extra ...string) *Config {
 	return c
 }
 
+// waitServing waits until the admin socket answers: it is the last part
+// started, so every part is up. done receives Run's result; one that
+// arrives early fails the test and is put back for a cleanup to read.
+func waitServing(ctx context.Context, t *testing.T, c *Config, done chan error) {
+	t.Helper()
+	admin := adminapi.NewClient(c.AdminSocket)
+	for {
+		if _, err := admin.Pods(ctx); err == nil {
+			return
+		}
+		select {
+		case err := <-done:
+			done <- err
+			t.Fatalf("Run returned before serving: %v", err)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
 // assertNoSockets checks Run removed the socket files it created.
 func assertNoSockets(t *testing.T, paths ...string) {
 	t.Helper()
@@ -78,19 +97,7 @@ func TestRunCleanStop(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- Run(ctx, c, slog.New(slog.DiscardHandler)) }()
 
-	// The admin socket is the last part started: once it answers, every
-	// part is up.
-	admin := adminapi.NewClient(c.AdminSocket)
-	for {
-		if _, err := admin.Pods(ctx); err == nil {
-			break
-		}
-		select {
-		case err := <-done:
-			t.Fatalf("Run returned before serving: %v", err)
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
+	waitServing(ctx, t, c, done)
 	cc, err := grpc.NewClient("unix://"+c.CNISocket, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
@@ -236,18 +243,7 @@ func TestRunSocketDirUnderOpenParent(t *testing.T) {
 			t.Errorf("Run after a clean stop = %v", err)
 		}
 	})
-	admin := adminapi.NewClient(c.AdminSocket)
-	for {
-		if _, err := admin.Pods(ctx); err == nil {
-			break
-		}
-		select {
-		case err := <-done:
-			done <- err
-			t.Fatalf("Run returned before serving: %v", err)
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
+	waitServing(ctx, t, c, done)
 	fi, err := os.Stat(sockDir)
 	if err != nil {
 		t.Fatal(err)
