@@ -11,7 +11,7 @@ import (
 
 var update = flag.Bool("update", false, "rewrite the golden files in testdata/")
 
-const testEntry = `{"type":"aether-cni","agent_socket":"/run/aether/cni.sock"}`
+const testEntry = `{"type":"aether-cni","agent_socket":"/run/aether/agent/cni.sock"}`
 
 // primaries returns the real-looking primaries of testdata/primaries.
 func primaries(t testing.TB) map[string][]byte {

@@ -16,8 +16,8 @@ import (
 // defaults and deploy/cni (checked by a test).
 const (
 	// DefaultAgentSocket is aether-agent's CNIService socket.
-	DefaultAgentSocket = "/run/aether/cni.sock"
-	// DefaultPinDir holds the netns pins.
+	DefaultAgentSocket = "/run/aether/agent/cni.sock"
+	// DefaultPinDir holds the netns pins; aether-cni creates it 0700.
 	DefaultPinDir = "/run/aether/netns"
 	// DefaultSourceDir holds the plugin binaries in the installer image.
 	DefaultSourceDir = "/opt/aether/bin"

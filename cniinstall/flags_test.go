@@ -22,7 +22,7 @@ func TestParseFlags(t *testing.T) {
 		{
 			"defaults", nil,
 			[]string{"aether-cni"},
-			`{"type":"aether-cni","agent_socket":"/run/aether/cni.sock","netns_pin_dir":"/run/aether/netns","capture":{"redirect_all":true},"capabilities":{"io.kubernetes.cri.pod-annotations":true}}`,
+			`{"type":"aether-cni","agent_socket":"/run/aether/agent/cni.sock","netns_pin_dir":"/run/aether/netns","capture":{"redirect_all":true},"capabilities":{"io.kubernetes.cri.pod-annotations":true}}`,
 		},
 		{
 			"eni-vlan and entry flags",

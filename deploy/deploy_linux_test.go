@@ -7,17 +7,20 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/containernetworking/cni/libcni"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	yamlutil "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes/scheme"
 
 	"aether.io/node/agent/app"
+	"aether.io/node/agent/nodegate"
 	"aether.io/node/enivlan/config"
 	"aether.io/node/meshcni"
 	"aether.io/node/test/harness"
@@ -86,6 +89,83 @@ func TestAgentArgsParse(t *testing.T) {
 	}
 	if cfg.NodeName != "node-1" || cfg.XDSSocket == "" || cfg.LDSSocket == "" {
 		t.Fatalf("unexpected agent config %+v", cfg)
+	}
+}
+
+// TestNodeGating checks the agent removes the not-ready taint and its
+// ClusterRole allows the patch that does it.
+func TestNodeGating(t *testing.T) {
+	objs := decodeManifests(t)
+	cfg, err := app.ParseFlags(expand(container(t, objs, "aether-agent").Args), &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !cfg.RemoveNotReadyTaint || cfg.PodManifests != "" {
+		t.Fatalf("the agent must use the Kubernetes pod source and remove %s (--remove-not-ready-taint)", nodegate.TaintKey)
+	}
+	for _, o := range objs {
+		if r, ok := o.(*rbacv1.ClusterRole); ok && r.Name == "aether-agent" {
+			for _, rule := range r.Rules {
+				if slices.Contains(rule.APIGroups, "") && slices.Contains(rule.Resources, "nodes") &&
+					slices.Contains(rule.Verbs, "get") && slices.Contains(rule.Verbs, "patch") {
+					return
+				}
+			}
+			t.Fatalf("ClusterRole aether-agent does not allow get and patch on nodes: %+v", r.Rules)
+		}
+	}
+	t.Fatal("no ClusterRole aether-agent")
+}
+
+// TestSocketLayout checks every side names the same sockets, and that they
+// sit in a directory of their own below the hostPath: kubelet creates the
+// hostPath 0755, which the agent refuses as a socket directory.
+func TestSocketLayout(t *testing.T) {
+	objs := decodeManifests(t)
+	cfg, err := app.ParseFlags(expand(container(t, objs, "aether-agent").Args), &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var hostPath string
+	for _, o := range objs {
+		if ds, ok := o.(*appsv1.DaemonSet); ok {
+			for _, v := range ds.Spec.Template.Spec.Volumes {
+				if v.Name == "run-aether" && v.HostPath != nil {
+					hostPath = v.HostPath.Path
+				}
+			}
+		}
+	}
+	if hostPath == "" {
+		t.Fatal("no run-aether hostPath volume")
+	}
+	for _, s := range []string{cfg.CNISocket, cfg.AdminSocket, cfg.XDSSocket, cfg.LDSSocket} {
+		if dir := filepath.Dir(s); dir != app.SocketDir || dir == hostPath {
+			t.Errorf("agent socket %q: want it in %s, a directory of its own below the hostPath %s", s, app.SocketDir, hostPath)
+		}
+	}
+	proxyArgs := expand(container(t, objs, "aether-proxy").Args)
+	for _, want := range []string{"-xds-address=unix://" + cfg.XDSSocket, "-lds-address=unix://" + cfg.LDSSocket} {
+		if !slices.Contains(proxyArgs, want) {
+			t.Errorf("aether-proxy args %q lack %q", proxyArgs, want)
+		}
+	}
+	raw, err := os.ReadFile(filepath.Join("cni", "10-aether.conflist"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	list, err := libcni.NetworkConfFromBytes(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var entry struct {
+		AgentSocket string `json:"agent_socket"`
+	}
+	if err := json.Unmarshal(list.Plugins[len(list.Plugins)-1].Bytes, &entry); err != nil {
+		t.Fatal(err)
+	}
+	if entry.AgentSocket != cfg.CNISocket || entry.AgentSocket != meshcni.DefaultAgentSocket {
+		t.Errorf("conflist agent_socket %q, agent --cni-socket %q, aether-cni default %q: want one path", entry.AgentSocket, cfg.CNISocket, meshcni.DefaultAgentSocket)
 	}
 }
 

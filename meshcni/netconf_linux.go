@@ -21,10 +21,10 @@ import (
 // Defaults of the netconf.
 const (
 	// DefaultAgentSocket is aether-agent's CNIService socket.
-	DefaultAgentSocket = "/run/aether/cni.sock"
+	DefaultAgentSocket = "/run/aether/agent/cni.sock"
 	// DefaultCRISocket is the CRI endpoint of the PID fallback.
 	DefaultCRISocket = "unix:///run/containerd/containerd.sock"
-	// DefaultPinDir holds the netns pins.
+	// DefaultPinDir holds the netns pins; aether-cni creates it 0700.
 	DefaultPinDir = "/run/aether/netns"
 	// DefaultUnpinDelay is how long a pin outlives DEL.
 	DefaultUnpinDelay = 60 * time.Second

@@ -30,7 +30,7 @@ import (
 // Config is the proxy's configuration (the flags of cmd/aether-proxy).
 type Config struct {
 	// XDSTarget is the agent's xDS endpoint as a gRPC target
-	// ("unix:///run/aether/xds.sock").
+	// ("unix:///run/aether/agent/xds.sock").
 	XDSTarget string
 	// LDSTarget, when set and different from XDSTarget, is a second xDS
 	// endpoint the Listener type is subscribed to on its own stream (the
@@ -69,7 +69,7 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	if cfg.XDSTarget == "" {
-		return nil, errors.New("xds target is empty: set it to the agent's socket, e.g. unix:///run/aether/xds.sock")
+		return nil, errors.New("xds target is empty: set it to the agent's socket, e.g. unix:///run/aether/agent/xds.sock")
 	}
 	p := &Proxy{
 		cfg: cfg, log: log, Metrics: telemetry.New(), Peers: peers.NewIndex(),

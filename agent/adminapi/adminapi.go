@@ -19,7 +19,7 @@ import (
 )
 
 // DefaultSocket is the agent's default admin socket.
-const DefaultSocket = "/run/aether/admin.sock"
+const DefaultSocket = "/run/aether/agent/admin.sock"
 
 // Pod is one stored record as the admin API returns it.
 type Pod struct {

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"sync/atomic"
 	"time"
 
@@ -20,6 +21,7 @@ import (
 	"aether.io/node/agent/adminapi"
 	adminhandler "aether.io/node/agent/adminapi/handler"
 	"aether.io/node/agent/cniserver"
+	"aether.io/node/agent/nodegate"
 	"aether.io/node/agent/pods"
 	"aether.io/node/agent/podsource"
 	"aether.io/node/agent/podsource/kube"
@@ -47,7 +49,8 @@ func NewLogger(w *os.File, level string) (*slog.Logger, error) {
 //
 //	tracing → store → registry → pods (pod source client, replay) →
 //	health HTTP → workload discovery → listener discovery →
-//	pod source, sync, liveness → CNI socket → admin socket → readiness
+//	pod source, sync, liveness → CNI socket → node gate → admin socket →
+//	readiness
 //
 // so SIGTERM first fails /readyz, stops accepting admin and CNI calls
 // (in-flight RPCs drain), stops the pod source and the loops, stops xDS
@@ -68,6 +71,9 @@ type agent struct {
 	metrics *telemetry.Metrics
 	lc      *lifecycle.Lifecycle
 	ready   atomic.Bool
+	// synced is closed once the pod source has synced and the agent is
+	// ready (awaitSync); the node gate waits for it.
+	synced chan struct{}
 
 	tracer        trace.Tracer
 	stopTracing   func()
@@ -75,12 +81,13 @@ type agent struct {
 	reg           registry.Registry
 	closeRegistry func()
 	src           podsource.Source
+	kube          kubernetes.Interface
 	nodeRes       *nodeXDS
 	mgr           *pods.Manager
 }
 
 func newAgent(c *Config, log *slog.Logger) *agent {
-	a := &agent{c: c, log: log, metrics: telemetry.NewMetrics(), lc: lifecycle.New(log, c.ShutdownTimeout)}
+	a := &agent{c: c, log: log, metrics: telemetry.NewMetrics(), lc: lifecycle.New(log, c.ShutdownTimeout), synced: make(chan struct{})}
 	a.nodeRes = newNodeXDS(c, log)
 	a.lc.Append(lifecycle.Hook{Name: "tracing", Start: a.startTracing, Stop: func(context.Context) error {
 		a.stopTracing()
@@ -106,6 +113,12 @@ func newAgent(c *Config, log *slog.Logger) *agent {
 		return nil
 	})
 	a.lc.Serve("cni_socket", a.listenCNI)
+	if c.PodManifests == "" && c.RemoveNotReadyTaint {
+		// After cni_socket: the taint goes only once AddPod is answered.
+		a.lc.Go("node_gate", func(ctx context.Context) error {
+			return nodegate.New(a.kube, c.NodeName, log.With("component", "node_gate")).RunAfter(ctx, a.synced)
+		})
+	}
 	if c.AdminSocket != "" {
 		a.lc.Serve("admin_socket", a.listenAdmin)
 	}
@@ -165,6 +178,7 @@ func (a *agent) startPods(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("failed to build kubernetes client: %w", err)
 		}
+		a.kube = cs
 		a.src = kube.New(cs, c.NodeName, 0, log.With("component", "pod_source"))
 		if locality == (registry.Locality{}) {
 			lctx, cancel := context.WithTimeout(ctx, 3*time.Second)
@@ -192,6 +206,7 @@ func (a *agent) awaitSync(ctx context.Context) error {
 		a.mgr.LivenessTick(ctx)
 		a.ready.Store(true)
 		a.log.Info("agent ready")
+		close(a.synced)
 	case <-ctx.Done():
 	}
 	return nil
@@ -214,7 +229,7 @@ func (a *agent) listenCNI() (net.Listener, lifecycle.Server, error) {
 	if err != nil {
 		return nil, lifecycle.Server{}, err
 	}
-	ln, err := unixsock.Listen(a.c.CNISocket)
+	ln, err := listenSocket("cni-socket", a.c.CNISocket)
 	if err != nil {
 		return nil, lifecycle.Server{}, err
 	}
@@ -223,7 +238,7 @@ func (a *agent) listenCNI() (net.Listener, lifecycle.Server, error) {
 }
 
 func (a *agent) listenAdmin() (net.Listener, lifecycle.Server, error) {
-	ln, err := unixsock.Listen(a.c.AdminSocket)
+	ln, err := listenSocket("admin-socket", a.c.AdminSocket)
 	if err != nil {
 		return nil, lifecycle.Server{}, err
 	}
@@ -236,6 +251,22 @@ func (a *agent) listenAdmin() (net.Listener, lifecycle.Server, error) {
 	}
 	a.log.Info("admin socket listening", "path", a.c.AdminSocket)
 	return ln, lifecycle.HTTP(srv), nil
+}
+
+// listenSocket opens the unix socket of --flag at path with the one socket
+// policy (pkg/unixsock: a missing directory is created 0700, one open to
+// group or others is refused). A refused directory gets an error that says
+// how to fix it.
+func listenSocket(flag, path string) (*net.UnixListener, error) {
+	ln, err := unixsock.Listen(path)
+	if err == nil {
+		return ln, nil
+	}
+	dir := filepath.Dir(path)
+	if fi, serr := os.Stat(dir); serr == nil && fi.IsDir() && fi.Mode().Perm()&0o077 != 0 {
+		return nil, fmt.Errorf("failed to serve --%s %q: %w; fix: chmod 0700 %q, or point --%s at a directory only the agent uses (the default %s is created 0700)", flag, path, err, dir, flag, SocketDir)
+	}
+	return nil, err
 }
 
 // newRegistry opens the endpoint registry --registry names.

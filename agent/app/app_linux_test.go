@@ -45,6 +45,25 @@ func testConfig(t *testing.T, extra ...string) *Config {
 	return c
 }
 
+// waitServing waits until the admin socket answers: it is the last part
+// started, so every part is up. done receives Run's result; one that
+// arrives early fails the test and is put back for a cleanup to read.
+func waitServing(ctx context.Context, t *testing.T, c *Config, done chan error) {
+	t.Helper()
+	admin := adminapi.NewClient(c.AdminSocket)
+	for {
+		if _, err := admin.Pods(ctx); err == nil {
+			return
+		}
+		select {
+		case err := <-done:
+			done <- err
+			t.Fatalf("Run returned before serving: %v", err)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
 // assertNoSockets checks Run removed the socket files it created.
 func assertNoSockets(t *testing.T, paths ...string) {
 	t.Helper()
@@ -78,19 +97,7 @@ func TestRunCleanStop(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- Run(ctx, c, slog.New(slog.DiscardHandler)) }()
 
-	// The admin socket is the last part started: once it answers, every
-	// part is up.
-	admin := adminapi.NewClient(c.AdminSocket)
-	for {
-		if _, err := admin.Pods(ctx); err == nil {
-			break
-		}
-		select {
-		case err := <-done:
-			t.Fatalf("Run returned before serving: %v", err)
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
+	waitServing(ctx, t, c, done)
 	cc, err := grpc.NewClient("unix://"+c.CNISocket, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
@@ -160,7 +167,7 @@ func TestRunFailedStart(t *testing.T) {
 				}
 				c.XDSSocket = filepath.Join(open, "xds.sock")
 			},
-			wantErr: []string{"failed to start wds_socket", "must be 0700"},
+			wantErr: []string{"failed to start wds_socket", "must be 0700", "--xds-socket", "fix: chmod 0700"},
 		},
 		{
 			name: "cni socket served by another process",
@@ -205,5 +212,51 @@ func TestRunFailedStart(t *testing.T) {
 			assertNoSockets(t, c.AdminSocket, c.XDSSocket, c.LDSSocket)
 			assertStoreFree(t, c.StateDir)
 		})
+	}
+}
+
+// TestRunSocketDirUnderOpenParent lays the sockets out as the defaults do
+// (<root>/run/aether/agent/*.sock) with <root>/run/aether already 0755, as
+// kubelet's hostPath DirectoryOrCreate and aether-cni's pin directory make
+// it: the agent starts, creates its own socket directory 0700 and serves.
+func TestRunSocketDirUnderOpenParent(t *testing.T) {
+	root := t.TempDir()
+	parent := filepath.Join(root, strings.TrimPrefix(filepath.Dir(SocketDir), "/"))
+	if err := os.MkdirAll(parent, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(parent, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	sockDir := filepath.Join(root, strings.TrimPrefix(SocketDir, "/"))
+	var extra []string
+	for _, name := range []string{"cni", "admin", "xds", "lds"} {
+		extra = append(extra, "--"+name+"-socket", filepath.Join(sockDir, name+".sock"))
+	}
+	c := testConfig(t, extra...)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- Run(ctx, c, slog.New(slog.DiscardHandler)) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run after a clean stop = %v", err)
+		}
+	})
+	waitServing(ctx, t, c, done)
+	fi, err := os.Stat(sockDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if perm := fi.Mode().Perm(); perm != 0o700 {
+		t.Errorf("socket dir %q mode = %04o, want 0700", sockDir, perm)
+	}
+	for _, p := range []string{c.CNISocket, c.XDSSocket, c.LDSSocket} {
+		conn, err := net.Dial("unix", p)
+		if err != nil {
+			t.Errorf("socket %q not served: %v", p, err)
+			continue
+		}
+		_ = conn.Close()
 	}
 }

@@ -18,6 +18,14 @@ import (
 	"aether.io/node/xds/resource"
 )
 
+// SocketDir is the directory of the agent's default sockets. The agent
+// creates it 0700 and serves only from a directory closed to group and
+// others; its parent (/run/aether, which kubelet's hostPath
+// DirectoryOrCreate and aether-cni's pin directory may create 0755) is not
+// checked. Before this directory existed the defaults were
+// /run/aether/<name>.sock.
+const SocketDir = "/run/aether/agent"
+
 // Config is the agent's configuration (one field per flag).
 type Config struct {
 	CNISocket        string
@@ -37,6 +45,10 @@ type Config struct {
 	OTLPEndpoint     string
 	LogLevel         string
 	Locality         registry.Locality
+	// RemoveNotReadyTaint removes nodegate.TaintKey from this node's Node
+	// once the CNI socket serves and the pod source has synced (Kubernetes
+	// pod source only).
+	RemoveNotReadyTaint bool
 	// XDSSocket and XDSAddress serve workload discovery; LDSSocket serves
 	// aether-proxy's per-pod listeners.
 	XDSSocket, XDSAddress, LDSSocket string
@@ -64,12 +76,13 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 		defNode = host
 	}
 	var uids, sysNS, etcdEndpoints, locality string
-	fs.StringVar(&c.CNISocket, "cni-socket", "/run/aether/cni.sock", "unix socket serving aether.cni.v1.CNIService (mode 0600; its directory must be 0700)")
-	fs.StringVar(&c.AdminSocket, "admin-socket", "/run/aether/admin.sock", "unix socket serving the read-only admin API used by aetherctl (mode 0600); empty disables it")
+	fs.StringVar(&c.CNISocket, "cni-socket", SocketDir+"/cni.sock", "unix socket serving aether.cni.v1.CNIService (mode 0600; its directory must be 0700)")
+	fs.StringVar(&c.AdminSocket, "admin-socket", SocketDir+"/admin.sock", "unix socket serving the read-only admin API used by aetherctl (mode 0600); empty disables it")
 	fs.StringVar(&c.StateDir, "state-dir", "/var/lib/aether", "directory of the durable pod store (agent.db)")
 	fs.StringVar(&c.PodManifests, "pod-manifests", "", "directory of Pod manifests (YAML/JSON) to use as the pod source instead of the Kubernetes API")
 	fs.DurationVar(&c.ManifestInterval, "pod-manifests-interval", time.Second, "how often --pod-manifests is rescanned (a lookup miss also rescans)")
 	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig for the Kubernetes pod source; empty means in-cluster config")
+	fs.BoolVar(&c.RemoveNotReadyTaint, "remove-not-ready-taint", true, "remove the taint aether.io/agent-not-ready:NoSchedule from this node's Node once the CNI socket serves and the pod source has synced (Kubernetes pod source only; needs patch on nodes)")
 	fs.StringVar(&c.NodeName, "node-name", defNode, "this node's name (default $NODE_NAME, else the hostname)")
 	fs.StringVar(&uids, "allowed-uids", "0", "comma-separated peer uids allowed on the CNI and admin sockets")
 	fs.StringVar(&sysNS, "system-namespaces", strings.Join(pods.DefaultSystemNamespaces, ","), "comma-separated namespaces that are never mesh-managed")
@@ -80,9 +93,9 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", 10*time.Second, "how long shutdown waits for in-flight RPCs")
 	fs.StringVar(&c.OTLPEndpoint, "otlp-endpoint", "", "OTLP/gRPC collector (host:port) for traces; empty disables export")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
-	fs.StringVar(&c.XDSSocket, "xds-socket", "/run/aether/xds.sock", "unix socket serving workload discovery ("+resource.WorkloadType+", delta and SotW ADS); empty disables it")
+	fs.StringVar(&c.XDSSocket, "xds-socket", SocketDir+"/xds.sock", "unix socket serving workload discovery ("+resource.WorkloadType+", delta and SotW ADS); empty disables it")
 	fs.StringVar(&c.XDSAddress, "xds-address", "", "optional TCP host:port also serving workload discovery")
-	fs.StringVar(&c.LDSSocket, "lds-socket", "/run/aether/lds.sock", "unix socket serving aether-proxy's per-pod listeners (envoy.config.listener.v3.Listener, ADS); empty disables it")
+	fs.StringVar(&c.LDSSocket, "lds-socket", SocketDir+"/lds.sock", "unix socket serving aether-proxy's per-pod listeners (envoy.config.listener.v3.Listener, ADS); empty disables it")
 	fs.StringVar(&c.ClusterID, "cluster-id", "Kubernetes", "cluster name: the first segment of every workload uid and its cluster_id")
 	fs.StringVar(&c.TrustDomain, "trust-domain", "cluster.local", "SPIFFE trust domain of the workloads")
 	fs.StringVar(&c.Network, "network", "", "network of the pods' addresses; empty for the default network")

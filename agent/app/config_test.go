@@ -17,7 +17,7 @@ func TestParseFlags(t *testing.T) {
 		t.Fatal(err)
 	}
 	if len(c.AllowedUIDs) != 2 || c.AllowedUIDs[1] != 1000 || strings.Join(c.SystemNamespaces, ",") != "a,b" ||
-		c.Locality != (registry.Locality{Region: "r", Zone: "z"}) || c.CNISocket != "/run/aether/cni.sock" || c.NodeName != "n1" {
+		c.Locality != (registry.Locality{Region: "r", Zone: "z"}) || c.CNISocket != "/run/aether/agent/cni.sock" || c.NodeName != "n1" {
 		t.Fatalf("config = %+v", c)
 	}
 	for _, tc := range []struct {

@@ -22,7 +22,6 @@ import (
 
 	"aether.io/node/agent/store"
 	"aether.io/node/pkg/lifecycle"
-	"aether.io/node/pkg/unixsock"
 	"aether.io/node/registry"
 	"aether.io/node/xds/listener"
 	"aether.io/node/xds/resource"
@@ -254,7 +253,7 @@ func (a *agent) appendXDS() {
 		}
 		if c.XDSSocket != "" {
 			a.lc.Serve("wds_socket", func() (net.Listener, lifecycle.Server, error) {
-				ln, err := unixsock.Listen(c.XDSSocket)
+				ln, err := listenSocket("xds-socket", c.XDSSocket)
 				if err != nil {
 					return nil, lifecycle.Server{}, err
 				}
@@ -273,7 +272,7 @@ func (a *agent) appendXDS() {
 	}
 	if c.LDSSocket != "" {
 		a.lc.Serve("lds_socket", func() (net.Listener, lifecycle.Server, error) {
-			ln, err := unixsock.Listen(c.LDSSocket)
+			ln, err := listenSocket("lds-socket", c.LDSSocket)
 			if err != nil {
 				return nil, lifecycle.Server{}, err
 			}

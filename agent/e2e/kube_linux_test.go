@@ -2,16 +2,23 @@ package e2e
 
 import (
 	"context"
+	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	authv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"aether.io/node/agent/internal/kubetest"
+	"aether.io/node/agent/nodegate"
 	cniv1 "aether.io/node/api/aether/cni/v1"
 	"aether.io/node/test/harness"
 )
@@ -181,4 +188,120 @@ func TestKubernetesPodSource(t *testing.T) {
 		t.Fatalf("RemovePod without API = %v, %v", r, err)
 	}
 	a.terminate(t)
+}
+
+// TestNodeGate runs the agent against a real kube-apiserver with a Node
+// registered with aether.io/agent-not-ready:NoSchedule and another taint.
+// The agent's identity first may not list pods: the pod source cannot sync
+// and the taint stays although the CNI socket serves. Once the agent may
+// list and watch pods it syncs, and the taint (only that one) goes.
+func TestNodeGate(t *testing.T) {
+	harness.RequireRoot(t)
+	if testing.Short() {
+		t.Skip("needs a kube-apiserver build (minutes when cold)")
+	}
+	cl := kubetest.Start(t)
+	ctx := context.Background()
+	const ns = "aether-system"
+	cl.Namespace(t, ns)
+	notReady := corev1.Taint{Key: nodegate.TaintKey, Effect: corev1.TaintEffectNoSchedule}
+	other := corev1.Taint{Key: "example.com/dedicated", Value: "db", Effect: corev1.TaintEffectNoSchedule}
+	if _, err := cl.Client.CoreV1().Nodes().Create(ctx, &corev1.Node{
+		ObjectMeta: metav1.ObjectMeta{Name: "node-a"},
+		Spec:       corev1.NodeSpec{Taints: []corev1.Taint{notReady, other}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	// The agent runs as a service account with the deploy/ rules minus
+	// list and watch on pods.
+	rbac := cl.Client.RbacV1()
+	role := &rbacv1.ClusterRole{
+		ObjectMeta: metav1.ObjectMeta{Name: "aether-agent"},
+		Rules: []rbacv1.PolicyRule{
+			{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get"}},
+			{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get", "patch"}},
+		},
+	}
+	if _, err := rbac.ClusterRoles().Create(ctx, role, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cl.Client.CoreV1().ServiceAccounts(ns).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "aether-agent"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rbac.ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: "aether-agent"},
+		RoleRef:    rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: "aether-agent"},
+		Subjects:   []rbacv1.Subject{{Kind: "ServiceAccount", Name: "aether-agent", Namespace: ns}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	tok, err := cl.Client.CoreV1().ServiceAccounts(ns).CreateToken(ctx, "aether-agent", &authv1.TokenRequest{}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := newAgentDirs(t)
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	if err := os.WriteFile(kubeconfig, []byte(fmt.Sprintf(`apiVersion: v1
+kind: Config
+clusters:
+- name: test
+  cluster: {server: %q, insecure-skip-tls-verify: true}
+users:
+- name: agent
+  user: {token: %q}
+contexts:
+- name: test
+  context: {cluster: test, user: agent}
+current-context: test
+`, cl.Config.Host, tok.Status.Token)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	taints := func() []corev1.Taint {
+		n, err := cl.Client.CoreV1().Nodes().Get(ctx, "node-a", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n.Spec.Taints
+	}
+
+	// The API server adds its own taints (node.kubernetes.io/not-ready):
+	// they must survive too.
+	registered := taints()
+	if !slices.Contains(registered, notReady) || !slices.Contains(registered, other) {
+		t.Fatalf("registered taints = %v, want %v and %v among them", registered, notReady, other)
+	}
+	survivors := slices.DeleteFunc(slices.Clone(registered), func(x corev1.Taint) bool { return x == notReady })
+
+	a := startAgent(t, dir, "--kubeconfig", kubeconfig)
+	// The CNI socket serves (startAgent waited for it) but the informer's
+	// list is forbidden: not synced, the taint stays.
+	eventually(t, "the pod list forbidden", func() bool { return strings.Contains(a.logs.String(), "forbidden") })
+	if got := taints(); !slices.Equal(got, registered) {
+		t.Fatalf("taints before the pod source synced = %v, want %v", got, registered)
+	}
+	if a.logs.find("agent ready") != nil || a.logs.find("removed node taint") != nil {
+		t.Fatalf("agent ready or taint removed before the pod source synced:\n%s", a.logs.String())
+	}
+
+	role.Rules[0].Verbs = []string{"get", "list", "watch"}
+	if _, err := rbac.ClusterRoles().Update(ctx, role, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	a.waitReady(t)
+	eventually(t, "the not-ready taint removed", func() bool { return slices.Equal(taints(), survivors) })
+	// Lifecycle order: node_gate starts after cni_socket; the taint goes
+	// after the agent is ready.
+	var order []string
+	for _, l := range a.logs.logLines() {
+		if l["msg"] == "started" && (l["part"] == "cni_socket" || l["part"] == "node_gate") {
+			order = append(order, l["part"].(string))
+		}
+		if l["msg"] == "agent ready" || l["msg"] == "removed node taint" {
+			order = append(order, l["msg"].(string))
+		}
+	}
+	if want := []string{"cni_socket", "node_gate", "agent ready", "removed node taint"}; !slices.Equal(order, want) {
+		t.Errorf("order = %q, want %q", order, want)
+	}
 }

@@ -22,7 +22,7 @@ import (
 func main() {
 	var cfg proxy.Config
 	host, _ := os.Hostname()
-	flag.StringVar(&cfg.XDSTarget, "xds-address", "unix:///run/aether/xds.sock", "the agent's xDS endpoint as a gRPC target (unix:///path or host:port)")
+	flag.StringVar(&cfg.XDSTarget, "xds-address", "unix:///run/aether/agent/xds.sock", "the agent's xDS endpoint as a gRPC target (unix:///path or host:port)")
 	flag.StringVar(&cfg.LDSTarget, "lds-address", "", "optional separate xDS endpoint for the Listener type (default: the same ADS stream as -xds-address)")
 	flag.StringVar(&cfg.NodeID, "node-id", host, "node id sent to the agent (the node name)")
 	flag.StringVar(&cfg.AdminAddress, "admin-address", "127.0.0.1:18090", "address of /metrics, /healthz and /debug/pods (empty disables)")

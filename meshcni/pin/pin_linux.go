@@ -57,7 +57,7 @@ func Path(dir, containerID string) string { return filepath.Join(dir, Name(conta
 // Pin bind-mounts the netns at nsPath onto dir/<name> and returns that path.
 // An earlier pin of the same container (a retried ADD) is replaced.
 func Pin(dir, containerID, nsPath string) (string, error) {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return "", fmt.Errorf("failed to create pin dir %q: %w", dir, err)
 	}
 	p := Path(dir, containerID)

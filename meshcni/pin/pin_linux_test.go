@@ -45,6 +45,11 @@ func TestPinUnpinList(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = pin.Unpin(p) })
+	if fi, err := os.Stat(dir); err != nil {
+		t.Fatal(err)
+	} else if perm := fi.Mode().Perm(); perm != 0o700 {
+		t.Fatalf("pin dir mode = %04o, want 0700", perm)
+	}
 	if !sameNS(t, pod.Path(), p) {
 		t.Fatal("pin does not hold the pod's netns")
 	}
