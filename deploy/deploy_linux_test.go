@@ -19,11 +19,13 @@ import (
 	yamlutil "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes/scheme"
 
+	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/app"
 	"aether.io/node/agent/nodegate"
 	"aether.io/node/enivlan/config"
 	"aether.io/node/meshcni"
 	"aether.io/node/test/harness"
+	workloadclient "aether.io/node/xds/workload/client"
 )
 
 func decodeManifests(t *testing.T) []any {
@@ -143,6 +145,15 @@ func TestSocketLayout(t *testing.T) {
 		if dir := filepath.Dir(s); dir != app.SocketDir || dir == hostPath {
 			t.Errorf("agent socket %q: want it in %s, a directory of its own below the hostPath %s", s, app.SocketDir, hostPath)
 		}
+	}
+	// aetherctl's defaults (it runs on the node, in the agent's container)
+	// name the agent's default sockets.
+	def, err := app.ParseFlags(nil, &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if adminapi.DefaultSocket != def.AdminSocket || workloadclient.DefaultSocket != def.XDSSocket {
+		t.Errorf("aetherctl defaults admin %q, xds %q; the agent's are %q, %q", adminapi.DefaultSocket, workloadclient.DefaultSocket, def.AdminSocket, def.XDSSocket)
 	}
 	proxyArgs := expand(container(t, objs, "aether-proxy").Args)
 	for _, want := range []string{"-xds-address=unix://" + cfg.XDSSocket, "-lds-address=unix://" + cfg.LDSSocket} {

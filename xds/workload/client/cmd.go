@@ -15,7 +15,7 @@ import (
 )
 
 // DefaultSocket is the agent's xDS socket.
-const DefaultSocket = "/run/aether/xds.sock"
+const DefaultSocket = "/run/aether/agent/xds.sock"
 
 // Row is the printable form of a workload (JSON output).
 type Row struct {

@@ -39,7 +39,7 @@ const (
 // For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
 //
 // CNIService is served by the node agent on a unix socket
-// (default /run/aether/cni.sock, mode 0600, peers checked with SO_PEERCRED).
+// (default /run/aether/agent/cni.sock, mode 0600, peers checked with SO_PEERCRED).
 type CNIServiceClient interface {
 	// AddPod reports a pod the runtime is bringing up. The agent fetches the
 	// rest of the pod (labels, annotations, uid, service account, volumes,
@@ -117,7 +117,7 @@ func (c *cNIServiceClient) GetPod(ctx context.Context, in *GetPodRequest, opts .
 // for forward compatibility.
 //
 // CNIService is served by the node agent on a unix socket
-// (default /run/aether/cni.sock, mode 0600, peers checked with SO_PEERCRED).
+// (default /run/aether/agent/cni.sock, mode 0600, peers checked with SO_PEERCRED).
 type CNIServiceServer interface {
 	// AddPod reports a pod the runtime is bringing up. The agent fetches the
 	// rest of the pod (labels, annotations, uid, service account, volumes,
