@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
@@ -190,12 +191,28 @@ func (s *Server) DeltaAggregatedResources(stream discovery.AggregatedDiscoverySe
 		})
 }
 
-func (st *deltaStream) handle(req *discovery.DeltaDiscoveryRequest) error {
-	if st.node == "" && req.GetNode() != nil {
-		st.node = req.GetNode().GetId()
+// request is what Delta and SotW requests have in common.
+type request interface {
+	GetNode() *core.Node
+	GetTypeUrl() string
+}
+
+// accept records the client's node id from the first request that names
+// one and reports whether req is for the type this server serves (others
+// are ignored, as an ADS server does for types it does not know).
+func (s *Server) accept(node *string, req request) bool {
+	if *node == "" && req.GetNode() != nil {
+		*node = req.GetNode().GetId()
 	}
 	if req.GetTypeUrl() != resource.WorkloadType {
-		st.s.log.Debug("ignoring xds request for an unserved type", "type_url", req.GetTypeUrl(), "node", st.node)
+		s.log.Debug("ignoring xds request for an unserved type", "type_url", req.GetTypeUrl(), "node", *node)
+		return false
+	}
+	return true
+}
+
+func (st *deltaStream) handle(req *discovery.DeltaDiscoveryRequest) error {
+	if !st.s.accept(&st.node, req) {
 		return nil
 	}
 	received := time.Now()
@@ -280,11 +297,7 @@ func (s *Server) StreamAggregatedResources(stream discovery.AggregatedDiscoveryS
 }
 
 func (st *sotwStream) handle(req *discovery.DiscoveryRequest) error {
-	if st.node == "" && req.GetNode() != nil {
-		st.node = req.GetNode().GetId()
-	}
-	if req.GetTypeUrl() != resource.WorkloadType {
-		st.s.log.Debug("ignoring xds request for an unserved type", "type_url", req.GetTypeUrl(), "node", st.node)
+	if !st.s.accept(&st.node, req) {
 		return nil
 	}
 	received := time.Now()
