@@ -79,8 +79,9 @@ func TestManifestSourceAddGetReportRemove(t *testing.T) {
 		}
 	}
 
-	// Unknown pod: retried within the deadline, then Unavailable.
-	_, err = c.AddPod(ctxT(t, 700*time.Millisecond), &cniv1.AddPodRequest{Pod: cniPod("shop", "ghost", "cid-ghost", "10.1.0.8")})
+	// Unknown pod: retried within the deadline, then Unavailable (the agent answers
+	// up to 250 ms before the caller's deadline; 3 s leaves room for a slow rescan under load).
+	_, err = c.AddPod(ctxT(t, 3*time.Second), &cniv1.AddPodRequest{Pod: cniPod("shop", "ghost", "cid-ghost", "10.1.0.8")})
 	if status.Code(err) != codes.Unavailable {
 		t.Fatalf("AddPod of unknown pod: %v, want Unavailable", err)
 	}
