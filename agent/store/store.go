@@ -63,7 +63,8 @@ type Record struct {
 	Uncaptured bool
 	// UncapturedError is that capture_divert_error.
 	UncapturedError string
-	// LastTimings are the timings of the last ReportAddResult, if any.
+	// LastTimings are the plugin's timings of the last ADD, if any: those of
+	// AddPod (started, pre_call), replaced by ReportAddResult's (every field).
 	LastTimings *cniv1.PluginTimings
 	// AddedAt is when AddPod first stored the record.
 	AddedAt time.Time

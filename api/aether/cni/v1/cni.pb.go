@@ -352,7 +352,16 @@ type AddPodRequest struct {
 	// pod carries what the plugin knows: name, namespace, network_namespace,
 	// container_id, ips and, when the runtime gives them, pid and uid. The agent
 	// fills the rest.
-	Pod           *CNIPod `protobuf:"bytes,1,opt,name=pod,proto3" json:"pod,omitempty"`
+	Pod *CNIPod `protobuf:"bytes,1,opt,name=pod,proto3" json:"pod,omitempty"`
+	// plugin_timings are the plugin's timings up to this call: started and
+	// pre_call (started -> this RPC was sent). The agent records them on the
+	// AddPod span and keeps them as the pod's last ADD timings (completed by
+	// ReportAddResult for a managed pod).
+	//
+	// Compatibility: field 2 is new. An agent that predates it ignores it (an
+	// unknown field), and a plugin that predates it sends none: the agent then
+	// records nothing extra for the call.
+	PluginTimings *PluginTimings `protobuf:"bytes,2,opt,name=plugin_timings,json=pluginTimings,proto3" json:"plugin_timings,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -390,6 +399,13 @@ func (*AddPodRequest) Descriptor() ([]byte, []int) {
 func (x *AddPodRequest) GetPod() *CNIPod {
 	if x != nil {
 		return x.Pod
+	}
+	return nil
+}
+
+func (x *AddPodRequest) GetPluginTimings() *PluginTimings {
+	if x != nil {
+		return x.PluginTimings
 	}
 	return nil
 }
@@ -448,7 +464,15 @@ type RemovePodRequest struct {
 	// namespace is the Kubernetes pod namespace.
 	Namespace string `protobuf:"bytes,2,opt,name=namespace,proto3" json:"namespace,omitempty"`
 	// container_id is the sandbox ID the pod was added with.
-	ContainerId   string `protobuf:"bytes,4,opt,name=container_id,json=containerId,proto3" json:"container_id,omitempty"`
+	ContainerId string `protobuf:"bytes,4,opt,name=container_id,json=containerId,proto3" json:"container_id,omitempty"`
+	// plugin_timings are the plugin's timings for this DEL: started and
+	// pre_call (started -> this RPC was sent). The agent records them on the
+	// RemovePod span and keeps them as the pod's last DEL timings.
+	//
+	// Compatibility: field 5 is new (after container_id = 4; 3 is not
+	// used). An agent that predates it ignores it, and a plugin that
+	// predates it sends none: the agent then records nothing extra.
+	PluginTimings *PluginTimings `protobuf:"bytes,5,opt,name=plugin_timings,json=pluginTimings,proto3" json:"plugin_timings,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -504,6 +528,13 @@ func (x *RemovePodRequest) GetContainerId() string {
 	return ""
 }
 
+func (x *RemovePodRequest) GetPluginTimings() *PluginTimings {
+	if x != nil {
+		return x.PluginTimings
+	}
+	return nil
+}
+
 // RemovePodResponse answers RemovePod.
 type RemovePodResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -554,6 +585,9 @@ func (x *RemovePodResponse) GetResult() RemovePodResponse_Result {
 // exports no telemetry of its own (the OTel SDK cost every pod ADD/DEL a
 // collector round trip, and 2 s whenever the collector was unreachable), so it
 // forwards them to the agent, whose RPC span records them as attributes.
+// Every RPC of an invocation carries them: AddPod and RemovePod
+// (plugin_timings: started and pre_call only) and ReportAddResult (timings:
+// every field of the ADD).
 // Optional throughout: a plugin that predates them sends none, and the agent
 // then records nothing extra for that call.
 type PluginTimings struct {
@@ -830,7 +864,9 @@ type GetPodResponse struct {
 	// uncaptured is true when the last ReportAddResult carried a
 	// capture_divert_error: the pod runs without the mesh.
 	Uncaptured bool `protobuf:"varint,4,opt,name=uncaptured,proto3" json:"uncaptured,omitempty"`
-	// last_timings are the timings of the last ReportAddResult, if any.
+	// last_timings are the plugin's timings of the last ADD, if any: those
+	// of its AddPod (started, pre_call), replaced by those of its
+	// ReportAddResult (every field) once it arrives.
 	LastTimings   *PluginTimings `protobuf:"bytes,5,opt,name=last_timings,json=lastTimings,proto3" json:"last_timings,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -929,22 +965,24 @@ const file_aether_cni_v1_cni_proto_rawDesc = "" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a>\n" +
 	"\x10AnnotationsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"@\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x85\x01\n" +
 	"\rAddPodRequest\x12/\n" +
-	"\x03pod\x18\x01 \x01(\v2\x15.aether.cni.v1.CNIPodB\x06\xbaH\x03\xc8\x01\x01R\x03pod\"\xaa\x01\n" +
+	"\x03pod\x18\x01 \x01(\v2\x15.aether.cni.v1.CNIPodB\x06\xbaH\x03\xc8\x01\x01R\x03pod\x12C\n" +
+	"\x0eplugin_timings\x18\x02 \x01(\v2\x1c.aether.cni.v1.PluginTimingsR\rpluginTimings\"\xaa\x01\n" +
 	"\x0eAddPodResponse\x12<\n" +
 	"\x06result\x18\x01 \x01(\x0e2$.aether.cni.v1.AddPodResponse.ResultR\x06result\"Z\n" +
 	"\x06Result\x12\x16\n" +
 	"\x12RESULT_UNSPECIFIED\x10\x00\x12\x12\n" +
 	"\x0eRESULT_SUCCESS\x10\x01\x12\x10\n" +
 	"\fRESULT_ERROR\x10\x02\x12\x12\n" +
-	"\x0eRESULT_IGNORED\x10\x03\"\x93\x01\n" +
+	"\x0eRESULT_IGNORED\x10\x03\"\xd8\x01\n" +
 	"\x10RemovePodRequest\x12!\n" +
 	"\x04name\x18\x01 \x01(\tB\r\xbaH\n" +
 	"\xc8\x01\x01r\x05\x10\x01\x18\xfd\x01R\x04name\x12*\n" +
 	"\tnamespace\x18\x02 \x01(\tB\f\xbaH\t\xc8\x01\x01r\x04\x10\x01\x18?R\tnamespace\x120\n" +
 	"\fcontainer_id\x18\x04 \x01(\tB\r\xbaH\n" +
-	"\xc8\x01\x01r\x05\x10\x01\x18\x80\x02R\vcontainerId\"\xb0\x01\n" +
+	"\xc8\x01\x01r\x05\x10\x01\x18\x80\x02R\vcontainerId\x12C\n" +
+	"\x0eplugin_timings\x18\x05 \x01(\v2\x1c.aether.cni.v1.PluginTimingsR\rpluginTimings\"\xb0\x01\n" +
 	"\x11RemovePodResponse\x12?\n" +
 	"\x06result\x18\x01 \x01(\x0e2'.aether.cni.v1.RemovePodResponse.ResultR\x06result\"Z\n" +
 	"\x06Result\x12\x16\n" +
@@ -1025,29 +1063,31 @@ var file_aether_cni_v1_cni_proto_depIdxs = []int32{
 	13, // 1: aether.cni.v1.CNIPod.annotations:type_name -> aether.cni.v1.CNIPod.AnnotationsEntry
 	14, // 2: aether.cni.v1.CNIPod.pid:type_name -> google.protobuf.UInt32Value
 	2,  // 3: aether.cni.v1.AddPodRequest.pod:type_name -> aether.cni.v1.CNIPod
-	0,  // 4: aether.cni.v1.AddPodResponse.result:type_name -> aether.cni.v1.AddPodResponse.Result
-	1,  // 5: aether.cni.v1.RemovePodResponse.result:type_name -> aether.cni.v1.RemovePodResponse.Result
-	15, // 6: aether.cni.v1.PluginTimings.started:type_name -> google.protobuf.Timestamp
-	16, // 7: aether.cni.v1.PluginTimings.pre_call:type_name -> google.protobuf.Duration
-	16, // 8: aether.cni.v1.PluginTimings.readiness_probe:type_name -> google.protobuf.Duration
-	16, // 9: aether.cni.v1.PluginTimings.capture_divert:type_name -> google.protobuf.Duration
-	16, // 10: aether.cni.v1.PluginTimings.total:type_name -> google.protobuf.Duration
-	7,  // 11: aether.cni.v1.ReportAddResultRequest.timings:type_name -> aether.cni.v1.PluginTimings
-	2,  // 12: aether.cni.v1.GetPodResponse.pod:type_name -> aether.cni.v1.CNIPod
-	7,  // 13: aether.cni.v1.GetPodResponse.last_timings:type_name -> aether.cni.v1.PluginTimings
-	3,  // 14: aether.cni.v1.CNIService.AddPod:input_type -> aether.cni.v1.AddPodRequest
-	5,  // 15: aether.cni.v1.CNIService.RemovePod:input_type -> aether.cni.v1.RemovePodRequest
-	8,  // 16: aether.cni.v1.CNIService.ReportAddResult:input_type -> aether.cni.v1.ReportAddResultRequest
-	10, // 17: aether.cni.v1.CNIService.GetPod:input_type -> aether.cni.v1.GetPodRequest
-	4,  // 18: aether.cni.v1.CNIService.AddPod:output_type -> aether.cni.v1.AddPodResponse
-	6,  // 19: aether.cni.v1.CNIService.RemovePod:output_type -> aether.cni.v1.RemovePodResponse
-	9,  // 20: aether.cni.v1.CNIService.ReportAddResult:output_type -> aether.cni.v1.ReportAddResultResponse
-	11, // 21: aether.cni.v1.CNIService.GetPod:output_type -> aether.cni.v1.GetPodResponse
-	18, // [18:22] is the sub-list for method output_type
-	14, // [14:18] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	7,  // 4: aether.cni.v1.AddPodRequest.plugin_timings:type_name -> aether.cni.v1.PluginTimings
+	0,  // 5: aether.cni.v1.AddPodResponse.result:type_name -> aether.cni.v1.AddPodResponse.Result
+	7,  // 6: aether.cni.v1.RemovePodRequest.plugin_timings:type_name -> aether.cni.v1.PluginTimings
+	1,  // 7: aether.cni.v1.RemovePodResponse.result:type_name -> aether.cni.v1.RemovePodResponse.Result
+	15, // 8: aether.cni.v1.PluginTimings.started:type_name -> google.protobuf.Timestamp
+	16, // 9: aether.cni.v1.PluginTimings.pre_call:type_name -> google.protobuf.Duration
+	16, // 10: aether.cni.v1.PluginTimings.readiness_probe:type_name -> google.protobuf.Duration
+	16, // 11: aether.cni.v1.PluginTimings.capture_divert:type_name -> google.protobuf.Duration
+	16, // 12: aether.cni.v1.PluginTimings.total:type_name -> google.protobuf.Duration
+	7,  // 13: aether.cni.v1.ReportAddResultRequest.timings:type_name -> aether.cni.v1.PluginTimings
+	2,  // 14: aether.cni.v1.GetPodResponse.pod:type_name -> aether.cni.v1.CNIPod
+	7,  // 15: aether.cni.v1.GetPodResponse.last_timings:type_name -> aether.cni.v1.PluginTimings
+	3,  // 16: aether.cni.v1.CNIService.AddPod:input_type -> aether.cni.v1.AddPodRequest
+	5,  // 17: aether.cni.v1.CNIService.RemovePod:input_type -> aether.cni.v1.RemovePodRequest
+	8,  // 18: aether.cni.v1.CNIService.ReportAddResult:input_type -> aether.cni.v1.ReportAddResultRequest
+	10, // 19: aether.cni.v1.CNIService.GetPod:input_type -> aether.cni.v1.GetPodRequest
+	4,  // 20: aether.cni.v1.CNIService.AddPod:output_type -> aether.cni.v1.AddPodResponse
+	6,  // 21: aether.cni.v1.CNIService.RemovePod:output_type -> aether.cni.v1.RemovePodResponse
+	9,  // 22: aether.cni.v1.CNIService.ReportAddResult:output_type -> aether.cni.v1.ReportAddResultResponse
+	11, // 23: aether.cni.v1.CNIService.GetPod:output_type -> aether.cni.v1.GetPodResponse
+	20, // [20:24] is the sub-list for method output_type
+	16, // [16:20] is the sub-list for method input_type
+	16, // [16:16] is the sub-list for extension type_name
+	16, // [16:16] is the sub-list for extension extendee
+	0,  // [0:16] is the sub-list for field type_name
 }
 
 func init() { file_aether_cni_v1_cni_proto_init() }
