@@ -338,7 +338,7 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 	if node == "" {
 		node = m.cfg.Node
 	}
-	rec := &store.Record{Pod: pod, Node: node, Owner: p.Owner, HostNetwork: p.HostNetwork, AddedAt: m.now().UTC()}
+	rec := &store.Record{Pod: pod, Node: node, Owner: p.Owner, HostNetwork: p.HostNetwork, FixedName: p.FixedName, AddedAt: m.now().UTC()}
 	if timings != nil {
 		rec.LastTimings = proto.Clone(timings).(*cniv1.PluginTimings)
 	}
@@ -451,7 +451,7 @@ func (m *Manager) endpoint(r *store.Record, healthy bool) registry.Endpoint {
 	p := r.Pod
 	ep := registry.Endpoint{
 		Key: r.Key(), Node: r.Node, Namespace: p.GetNamespace(), Name: p.GetName(), UID: p.GetUid(),
-		ServiceAccount: p.GetServiceAccount(), Labels: p.GetLabels(), Owner: r.Owner, HostNetwork: r.HostNetwork,
+		ServiceAccount: p.GetServiceAccount(), Labels: p.GetLabels(), Owner: r.Owner, HostNetwork: r.HostNetwork, FixedName: r.FixedName,
 		Healthy: healthy, Locality: m.cfg.Locality,
 	}
 	if ep.Node == "" {
