@@ -242,6 +242,32 @@ func TestBinaryErrors(t *testing.T) {
 	}
 }
 
+// calico writes the Calico-like primary into n's conf dir and returns its
+// path and bytes.
+func calico(t *testing.T, n node) (string, []byte) {
+	t.Helper()
+	orig, err := os.ReadFile("../../cniinstall/testdata/primaries/10-calico.conflist")
+	if err != nil {
+		t.Fatal(err)
+	}
+	primary := filepath.Join(n.conf, "10-calico.conflist")
+	if err := os.WriteFile(primary, orig, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return primary, orig
+}
+
+// term sends SIGTERM and wants exit code 0.
+func term(t *testing.T, cmd *exec.Cmd, stderr *lockedBuffer) {
+	t.Helper()
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if code := wait(t, cmd, stderr); code != 0 {
+		t.Fatalf("exit code %d after SIGTERM, want 0", code)
+	}
+}
+
 // TestBinaryInPodWithoutPodName: in a pod (KUBERNETES_SERVICE_HOST set),
 // auto needs POD_NAME and POD_NAMESPACE: exit 2 naming them; the other
 // modes need neither.
@@ -255,22 +281,10 @@ func TestBinaryInPodWithoutPodName(t *testing.T) {
 	if want := `POD_NAME="" and POD_NAMESPACE="" must both be set`; !strings.Contains(stderr.String(), want) {
 		t.Fatalf("stderr does not say %q", want)
 	}
-	primary := filepath.Join(n.conf, "10-calico.conflist")
-	orig, err := os.ReadFile("../../cniinstall/testdata/primaries/10-calico.conflist")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(primary, orig, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	primary, orig := calico(t, n)
 	cmd, stderr = runEnv(t, env, n.flags("--uninstall-on-exit=always")...)
 	waitFor(t, "chained", chained(primary))
-	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
-	if code := wait(t, cmd, stderr); code != 0 {
-		t.Fatalf("exit code %d after SIGTERM, want 0", code)
-	}
+	term(t, cmd, stderr)
 	if got, _ := os.ReadFile(primary); !bytes.Equal(got, orig) {
 		t.Fatalf("primary after uninstall:\nwant %q\ngot  %q", orig, got)
 	}
@@ -282,22 +296,10 @@ func TestBinaryInPodWithoutPodName(t *testing.T) {
 // its uninstall restores the original byte for byte.
 func TestBinaryKeepThenAdopt(t *testing.T) {
 	n := newNode(t)
-	orig, err := os.ReadFile("../../cniinstall/testdata/primaries/10-calico.conflist")
-	if err != nil {
-		t.Fatal(err)
-	}
-	primary := filepath.Join(n.conf, "10-calico.conflist")
-	if err := os.WriteFile(primary, orig, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	primary, orig := calico(t, n)
 	cmd, stderr := run(t, n.flags("--uninstall-on-exit=never")...)
 	waitFor(t, "chained", chained(primary))
-	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
-	if code := wait(t, cmd, stderr); code != 0 {
-		t.Fatalf("exit code %d after SIGTERM, want 0", code)
-	}
+	term(t, cmd, stderr)
 	kept, err := os.Stat(primary)
 	if err != nil || !chained(primary)() {
 		t.Fatalf("chain not kept after SIGTERM with never (err %v)", err)
@@ -312,12 +314,7 @@ func TestBinaryKeepThenAdopt(t *testing.T) {
 	if fi, err := os.Stat(primary); err != nil || !os.SameFile(fi, kept) || !fi.ModTime().Equal(kept.ModTime()) {
 		t.Fatalf("the next installer rewrote the kept chain (err %v)", err)
 	}
-	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
-	if code := wait(t, cmd, stderr); code != 0 {
-		t.Fatalf("exit code %d after SIGTERM, want 0", code)
-	}
+	term(t, cmd, stderr)
 	if got, _ := os.ReadFile(primary); !bytes.Equal(got, orig) {
 		t.Fatalf("primary after the next installer's uninstall:\nwant %q\ngot  %q", orig, got)
 	}
