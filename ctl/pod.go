@@ -78,7 +78,7 @@ func RunPod(ctx context.Context, args []string, stdout io.Writer) error {
 		}
 		rows = append(rows, timingRows("Last ", p.LastTimings)...)
 		if d := p.LastDel; d != nil {
-			rows = append(rows, []string{"Last DEL:", "container " + d.ContainerID + " at " + d.At.Format(time.RFC3339)})
+			rows = append(rows, []string{"Last DEL:", delWhat(d)})
 			rows = append(rows, timingRows("Last DEL ", d.Timings)...)
 		}
 		writeTable(stdout, rows)
@@ -100,9 +100,14 @@ func timingRows(prefix string, timings map[string]string) [][]string {
 	return rows
 }
 
+// delWhat names a kept DEL: its container and time.
+func delWhat(d *adminapi.Removal) string {
+	return "container " + d.ContainerID + " at " + d.At.Format(time.RFC3339)
+}
+
 // delSummary is a kept DEL on one line.
 func delSummary(d *adminapi.Removal) string {
-	s := "container " + d.ContainerID + " at " + d.At.Format(time.RFC3339)
+	s := delWhat(d)
 	for _, k := range timingKeys {
 		if v, ok := d.Timings[k]; ok && k != "started" {
 			s += ", " + strings.ReplaceAll(k, "_", " ") + " " + v
