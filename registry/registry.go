@@ -36,6 +36,11 @@ type Endpoint struct {
 	Owner *Owner `json:"owner,omitempty"`
 	// HostNetwork is true for host-network pods.
 	HostNetwork bool `json:"host_network,omitempty"`
+	// FixedName is true when the pod's name was not generated
+	// (metadata.generateName empty): istiod then names the workload after
+	// the pod, whatever Owner says. False from agents that predate the
+	// field, which is what every controller-created pod has.
+	FixedName bool `json:"fixed_name,omitempty"`
 	// Healthy is the liveness verdict; an endpoint starts healthy when it is
 	// registered by a successful AddPod and is marked unhealthy by liveness.
 	Healthy bool `json:"healthy"`

@@ -179,14 +179,22 @@ func TestManifestSourceAddGetReportRemove(t *testing.T) {
 		return err == nil && g.GetPod().GetTerminating() && !g.GetRegistered()
 	})
 	// RemovePod: record gone; removing again (or an unknown one) succeeds.
+	// The DEL's plugin_timings are kept: aetherctl pod names them.
 	for i := 0; i < 2; i++ {
-		rr, err := c.RemovePod(ctxT(t, 5*time.Second), &cniv1.RemovePodRequest{Name: "web-1", Namespace: "shop", ContainerId: "cid-web-1"})
+		rr, err := c.RemovePod(ctxT(t, 5*time.Second), &cniv1.RemovePodRequest{
+			Name: "web-1", Namespace: "shop", ContainerId: "cid-web-1",
+			PluginTimings: &cniv1.PluginTimings{PreCall: durationpb.New(time.Duration(i+3) * time.Millisecond)},
+		})
 		if err != nil || rr.GetResult() != cniv1.RemovePodResponse_RESULT_SUCCESS {
 			t.Fatalf("RemovePod #%d = %v, %v", i, rr, err)
 		}
 	}
 	if _, err := c.GetPod(ctxT(t, 5*time.Second), &cniv1.GetPodRequest{ContainerId: "cid-web-1"}); status.Code(err) != codes.NotFound {
 		t.Fatalf("GetPod after RemovePod: %v, want NotFound", err)
+	}
+	err = ctl.RunPod(ctxT(t, 10*time.Second), []string{"--admin-socket", a.admin, "shop/web-1"}, &out)
+	if err == nil || !regexp.MustCompile(`no record of pod shop/web-1; its last DEL: container cid-web-1 at \S+, pre call 4ms$`).MatchString(err.Error()) {
+		t.Fatalf("aetherctl pod after DEL = %v, want no record naming the last DEL (pre call 4ms)", err)
 	}
 	a.terminate(t)
 }

@@ -107,6 +107,24 @@ type Manager struct {
 	mu          sync.Mutex // the lifecycle lock
 	entries     map[string]*entry
 	terminating map[string]time.Time // pod identity -> when marked
+	removals    map[string]Removal   // namespace/name -> last DEL
+}
+
+// maxRemovals bounds the DEL timings kept in memory (one per pod); the
+// oldest goes first, and pruneMarks drops any older than an hour.
+const maxRemovals = 4096
+
+// Removal is the last CNI DEL (RemovePod) of a pod the agent held a record
+// of. It lives in memory only (the record itself is gone), so it is lost
+// when the agent restarts.
+type Removal struct {
+	// ContainerID is the sandbox the DEL removed.
+	ContainerID string
+	// At is when the agent handled it.
+	At time.Time
+	// Timings are the plugin's timings of that DEL; nil from a plugin that
+	// predates RemovePodRequest.plugin_timings.
+	Timings *cniv1.PluginTimings
 }
 
 type entry struct {
@@ -134,7 +152,7 @@ func New(cfg Config, st *store.Store, reg registry.Registry, src podsource.Sourc
 	}
 	return &Manager{
 		cfg: cfg, store: st, reg: reg, src: src, log: log, metrics: m, prober: prober, now: time.Now,
-		entries: map[string]*entry{}, terminating: map[string]time.Time{},
+		entries: map[string]*entry{}, terminating: map[string]time.Time{}, removals: map[string]Removal{},
 	}
 }
 
@@ -264,8 +282,11 @@ func (m *Manager) samePod(lctx context.Context, uid string, p *podsource.Pod) (*
 }
 
 // AddPod handles CNI ADD. in must be valid (the server validates it).
-func (m *Manager) AddPod(ctx context.Context, in *cniv1.CNIPod) (cniv1.AddPodResponse_Result, error) {
-	res, err := m.addPod(ctx, in)
+// timings are the plugin's (AddPodRequest.plugin_timings; nil from a plugin
+// that predates them): a managed pod's record keeps them as its last ADD
+// timings until ReportAddResult completes them.
+func (m *Manager) AddPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.PluginTimings) (cniv1.AddPodResponse_Result, error) {
+	res, err := m.addPod(ctx, in, timings)
 	switch {
 	case err != nil:
 		m.metrics.Operations.WithLabelValues(telemetry.OpAddPod, telemetry.ResultError).Inc()
@@ -277,7 +298,7 @@ func (m *Manager) AddPod(ctx context.Context, in *cniv1.CNIPod) (cniv1.AddPodRes
 	return res, err
 }
 
-func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod) (cniv1.AddPodResponse_Result, error) {
+func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.PluginTimings) (cniv1.AddPodResponse_Result, error) {
 	ns, name, key := in.GetNamespace(), in.GetName(), in.GetContainerId()
 	log := m.log.With("namespace", ns, "name", name, "container_id", key)
 	if m.isSystemNamespace(ns) {
@@ -317,7 +338,10 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod) (cniv1.AddPodRes
 	if node == "" {
 		node = m.cfg.Node
 	}
-	rec := &store.Record{Pod: pod, Node: node, Owner: p.Owner, HostNetwork: p.HostNetwork, AddedAt: m.now().UTC()}
+	rec := &store.Record{Pod: pod, Node: node, Owner: p.Owner, HostNetwork: p.HostNetwork, FixedName: p.FixedName, AddedAt: m.now().UTC()}
+	if timings != nil {
+		rec.LastTimings = proto.Clone(timings).(*cniv1.PluginTimings)
+	}
 
 	m.mu.Lock()
 	e, had := m.entries[key]
@@ -328,7 +352,10 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod) (cniv1.AddPodRes
 	} else {
 		prev = e.rec
 		rec.AddedAt = prev.AddedAt
-		rec.Uncaptured, rec.UncapturedError, rec.LastTimings = prev.Uncaptured, prev.UncapturedError, prev.LastTimings
+		rec.Uncaptured, rec.UncapturedError = prev.Uncaptured, prev.UncapturedError
+		if rec.LastTimings == nil {
+			rec.LastTimings = prev.LastTimings
+		}
 		if prev.Pod.GetTerminating() && matches(prev, ns, name, p.UID) {
 			pod.Terminating = true // never cleared by a re-ADD
 		}
@@ -424,7 +451,7 @@ func (m *Manager) endpoint(r *store.Record, healthy bool) registry.Endpoint {
 	p := r.Pod
 	ep := registry.Endpoint{
 		Key: r.Key(), Node: r.Node, Namespace: p.GetNamespace(), Name: p.GetName(), UID: p.GetUid(),
-		ServiceAccount: p.GetServiceAccount(), Labels: p.GetLabels(), Owner: r.Owner, HostNetwork: r.HostNetwork,
+		ServiceAccount: p.GetServiceAccount(), Labels: p.GetLabels(), Owner: r.Owner, HostNetwork: r.HostNetwork, FixedName: r.FixedName,
 		Healthy: healthy, Locality: m.cfg.Locality,
 	}
 	if ep.Node == "" {
@@ -451,10 +478,17 @@ func (m *Manager) checkUDS(r *store.Record) {
 
 // RemovePod handles CNI DEL: the record is deleted first (the only failure
 // that fails the DEL), then the endpoint is deregistered. Unknown
-// containers succeed.
-func (m *Manager) RemovePod(ctx context.Context, ns, name, key string) (cniv1.RemovePodResponse_Result, error) {
+// containers succeed. timings are the plugin's
+// (RemovePodRequest.plugin_timings; nil from a plugin that predates them):
+// they are kept as the pod's last DEL (LastRemoval) when the agent held a
+// record of the container, or already holds a DEL of that pod (a retried
+// DEL); DELs of pods the agent never managed are not kept.
+func (m *Manager) RemovePod(ctx context.Context, ns, name, key string, timings *cniv1.PluginTimings) (cniv1.RemovePodResponse_Result, error) {
 	m.mu.Lock()
 	e := m.entries[key]
+	if _, known := m.removals[ns+"/"+name]; e != nil || known {
+		m.keepRemovalLocked(ns, name, key, timings)
+	}
 	m.mu.Unlock()
 	if e == nil {
 		m.metrics.Operations.WithLabelValues(telemetry.OpRemovePod, telemetry.ResultSuccess).Inc()
@@ -526,6 +560,42 @@ func (m *Manager) ReportAddResult(ctx context.Context, req *cniv1.ReportAddResul
 	return true, nil
 }
 
+// keepRemovalLocked records the last DEL of ns/name; mu is held.
+func (m *Manager) keepRemovalLocked(ns, name, key string, timings *cniv1.PluginTimings) {
+	id := ns + "/" + name
+	if _, ok := m.removals[id]; !ok && len(m.removals) >= maxRemovals {
+		oldest := ""
+		for k, r := range m.removals {
+			if oldest == "" || r.At.Before(m.removals[oldest].At) {
+				oldest = k
+			}
+		}
+		delete(m.removals, oldest)
+	}
+	r := Removal{ContainerID: key, At: m.now().UTC()}
+	if timings != nil {
+		r.Timings = proto.Clone(timings).(*cniv1.PluginTimings)
+	}
+	m.removals[id] = r
+}
+
+// LastRemoval returns the last DEL of namespace/name the agent kept (see
+// RemovePod), whether or not the pod still has records.
+func (m *Manager) LastRemoval(ns, name string) (Removal, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.removalLocked(ns, name)
+}
+
+// removalLocked returns a copy of the kept DEL of ns/name; mu is held.
+func (m *Manager) removalLocked(ns, name string) (Removal, bool) {
+	r, ok := m.removals[ns+"/"+name]
+	if ok && r.Timings != nil {
+		r.Timings = proto.Clone(r.Timings).(*cniv1.PluginTimings)
+	}
+	return r, ok
+}
+
 func resultOf(errText string) string {
 	if errText != "" {
 		return telemetry.ResultError
@@ -542,10 +612,16 @@ type PodState struct {
 	// refused; both empty when the pod asks for no UDS socket.
 	UDSPath    string
 	UDSRefusal string
+	// LastRemoval is the pod's (namespace/name) last kept DEL, if any: the
+	// DEL of an earlier sandbox of the same pod.
+	LastRemoval *Removal
 }
 
 func (m *Manager) stateLocked(e *entry) PodState {
 	s := PodState{Record: e.rec.Clone(), Registered: e.registered, Healthy: e.healthy}
+	if r, ok := m.removalLocked(e.rec.Pod.GetNamespace(), e.rec.Pod.GetName()); ok {
+		s.LastRemoval = &r
+	}
 	if p, asked, err := uds.Resolve(m.cfg.UDSRoot, e.rec.Pod); asked {
 		var re *uds.RefusalError
 		if errors.As(err, &re) {

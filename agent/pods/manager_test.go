@@ -163,7 +163,7 @@ func TestNeverReregisterTerminating(t *testing.T) {
 				res, err := m.AddPod(ctx, &cniv1.CNIPod{
 					Namespace: "ns", Name: pods[i].Name, ContainerId: key,
 					NetworkNamespace: "/x", Ips: []string{"10.0.0.1"},
-				})
+				}, nil)
 				if err != nil || res != cniv1.AddPodResponse_RESULT_SUCCESS {
 					rt.Fatalf("AddPod %s = %v, %v", key, res, err)
 				}
@@ -201,7 +201,7 @@ func TestNeverReregisterTerminating(t *testing.T) {
 			"remove": func(rt *rapid.T) {
 				i := rapid.IntRange(0, nPods-1).Draw(rt, "pod")
 				c := rapid.IntRange(0, 1).Draw(rt, "container")
-				if _, err := m.RemovePod(ctx, "ns", pods[i].Name, fmt.Sprintf("c-%d-%d", i, c)); err != nil {
+				if _, err := m.RemovePod(ctx, "ns", pods[i].Name, fmt.Sprintf("c-%d-%d", i, c), nil); err != nil {
 					rt.Fatalf("RemovePod: %v", err)
 				}
 			},

@@ -214,7 +214,7 @@ func (m *Manager) updateGaugesLocked() {
 }
 
 // RunLiveness ticks every interval until ctx ends, and prunes terminating
-// marks of pods without records after an hour.
+// marks of pods without records, and kept DELs, after an hour.
 func (m *Manager) RunLiveness(ctx context.Context, interval time.Duration) {
 	t := time.NewTicker(interval)
 	defer t.Stop()
@@ -240,6 +240,11 @@ func (m *Manager) pruneMarks(age time.Duration) {
 	for _, k := range slices.Collect(maps.Keys(m.terminating)) {
 		if !ids[k] && m.now().Sub(m.terminating[k]) > age {
 			delete(m.terminating, k)
+		}
+	}
+	for k, r := range m.removals {
+		if m.now().Sub(r.At) > age {
+			delete(m.removals, k)
 		}
 	}
 }

@@ -73,8 +73,13 @@ spec:
 	}
 	p := podsource.FromKube(pods[0])
 	if p.UDSCSIVolume != "" || p.UDSCSIVolumes != 2 || strings.Join(p.Volumes, ",") != "m1,m2,other,e" || !p.Terminating ||
-		p.Owner == nil || p.Owner.Kind != "ReplicaSet" || p.Owner.Name != "web-7d9" || !p.HostNetwork || p.ServiceAccount != "sa" || p.UID != "u1" {
+		p.Owner == nil || p.Owner.Kind != "ReplicaSet" || p.Owner.Name != "web-7d9" || !p.HostNetwork || p.ServiceAccount != "sa" || p.UID != "u1" ||
+		!p.FixedName {
 		t.Fatalf("FromKube = %+v", p)
+	}
+	pods[0].GenerateName = "web-7d9-"
+	if p := podsource.FromKube(pods[0]); p.FixedName {
+		t.Fatalf("FromKube of a pod with generateName = %+v, want FixedName false", p)
 	}
 }
 
