@@ -3,7 +3,6 @@ package app
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"net"
 	"net/netip"
 	"os"
@@ -29,7 +28,7 @@ import (
 // workloads cannot erase each other in the shared index.
 func TestRestartKeepsLocalWorkloadsOverEtcd(t *testing.T) {
 	e := etcdtest.Start(t)
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx := context.Background()
 	c := testConfig(t, "--registry", "etcd", "--etcd-endpoints", e.Endpoint(), "--etcd-insecure")
 	manifests := filepath.Join(filepath.Dir(c.StateDir), "manifests")
 	netns := filepath.Join(t.TempDir(), "netns")
@@ -78,8 +77,10 @@ func TestRestartKeepsLocalWorkloadsOverEtcd(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = remote.Close() })
 	remoteEP := func(i int) registry.Endpoint {
-		return registry.Endpoint{Key: fmt.Sprintf("sb-remote-%d", i), Node: "n2", Namespace: "shop", Name: fmt.Sprintf("remote-%d", i),
-			IPs: []netip.Addr{netip.AddrFrom4([4]byte{10, 2, 0, byte(i + 1)})}, Healthy: true}
+		return registry.Endpoint{
+			Key: fmt.Sprintf("sb-remote-%d", i), Node: "n2", Namespace: "shop", Name: fmt.Sprintf("remote-%d", i),
+			IPs: []netip.Addr{netip.AddrFrom4([4]byte{10, 2, 0, byte(i + 1)})}, Healthy: true,
+		}
 	}
 	for i := range 3 {
 		if err := remote.Register(ctx, remoteEP(i)); err != nil {
@@ -87,14 +88,7 @@ func TestRestartKeepsLocalWorkloadsOverEtcd(t *testing.T) {
 		}
 	}
 
-	done := make(chan error, 1)
-	go func() { done <- Run(ctx, c, slog.New(slog.DiscardHandler)) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run after a clean stop = %v", err)
-		}
-	})
+	runCtx, done := runAgent(t, c)
 	for !dialable(c.XDSSocket) {
 		select {
 		case err := <-done:
@@ -103,7 +97,7 @@ func TestRestartKeepsLocalWorkloadsOverEtcd(t *testing.T) {
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
-	cctx, ccancel := context.WithCancel(ctx)
+	cctx, ccancel := context.WithCancel(runCtx)
 	t.Cleanup(ccancel)
 	xc, err := client.Dial(cctx, client.Options{Socket: c.XDSSocket, NodeID: "test"})
 	if err != nil {
