@@ -366,3 +366,61 @@ func TestGhostSweepOverEtcd(t *testing.T) {
 		t.Errorf("second tick deleted more ghosts: %v", got)
 	}
 }
+
+// deadlineRegistry records the deadline of every Register and blocks it
+// until its context ends (etcd away).
+type deadlineRegistry struct {
+	*local.Registry
+	mu        sync.Mutex
+	deadlines []time.Time
+}
+
+func (d *deadlineRegistry) Register(ctx context.Context, _ registry.Endpoint) error {
+	dl, _ := ctx.Deadline()
+	d.mu.Lock()
+	d.deadlines = append(d.deadlines, dl)
+	d.mu.Unlock()
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+// TestReplayRegistersUnderOneDeadline: a restart while the registry hangs
+// waits one write timeout for all its pods together, not one per pod (the
+// CNI socket opens after Replay); the records are loaded all the same.
+func TestReplayRegistersUnderOneDeadline(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	st, err := store.Open(dir, store.Options{NoSync: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	const n = 3 * replayParallel
+	for i := range n {
+		if err := st.Put(ctx, &store.Record{Node: "n", Pod: &cniv1.CNIPod{
+			ContainerId: fmt.Sprintf("sb-%d", i), Namespace: "ns", Name: fmt.Sprintf("p%d", i), Ips: []string{"10.0.0.1"},
+		}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	reg := &deadlineRegistry{Registry: local.New()}
+	healthy := true
+	m := New(Config{Node: "n"}, st, reg, newFakeSource(), alwaysHealthy{&healthy}, nil, nil)
+	got, err := m.Replay(ctx)
+	if err != nil || got != n {
+		t.Fatalf("Replay = %d, %v; want %d records", got, err, n)
+	}
+	if len(m.List()) != n {
+		t.Errorf("%d records loaded, want %d", len(m.List()), n)
+	}
+	// The first replayParallel writes hang until the shared deadline; the
+	// rest start after it and fail at once: every write has that deadline.
+	if len(reg.deadlines) != n {
+		t.Fatalf("%d Register calls, want %d", len(reg.deadlines), n)
+	}
+	for i, dl := range reg.deadlines {
+		if dl.IsZero() || !dl.Equal(reg.deadlines[0]) {
+			t.Fatalf("Register %d had deadline %v, want the shared %v", i, dl, reg.deadlines[0])
+		}
+	}
+}
