@@ -66,10 +66,19 @@ type retry struct {
 }
 
 // writeContext is the context of one registry write: not cancelled with
-// the request that caused it (a pod's registration outlives the CNI call),
-// bounded by writeTimeout.
+// the request that caused it, bounded by writeTimeout and, when ctx has a
+// deadline (a CNI call), by that deadline less a margin, so a slow registry
+// never makes AddPod or RemovePod miss their deadline. What such a write
+// could not finish, the liveness loop completes: an unregistered live
+// record is registered on the next tick, a failed deregistration joins the
+// retry set.
 func writeContext(ctx context.Context) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(context.WithoutCancel(ctx), writeTimeout)
+	d := writeTimeout
+	if dl, ok := ctx.Deadline(); ok {
+		left := time.Until(dl)
+		d = min(d, left-min(left/10, 250*time.Millisecond))
+	}
+	return context.WithTimeout(context.WithoutCancel(ctx), d)
 }
 
 // liveLocked reports whether e may be registered: durable, not removed and
@@ -126,7 +135,7 @@ func (m *Manager) registerWith(wctx context.Context, e *entry, healthy bool) boo
 	}
 	m.mu.Unlock()
 	m.log.Info("pod turned terminating or was removed during its registration; deregistering it", "container_id", e.key)
-	m.deregisterHeld(wctx, e)
+	m.deregisterHeld(context.WithoutCancel(wctx), e) // its own budget, not what is left of wctx
 	return false
 }
 

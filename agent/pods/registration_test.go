@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -367,15 +368,19 @@ func TestGhostSweepOverEtcd(t *testing.T) {
 	}
 }
 
-// deadlineRegistry records the deadline of every Register and blocks it
-// until its context ends (etcd away).
+// deadlineRegistry records the deadline of every Register and, unless
+// hang is false, blocks it until its context ends (etcd away).
 type deadlineRegistry struct {
 	*local.Registry
+	hang      atomic.Bool
 	mu        sync.Mutex
 	deadlines []time.Time
 }
 
-func (d *deadlineRegistry) Register(ctx context.Context, _ registry.Endpoint) error {
+func (d *deadlineRegistry) Register(ctx context.Context, ep registry.Endpoint) error {
+	if !d.hang.Load() {
+		return d.Registry.Register(ctx, ep)
+	}
 	dl, _ := ctx.Deadline()
 	d.mu.Lock()
 	d.deadlines = append(d.deadlines, dl)
@@ -404,6 +409,7 @@ func TestReplayRegistersUnderOneDeadline(t *testing.T) {
 		}
 	}
 	reg := &deadlineRegistry{Registry: local.New()}
+	reg.hang.Store(true)
 	healthy := true
 	m := New(Config{Node: "n"}, st, reg, newFakeSource(), alwaysHealthy{&healthy}, nil, nil)
 	got, err := m.Replay(ctx)
@@ -422,5 +428,31 @@ func TestReplayRegistersUnderOneDeadline(t *testing.T) {
 		if dl.IsZero() || !dl.Equal(reg.deadlines[0]) {
 			t.Fatalf("Register %d had deadline %v, want the shared %v", i, dl, reg.deadlines[0])
 		}
+	}
+}
+
+// TestAddPodWithinItsDeadline: with the registry hanging, AddPod answers
+// within the CNI call's deadline (its Register is cut before it), the pod
+// is stored, and the liveness loop registers it once the registry is back.
+func TestAddPodWithinItsDeadline(t *testing.T) {
+	reg := &deadlineRegistry{Registry: local.New()}
+	reg.hang.Store(true)
+	m, _ := testManager(t, reg, "a")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	reqDeadline, _ := ctx.Deadline()
+	if err := addPod(ctx, m, "a"); err != nil {
+		t.Fatalf("AddPod with the registry hanging = %v, want success", err)
+	}
+	if len(reg.deadlines) != 1 || !reg.deadlines[0].Before(reqDeadline) {
+		t.Fatalf("Register deadlines %v, want one before the request's %v", reg.deadlines, reqDeadline)
+	}
+	if s, ok := m.Get("sb-a"); !ok || s.Registered {
+		t.Fatalf("after AddPod: stored %v, registered %v; want stored, not registered", ok, s.Registered)
+	}
+	reg.hang.Store(false)
+	m.LivenessTick(context.Background())
+	if got := keys(t, reg.Registry); !slices.Equal(got, []string{"sb-a"}) {
+		t.Errorf("registered keys after the registry came back = %v, want [sb-a]", got)
 	}
 }
