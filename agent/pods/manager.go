@@ -4,9 +4,17 @@
 // Invariants (see agent/README.md):
 //   - persist before register: an endpoint is registered only for a record
 //     that is durably stored;
-//   - never re-register a terminating pod: every Register call checks the
-//     record's terminating flag under mu, the same lock under which the pod
-//     watch marks pods terminating;
+//   - never re-register a terminating pod: every registry write follows
+//     lock → check → write → re-check: the key's write lock orders the
+//     writes of one key; the check of the record's terminating flag runs
+//     under mu, the same lock under which the pod watch marks pods
+//     terminating; the write runs without mu (a slow registry never blocks
+//     AddPod, RemovePod or the admin API); a record that turned terminating
+//     or was removed while its Register was in flight is deregistered again;
+//   - failed deregistrations are retried with backoff until they succeed,
+//     and the liveness loop's ghost sweep deletes this node's keys without
+//     a live record (after a restart the retry set is gone; the sweep finds
+//     the same keys);
 //   - replay before serve: Replay loads every record before the CNI socket
 //     is opened.
 package pods
@@ -104,10 +112,13 @@ type Manager struct {
 	prober  Prober
 	now     func() time.Time
 
-	mu          sync.Mutex // the lifecycle lock
+	mu          sync.Mutex // the lifecycle lock; never held across a registry or store call
 	entries     map[string]*entry
 	terminating map[string]time.Time // pod identity -> when marked
 	removals    map[string]Removal   // namespace/name -> last DEL
+	retries     map[string]*retry    // container ID -> failed deregistration to retry
+
+	writes keyLocks // orders the registry writes of each key
 }
 
 // maxRemovals bounds the DEL timings kept in memory (one per pod); the
@@ -128,6 +139,7 @@ type Removal struct {
 }
 
 type entry struct {
+	key        string     // the container ID, never changes
 	wmu        sync.Mutex // orders this record's writes
 	rec        *store.Record
 	persisted  bool
@@ -153,6 +165,7 @@ func New(cfg Config, st *store.Store, reg registry.Registry, src podsource.Sourc
 	return &Manager{
 		cfg: cfg, store: st, reg: reg, src: src, log: log, metrics: m, prober: prober, now: time.Now,
 		entries: map[string]*entry{}, terminating: map[string]time.Time{}, removals: map[string]Removal{},
+		retries: map[string]*retry{},
 	}
 }
 
@@ -182,27 +195,35 @@ func matches(rec *store.Record, ns, name, uid string) bool {
 }
 
 // Replay loads every stored record and registers the ones that are not
-// terminating. Call it before serving.
+// terminating (outside mu, replayParallel at a time, within one
+// writeTimeout: the liveness loop registers whatever failed). Call it
+// before serving.
 func (m *Manager) Replay(ctx context.Context) (int, error) {
 	recs, err := m.store.List()
 	if err != nil {
 		return 0, fmt.Errorf("failed to replay records: %w", err)
 	}
+	var live []*entry
+	var health []bool
 	m.mu.Lock()
-	defer m.mu.Unlock()
 	for _, r := range recs {
-		e := &entry{rec: r, persisted: true}
-		m.entries[r.Key()] = e
+		e := &entry{key: r.Key(), rec: r, persisted: true}
+		m.entries[e.key] = e
 		if r.Pod.GetTerminating() {
 			m.terminating[podIdentity(r.Pod.GetNamespace(), r.Pod.GetName(), r.Pod.GetUid())] = m.now()
 			continue
 		}
 		m.checkUDS(r)
-		m.registerLocked(ctx, e, m.prober.Healthy(r))
+		live = append(live, e)
+		health = append(health, m.prober.Healthy(r))
 	}
+	m.mu.Unlock()
+	m.registerAll(ctx, live, health)
+	m.mu.Lock()
 	for _, e := range m.entries {
 		m.observeLocked(e)
 	}
+	m.mu.Unlock()
 	m.log.Info("replayed pod records", "records", len(recs))
 	return len(recs), nil
 }
@@ -347,7 +368,7 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 	e, had := m.entries[key]
 	var prev *store.Record
 	if !had {
-		e = &entry{}
+		e = &entry{key: key}
 		m.entries[key] = e
 	} else {
 		prev = e.rec
@@ -383,14 +404,15 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 	m.checkUDS(rec)
 
 	m.mu.Lock()
-	defer m.mu.Unlock()
 	if !e.removed {
 		m.observeLocked(e)
 	}
-	if !e.removed && !e.rec.Pod.GetTerminating() {
-		m.registerLocked(ctx, e, true)
-	}
-	log.Info("pod added", "terminating", e.rec.Pod.GetTerminating(), "registered", e.registered)
+	m.mu.Unlock()
+	m.register(ctx, e, true) // checks terminating and removed itself
+	m.mu.Lock()
+	terminating, registered := e.rec.Pod.GetTerminating(), e.registered
+	m.mu.Unlock()
+	log.Info("pod added", "terminating", terminating, "registered", registered)
 	return cniv1.AddPodResponse_RESULT_SUCCESS, nil
 }
 
@@ -414,37 +436,6 @@ func (m *Manager) persist(ctx context.Context, e *entry) error {
 	e.persisted = true
 	m.mu.Unlock()
 	return nil
-}
-
-// registerLocked registers e unless it is terminating, removed or not yet
-// durable. mu is held: this is the check the invariant needs.
-func (m *Manager) registerLocked(ctx context.Context, e *entry, healthy bool) {
-	if e.removed || !e.persisted || e.rec.Pod.GetTerminating() {
-		return
-	}
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-	defer cancel()
-	if err := m.reg.Register(rctx, m.endpoint(e.rec, healthy)); err != nil {
-		m.log.Error("failed to register endpoint", "container_id", e.rec.Key(), "error", err.Error())
-		e.registered = false
-		return
-	}
-	e.registered, e.healthy = true, healthy
-	m.observeLocked(e)
-}
-
-func (m *Manager) deregisterLocked(ctx context.Context, e *entry) {
-	if !e.registered {
-		return
-	}
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-	defer cancel()
-	if err := m.reg.Deregister(rctx, e.rec.Key()); err != nil {
-		m.log.Error("failed to deregister endpoint", "container_id", e.rec.Key(), "error", err.Error())
-		return
-	}
-	e.registered = false
-	m.observeLocked(e)
 }
 
 func (m *Manager) endpoint(r *store.Record, healthy bool) registry.Endpoint {
@@ -477,8 +468,9 @@ func (m *Manager) checkUDS(r *store.Record) {
 }
 
 // RemovePod handles CNI DEL: the record is deleted first (the only failure
-// that fails the DEL), then the endpoint is deregistered. Unknown
-// containers succeed. timings are the plugin's
+// that fails the DEL), then the endpoint is deregistered (a failed
+// deregistration is retried by the liveness loop). Unknown containers
+// succeed. timings are the plugin's
 // (RemovePodRequest.plugin_timings; nil from a plugin that predates them):
 // they are kept as the pod's last DEL (LastRemoval) when the agent held a
 // record of the container, or already holds a DEL of that pod (a retried
@@ -506,7 +498,6 @@ func (m *Manager) RemovePod(ctx context.Context, ns, name, key string, timings *
 	if m.entries[key] == e {
 		delete(m.entries, key)
 	}
-	m.deregisterLocked(ctx, e)
 	if m.cfg.Observer != nil {
 		m.cfg.Observer.RecordRemoved(key)
 	}
@@ -514,6 +505,7 @@ func (m *Manager) RemovePod(ctx context.Context, ns, name, key string, timings *
 	// a lagging source must not register it); pruneMarks ages them out.
 	r := e.rec.Pod
 	m.mu.Unlock()
+	m.deregister(ctx, e)
 	if r.GetNamespace() != ns || r.GetName() != name {
 		m.log.Warn("remove named another pod than the record", "container_id", key, "namespace", ns, "name", name,
 			"record_namespace", r.GetNamespace(), "record_name", r.GetName())

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"pgregory.net/rapid"
@@ -88,16 +89,16 @@ func (f *fakeSource) List() []*podsource.Pod {
 }
 
 // checkingRegistry fails the test when a key of a terminating pod is
-// registered.
+// registered. Replay registers concurrently: it is safe for concurrent use.
 type checkingRegistry struct {
 	*local.Registry
 	terminating func(key string) bool
 	t           interface{ Fatalf(string, ...any) }
-	registers   int
+	registers   atomic.Int64
 }
 
 func (c *checkingRegistry) Register(ctx context.Context, ep registry.Endpoint) error {
-	c.registers++
+	c.registers.Add(1)
 	if c.terminating(ep.Key) {
 		c.t.Fatalf("registered endpoint %s of a terminating pod", ep.Key)
 	}
