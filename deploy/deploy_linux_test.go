@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/containernetworking/cni/libcni"
 	"go.yaml.in/yaml/v3"
@@ -197,6 +198,27 @@ func TestImageCommands(t *testing.T) {
 			if _, err := os.Stat(filepath.Join(harness.ModuleRoot(), "cmd", filepath.Base(c.Command[0]))); err != nil {
 				t.Errorf("container %s runs %s, which no cmd/ builds", c.Name, c.Command[0])
 			}
+		}
+	})
+}
+
+// TestGracePeriod checks a stopping pod leaves aether-proxy its whole drain
+// and the install-cni sidecar, stopped after it, time to uninstall.
+func TestGracePeriod(t *testing.T) {
+	forEachSet(t, func(t *testing.T, r *render) {
+		var drain time.Duration
+		for _, a := range container(t, r, "aether-proxy").Args {
+			if v, ok := strings.CutPrefix(a, "-drain-timeout="); ok {
+				d, err := time.ParseDuration(v)
+				if err != nil {
+					t.Fatalf("aether-proxy %s: %v", a, err)
+				}
+				drain = d
+			}
+		}
+		grace := r.ds.Spec.Template.Spec.TerminationGracePeriodSeconds
+		if drain == 0 || grace == nil || time.Duration(*grace)*time.Second < drain+10*time.Second {
+			t.Errorf("terminationGracePeriodSeconds %v, proxy -drain-timeout %s: want the grace period at least 10s above the drain", grace, drain)
 		}
 	})
 }
