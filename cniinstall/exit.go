@@ -50,10 +50,12 @@ type OwnerChecker interface {
 // auto asks the Owner within OwnerTimeout: the DaemonSet stays → keep (a
 // rolling update: the next installer pod adopts the state file, and no pod
 // created in between starts uncaptured); it is gone or being deleted →
-// uninstall. Without an Owner (not running in a pod) there is no DaemonSet
-// to wait for: uninstall.
+// uninstall; the API server refuses the service account (401/403: `helm
+// uninstall` deletes the ServiceAccount and Role with the DaemonSet, before
+// the pods stop) → uninstall. Without an Owner (not running in a pod) there
+// is no DaemonSet to wait for: uninstall.
 //
-// No answer (API down, deadline, forbidden) → keep. Keeping fails closed
+// No answer (API down, deadline, another error) → keep. Keeping fails closed
 // and visibly: if the DaemonSet really was deleted, aether-cni stays
 // chained with no agent and answers code 11 ("try again later") to every
 // ADD on this node until the chain is removed (the next installer with

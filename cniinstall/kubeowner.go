@@ -97,11 +97,22 @@ type objectMeta struct {
 // errNotFound is a 404 from the API server.
 var errNotFound = errors.New("not found")
 
+// errRevoked is a 401 or 403: the installer's service account or its Role
+// is gone. `helm uninstall` deletes them together with the DaemonSet, and
+// the pods are stopped after that, so this is the answer an uninstalling
+// installer gets most of the time.
+var errRevoked = errors.New("access revoked")
+
 // DaemonSetStays implements OwnerChecker.
 func (k *KubeOwner) DaemonSetStays(ctx context.Context) (bool, string, error) {
 	var pod objectMeta
 	podPath := "/api/v1/namespaces/" + url.PathEscape(k.Namespace) + "/pods/" + url.PathEscape(k.Pod)
-	if err := k.get(ctx, podPath, &pod); err != nil {
+	err := k.get(ctx, podPath, &pod)
+	if errors.Is(err, errRevoked) {
+		return false, fmt.Sprintf("the API server refuses the installer's service account (%v): "+
+			"its ServiceAccount or Role was deleted, as an uninstall does", err), nil
+	}
+	if err != nil {
 		// The pod object outlives its graceful termination; a pod that is
 		// gone was force-deleted: no answer.
 		return false, "", fmt.Errorf("failed to get installer pod %q: %w", k.Namespace+"/"+k.Pod, err)
@@ -118,10 +129,12 @@ func (k *KubeOwner) DaemonSetStays(ctx context.Context) (bool, string, error) {
 	}
 	name := k.Namespace + "/" + ds.Name
 	var obj objectMeta
-	err := k.get(ctx, "/apis/apps/v1/namespaces/"+url.PathEscape(k.Namespace)+"/daemonsets/"+url.PathEscape(ds.Name), &obj)
+	err = k.get(ctx, "/apis/apps/v1/namespaces/"+url.PathEscape(k.Namespace)+"/daemonsets/"+url.PathEscape(ds.Name), &obj)
 	switch {
 	case errors.Is(err, errNotFound):
 		return false, fmt.Sprintf("DaemonSet %s is gone", name), nil
+	case errors.Is(err, errRevoked):
+		return false, fmt.Sprintf("the API server refuses to show DaemonSet %s (%v): its Role was deleted, as an uninstall does", name, err), nil
 	case err != nil:
 		return false, "", fmt.Errorf("failed to get DaemonSet %q: %w", name, err)
 	case obj.Metadata.DeletionTimestamp != nil:
@@ -130,8 +143,8 @@ func (k *KubeOwner) DaemonSetStays(ctx context.Context) (bool, string, error) {
 	return true, fmt.Sprintf("DaemonSet %s exists and is not being deleted", name), nil
 }
 
-// get GETs path into out; a 404 is errNotFound, any other non-200 an
-// error naming the status (403: the RBAC rule is missing).
+// get GETs path into out; a 404 is errNotFound, a 401 or 403 errRevoked,
+// any other non-200 an error naming the status.
 func (k *KubeOwner) get(ctx context.Context, path string, out any) error {
 	token, err := k.Token()
 	if err != nil {
@@ -156,6 +169,8 @@ func (k *KubeOwner) get(ctx context.Context, path string, out any) error {
 	case http.StatusOK:
 	case http.StatusNotFound:
 		return errNotFound
+	case http.StatusUnauthorized, http.StatusForbidden:
+		return fmt.Errorf("%w: GET %s answered %s", errRevoked, path, resp.Status)
 	default:
 		msg := body
 		var st struct {

@@ -37,7 +37,17 @@ func TestKubeOwner(t *testing.T) {
 		},
 		{name: "pod not controlled by a DaemonSet", pod: rsOwnedPod, wantWhy: "pod aether-system/install-x is not controlled by a DaemonSet"},
 		{name: "pod gone: no answer", wantErr: `failed to get installer pod "aether-system/install-x": not found`},
-		{name: "forbidden: no answer", status: http.StatusForbidden, wantErr: `answered 403 Forbidden: pods "install-x" is forbidden`},
+		{
+			name: "forbidden: revoked, uninstall", status: http.StatusForbidden,
+			wantWhy: "the API server refuses the installer's service account (access revoked: GET /api/v1/namespaces/aether-system/pods/install-x answered 403 Forbidden): " +
+				"its ServiceAccount or Role was deleted, as an uninstall does",
+		},
+		{
+			name: "unauthorized: revoked, uninstall", status: http.StatusUnauthorized,
+			wantWhy: "the API server refuses the installer's service account (access revoked: GET /api/v1/namespaces/aether-system/pods/install-x answered 401 Unauthorized): " +
+				"its ServiceAccount or Role was deleted, as an uninstall does",
+		},
+		{name: "server error: no answer", status: http.StatusInternalServerError, wantErr: `answered 500 Internal Server Error: pods "install-x" is forbidden`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

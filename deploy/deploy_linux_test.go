@@ -239,6 +239,58 @@ func TestNodeGating(t *testing.T) {
 	})
 }
 
+// TestInstallerRBAC checks the installer can answer its rolling-update
+// question: with --uninstall-on-exit=auto a Role in the release namespace,
+// bound to the DaemonSet's ServiceAccount, allows get on pods and get on
+// the chart's DaemonSet (by name); with another mode no Role is rendered.
+func TestInstallerRBAC(t *testing.T) {
+	forEachSet(t, func(t *testing.T, r *render) {
+		mode := installerOptions(t, r).Config.UninstallOnExit
+		sa := r.ds.Spec.Template.Spec.ServiceAccountName
+		roles := map[string]*rbacv1.Role{}
+		for _, o := range r.objs {
+			if role, ok := o.(*rbacv1.Role); ok {
+				roles[role.Name] = role
+			}
+		}
+		var rules []rbacv1.PolicyRule
+		for _, o := range r.objs {
+			b, ok := o.(*rbacv1.RoleBinding)
+			if !ok || b.Namespace != chart.Namespace || b.RoleRef.Kind != "Role" || !slices.ContainsFunc(b.Subjects, func(s rbacv1.Subject) bool {
+				return s.Kind == "ServiceAccount" && s.Name == sa && s.Namespace == chart.Namespace
+			}) {
+				continue
+			}
+			role := roles[b.RoleRef.Name]
+			if role == nil || role.Namespace != chart.Namespace {
+				t.Fatalf("RoleBinding %s names Role %s, which the chart does not render in %s", b.Name, b.RoleRef.Name, chart.Namespace)
+			}
+			rules = append(rules, role.Rules...)
+		}
+		allows := func(group, resource, name string) bool {
+			return slices.ContainsFunc(rules, func(rule rbacv1.PolicyRule) bool {
+				return slices.Contains(rule.APIGroups, group) && slices.Contains(rule.Resources, resource) &&
+					slices.Contains(rule.Verbs, "get") && (len(rule.ResourceNames) == 0 || slices.Contains(rule.ResourceNames, name))
+			})
+		}
+		if mode != cniinstall.UninstallAuto {
+			if len(rules) > 0 {
+				t.Errorf("--uninstall-on-exit=%s asks the API nothing, but the chart binds a Role: %+v", mode, rules)
+			}
+			return
+		}
+		if !allows("", "pods", "any-pod") {
+			t.Errorf("--uninstall-on-exit=auto: no Role lets the installer get its own pod (rules %+v)", rules)
+		}
+		if !allows("apps", "daemonsets", r.ds.Name) {
+			t.Errorf("--uninstall-on-exit=auto: no Role lets the installer get DaemonSet %s (rules %+v)", r.ds.Name, rules)
+		}
+		if allows("apps", "daemonsets", "another-daemonset") {
+			t.Errorf("the installer's Role allows get on every DaemonSet; it needs only %s", r.ds.Name)
+		}
+	})
+}
+
 // nodeVerbs returns the verbs on nodes of the ClusterRoles bound to the
 // DaemonSet's ServiceAccount.
 func nodeVerbs(t *testing.T, r *render) []string {

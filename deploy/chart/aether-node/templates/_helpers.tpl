@@ -48,6 +48,9 @@ refuses as a socket directory); aether-cni pins network namespaces in netns/.
 {{- if not (has .Values.cni.primary (list "" "eni-vlan")) -}}
 {{- fail (printf "invalid cni.primary %q: must be empty or eni-vlan" .Values.cni.primary) -}}
 {{- end -}}
+{{- if not (has .Values.cni.uninstallOnExit (list "auto" "always" "never")) -}}
+{{- fail (printf "invalid cni.uninstallOnExit %q: must be auto, always or never" .Values.cni.uninstallOnExit) -}}
+{{- end -}}
 {{- if not (has .Values.registry.mode (list "local" "etcd")) -}}
 {{- fail (printf "invalid registry.mode %q: must be local or etcd" .Values.registry.mode) -}}
 {{- end -}}
