@@ -78,6 +78,9 @@ type Options struct {
 	Config Config
 	// LogLevel is the installer's own log level.
 	LogLevel string
+	// CheckReady is probe mode (--check-ready): report whether
+	// Config.ReadyFile exists and exit.
+	CheckReady bool
 }
 
 // ParseFlags parses the installer's flags; usage and errors go to out.
@@ -101,6 +104,8 @@ func ParseFlags(args []string, out io.Writer) (*Options, error) {
 	fs.StringVar(&entry.LogLevel, "plugin-log-level", "", "log_level of the chained aether-cni entry (debug, info, warn, error; empty = plugin default)")
 	fs.StringVar(&pluginConf, "plugin-config", "", "file with the whole aether-cni plugin object (JSON, \"type\": \"aether-cni\"); overrides the entry flags")
 	fs.StringVar(&o.LogLevel, "log-level", "info", "installer log level: debug, info, warn or error")
+	fs.StringVar(&o.Config.ReadyFile, "ready-file", "", "file that exists while aether-cni is chained (for a startup probe; empty = none)")
+	fs.BoolVar(&o.CheckReady, "check-ready", false, "probe mode: exit 0 if --ready-file exists, 1 otherwise, and do nothing else")
 	uninstall := fs.String("uninstall-on-exit", string(UninstallAuto),
 		"on SIGTERM: auto (keep everything while the pod's DaemonSet exists and is not being deleted, a rolling update; uninstall otherwise), always, or never")
 	if err := fs.Parse(args); err != nil {

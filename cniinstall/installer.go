@@ -59,6 +59,11 @@ type Config struct {
 	Owner OwnerChecker
 	// OwnerTimeout bounds Owner's answer (0 = DefaultOwnerTimeout).
 	OwnerTimeout time.Duration
+	// ReadyFile, when set, exists exactly while the last reconcile found
+	// aether-cni chained (by us or foreign); the DaemonSet's startup probe
+	// (--check-ready) waits for it, so the agent starts, and removes the
+	// node's not-ready taint, only once pods on the node are captured.
+	ReadyFile string
 }
 
 // Outcome is what one Reconcile did.

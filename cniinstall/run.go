@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
+	"os"
 	"path/filepath"
 	"time"
 
@@ -31,6 +33,7 @@ func (i *Installer) Run(ctx context.Context) (err error) {
 	}
 	keep := false
 	defer func() {
+		i.setReady(false)
 		if keep {
 			i.log.Info("stopped; chain, binaries and state file left for the next installer", "state_file", i.cfg.StateFile)
 			return
@@ -141,6 +144,7 @@ func nextBackoff(cur, limit time.Duration) time.Duration {
 }
 
 func (i *Installer) logOutcome(out Outcome) {
+	i.setReady(out != NoPrimary)
 	switch out {
 	case Unchanged:
 		i.log.Debug("chain in place", "outcome", out.String())
@@ -151,4 +155,36 @@ func (i *Installer) logOutcome(out Outcome) {
 	default:
 		i.log.Info("chain reconciled", "outcome", out.String())
 	}
+}
+
+// setReady creates or removes ReadyFile (when set). A failure is logged:
+// the startup probe then keeps waiting, which is the safe side.
+func (i *Installer) setReady(ready bool) {
+	if i.cfg.ReadyFile == "" {
+		return
+	}
+	if !ready {
+		if err := os.Remove(i.cfg.ReadyFile); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			i.log.Warn("failed to remove ready file", "path", i.cfg.ReadyFile, "error", err.Error())
+		}
+		return
+	}
+	if _, err := os.Stat(i.cfg.ReadyFile); err == nil {
+		return
+	}
+	if err := WriteFileAtomic(i.cfg.ReadyFile, []byte("chained\n"), 0o644); err != nil {
+		i.log.Warn("failed to write ready file", "path", i.cfg.ReadyFile, "error", err.Error())
+	}
+}
+
+// CheckReady is the startup probe (--check-ready): nil when path exists,
+// an error saying what the installer still waits for otherwise.
+func CheckReady(path string) error {
+	if path == "" {
+		return errors.New("--check-ready needs --ready-file")
+	}
+	if _, err := os.Stat(path); err != nil {
+		return fmt.Errorf("not ready: aether-cni is not chained yet (no %s): %w", path, err)
+	}
+	return nil
 }

@@ -239,6 +239,31 @@ func TestNodeGating(t *testing.T) {
 	})
 }
 
+// TestInstallerStartupProbe checks the sidecar's startup probe asks the
+// installer's own --check-ready about the ready file the installer writes,
+// so the agent starts only once aether-cni is chained.
+func TestInstallerStartupProbe(t *testing.T) {
+	forEachSet(t, func(t *testing.T, r *render) {
+		c := container(t, r, "install-cni")
+		if c.StartupProbe == nil || c.StartupProbe.Exec == nil || len(c.StartupProbe.Exec.Command) < 2 {
+			t.Fatalf("install-cni has no exec startup probe: %+v", c.StartupProbe)
+		}
+		cmd := c.StartupProbe.Exec.Command
+		if cmd[0] != c.Command[0] {
+			t.Errorf("startup probe runs %s, want the installer %s", cmd[0], c.Command[0])
+		}
+		var stderr bytes.Buffer
+		probe, err := cniinstall.ParseFlags(cmd[1:], &stderr)
+		if err != nil {
+			t.Fatalf("aether-cni-install rejects the probe's args %q: %v\n%s", cmd[1:], err, stderr.String())
+		}
+		want := installerOptions(t, r).Config.ReadyFile
+		if !probe.CheckReady || want == "" || probe.Config.ReadyFile != want {
+			t.Errorf("probe checks %q (check-ready %v), the installer writes %q", probe.Config.ReadyFile, probe.CheckReady, want)
+		}
+	})
+}
+
 // TestInstallerRBAC checks the installer can answer its rolling-update
 // question: with --uninstall-on-exit=auto a Role in the release namespace,
 // bound to the DaemonSet's ServiceAccount, allows get on pods and get on

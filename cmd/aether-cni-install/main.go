@@ -7,7 +7,9 @@
 //
 // Exit codes: 0 stopped after SIGTERM/SIGINT (uninstalled, or kept by
 // --uninstall-on-exit), 1 install, watch or uninstall failed, 2 invalid
-// flags or environment.
+// flags or environment. With --check-ready (the DaemonSet's startup probe)
+// it only reports: 0 when --ready-file exists (aether-cni is chained), 1
+// otherwise.
 package main
 
 import (
@@ -30,6 +32,13 @@ func main() {
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "aether-cni-install:", err)
 		os.Exit(2)
+	}
+	if opts.CheckReady {
+		if err := cniinstall.CheckReady(opts.Config.ReadyFile); err != nil {
+			fmt.Fprintln(os.Stderr, "aether-cni-install:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
 	}
 	log, err := cniinstall.NewLogger(os.Stderr, opts.LogLevel)
 	if err != nil {

@@ -324,3 +324,59 @@ func TestBinaryKeepThenAdopt(t *testing.T) {
 		}
 	}
 }
+
+// TestBinaryReadyProbe: --check-ready (the DaemonSet's startup probe) fails
+// while no primary is chained, passes once aether-cni is chained, and fails
+// again after the installer stopped.
+func TestBinaryReadyProbe(t *testing.T) {
+	n := newNode(t)
+	ready := filepath.Join(t.TempDir(), "ready")
+	bin := filepath.Join(harness.BuildOwn(t, "aether-cni-install"), "aether-cni-install")
+	probe := func() (int, string) {
+		out, err := exec.Command(bin, "--check-ready", "--ready-file", ready).CombinedOutput()
+		var ee *exec.ExitError
+		switch {
+		case err == nil:
+			return 0, string(out)
+		case errors.As(err, &ee):
+			return ee.ExitCode(), string(out)
+		}
+		t.Fatalf("probe: %v", err)
+		return -1, ""
+	}
+	cmd, stderr := run(t, n.flags("--ready-file", ready, "--uninstall-on-exit", "always")...)
+	// No primary yet: the installer runs and waits, the probe fails.
+	waitFor(t, "installer waiting for a primary", func() bool { return strings.Contains(stderr.String(), "no primary network configuration yet") })
+	if code, out := probe(); code != 1 || !strings.Contains(out, "not chained yet") {
+		t.Fatalf("probe before a primary = %d %q, want 1 and the reason", code, out)
+	}
+	orig, err := os.ReadFile("../../cniinstall/testdata/primaries/10-calico.conflist")
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(n.conf, "10-calico.conflist")
+	if err := os.WriteFile(path, orig, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "chained", chained(path))
+	waitFor(t, "probe passes", func() bool { code, _ := probe(); return code == 0 })
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if code := wait(t, cmd, stderr); code != 0 {
+		t.Fatalf("exit code %d after SIGTERM, want 0", code)
+	}
+	if code, _ := probe(); code != 1 {
+		t.Fatalf("probe after the installer stopped = %d, want 1 (ready file removed)", code)
+	}
+	if code, out := func() (int, string) {
+		out, err := exec.Command(bin, "--check-ready").CombinedOutput()
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			return ee.ExitCode(), string(out)
+		}
+		return 0, string(out)
+	}(); code != 1 || !strings.Contains(out, "--check-ready needs --ready-file") {
+		t.Fatalf("--check-ready without --ready-file = %d %q, want 1 and the reason", code, out)
+	}
+}
