@@ -163,3 +163,62 @@ func mkdir(t *testing.T, dir string, mode os.FileMode) {
 		t.Fatal(err)
 	}
 }
+
+// TestListenAllowReadableDir checks the kubelet plugin-dir relaxation: read
+// and search for group and others are accepted, write never is, and a
+// missing directory is still created 0700.
+func TestListenAllowReadableDir(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		mode    os.FileMode // 0 means the directory is missing
+		wantErr string
+	}{
+		{name: "missing dir created 0700"},
+		{name: "0755 accepted", mode: 0o755},
+		{name: "0750 accepted", mode: 0o750},
+		{name: "0700 accepted", mode: 0o700},
+		{name: "group-writable refused", mode: 0o775, wantErr: "has mode 0775; it must be at most 0755"},
+		{name: "world-writable refused", mode: 0o757, wantErr: "has mode 0757; it must be at most 0755"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := filepath.Join(t.TempDir(), "plugin")
+			if tc.mode != 0 {
+				mkdir(t, dir, tc.mode)
+			}
+			path := filepath.Join(dir, "csi.sock")
+			l, err := Listen(path, AllowReadableDir())
+			if tc.wantErr != "" {
+				if err == nil {
+					_ = l.Close()
+					t.Fatalf("Listen(%q) succeeded, want %q", path, tc.wantErr)
+				}
+				if !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("error %q does not contain %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("Listen(%q): %v", path, err)
+			}
+			t.Cleanup(func() { _ = l.Close() })
+			fi, err := os.Lstat(path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if fi.Mode().Perm() != 0o600 {
+				t.Errorf("socket mode %04o, want 0600", fi.Mode().Perm())
+			}
+			di, err := os.Stat(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := tc.mode
+			if want == 0 {
+				want = 0o700
+			}
+			if di.Mode().Perm() != want {
+				t.Errorf("dir mode %04o, want %04o (never chmod'ed)", di.Mode().Perm(), want)
+			}
+		})
+	}
+}
