@@ -127,14 +127,16 @@ func (d *Driver) GetPluginCapabilities(context.Context, *csipb.GetPluginCapabili
 	return &csipb.GetPluginCapabilitiesResponse{}, nil
 }
 
-// Probe is ready while <uds-csi-root> is a directory.
-func (d *Driver) Probe(context.Context, *csipb.ProbeRequest) (*csipb.ProbeResponse, error) {
+// Probe is ready while <uds-csi-root> is a directory (Serve creates it);
+// otherwise it answers not ready and logs why.
+func (d *Driver) Probe(ctx context.Context, _ *csipb.ProbeRequest) (*csipb.ProbeResponse, error) {
 	fi, err := os.Stat(d.cfg.Root)
-	if err != nil {
-		return nil, status.Errorf(codes.FailedPrecondition, "failed to stat uds csi root %q: %v", d.cfg.Root, err)
+	if err == nil && !fi.IsDir() {
+		err = fmt.Errorf("it is a %s, not a directory", fi.Mode().Type())
 	}
-	if !fi.IsDir() {
-		return nil, status.Errorf(codes.FailedPrecondition, "uds csi root %q is a %s, not a directory", d.cfg.Root, fi.Mode().Type())
+	if err != nil {
+		d.log.WarnContext(ctx, "not ready", "uds_csi_root", d.cfg.Root, "error", err)
+		return &csipb.ProbeResponse{Ready: wrapperspb.Bool(false)}, nil
 	}
 	return &csipb.ProbeResponse{Ready: wrapperspb.Bool(true)}, nil
 }

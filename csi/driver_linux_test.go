@@ -154,8 +154,8 @@ func TestPublishBindsThePodDir(t *testing.T) {
 					t.Errorf("socket group %d, want the mount group %d (setgid dir)", gid, tc.wantGID)
 				}
 			}
-			if _, err := d.Probe(context.Background(), &csipb.ProbeRequest{}); err != nil {
-				t.Errorf("Probe once the root exists: %v", err)
+			if p, err := d.Probe(context.Background(), &csipb.ProbeRequest{}); err != nil || !p.GetReady().GetValue() {
+				t.Errorf("Probe once the root exists = %v, %v; want ready", p, err)
 			}
 
 			// While the app still has its socket bound through the

@@ -215,8 +215,8 @@ func TestIdentityAndNodeInfo(t *testing.T) {
 	if err != nil || len(nc.GetCapabilities()) != 1 || nc.GetCapabilities()[0].GetRpc().GetType() != csipb.NodeServiceCapability_RPC_VOLUME_MOUNT_GROUP {
 		t.Errorf("NodeGetCapabilities = %v, %v; want VOLUME_MOUNT_GROUP only", nc, err)
 	}
-	if _, err := d.Probe(ctx, &csipb.ProbeRequest{}); status.Code(err) != codes.FailedPrecondition {
-		t.Errorf("Probe before the root exists: %v, want FailedPrecondition", err)
+	if p, err := d.Probe(ctx, &csipb.ProbeRequest{}); err != nil || p.GetReady().GetValue() {
+		t.Errorf("Probe before the root exists = %v, %v; want not ready", p, err)
 	}
 }
 

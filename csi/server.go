@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
 
 	csipb "github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
@@ -21,9 +22,14 @@ func Listen(endpoint string) (net.Listener, error) {
 	return unixsock.Listen(endpoint, unixsock.AllowReadableDir())
 }
 
-// Serve serves the Identity and Node services on l until ctx ends, then
-// stops gracefully. l is closed when Serve returns.
+// Serve creates <uds-csi-root> (RootMode) when missing, then serves the
+// Identity and Node services on l until ctx ends and stops gracefully. l is
+// closed when Serve returns.
 func (d *Driver) Serve(ctx context.Context, l net.Listener) error {
+	if err := os.MkdirAll(d.cfg.Root, RootMode); err != nil {
+		_ = l.Close()
+		return fmt.Errorf("failed to create uds csi root %q: %w", d.cfg.Root, err)
+	}
 	srv := grpc.NewServer(grpc.UnaryInterceptor(d.logCall))
 	csipb.RegisterIdentityServer(srv, d)
 	csipb.RegisterNodeServer(srv, d)
