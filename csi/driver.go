@@ -288,13 +288,18 @@ func (d *Driver) NodePublishVolume(_ context.Context, req *csipb.NodePublishVolu
 		}
 		return &csipb.NodePublishVolumeResponse{}, nil
 	}
-	if err := d.ensurePodDir(dir, p.gid); err != nil {
+	created, err := d.ensurePodDir(dir, p.gid)
+	if err != nil {
 		return nil, err
 	}
-	if err := ensureTarget(p.target); err != nil {
-		return nil, status.Errorf(codes.Internal, "%v", err)
+	err = ensureTarget(p.target)
+	if err == nil {
+		err = d.mount.Bind(dir, p.target)
 	}
-	if err := d.mount.Bind(dir, p.target); err != nil {
+	if err != nil {
+		if created { // no target uses a dir this call made
+			_ = os.Remove(dir)
+		}
 		return nil, status.Errorf(codes.Internal, "%v", err)
 	}
 	d.log.Info("published", "volume_id", p.volumeID, "pod_uid", p.uid, "target", p.target, "dir", dir)
@@ -303,39 +308,39 @@ func (d *Driver) NodePublishVolume(_ context.Context, req *csipb.NodePublishVolu
 
 // ensurePodDir creates <root>/<uid>/ with the documented mode and owner, or
 // checks an existing one: it must be a real directory (never a symlink) with
-// the same group.
-func (d *Driver) ensurePodDir(dir string, gid int) error {
+// the same group. created says this call made it.
+func (d *Driver) ensurePodDir(dir string, gid int) (created bool, err error) {
 	if err := os.MkdirAll(d.cfg.Root, RootMode); err != nil {
-		return status.Errorf(codes.Internal, "failed to create uds csi root %q: %v", d.cfg.Root, err)
+		return false, status.Errorf(codes.Internal, "failed to create uds csi root %q: %v", d.cfg.Root, err)
 	}
 	fi, err := os.Lstat(dir)
 	switch {
 	case err == nil && !fi.IsDir():
-		return status.Errorf(codes.FailedPrecondition, "pod socket dir %q is a %s, not a directory; remove it", dir, fi.Mode().Type())
+		return false, status.Errorf(codes.FailedPrecondition, "pod socket dir %q is a %s, not a directory; remove it", dir, fi.Mode().Type())
 	case err == nil:
 		if err := checkGroup(dir, gid); err != nil {
-			return status.Errorf(codes.FailedPrecondition, "pod socket dir %q is published with another volume mount group: %v", dir, err)
+			return false, status.Errorf(codes.FailedPrecondition, "pod socket dir %q is published with another volume mount group: %v", dir, err)
 		}
-		return nil
+		return false, nil
 	case !errors.Is(err, fs.ErrNotExist):
-		return status.Errorf(codes.Internal, "failed to stat pod socket dir %q: %v", dir, err)
+		return false, status.Errorf(codes.Internal, "failed to stat pod socket dir %q: %v", dir, err)
 	}
 	if err := os.Mkdir(dir, 0o700); err != nil {
-		return status.Errorf(codes.Internal, "failed to create pod socket dir %q: %v", dir, err)
+		return false, status.Errorf(codes.Internal, "failed to create pod socket dir %q: %v", dir, err)
 	}
 	mode := PodDirMode
 	if gid >= 0 {
 		mode = GroupPodDirMode
 		if err := os.Lchown(dir, 0, gid); err != nil {
 			_ = os.Remove(dir)
-			return status.Errorf(codes.Internal, "failed to give pod socket dir %q to group %d: %v", dir, gid, err)
+			return false, status.Errorf(codes.Internal, "failed to give pod socket dir %q to group %d: %v", dir, gid, err)
 		}
 	}
 	if err := os.Chmod(dir, mode); err != nil { // Mkdir is subject to the umask
 		_ = os.Remove(dir)
-		return status.Errorf(codes.Internal, "failed to set mode %v on pod socket dir %q: %v", mode, dir, err)
+		return false, status.Errorf(codes.Internal, "failed to set mode %v on pod socket dir %q: %v", mode, dir, err)
 	}
-	return nil
+	return true, nil
 }
 
 // ensureTarget creates the target directory when missing; an existing

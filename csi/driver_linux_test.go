@@ -279,3 +279,38 @@ func TestPublishNeverFollowsASymlinkOutOfTheRoot(t *testing.T) {
 		t.Errorf("the symlink's destination changed: %v, %v", fi.Mode(), err)
 	}
 }
+
+func TestPublishFailuresLeaveNothing(t *testing.T) {
+	d, cfg := mountedDriver(t)
+	// A file where the target directory belongs: nothing is mounted and the
+	// pod dir this publish made is removed again.
+	file := target(cfg, testUID, "file")
+	if err := os.MkdirAll(filepath.Dir(file), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.NodePublishVolume(context.Background(), publishReq(file, testUID)); status.Code(err) != codes.Internal {
+		t.Fatalf("NodePublishVolume at a file: %v, want Internal", err)
+	}
+	assertGone(t, filepath.Join(cfg.Root, testUID))
+
+	// A second volume of the pod asking for another mount group than the
+	// dir already has: refused, the first volume is untouched.
+	first := target(cfg, testUID, "a")
+	publish(t, d, publishReq(first, testUID))
+	req := publishReq(target(cfg, testUID, "b"), testUID)
+	req.VolumeCapability.GetMount().VolumeMountGroup = "1000"
+	if _, err := d.NodePublishVolume(context.Background(), req); status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("NodePublishVolume with another group: %v, want FailedPrecondition", err)
+	}
+	if n := mountCount(t, req.GetTargetPath()); n != 0 {
+		t.Errorf("%d mounts at the refused target", n)
+	}
+	if n := mountCount(t, first); n != 1 {
+		t.Errorf("%d mounts at the first target, want 1", n)
+	}
+	unpublish(t, d, first)
+	assertGone(t, filepath.Join(cfg.Root, testUID))
+}

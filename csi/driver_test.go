@@ -56,7 +56,7 @@ func testDriver(t *testing.T, m Mounter) (*Driver, Config) {
 	if err := os.MkdirAll(cfg.KubeletDir, 0o750); err != nil {
 		t.Fatal(err)
 	}
-	d, err := New(cfg, m, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	d, err := New(cfg, m, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -189,7 +189,7 @@ func TestNewRefusesBadConfig(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			c := ok
 			tc.edit(&c)
-			if _, err := New(c, refusingMounter{t}, slog.New(slog.NewTextHandler(io.Discard, nil))); err == nil || !strings.Contains(err.Error(), tc.want) {
+			if _, err := New(c, refusingMounter{t}, slog.New(slog.DiscardHandler)); err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("New: %v, want an error naming %s", err, tc.want)
 			}
 		})
