@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"errors"
+	"flag"
 	"fmt"
 	"log/slog"
 	"os"
@@ -16,7 +18,11 @@ var version = "dev"
 
 func main() {
 	cfg, err := csi.ParseFlags(os.Args[1:], os.Stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		os.Exit(0)
+	}
 	if err != nil {
+		fmt.Fprintln(os.Stderr, "aether-csi:", err)
 		os.Exit(2)
 	}
 	cfg.Version = version
