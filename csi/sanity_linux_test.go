@@ -150,4 +150,8 @@ func TestSanity(t *testing.T) {
 	if _, err := os.Stat(sc.TargetPath); !os.IsNotExist(err) {
 		t.Errorf("sanity left %s: %v", sc.TargetPath, err)
 	}
+	// Every pod dir a spec's publish made went with its unpublish.
+	if left, err := os.ReadDir(cfg.Root); err != nil || len(left) != 0 {
+		t.Errorf("pod dirs left under %s: %v, %v", cfg.Root, left, err)
+	}
 }
