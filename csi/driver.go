@@ -230,7 +230,8 @@ func (d *Driver) validatePublish(req *csipb.NodePublishVolumeRequest) (publicati
 }
 
 // validateTarget checks that target is a clean absolute path under the
-// kubelet directory, also once the symlinks of its parent are resolved.
+// kubelet directory, also once the symlinks of its nearest existing
+// ancestor are resolved.
 func (d *Driver) validateTarget(target string) (string, error) {
 	if target == "" {
 		return "", invalid("target_path is missing: it must be a path under %s", d.cfg.KubeletDir)
@@ -242,12 +243,18 @@ func (d *Driver) validateTarget(target string) (string, error) {
 	if err != nil {
 		return "", status.Errorf(codes.Internal, "failed to resolve kubelet dir %q: %v", d.cfg.KubeletDir, err)
 	}
-	parent, err := filepath.EvalSymlinks(filepath.Dir(target))
-	if errors.Is(err, fs.ErrNotExist) {
-		return target, nil // created below the checked prefix by MkdirAll
-	}
-	if err != nil {
-		return "", status.Errorf(codes.Internal, "failed to resolve target dir %q: %v", filepath.Dir(target), err)
+	// The nearest existing ancestor: MkdirAll creates the rest below it.
+	parent := filepath.Dir(target)
+	for {
+		resolved, err := filepath.EvalSymlinks(parent)
+		if err == nil {
+			parent = resolved
+			break
+		}
+		if !errors.Is(err, fs.ErrNotExist) || parent == d.cfg.KubeletDir {
+			return "", status.Errorf(codes.Internal, "failed to resolve target dir %q: %v", parent, err)
+		}
+		parent = filepath.Dir(parent)
 	}
 	if parent != kubelet && !within(kubelet, parent) {
 		return "", invalid("target_path %q resolves to %q, outside the kubelet directory %s", target, parent, kubelet)

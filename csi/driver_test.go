@@ -102,6 +102,13 @@ func TestPublishRefusesBadRequests(t *testing.T) {
 			}
 			r.TargetPath = filepath.Join(link, "mount")
 		}, []string{"resolves to", "outside the kubelet directory"}},
+		{"target below a symlink out of the kubelet dir, parent missing", func(r *csipb.NodePublishVolumeRequest, kubelet, outside string) {
+			link := filepath.Join(kubelet, "escape")
+			if err := os.Symlink(outside, link); err != nil {
+				panic(err)
+			}
+			r.TargetPath = filepath.Join(link, "new", "dirs", "mount")
+		}, []string{"resolves to", "outside the kubelet directory"}},
 		{"missing capability", func(r *csipb.NodePublishVolumeRequest, _, _ string) { r.VolumeCapability = nil }, []string{"volume_capability is missing", "mount capability is required"}},
 		{"block capability", func(r *csipb.NodePublishVolumeRequest, _, _ string) {
 			r.VolumeCapability.AccessType = &csipb.VolumeCapability_Block{Block: &csipb.VolumeCapability_BlockVolume{}}
