@@ -17,14 +17,11 @@ import (
 	"aether.io/node/test/harness"
 )
 
-func TestMain(m *testing.M) {
-	code := m.Run()
-	harness.CleanupOwn()
-	os.Exit(code)
-}
+// TestMain removes the binaries BuildOwn made (harness.Main).
+func TestMain(m *testing.M) { harness.Main(m) }
 
-// deadline bounds a broken test; it is no speed goal.
-const deadline = 10 * time.Second
+// startTimeout bounds a broken run of the binary; it is no speed goal.
+const startTimeout = 10 * time.Second
 
 // TestServesUntilSIGTERM runs the release binary as the chart does: its
 // socket in a kubelet plugin dir that hostPath DirectoryOrCreate made 0755,
@@ -59,7 +56,7 @@ func TestServesUntilSIGTERM(t *testing.T) {
 		}
 	})
 
-	ctx, cancel := context.WithTimeout(context.Background(), deadline)
+	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
 	defer cancel()
 	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
