@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"aether.io/node/agent/pods"
+	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/registry"
 	etcdreg "aether.io/node/registry/etcd"
 	"aether.io/node/xds/resource"
@@ -86,7 +87,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.StringVar(&c.NodeName, "node-name", defNode, "this node's name (default $NODE_NAME, else the hostname)")
 	fs.StringVar(&uids, "allowed-uids", "0", "comma-separated peer uids allowed on the CNI and admin sockets")
 	fs.StringVar(&sysNS, "system-namespaces", strings.Join(pods.DefaultSystemNamespaces, ","), "comma-separated namespaces that are never mesh-managed")
-	fs.StringVar(&c.UDSRoot, "uds-csi-root", "/run/aether/uds", "root of the csi.aether.io driver's sockets: <root>/<pod uid>/<file>")
+	fs.StringVar(&c.UDSRoot, meshcontract.UDSCSIRootFlag, meshcontract.DefaultUDSCSIRoot, "root of the "+meshcontract.CSIDriver+" driver's sockets: <root>/<pod uid>/<file>; must equal aether-csi's")
 	fs.StringVar(&c.HTTPAddr, "http-addr", "127.0.0.1:15029", "TCP address of /metrics, /healthz and /readyz; port 0 picks one (logged)")
 	fs.DurationVar(&c.LivenessInterval, "liveness-interval", 5*time.Second, "period of the liveness loop")
 	fs.DurationVar(&c.PodWait, "pod-wait", 5*time.Second, "longest AddPod waits for an unknown pod when the request has no earlier deadline")

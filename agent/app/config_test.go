@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 
+	"aether.io/node/csi"
+	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/registry"
 )
 
@@ -57,5 +59,31 @@ func TestParseFlags(t *testing.T) {
 	var out bytes.Buffer
 	if _, err := ParseFlags([]string{"--help"}, &out); !errors.Is(err, flag.ErrHelp) || !strings.Contains(out.String(), "-pod-manifests") {
 		t.Fatalf("--help = %v:\n%s", err, out.String())
+	}
+}
+
+// TestUDSCSIRootAgreesWithTheDriver checks aether-agent and aether-csi read
+// <uds-csi-root> from the same flag with the same default, and that one
+// value passed to both gives both the same root.
+func TestUDSCSIRootAgreesWithTheDriver(t *testing.T) {
+	for _, args := range [][]string{nil, {"--" + meshcontract.UDSCSIRootFlag, "/srv/uds"}} {
+		agent, err := ParseFlags(append([]string{"--node-name", "n1"}, args...), &bytes.Buffer{})
+		if err != nil {
+			t.Fatalf("agent ParseFlags(%q): %v", args, err)
+		}
+		driver, err := csi.ParseFlags(append([]string{"--node-name", "n1"}, args...), &bytes.Buffer{})
+		if err != nil {
+			t.Fatalf("aether-csi ParseFlags(%q): %v", args, err)
+		}
+		if agent.UDSRoot != driver.Root {
+			t.Errorf("args %q: agent root %q, driver root %q", args, agent.UDSRoot, driver.Root)
+		}
+	}
+	c, err := ParseFlags(nil, &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.UDSRoot != meshcontract.DefaultUDSCSIRoot {
+		t.Errorf("agent default root %q, want %q", c.UDSRoot, meshcontract.DefaultUDSCSIRoot)
 	}
 }

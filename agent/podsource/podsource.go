@@ -13,12 +13,13 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/registry"
 )
 
 // CSIDriver is the CSI driver whose inline ephemeral volumes carry a pod's
-// UDS-delivered socket.
-const CSIDriver = "csi.aether.io"
+// UDS-delivered socket (meshcontract.CSIDriver, shared with aether-csi).
+const CSIDriver = meshcontract.CSIDriver
 
 // ErrNotFound is returned by Get when the source does not know the pod (yet).
 var ErrNotFound = errors.New("pod not found")

@@ -4,7 +4,8 @@
 // sockets from capture, and the fwmark and route table of diverted packets.
 // meshcni/capture, xds/listener and proxy/dataplane take their defaults from
 // here, so the two sides cannot drift. The ports stay clear of Istio's 150xx
-// range so both meshes can share a node.
+// range so both meshes can share a node. It also fixes the UDS contract
+// between the csi.aether.io driver and aether-agent (uds.go).
 package meshcontract
 
 const (

@@ -3,7 +3,10 @@
 //
 //   - the socket's directory is created with mode 0700 when missing; an
 //     existing directory open to group or others is refused, never chmod'ed
-//     (a socket under /tmp must not chmod /tmp);
+//     (a socket under /tmp must not chmod /tmp). With AllowReadableDir an
+//     existing directory may be readable and searchable by group and others
+//     (kubelet's plugin directory, which kubelet and hostPath
+//     DirectoryOrCreate make 0750 or 0755), never writable by them;
 //   - a socket file left by a dead process is replaced;
 //   - a live socket (something accepts a connection on it) is refused with
 //     an error naming the path, so two agents never steal each other's
@@ -24,16 +27,41 @@ import (
 // probeTimeout bounds the dial that tells a live socket from a stale one.
 const probeTimeout = time.Second
 
+// Option relaxes one rule of the policy for one socket.
+type Option func(*options)
+
+type options struct {
+	// forbiddenDirPerm are the directory permission bits that refuse it.
+	forbiddenDirPerm os.FileMode
+	// allowedDirMode describes the directory modes accepted, for errors.
+	allowedDirMode string
+}
+
+// AllowReadableDir accepts an existing socket directory that group and
+// others may read and search but not write (at most 0755): nobody but its
+// owner can replace the socket, and the socket itself stays 0600. A missing
+// directory is still created 0700.
+func AllowReadableDir() Option {
+	return func(o *options) {
+		o.forbiddenDirPerm = 0o022
+		o.allowedDirMode = "at most 0755 (no group or other write access)"
+	}
+}
+
 // Listen opens a unix socket at path following the package policy.
-func Listen(path string) (*net.UnixListener, error) {
+func Listen(path string, opts ...Option) (*net.UnixListener, error) {
+	o := options{forbiddenDirPerm: 0o077, allowedDirMode: "0700 (no group or other access)"}
+	for _, opt := range opts {
+		opt(&o)
+	}
 	dir := filepath.Dir(path)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("failed to create socket dir %q: %w", dir, err)
 	}
 	if di, err := os.Stat(dir); err != nil {
 		return nil, fmt.Errorf("failed to stat socket dir %q: %w", dir, err)
-	} else if perm := di.Mode().Perm(); perm&0o077 != 0 {
-		return nil, fmt.Errorf("failed to listen on %q: socket dir %q has mode %04o; it must be 0700 (no group or other access)", path, dir, perm)
+	} else if perm := di.Mode().Perm(); perm&o.forbiddenDirPerm != 0 {
+		return nil, fmt.Errorf("failed to listen on %q: socket dir %q has mode %04o; it must be %s", path, dir, perm, o.allowedDirMode)
 	}
 	if fi, err := os.Lstat(path); err == nil {
 		if fi.Mode()&os.ModeSocket == 0 {

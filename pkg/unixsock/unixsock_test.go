@@ -24,6 +24,10 @@ func TestListen(t *testing.T) {
 		name string
 		// setup prepares dir and returns the socket path to listen on.
 		setup func(t *testing.T, dir string) string
+		// opts are passed to Listen.
+		opts []Option
+		// dirMode is the socket dir's mode afterwards; 0 means 0700.
+		dirMode os.FileMode
 		// wantErr lists substrings of the expected error; nil means success.
 		wantErr []string
 	}{
@@ -88,10 +92,39 @@ func TestListen(t *testing.T) {
 			},
 			wantErr: []string{"s.sock", "file is in the way"},
 		},
+		{
+			name:  "AllowReadableDir: missing dir still created 0700",
+			setup: func(_ *testing.T, dir string) string { return filepath.Join(dir, "plugins", "csi.sock") },
+			opts:  []Option{AllowReadableDir()},
+		},
+		{
+			name:    "AllowReadableDir: kubelet plugin dir 0755 accepted, not chmod'ed",
+			setup:   pluginDir(0o755),
+			opts:    []Option{AllowReadableDir()},
+			dirMode: 0o755,
+		},
+		{
+			name:    "AllowReadableDir: 0750 accepted",
+			setup:   pluginDir(0o750),
+			opts:    []Option{AllowReadableDir()},
+			dirMode: 0o750,
+		},
+		{
+			name:    "AllowReadableDir: group-writable refused",
+			setup:   pluginDir(0o775),
+			opts:    []Option{AllowReadableDir()},
+			wantErr: []string{"has mode 0775", "must be at most 0755"},
+		},
+		{
+			name:    "AllowReadableDir: world-writable refused",
+			setup:   pluginDir(0o757),
+			opts:    []Option{AllowReadableDir()},
+			wantErr: []string{"has mode 0757"},
+		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			path := tc.setup(t, t.TempDir())
-			l, err := Listen(path)
+			l, err := Listen(path, tc.opts...)
 			if tc.wantErr != nil {
 				if err == nil {
 					_ = l.Close()
@@ -119,8 +152,12 @@ func TestListen(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if di.Mode().Perm() != 0o700 {
-				t.Errorf("dir mode %04o, want 0700", di.Mode().Perm())
+			want := tc.dirMode
+			if want == 0 {
+				want = 0o700
+			}
+			if di.Mode().Perm() != want {
+				t.Errorf("dir mode %04o, want %04o", di.Mode().Perm(), want)
 			}
 			c, err := net.Dial("unix", path)
 			if err != nil {
@@ -161,5 +198,13 @@ func mkdir(t *testing.T, dir string, mode os.FileMode) {
 	}
 	if err := os.Chmod(dir, mode); err != nil { // umask-proof
 		t.Fatal(err)
+	}
+}
+
+// pluginDir is a setup that makes the socket's directory with mode.
+func pluginDir(mode os.FileMode) func(t *testing.T, dir string) string {
+	return func(t *testing.T, dir string) string {
+		mkdir(t, filepath.Join(dir, "plugins"), mode)
+		return filepath.Join(dir, "plugins", "csi.sock")
 	}
 }

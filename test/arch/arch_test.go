@@ -170,6 +170,7 @@ func TestImportBoundaries(t *testing.T) {
 		{"xds imports neither agent nor proxy", mod("xds"), mod("agent", "proxy")},
 		{"registry imports neither agent nor proxy", mod("registry"), mod("agent", "proxy")},
 		{"CNI plugins import neither agent nor proxy", plugins, mod("agent", "proxy")},
+		{"the CSI driver imports neither agent, proxy nor a CNI plugin", mod("csi", "cmd/aether-csi"), append(mod("agent", "proxy"), plugins...)},
 		// aetherctl talks to the agent through the admin API's client only,
 		// never through its server side (store, registry, pod manager).
 		{"aetherctl links only the agent's admin API client", mod("ctl", "cmd/aetherctl"), mod("agent/app", "agent/pods", "agent/store", "agent/adminapi/handler", "agent/cniserver", "registry", "proxy")},
@@ -229,6 +230,13 @@ var notForMeshCNI = []string{
 	"go.opentelemetry.io/otel",
 }
 
+// notForCSI are the CSI sanity suite and its test framework.
+var notForCSI = []string{
+	"github.com/kubernetes-csi/csi-test",
+	"github.com/onsi/ginkgo",
+	"github.com/onsi/gomega",
+}
+
 func TestPluginsLinkNothingHeavy(t *testing.T) {
 	g := loadGraph(t)
 	for _, tt := range []struct {
@@ -237,6 +245,9 @@ func TestPluginsLinkNothingHeavy(t *testing.T) {
 	}{
 		{module + "/cmd/eni-vlan", heavy},
 		{module + "/cmd/aether-cni", append(slices.Clone(heavy), notForMeshCNI...)},
+		// The CSI node plugin is a long-lived daemon but a small one: gRPC
+		// and the CSI spec, never the sanity suite its tests run.
+		{module + "/cmd/aether-csi", append(slices.Clone(heavy), notForCSI...)},
 	} {
 		t.Run(filepath.Base(tt.main), func(t *testing.T) {
 			main := tt.main

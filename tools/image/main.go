@@ -21,7 +21,7 @@ import (
 )
 
 // binaries are the release binaries the image holds, in BinDir.
-var binaries = []string{"aether-agent", "aether-cni", "aether-cni-install", "aether-proxy", "aetherctl", "eni-vlan"}
+var binaries = []string{"aether-agent", "aether-cni", "aether-cni-install", "aether-csi", "aether-proxy", "aetherctl", "eni-vlan"}
 
 func main() {
 	bin := flag.String("bin", "bin", "directory of the static release binaries (make build)")
