@@ -243,12 +243,21 @@ func TestChartRejects(t *testing.T) {
 // container returns the DaemonSet's container (or init container) name.
 func container(t *testing.T, r *render, name string) corev1.Container {
 	t.Helper()
+	c, ok := findContainer(r, name)
+	if !ok {
+		t.Fatalf("no container %q in the DaemonSet", name)
+	}
+	return c
+}
+
+// findContainer returns the DaemonSet's container (or init container) name,
+// if it renders one.
+func findContainer(r *render, name string) (corev1.Container, bool) {
 	spec := r.ds.Spec.Template.Spec
 	for _, c := range append(append([]corev1.Container{}, spec.InitContainers...), spec.Containers...) {
 		if c.Name == name {
-			return c
+			return c, true
 		}
 	}
-	t.Fatalf("no container %q in the DaemonSet", name)
-	return corev1.Container{}
+	return corev1.Container{}, false
 }

@@ -17,14 +17,17 @@ import (
 	"go.yaml.in/yaml/v3"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	storagev1 "k8s.io/api/storage/v1"
 
 	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/app"
 	"aether.io/node/agent/nodegate"
 	"aether.io/node/cniinstall"
+	"aether.io/node/csi"
 	"aether.io/node/deploy/chart"
 	"aether.io/node/enivlan/config"
 	"aether.io/node/meshcni"
+	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/test/harness"
 	"aether.io/node/tools/image/oci"
 	workloadclient "aether.io/node/xds/workload/client"
@@ -122,7 +125,7 @@ func TestValuesReachTheBinaries(t *testing.T) {
 		if r.ds.Spec.Template.Spec.ImagePullSecrets[0].Name != "regcred" {
 			t.Errorf("imagePullSecrets %+v, want regcred", r.ds.Spec.Template.Spec.ImagePullSecrets)
 		}
-		for _, c := range allContainers(r) {
+		for _, c := range ownContainers(r) {
 			if c.Image != "registry.example.com/aether/aether-node:v0.2.0" || c.ImagePullPolicy != corev1.PullAlways {
 				t.Errorf("container %s image %q %s, want the set's image and pull policy", c.Name, c.Image, c.ImagePullPolicy)
 			}
@@ -190,7 +193,7 @@ func TestInstallerArgsParse(t *testing.T) {
 // image's bin dir.
 func TestImageCommands(t *testing.T) {
 	forEachSet(t, func(t *testing.T, r *render) {
-		for _, c := range allContainers(r) {
+		for _, c := range ownContainers(r) {
 			if len(c.Command) != 1 || filepath.Dir(c.Command[0]) != oci.BinDir {
 				t.Errorf("container %s command %q: want one binary in %s", c.Name, c.Command, oci.BinDir)
 				continue
@@ -235,6 +238,59 @@ func TestNodeGating(t *testing.T) {
 		}
 		if cfg.RemoveNotReadyTaint != slices.Contains(verbs, "patch") {
 			t.Errorf("--remove-not-ready-taint=%v but nodes verbs %q: patch is needed to remove %s, and only then", cfg.RemoveNotReadyTaint, verbs, nodegate.TaintKey)
+		}
+	})
+}
+
+// TestCSIDriver checks the csi.aether.io wiring: the driver's args parse
+// with its own parser and name the agent's UDS root, its socket is the one
+// the registrar registers, the target dir propagates back to the host, and
+// the CSIDriver object asks for what the driver needs (inline volumes, the
+// pod's uid); without csi.enabled none of it is rendered.
+func TestCSIDriver(t *testing.T) {
+	forEachSet(t, func(t *testing.T, r *render) {
+		var drivers []*storagev1.CSIDriver
+		for _, o := range r.objs {
+			if d, ok := o.(*storagev1.CSIDriver); ok {
+				drivers = append(drivers, d)
+			}
+		}
+		c, ok := findContainer(r, "aether-csi")
+		if !ok {
+			if len(drivers) > 0 {
+				t.Fatalf("CSIDriver rendered without the aether-csi container")
+			}
+			return
+		}
+		if len(drivers) != 1 || drivers[0].Name != meshcontract.CSIDriver {
+			t.Fatalf("want one CSIDriver %s, got %d", meshcontract.CSIDriver, len(drivers))
+		}
+		spec := drivers[0].Spec
+		if spec.PodInfoOnMount == nil || !*spec.PodInfoOnMount || spec.AttachRequired == nil || *spec.AttachRequired ||
+			!slices.Equal(spec.VolumeLifecycleModes, []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecycleEphemeral}) {
+			t.Errorf("CSIDriver spec %+v: want podInfoOnMount, no attach, Ephemeral only", spec)
+		}
+		var stderr bytes.Buffer
+		cfg, err := csi.ParseFlags(expand(c.Args), &stderr)
+		if err != nil {
+			t.Fatalf("aether-csi rejects the chart's args: %v\n%s", err, stderr.String())
+		}
+		if agent := agentConfig(t, r); cfg.Root != agent.UDSRoot {
+			t.Errorf("aether-csi --uds-csi-root=%s, aether-agent --uds-csi-root=%s: they must agree", cfg.Root, agent.UDSRoot)
+		}
+		reg, ok := findContainer(r, "csi-node-driver-registrar")
+		if !ok {
+			t.Fatal("aether-csi without csi-node-driver-registrar: kubelet never learns the driver")
+		}
+		want := filepath.Join(cfg.KubeletDir, "plugins", meshcontract.CSIDriver, filepath.Base(cfg.Endpoint))
+		if !slices.Contains(reg.Args, "--kubelet-registration-path="+want) {
+			t.Errorf("registrar args %q do not register %s (the driver's --endpoint %s)", reg.Args, want, cfg.Endpoint)
+		}
+		propagates := slices.ContainsFunc(c.VolumeMounts, func(m corev1.VolumeMount) bool {
+			return m.MountPath == cfg.KubeletDir && m.MountPropagation != nil && *m.MountPropagation == corev1.MountPropagationBidirectional
+		})
+		if !propagates || c.SecurityContext == nil || c.SecurityContext.Privileged == nil || !*c.SecurityContext.Privileged {
+			t.Errorf("aether-csi needs %s mounted Bidirectional and privileged, got mounts %+v", cfg.KubeletDir, c.VolumeMounts)
 		}
 	})
 }
@@ -491,6 +547,12 @@ func TestConflistParses(t *testing.T) {
 func allContainers(r *render) []corev1.Container {
 	spec := r.ds.Spec.Template.Spec
 	return append(append([]corev1.Container{}, spec.InitContainers...), spec.Containers...)
+}
+
+// ownContainers are the containers that run the aether-node image: all but
+// the upstream node-driver-registrar.
+func ownContainers(r *render) []corev1.Container {
+	return slices.DeleteFunc(allContainers(r), func(c corev1.Container) bool { return c.Name == "csi-node-driver-registrar" })
 }
 
 // envVars maps each env var of c taken from the downward API to its field.

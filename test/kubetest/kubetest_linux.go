@@ -201,7 +201,7 @@ func Start(tb testing.TB) *Cluster {
 		"--etcd-servers=" + etcdURL, "--service-account-issuer=https://kubernetes.default.svc",
 		"--service-account-key-file=" + saPub, "--service-account-signing-key-file=" + saKey,
 		"--cert-dir=" + filepath.Join(dir, "certs"), fmt.Sprintf("--secure-port=%d", apiPort), "--bind-address=127.0.0.1",
-		"--authorization-mode=RBAC", "--token-auth-file=" + tokens, "--service-cluster-ip-range=10.96.0.0/16",
+		"--authorization-mode=RBAC", "--allow-privileged=true", "--token-auth-file=" + tokens, "--service-cluster-ip-range=10.96.0.0/16",
 	}, dir)
 	c.add(api)
 
