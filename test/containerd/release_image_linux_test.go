@@ -26,7 +26,7 @@ func TestReleaseImage(t *testing.T) {
 	harness.RequireRoot(t)
 	need(t, "containerd", "runc", "ctr")
 	node := harness.NewNS(t, "ctdimg")
-	bins := []string{"aether-agent", "aether-cni", "aether-cni-install", "aether-proxy", "aetherctl", "eni-vlan"}
+	bins := oci.Binaries
 	own := harness.BuildOwn(t, bins...)
 
 	const ref = "localhost/aether-node:lane"

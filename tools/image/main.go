@@ -14,14 +14,12 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"time"
 
 	"aether.io/node/tools/image/oci"
 )
-
-// binaries are the release binaries the image holds, in BinDir.
-var binaries = []string{"aether-agent", "aether-cni", "aether-cni-install", "aether-csi", "aether-proxy", "aetherctl", "eni-vlan"}
 
 func main() {
 	bin := flag.String("bin", "bin", "directory of the static release binaries (make build)")
@@ -33,7 +31,7 @@ func main() {
 	extra := flag.String("extra", "", "comma-separated extra binaries in -bin to include (e.g. aether-cni-install)")
 	flag.Parse()
 
-	names := binaries
+	names := slices.Clone(oci.Binaries)
 	for _, e := range strings.Split(*extra, ",") {
 		if e = strings.TrimSpace(e); e != "" {
 			names = append(names, e)

@@ -36,6 +36,11 @@ import (
 // BinDir is where the binaries live inside the image.
 const BinDir = "/usr/local/bin"
 
+// Binaries are the release binaries (cmd/<name>) the aether-node image
+// holds in BinDir: `make image` packs them, the tests that build an image
+// pack the same list.
+var Binaries = []string{"aether-agent", "aether-cni", "aether-cni-install", "aether-csi", "aether-proxy", "aetherctl", "eni-vlan"}
+
 // File is one regular file of the image.
 type File struct {
 	// Path is the absolute path inside the image, e.g. /usr/local/bin/aether-agent.
