@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -203,19 +204,28 @@ func (r *Runtime) Import(tb testing.TB, tarPath string) {
 // sandbox image and imports it: nothing is pulled.
 func (r *Runtime) ImportPause(tb testing.TB) {
 	tb.Helper()
+	r.ImportBinary(tb, "./test/containerd/pause", PauseImage)
+}
+
+// ImportBinary builds the command pkg of this module into a one-layer
+// image named ref (the binary at /<its name>, the image's entrypoint) and
+// imports it.
+func (r *Runtime) ImportBinary(tb testing.TB, pkg, ref string) {
+	tb.Helper()
 	imgDir := tb.TempDir()
-	GoBuild(tb, filepath.Join(imgDir, "pause"), "./test/containerd/pause")
-	pause, err := oci.Build(oci.Spec{
-		Files:      []oci.File{{Path: "/pause", Source: filepath.Join(imgDir, "pause"), Mode: 0o755}},
-		Entrypoint: []string{"/pause"},
+	name := path.Base(pkg)
+	GoBuild(tb, filepath.Join(imgDir, name), pkg)
+	img, err := oci.Build(oci.Spec{
+		Files:      []oci.File{{Path: "/" + name, Source: filepath.Join(imgDir, name), Mode: 0o755}},
+		Entrypoint: []string{"/" + name},
 	})
 	if err != nil {
 		tb.Fatal(err)
 	}
-	if err := oci.WriteTarball(filepath.Join(imgDir, "pause.tar"), pause, PauseImage); err != nil {
+	if err := oci.WriteTarball(filepath.Join(imgDir, name+".tar"), img, ref); err != nil {
 		tb.Fatal(err)
 	}
-	r.Import(tb, filepath.Join(imgDir, "pause.tar"))
+	r.Import(tb, filepath.Join(imgDir, name+".tar"))
 }
 
 // Stop removes every sandbox left (so shims and pause processes end with

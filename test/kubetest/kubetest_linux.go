@@ -105,7 +105,9 @@ func lock(dir string) (func(), error) {
 	return filelock.Lock(filepath.Join(dir, ".lock"), 0o644)
 }
 
-func freePort(tb testing.TB) int {
+// FreePort returns a TCP port free on the machine's loopback now (so also
+// free in a new network namespace).
+func FreePort(tb testing.TB) int {
 	tb.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -229,7 +231,7 @@ func StartWith(tb testing.TB, o Options) *Cluster {
 	tb.Helper()
 	bins := BinDir(tb, o.Binaries...)
 	dir := tb.TempDir()
-	etcdPort, peerPort, apiPort := freePort(tb), freePort(tb), freePort(tb)
+	etcdPort, peerPort, apiPort := FreePort(tb), FreePort(tb), FreePort(tb)
 	c := &Cluster{Dir: dir, Port: apiPort, ns: o.NetNS}
 	tb.Cleanup(c.Stop)
 

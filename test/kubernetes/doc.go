@@ -1,0 +1,59 @@
+// Package kubernetes is the Kubernetes lane: aether-node under a real
+// kubelet, on a single-node Kubernetes v1.37 the test starts itself
+// (issue 11, item 6).
+//
+// # What it starts
+//
+// Everything runs in one network namespace, the node's "host network"
+// (harness.NewNS, with a dummy link carrying the node IP 192.0.2.2 and a
+// default route on it), so nothing touches the machine's own network:
+//   - etcd and kube-apiserver (test/kubetest, --allow-privileged=true),
+//     kube-controller-manager and kube-scheduler, all on the namespace's
+//     loopback; the test's client dials through the namespace;
+//   - containerd 1.6 + runc (test/containerd.Start: own root, state,
+//     socket, runc root; CNI bin and conf dirs in its directory) with the
+//     primary conflist bridge + host-local (the reference plugins);
+//   - kubelet (failCgroupV1: false, cgroupfs, registerWithTaints
+//     aether.io/agent-not-ready:NoSchedule; root, cert, pod-log and volume
+//     plugin dirs in the lane's directory).
+//
+// hostNetwork pods (the aether-node DaemonSet) share that namespace,
+// because runc inherits containerd's. The binaries are built once per
+// machine into harness.CacheDir()/kube/<versions> (kubetest.BinDir).
+//
+// # What it installs and checks
+//
+// The image is built by tools/image (what `make image` runs) and imported
+// with ctr under two tags; deploy/aether-node.yaml is installed with the
+// image, binary paths and host paths adapted (host paths live in the lane's
+// directory and are mounted at the same path in the containers; the
+// installer runs as a sidecar; the agent reaches the API server on the
+// node's loopback: no kube-proxy, so the Service IP does not route). Then,
+// in order: the DaemonSet is Ready, the taint is gone and aether-cni is
+// chained; managed pods are captured, served by aether-proxy and listed by
+// aetherctl (pods, workloads) with uid, service account and owner;
+// unmanaged pods are untouched; traffic between managed pods goes through
+// aether-proxy; a deleted pod turns UNHEALTHY before it is removed; a
+// rolling update of the DaemonSet keeps records and capture; uninstall
+// restores the conflist byte for byte and removes the binary.
+//
+// # What it restores
+//
+// The host-wide kernel settings kubelet rewrites (kernel.panic,
+// kernel.panic_on_oops, vm.overcommit_memory, vm.panic_on_oom,
+// kernel.keys.root_maxkeys/root_maxbytes) and the host's ip_forward are
+// recorded before the start and restored in t.Cleanup, also when the test
+// fails. At teardown: kubelet stops first, then containerd (its sandboxes
+// removed), then the control plane (kube-apiserver before etcd); the
+// mounts under the lane's directory (kubelet's bind mount of its root dir,
+// pod volumes, netns pins), the kubepods cgroups, and the host directories
+// kubelet cannot be told to avoid (/var/lib/kubelet/device-plugins,
+// /var/log/containers) when the lane created them, are removed.
+//
+// # Failing, never skipping
+//
+// The lane needs root, containerd, runc and ctr (make deps); without them it
+// fails with the package to install. Known noise in the logs: containerd
+// 1.6's "RuntimeConfig ... Unimplemented", "Failed to set rlimit", "no
+// imagefs label", kubelet's iptables canary errors (no iptables here).
+package kubernetes

@@ -1,0 +1,275 @@
+package kubernetes_test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/kubernetes/scheme"
+
+	"aether.io/node/test/harness"
+	"aether.io/node/test/kubetest"
+	"aether.io/node/tools/image/oci"
+)
+
+const (
+	// imageRepo is the lane's image name; tags tell rollouts apart.
+	imageRepo = "localhost/aether-node"
+	// systemNamespace holds the DaemonSet (deploy/aether-node.yaml).
+	systemNamespace = "aether-system"
+	daemonSetName   = "aether-node"
+)
+
+// install holds what installing aether-node put on the node.
+type install struct {
+	objects []runtime.Object
+	runDir  string // host /run/aether: agent sockets, pins
+	state   string // host /var/lib/aether: agent store, installer state
+}
+
+// agentSocketDir is where the agent serves its sockets (0700, its own).
+func (in *install) agentSocketDir() string { return filepath.Join(in.runDir, "agent") }
+
+// buildImage builds the release binaries and the image `make image` writes
+// (tools/image), and imports it into containerd's k8s.io namespace under
+// every tag given.
+func buildImage(t *testing.T, n *node, tags ...string) {
+	t.Helper()
+	own := harness.BuildOwn(t, "aether-agent", "aether-cni", "aether-cni-install", "aether-proxy", "aetherctl", "eni-vlan")
+	out := t.TempDir()
+	for _, tag := range tags {
+		cmd := exec.Command("go", "run", "./tools/image", "-bin", own, "-out", out, "-ref", imageRepo+":"+tag)
+		cmd.Dir = harness.ModuleRoot()
+		if b, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("failed to build the image with tools/image: %v\n%s", err, b)
+		}
+		n.runtime.Import(t, filepath.Join(out, "aether-node.tar"))
+	}
+}
+
+// installAetherNode creates deploy/aether-node.yaml's objects, adapted to
+// the lane: the image under tag, binaries from the image's bin dir, host
+// paths inside the lane's directory (mounted at the same path in the
+// containers, so the paths aether-cni gets from the conflist are the ones
+// the agent and the proxy see), the API server on the node's loopback (no
+// kube-proxy: the Service IP does not route), and the installer as a
+// sidecar instead of deploy's copying init container.
+func installAetherNode(t *testing.T, n *node, tag string) *install {
+	t.Helper()
+	in := &install{runDir: n.hostPath("run/aether"), state: n.hostPath("var/lib/aether")}
+	mkdir(t, in.runDir, in.state)
+	sharedMount(t, in.runDir)
+	raw, err := os.ReadFile(filepath.Join(harness.ModuleRoot(), "deploy", "aether-node.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(raw)))
+	for {
+		doc, err := r.Read()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(bytes.TrimSpace(doc)) == 0 {
+			continue
+		}
+		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode(doc, nil, nil)
+		if err != nil {
+			t.Fatalf("failed to decode deploy/aether-node.yaml: %v", err)
+		}
+		if ds, ok := obj.(*appsv1.DaemonSet); ok {
+			adaptDaemonSet(t, n, in, ds, tag)
+		}
+		in.objects = append(in.objects, obj)
+	}
+	ctx := context.Background()
+	cs := n.cluster.Client
+	for _, obj := range in.objects {
+		var err error
+		switch o := obj.(type) {
+		case *corev1.Namespace:
+			_, err = cs.CoreV1().Namespaces().Create(ctx, o, metav1.CreateOptions{})
+		case *corev1.ServiceAccount:
+			_, err = cs.CoreV1().ServiceAccounts(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.ClusterRole:
+			_, err = cs.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.ClusterRoleBinding:
+			_, err = cs.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
+		case *appsv1.DaemonSet:
+			_, err = cs.AppsV1().DaemonSets(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
+		default:
+			t.Fatalf("deploy/aether-node.yaml holds a %T the lane does not install", obj)
+		}
+		if err != nil {
+			t.Fatalf("failed to create %T: %v", obj, err)
+		}
+	}
+	return in
+}
+
+// adaptDaemonSet rewrites deploy's DaemonSet for the lane (see
+// installAetherNode).
+func adaptDaemonSet(t *testing.T, n *node, in *install, ds *appsv1.DaemonSet, tag string) {
+	t.Helper()
+	spec := &ds.Spec.Template.Spec
+	hostPaths := map[string]string{"/run/aether": in.runDir, "/var/lib/aether": in.state, "/opt/cni/bin": n.cniBin}
+	for i := range spec.Volumes {
+		hp := spec.Volumes[i].HostPath
+		if hp == nil {
+			continue
+		}
+		to, ok := hostPaths[hp.Path]
+		if !ok {
+			t.Fatalf("deploy's DaemonSet has host path %q the lane does not map", hp.Path)
+		}
+		// Mounted at the host path itself: what the conflist names is what
+		// the containers see.
+		for j := range spec.Containers {
+			for k, m := range spec.Containers[j].VolumeMounts {
+				if m.Name == spec.Volumes[i].Name {
+					spec.Containers[j].VolumeMounts[k].MountPath = to
+				}
+			}
+		}
+		hp.Path = to
+	}
+	spec.Volumes = append(spec.Volumes, corev1.Volume{Name: "cni-conf", VolumeSource: corev1.VolumeSource{
+		HostPath: &corev1.HostPathVolumeSource{Path: n.runtime.ConfDir()},
+	}})
+	// deploy's init container only copies binaries; the lane runs the
+	// installer (install, repair, uninstall on SIGTERM) as a sidecar.
+	spec.InitContainers = nil
+	installer := corev1.Container{
+		Name:    "install-cni",
+		Command: []string{oci.BinDir + "/aether-cni-install"},
+		Args: []string{
+			"--cni-bin-dir=" + n.cniBin, "--cni-conf-dir=" + n.runtime.ConfDir(), "--source-dir=" + oci.BinDir,
+			"--state-file=" + filepath.Join(in.state, "cni-install", "state.json"),
+			"--agent-socket=" + filepath.Join(in.agentSocketDir(), "cni.sock"),
+			"--netns-pin-dir=" + filepath.Join(in.runDir, "netns"),
+			"--plugin-log-level=debug",
+		},
+		VolumeMounts: []corev1.VolumeMount{
+			{Name: "cni-bin", MountPath: n.cniBin},
+			{Name: "cni-conf", MountPath: n.runtime.ConfDir()},
+			{Name: "state", MountPath: in.state},
+		},
+	}
+	spec.Containers = append(spec.Containers, installer)
+	for i := range spec.Containers {
+		c := &spec.Containers[i]
+		c.Image = imageRepo + ":" + tag
+		c.ImagePullPolicy = corev1.PullNever
+		for j, cmd := range c.Command {
+			c.Command[j] = strings.Replace(cmd, "/opt/aether/bin", oci.BinDir, 1)
+		}
+		for j, a := range c.Args {
+			a = strings.ReplaceAll(a, "/run/aether", in.runDir)
+			c.Args[j] = strings.ReplaceAll(a, "/var/lib/aether", in.state)
+		}
+		c.Env = append(c.Env,
+			corev1.EnvVar{Name: "KUBERNETES_SERVICE_HOST", Value: "127.0.0.1"},
+			corev1.EnvVar{Name: "KUBERNETES_SERVICE_PORT", Value: strconv.Itoa(n.cluster.Port)})
+	}
+}
+
+// sharedMount makes dir a shared mount point (a bind mount onto itself),
+// so the containers' HostToContainer mounts see aether-cni's netns pins;
+// the root mount of these machines is private. Unmounted in tb.Cleanup.
+func sharedMount(tb testing.TB, dir string) {
+	tb.Helper()
+	if err := syscall.Mount(dir, dir, "", syscall.MS_BIND, ""); err != nil {
+		tb.Fatalf("failed to bind-mount %q: %v", dir, err)
+	}
+	tb.Cleanup(func() { _ = syscall.Unmount(dir, syscall.MNT_DETACH) })
+	if err := syscall.Mount("", dir, "", syscall.MS_SHARED, ""); err != nil {
+		tb.Fatalf("failed to make %q shared: %v", dir, err)
+	}
+}
+
+// waitDaemonSetReady waits until every desired pod of the DaemonSet is
+// updated and ready.
+func waitDaemonSetReady(t *testing.T, n *node, d time.Duration) *appsv1.DaemonSet {
+	t.Helper()
+	var ds *appsv1.DaemonSet
+	kubetest.WaitFor(t, "DaemonSet "+daemonSetName+" ready", d, n.kubelet, func() bool {
+		var err error
+		ds, err = n.cluster.Client.AppsV1().DaemonSets(systemNamespace).Get(context.Background(), daemonSetName, metav1.GetOptions{})
+		if err != nil {
+			return false
+		}
+		s := ds.Status
+		return s.ObservedGeneration == ds.Generation && s.DesiredNumberScheduled == 1 &&
+			s.NumberReady == 1 && s.UpdatedNumberScheduled == 1 && s.NumberAvailable == 1
+	})
+	return ds
+}
+
+// uninstall deletes the installed objects (DaemonSet first, its pods with
+// it) and waits until its pods are gone.
+func (in *install) uninstall(t *testing.T, n *node) {
+	t.Helper()
+	ctx := context.Background()
+	cs := n.cluster.Client
+	fg := metav1.DeletePropagationForeground
+	opts := metav1.DeleteOptions{PropagationPolicy: &fg}
+	for i := len(in.objects) - 1; i >= 0; i-- {
+		var err error
+		switch o := in.objects[i].(type) {
+		case *appsv1.DaemonSet:
+			err = cs.AppsV1().DaemonSets(o.Namespace).Delete(ctx, o.Name, opts)
+		case *rbacv1.ClusterRoleBinding:
+			err = cs.RbacV1().ClusterRoleBindings().Delete(ctx, o.Name, opts)
+		case *rbacv1.ClusterRole:
+			err = cs.RbacV1().ClusterRoles().Delete(ctx, o.Name, opts)
+		case *corev1.ServiceAccount:
+			err = cs.CoreV1().ServiceAccounts(o.Namespace).Delete(ctx, o.Name, opts)
+		case *corev1.Namespace:
+			// Deleted last, after its pods are gone (below).
+			continue
+		}
+		if err != nil && !apierrors.IsNotFound(err) {
+			t.Fatalf("failed to delete %T: %v", in.objects[i], err)
+		}
+	}
+	kubetest.WaitFor(t, "aether-node pods gone", 90*time.Second, n.kubelet, func() bool {
+		l, err := cs.CoreV1().Pods(systemNamespace).List(ctx, metav1.ListOptions{})
+		return err == nil && len(l.Items) == 0
+	})
+}
+
+// setImage rolls the DaemonSet to the image tag (every container).
+func setImage(t *testing.T, n *node, tag string) {
+	t.Helper()
+	ctx := context.Background()
+	dss := n.cluster.Client.AppsV1().DaemonSets(systemNamespace)
+	ds, err := dss.Get(ctx, daemonSetName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range ds.Spec.Template.Spec.Containers {
+		ds.Spec.Template.Spec.Containers[i].Image = imageRepo + ":" + tag
+	}
+	if _, err := dss.Update(ctx, ds, metav1.UpdateOptions{}); err != nil {
+		t.Fatalf("failed to roll the DaemonSet to %s: %v", tag, err)
+	}
+}
