@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -264,6 +265,7 @@ func (r *Runtime) cleanupHost(tb testing.TB) {
 			_ = exec.Command("runc", "--root", r.RuncRoot(), "delete", "--force", id).Run()
 		}
 	}
+	r.stopShims()
 	UnmountUnder(r.Base)
 	ctrls, _ := os.ReadDir("/sys/fs/cgroup")
 	for _, c := range ctrls {
@@ -277,10 +279,49 @@ func (r *Runtime) cleanupHost(tb testing.TB) {
 		}
 		_ = syscall.Rmdir(dir)
 	}
-	_ = syscall.Rmdir("/run/containerd/s")
-	_ = syscall.Rmdir("/run/containerd")
+	for _, d := range []string{"/run/containerd/s", "/run/containerd/fifo", "/run/containerd"} {
+		_ = syscall.Rmdir(d) // only when empty: other instances may share it
+	}
 	if err := os.RemoveAll(r.Base); err != nil {
 		tb.Errorf("failed to remove %s: %v", r.Base, err)
+	}
+}
+
+// stopShims ends the shims of this instance that outlived containerd (a
+// sandbox whose removal failed keeps its shim): SIGTERM by PID to the
+// processes whose command line names this instance's socket (a shim then
+// removes its socket under /run/containerd/s), SIGKILL after 5 s.
+func (r *Runtime) stopShims() {
+	var pids []int
+	procs, _ := os.ReadDir("/proc")
+	for _, p := range procs {
+		pid, err := strconv.Atoi(p.Name())
+		if err != nil {
+			continue
+		}
+		cmdline, err := os.ReadFile(filepath.Join("/proc", p.Name(), "cmdline"))
+		if err != nil {
+			continue
+		}
+		args := strings.Split(string(cmdline), "\x00")
+		if len(args) == 0 || !strings.HasPrefix(filepath.Base(args[0]), "containerd-shim") {
+			continue
+		}
+		for i := 0; i+1 < len(args); i++ {
+			if args[i] == "-address" && args[i+1] == r.Sock {
+				pids = append(pids, pid)
+			}
+		}
+	}
+	for _, pid := range pids {
+		_ = syscall.Kill(pid, syscall.SIGTERM)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for _, pid := range pids {
+		for syscall.Kill(pid, 0) == nil && time.Now().Before(deadline) {
+			time.Sleep(50 * time.Millisecond)
+		}
+		_ = syscall.Kill(pid, syscall.SIGKILL)
 	}
 }
 

@@ -174,7 +174,6 @@ func adaptDaemonSet(t *testing.T, n *node, in *install, ds *appsv1.DaemonSet, ta
 			{Name: "state", MountPath: in.state},
 		},
 	}
-	spec.Containers = append(spec.Containers, installer)
 	for i := range spec.Containers {
 		c := &spec.Containers[i]
 		c.Image = imageRepo + ":" + tag
@@ -190,6 +189,8 @@ func adaptDaemonSet(t *testing.T, n *node, in *install, ds *appsv1.DaemonSet, ta
 			corev1.EnvVar{Name: "KUBERNETES_SERVICE_HOST", Value: "127.0.0.1"},
 			corev1.EnvVar{Name: "KUBERNETES_SERVICE_PORT", Value: strconv.Itoa(n.cluster.Port)})
 	}
+	installer.Image, installer.ImagePullPolicy = imageRepo+":"+tag, corev1.PullNever
+	spec.Containers = append(spec.Containers, installer)
 }
 
 // sharedMount makes dir a shared mount point (a bind mount onto itself),

@@ -29,7 +29,7 @@ func TestKubernetes(t *testing.T) {
 	n.runtime.ImportBinary(t, "./test/kubernetes/echo", echoImage)
 	in := installAetherNode(t, n, "v1")
 
-	t.Run("DaemonSetReady", func(t *testing.T) {
+	if !t.Run("DaemonSetReady", func(t *testing.T) {
 		waitDaemonSetReady(t, n, 120*time.Second)
 		no, err := n.cluster.Client.CoreV1().Nodes().Get(context.Background(), nodeName, metav1.GetOptions{})
 		if err != nil {
@@ -54,13 +54,15 @@ func TestKubernetes(t *testing.T) {
 			t.Fatalf("the installer did not chain aether-cni after bridge:\n%s", b)
 		}
 		t.Logf("chained conflist:\n%s", b)
-	})
+	}) {
+		return // later scenarios build on this one
+	}
 
 	createNamespace(t, n)
 	deployEcho(t, n, "client", true)
 	deployEcho(t, n, "web", true)
 	deployEcho(t, n, "plain", false)
-	t.Run("ManagedPods", func(t *testing.T) {
+	if !t.Run("ManagedPods", func(t *testing.T) {
 		pods := map[string]corev1.Pod{}
 		for _, name := range []string{"client", "web", "plain"} {
 			pods[name] = runningPods(t, n, name, 1, 120*time.Second)[0]
@@ -99,9 +101,11 @@ func TestKubernetes(t *testing.T) {
 			t.Fatalf("aether-proxy metrics do not name client -> web:\n%s", m)
 		}
 		t.Logf("proxy metric: %s", line)
-	})
+	}) {
+		return // later scenarios build on this one
+	}
 
-	t.Run("DeletePod", func(t *testing.T) {
+	if !t.Run("DeletePod", func(t *testing.T) {
 		events := watchWorkloads(t, in)
 		web := runningPods(t, n, "web", 1, 60*time.Second)[0]
 		listed := nextEvent(t, events, "the watch to list "+web.Name, 10*time.Second, func(e watchEvent) bool {
@@ -130,9 +134,11 @@ func TestKubernetes(t *testing.T) {
 		if repl.UID == web.UID || !captured(t, podNetns(t, n, repl)) {
 			t.Fatalf("replacement pod %s (uid %s) is not captured", repl.Name, repl.UID)
 		}
-	})
+	}) {
+		return // later scenarios build on this one
+	}
 
-	t.Run("RollingUpdate", func(t *testing.T) {
+	if !t.Run("RollingUpdate", func(t *testing.T) {
 		before := managedRecords(t, in)
 		if len(before) != 2 {
 			t.Fatalf("managed records before the roll-out = %v, want client and web", before)
@@ -172,9 +178,11 @@ func TestKubernetes(t *testing.T) {
 			echoFrom(t, podNetns(t, n, runningPods(t, n, "client", 1, 10*time.Second)[0]),
 				net.JoinHostPort(runningPods(t, n, "web", 1, 10*time.Second)[0].Status.PodIP, strconv.Itoa(echoPort)))
 		}
-	})
+	}) {
+		return // later scenarios build on this one
+	}
 
-	t.Run("Uninstall", func(t *testing.T) {
+	if !t.Run("Uninstall", func(t *testing.T) {
 		in.uninstall(t, n)
 		b, err := os.ReadFile(n.conflist)
 		if err != nil {
@@ -191,7 +199,9 @@ func TestKubernetes(t *testing.T) {
 		if captured(t, podNetns(t, n, p)) {
 			t.Fatalf("pod %s created after uninstall has a capture table", p.Name)
 		}
-	})
+	}) {
+		return // later scenarios build on this one
+	}
 
 	t.Logf("lane took %s", time.Since(start).Round(time.Millisecond))
 }
