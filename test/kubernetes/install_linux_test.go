@@ -5,12 +5,14 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -273,4 +275,64 @@ func setImage(t *testing.T, n *node, tag string) {
 	if _, err := dss.Update(ctx, ds, metav1.UpdateOptions{}); err != nil {
 		t.Fatalf("failed to roll the DaemonSet to %s: %v", tag, err)
 	}
+}
+
+// watchChain samples the conflist every 10 ms until the returned function
+// is called; that function stops the sampling and describes the gaps in
+// which aether-cni was not chained.
+func watchChain(t *testing.T, conflist string) func() string {
+	t.Helper()
+	stop, done := make(chan struct{}), make(chan string, 1)
+	go func() {
+		var (
+			gaps        int
+			unchained   time.Duration
+			longest     time.Duration
+			gapStart    time.Time
+			last        = time.Now()
+			ticker      = time.NewTicker(10 * time.Millisecond)
+			samples     int
+			readFailure error
+		)
+		defer ticker.Stop()
+		for {
+			select {
+			case <-stop:
+				if !gapStart.IsZero() {
+					gaps++
+					unchained += last.Sub(gapStart)
+					longest = max(longest, last.Sub(gapStart))
+				}
+				done <- fmt.Sprintf("%d samples, %d gap(s) without aether-cni, %s unchained in all, longest %s, read error %v",
+					samples, gaps, unchained.Round(time.Millisecond), longest.Round(time.Millisecond), readFailure)
+				return
+			case now := <-ticker.C:
+				samples++
+				last = now
+				b, err := os.ReadFile(conflist)
+				if err != nil {
+					readFailure = err
+				}
+				chained := err == nil && bytes.Contains(b, []byte(`"aether-cni"`))
+				switch {
+				case !chained && gapStart.IsZero():
+					gapStart = now
+				case chained && !gapStart.IsZero():
+					gaps++
+					d := now.Sub(gapStart)
+					unchained += d
+					longest = max(longest, d)
+					gapStart = time.Time{}
+				}
+			}
+		}
+	}()
+	var once sync.Once
+	var result string
+	stopFn := func() string {
+		once.Do(func() { close(stop); result = <-done })
+		return result
+	}
+	t.Cleanup(func() { stopFn() })
+	return stopFn
 }

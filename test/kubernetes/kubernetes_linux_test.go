@@ -31,28 +31,46 @@ func TestKubernetes(t *testing.T) {
 
 	if !t.Run("DaemonSetReady", func(t *testing.T) {
 		waitDaemonSetReady(t, n, 120*time.Second)
-		no, err := n.cluster.Client.CoreV1().Nodes().Get(context.Background(), nodeName, metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, ta := range no.Spec.Taints {
-			if ta.Key == notReadyTaint {
-				t.Fatalf("the agent did not remove %s from its Node: taints %v", notReadyTaint, no.Spec.Taints)
+		// Ready says the containers started; the installer sidecar and the
+		// agent's taint removal finish on their own: poll, then check.
+		ready := time.Now()
+		var (
+			b       []byte
+			taints  []corev1.Taint
+			plugins []map[string]any
+		)
+		for {
+			no, err := n.cluster.Client.CoreV1().Nodes().Get(context.Background(), nodeName, metav1.GetOptions{})
+			if err != nil {
+				t.Fatal(err)
 			}
+			taints = no.Spec.Taints
+			if b, err = os.ReadFile(n.conflist); err != nil {
+				t.Fatal(err)
+			}
+			var cl struct {
+				Plugins []map[string]any `json:"plugins"`
+			}
+			if err := json.Unmarshal(b, &cl); err != nil {
+				t.Fatalf("the conflist does not parse: %v\n%s", err, b)
+			}
+			plugins = cl.Plugins
+			chained := len(plugins) == 2 && plugins[0]["type"] == "bridge" && plugins[1]["type"] == "aether-cni"
+			if (chained && !hasTaint(taints, notReadyTaint)) || time.Since(ready) > 30*time.Second {
+				break
+			}
+			time.Sleep(50 * time.Millisecond)
 		}
-		b, err := os.ReadFile(n.conflist)
-		if err != nil {
-			t.Fatal(err)
+		if hasTaint(taints, notReadyTaint) {
+			t.Fatalf("the agent did not remove %s from its Node: taints %v", notReadyTaint, taints)
 		}
-		var cl struct {
-			Plugins []map[string]any `json:"plugins"`
-		}
-		if err := json.Unmarshal(b, &cl); err != nil {
-			t.Fatalf("the chained conflist does not parse: %v\n%s", err, b)
-		}
-		if len(cl.Plugins) != 2 || cl.Plugins[0]["type"] != "bridge" || cl.Plugins[1]["type"] != "aether-cni" {
+		if len(plugins) != 2 || plugins[0]["type"] != "bridge" || plugins[1]["type"] != "aether-cni" {
 			t.Fatalf("the installer did not chain aether-cni after bridge:\n%s", b)
 		}
+		if sock := filepath.Join(in.agentSocketDir(), "cni.sock"); plugins[1]["agent_socket"] != sock {
+			t.Fatalf("chained aether-cni has agent_socket %v, want the agent's socket %s", plugins[1]["agent_socket"], sock)
+		}
+		t.Logf("chained and untainted %s after the DaemonSet was Ready", time.Since(ready).Round(time.Millisecond))
 		t.Logf("chained conflist:\n%s", b)
 	}) {
 		return // later scenarios build on this one
@@ -143,12 +161,17 @@ func TestKubernetes(t *testing.T) {
 		if len(before) != 2 {
 			t.Fatalf("managed records before the roll-out = %v, want client and web", before)
 		}
+		chain := watchChain(t, n.conflist)
+		rollStart := time.Now()
 		setImage(t, n, "v2")
 		// Created while the DaemonSet rolls: its ADD meets the agent going
 		// away and coming back (aether-cni answers code 11; kubelet retries).
 		deployEcho(t, n, "during", true)
 		waitDaemonSetReady(t, n, 120*time.Second)
+		t.Logf("DaemonSet rolled in %s", time.Since(rollStart).Round(time.Millisecond))
 		during := runningPods(t, n, "during", 1, 120*time.Second)[0]
+		t.Logf("pod %s running %s after the roll-out began", during.Name, time.Since(rollStart).Round(time.Millisecond))
+		t.Logf("conflist during the roll-out: %s", chain())
 		after := managedRecords(t, in)
 		for name, uid := range before {
 			if after[name] != uid {
@@ -204,4 +227,13 @@ func TestKubernetes(t *testing.T) {
 	}
 
 	t.Logf("lane took %s", time.Since(start).Round(time.Millisecond))
+}
+
+func hasTaint(taints []corev1.Taint, key string) bool {
+	for _, ta := range taints {
+		if ta.Key == key && ta.Effect == corev1.TaintEffectNoSchedule {
+			return true
+		}
+	}
+	return false
 }
