@@ -119,6 +119,17 @@ func TestKubernetes(t *testing.T) {
 			t.Fatalf("aether-proxy metrics do not name client -> web:\n%s", m)
 		}
 		t.Logf("proxy metric: %s", line)
+
+		// client -> the unmanaged pod's IP: still captured on client's side
+		// (the divert is per source pod); the destination is no workload the
+		// agent knows, so the proxy cannot name it.
+		echoFrom(t, podNetns(t, n, pods["client"]), net.JoinHostPort(plain.Status.PodIP, strconv.Itoa(echoPort)))
+		m = proxyMetrics(t, n)
+		line = metricLine(m, "aether_tcp_connections_opened_total", `source_workload="client"`, `destination_workload="unknown"`)
+		if line == "" {
+			t.Fatalf("aether-proxy metrics have no client -> unknown series for the unmanaged destination:\n%s", m)
+		}
+		t.Logf("proxy metric: %s", line)
 	}) {
 		return // later scenarios build on this one
 	}
