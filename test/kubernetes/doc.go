@@ -50,12 +50,17 @@
 // fails. A diff of /proc/sys (kernel, vm, fs, user, net/core, net/ipv4)
 // before the lane and with the node up showed only the first three
 // changing here (the keys limits already had kubelet's values; the bridge
-// sets ip_forward in the node netns, not on the host). At teardown: kubelet stops first, then containerd (its sandboxes
-// removed), then the control plane (kube-apiserver before etcd); the
-// mounts under the lane's directory (kubelet's bind mount of its root dir,
-// pod volumes, netns pins), the kubepods cgroups, and the host directories
+// sets ip_forward in the node netns, not on the host).
+//
+// At teardown kubelet stops first, then the conflist gets its original
+// bytes back (so sandbox DELs never wait for a gone agent), then
+// containerd (its sandboxes removed, leftover shims ended by PID), then
+// the control plane (kube-apiserver before etcd). Removed last: the mounts
+// under the lane's directory (kubelet's bind mount of its root dir, pod
+// volumes, netns pins), the lane's own cgroup root (kubelet's cgroupRoot,
+// so the machine's /kubepods is never used), and the host directories
 // kubelet cannot be told to avoid (/var/lib/kubelet/device-plugins,
-// /var/log/containers) when the lane created them, are removed.
+// /var/log/containers) when the lane created them.
 //
 // # Failing, never skipping
 //

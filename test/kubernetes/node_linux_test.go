@@ -220,8 +220,25 @@ func mkdir(tb testing.TB, dirs ...string) {
 	}
 }
 
+// cgroupRoot is the lane's own cgroup parent for kubelet's kubepods tree
+// (named after base), so the lane never touches the machine's /kubepods.
+func cgroupRoot(base string) string { return "/" + filepath.Base(base) }
+
 func startKubelet(t *testing.T, n *node) *kubetest.Proc {
 	t.Helper()
+	// kubelet requires its cgroup root to exist in every hierarchy;
+	// removeLeftovers removes the tree.
+	ctrls, err := os.ReadDir("/sys/fs/cgroup")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ctrl := range ctrls {
+		if ctrl.IsDir() {
+			if err := os.Mkdir(filepath.Join("/sys/fs/cgroup", ctrl.Name(), cgroupRoot(n.base)), 0o755); err != nil {
+				t.Fatalf("failed to create the lane's cgroup root: %v", err)
+			}
+		}
+	}
 	dir := filepath.Join(n.base, "kubelet")
 	manifests := filepath.Join(dir, "manifests")
 	mkdir(t, manifests)
@@ -229,6 +246,7 @@ func startKubelet(t *testing.T, n *node) *kubetest.Proc {
 kind: KubeletConfiguration
 failCgroupV1: false
 cgroupDriver: cgroupfs
+cgroupRoot: %q
 failSwapOn: false
 staticPodPath: %q
 resolvConf: /etc/resolv.conf
@@ -257,7 +275,7 @@ serializeImagePulls: false
 registerWithTaints:
 - key: %s
   effect: NoSchedule
-`, manifests, n.runtime.Sock, kubetest.FreePort(t), kubetest.FreePort(t), filepath.Join(dir, "pod-logs"), filepath.Join(dir, "volume-plugins"), notReadyTaint)
+`, cgroupRoot(n.base), manifests, n.runtime.Sock, kubetest.FreePort(t), kubetest.FreePort(t), filepath.Join(dir, "pod-logs"), filepath.Join(dir, "volume-plugins"), notReadyTaint)
 	cfgPath := filepath.Join(dir, "config.yaml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)
@@ -290,14 +308,14 @@ var hostLeftovers = []string{"/var/lib/kubelet/device-plugins", "/var/lib/kubele
 
 // removeLeftovers removes what kubelet leaves outside its directories
 // (recipe point 5): its mounts under base (the bind mount of its root dir,
-// pod volumes), the kubepods cgroups, the hostLeftovers this lane created
+// pod volumes), the lane's cgroup root, the hostLeftovers this lane created
 // (fresh; only empty directories, dangling links and kubelet's socket are
 // removed), then base.
 func removeLeftovers(tb testing.TB, base string, fresh []string) {
 	containerd.UnmountUnder(base)
 	ctrls, _ := os.ReadDir("/sys/fs/cgroup")
 	for _, ctrl := range ctrls {
-		removeCgroupTree(filepath.Join("/sys/fs/cgroup", ctrl.Name(), "kubepods"))
+		removeCgroupTree(filepath.Join("/sys/fs/cgroup", ctrl.Name(), cgroupRoot(base)))
 	}
 	if err := os.RemoveAll(base); err != nil {
 		tb.Errorf("failed to remove %s: %v", base, err)
