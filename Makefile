@@ -45,10 +45,12 @@ image: build
 tools:
 	$(GO) build -o $(TOOLS)/ google.golang.org/protobuf/cmd/protoc-gen-go google.golang.org/grpc/cmd/protoc-gen-go-grpc
 
-## generate: Go code and docs/api from api/**/*.proto (no network, no protoc)
+## generate: Go code and docs/api from api/**/*.proto (no network, no protoc); deploy/aether-node.yaml
+## and docs/install.md's values table from the Helm chart (helm is built once per machine, cached)
 generate: tools
 	$(GO) run ./tools/protogen -proto-root api -docs docs/api \
 		-protoc-gen-go $(TOOLS)/protoc-gen-go -protoc-gen-go-grpc $(TOOLS)/protoc-gen-go-grpc
+	$(GO) run ./tools/chartgen -manifest deploy/aether-node.yaml -doc docs/install.md
 
 $(GOLANGCI):
 	GOBIN=$(dir $(GOLANGCI)) $(GO) install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_VERSION)

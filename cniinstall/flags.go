@@ -101,6 +101,8 @@ func ParseFlags(args []string, out io.Writer) (*Options, error) {
 	fs.StringVar(&entry.LogLevel, "plugin-log-level", "", "log_level of the chained aether-cni entry (debug, info, warn, error; empty = plugin default)")
 	fs.StringVar(&pluginConf, "plugin-config", "", "file with the whole aether-cni plugin object (JSON, \"type\": \"aether-cni\"); overrides the entry flags")
 	fs.StringVar(&o.LogLevel, "log-level", "info", "installer log level: debug, info, warn or error")
+	uninstall := fs.String("uninstall-on-exit", string(UninstallAuto),
+		"on SIGTERM: auto (keep everything while the pod's DaemonSet exists and is not being deleted, a rolling update; uninstall otherwise), always, or never")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -128,6 +130,9 @@ func ParseFlags(args []string, out io.Writer) (*Options, error) {
 		return nil, err
 	}
 	if _, err := parseLevel(o.LogLevel); err != nil {
+		return nil, err
+	}
+	if o.Config.UninstallOnExit, err = ParseUninstallMode(*uninstall); err != nil {
 		return nil, err
 	}
 	return o, nil

@@ -45,12 +45,15 @@ func TestParseFlags(t *testing.T) {
 			if !slices.Equal(o.Config.Binaries, tc.binaries) || string(o.Config.Entry) != tc.entry {
 				t.Fatalf("binaries %v entry %s; want %v %s", o.Config.Binaries, o.Config.Entry, tc.binaries, tc.entry)
 			}
+			if o.Config.UninstallOnExit != UninstallAuto {
+				t.Fatalf("uninstall on exit %q, want auto by default", o.Config.UninstallOnExit)
+			}
 			if o.Config.BinDir != DefaultBinDir || o.Config.ConfDir != DefaultConfDir || o.Config.StateFile != DefaultStateFile || o.LogLevel != "info" {
 				t.Fatalf("defaults not applied: %+v", o)
 			}
 		})
 	}
-	for _, bad := range [][]string{{"--plugin-log-level=loud"}, {"--netns-pin-dir=rel"}, {"--plugin-config=/nonexistent"}, {"--log-level=trace"}} {
+	for _, bad := range [][]string{{"--plugin-log-level=loud"}, {"--netns-pin-dir=rel"}, {"--plugin-config=/nonexistent"}, {"--log-level=trace"}, {"--uninstall-on-exit=sometimes"}} {
 		if _, err := ParseFlags(bad, io.Discard); err == nil {
 			t.Errorf("ParseFlags(%v) succeeded; want an error", bad)
 		}

@@ -51,6 +51,14 @@ type Config struct {
 	// writer keeps removing aether-cni, and the next repair waits an
 	// exponentially growing backoff (0 = DefaultFightWindow).
 	FightWindow time.Duration
+	// UninstallOnExit says whether a stop (SIGTERM) uninstalls ("" =
+	// UninstallAuto; see keepOnExit).
+	UninstallOnExit UninstallMode
+	// Owner answers UninstallAuto's question; nil outside a Kubernetes pod
+	// (auto then uninstalls).
+	Owner OwnerChecker
+	// OwnerTimeout bounds Owner's answer (0 = DefaultOwnerTimeout).
+	OwnerTimeout time.Duration
 }
 
 // Outcome is what one Reconcile did.
@@ -128,6 +136,15 @@ func New(cfg Config, log *slog.Logger) (*Installer, error) {
 	}
 	if cfg.FightWindow <= 0 {
 		cfg.FightWindow = DefaultFightWindow
+	}
+	if cfg.UninstallOnExit == "" {
+		cfg.UninstallOnExit = UninstallAuto
+	}
+	if _, err := ParseUninstallMode(string(cfg.UninstallOnExit)); err != nil {
+		return nil, err
+	}
+	if cfg.OwnerTimeout <= 0 {
+		cfg.OwnerTimeout = DefaultOwnerTimeout
 	}
 	return &Installer{cfg: cfg, log: log}, nil
 }

@@ -14,9 +14,11 @@ import (
 const minBackoff = 100 * time.Millisecond
 
 // Run installs the binaries and the chain, then watches the conf dir and
-// repairs the chain until ctx is done, and finally uninstalls. A failure
-// of the first install is returned (after undoing what was done); later
-// reconcile failures are logged and retried with backoff.
+// repairs the chain until ctx is done, and finally uninstalls, unless
+// UninstallOnExit keeps them (keepOnExit; asked only when ctx ends, never
+// after a failure). A failure of the first install is returned (after
+// undoing what was done); later reconcile failures are logged and retried
+// with backoff.
 func (i *Installer) Run(ctx context.Context) (err error) {
 	w, err := fsnotify.NewWatcher()
 	if err != nil {
@@ -27,7 +29,12 @@ func (i *Installer) Run(ctx context.Context) (err error) {
 	if err := w.Add(i.cfg.ConfDir); err != nil {
 		return fmt.Errorf("failed to watch conf dir %q: %w", i.cfg.ConfDir, err)
 	}
+	keep := false
 	defer func() {
+		if keep {
+			i.log.Info("stopped; chain, binaries and state file left for the next installer", "state_file", i.cfg.StateFile)
+			return
+		}
 		if uerr := i.Uninstall(); uerr != nil {
 			err = errors.Join(err, fmt.Errorf("failed to uninstall: %w", uerr))
 			return
@@ -42,7 +49,11 @@ func (i *Installer) Run(ctx context.Context) (err error) {
 		return err
 	}
 	i.logOutcome(out)
-	return i.watch(ctx, w)
+	if err := i.watch(ctx, w); err != nil {
+		return err
+	}
+	keep = i.keepOnExit()
+	return nil
 }
 
 // watch is the repair loop: debounced conf dir events, a periodic resync,

@@ -14,7 +14,8 @@ import (
 )
 
 // RunPod is `aetherctl pod <namespace>/<name>`: every record of one pod
-// in detail, including the last plugin timings. Flags: --admin-socket,
+// in detail, including the plugin timings of its last ADD and, when the
+// agent kept one, of its last DEL (also named when no record is left). Flags: --admin-socket,
 // -o table|json.
 func RunPod(ctx context.Context, args []string, stdout io.Writer) error {
 	f, fs, err := parseAdminFlags("aetherctl pod", args, stdout, nil)
@@ -30,6 +31,10 @@ func RunPod(ctx context.Context, args []string, stdout io.Writer) error {
 	}
 	pods, err := adminapi.NewClient(f.socket).Pod(ctx, ns, name)
 	if errors.Is(err, adminapi.ErrNotFound) {
+		var nf *adminapi.NotFoundError
+		if errors.As(err, &nf) && nf.LastDel != nil {
+			return fmt.Errorf("the agent has no record of pod %s/%s; its last DEL: %s", ns, name, delSummary(nf.LastDel))
+		}
 		return fmt.Errorf("the agent has no record of pod %s/%s", ns, name)
 	}
 	if err != nil {
@@ -71,14 +76,44 @@ func RunPod(ctx context.Context, args []string, stdout io.Writer) error {
 		if len(p.LastTimings) == 0 {
 			rows = append(rows, []string{"Last timings:", "none reported"})
 		}
-		for _, k := range []string{"started", "pre_call", "readiness_probe", "readiness_probe_error", "capture_divert", "capture_divert_error", "total"} {
-			if v, ok := p.LastTimings[k]; ok {
-				rows = append(rows, []string{"Last " + strings.ReplaceAll(k, "_", " ") + ":", v})
-			}
+		rows = append(rows, timingRows("Last ", p.LastTimings)...)
+		if d := p.LastDel; d != nil {
+			rows = append(rows, []string{"Last DEL:", delWhat(d)})
+			rows = append(rows, timingRows("Last DEL ", d.Timings)...)
 		}
 		writeTable(stdout, rows)
 	}
 	return nil
+}
+
+// timingKeys are the admin API's timing keys in the order of an ADD.
+var timingKeys = []string{"started", "pre_call", "readiness_probe", "readiness_probe_error", "capture_divert", "capture_divert_error", "total"}
+
+// timingRows are one row per timing present: "<prefix>pre call:  1ms".
+func timingRows(prefix string, timings map[string]string) [][]string {
+	var rows [][]string
+	for _, k := range timingKeys {
+		if v, ok := timings[k]; ok {
+			rows = append(rows, []string{prefix + strings.ReplaceAll(k, "_", " ") + ":", v})
+		}
+	}
+	return rows
+}
+
+// delWhat names a kept DEL: its container and time.
+func delWhat(d *adminapi.Removal) string {
+	return "container " + d.ContainerID + " at " + d.At.Format(time.RFC3339)
+}
+
+// delSummary is a kept DEL on one line.
+func delSummary(d *adminapi.Removal) string {
+	s := delWhat(d)
+	for _, k := range timingKeys {
+		if v, ok := d.Timings[k]; ok && k != "started" {
+			s += ", " + strings.ReplaceAll(k, "_", " ") + " " + v
+		}
+	}
+	return s
 }
 
 func errSuffix(e string) string {

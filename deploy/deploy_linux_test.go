@@ -9,70 +9,28 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/containernetworking/cni/libcni"
-	appsv1 "k8s.io/api/apps/v1"
+	"go.yaml.in/yaml/v3"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
-	"k8s.io/apimachinery/pkg/runtime/serializer"
-	yamlutil "k8s.io/apimachinery/pkg/util/yaml"
-	"k8s.io/client-go/kubernetes/scheme"
 
 	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/app"
 	"aether.io/node/agent/nodegate"
+	"aether.io/node/cniinstall"
+	"aether.io/node/deploy/chart"
 	"aether.io/node/enivlan/config"
 	"aether.io/node/meshcni"
 	"aether.io/node/test/harness"
+	"aether.io/node/tools/image/oci"
 	workloadclient "aether.io/node/xds/workload/client"
 )
 
-func decodeManifests(t *testing.T) []any {
-	t.Helper()
-	raw, err := os.ReadFile("aether-node.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
-	dec := serializer.NewCodecFactory(scheme.Scheme, serializer.EnableStrict).UniversalDeserializer()
-	r := yamlutil.NewYAMLReader(bufioReader(raw))
-	var objs []any
-	for {
-		doc, err := r.Read()
-		if err != nil {
-			break
-		}
-		if len(bytes.TrimSpace(doc)) == 0 {
-			continue
-		}
-		obj, gvk, err := dec.Decode(doc, nil, nil)
-		if err != nil {
-			t.Fatalf("manifest document does not decode strictly: %v\n%s", err, doc)
-		}
-		t.Logf("decoded %s", gvk.Kind)
-		objs = append(objs, obj)
-	}
-	if len(objs) < 5 {
-		t.Fatalf("decoded %d objects, want the namespace, RBAC and the DaemonSet", len(objs))
-	}
-	return objs
-}
-
-func container(t *testing.T, objs []any, name string) corev1.Container {
-	t.Helper()
-	for _, o := range objs {
-		if ds, ok := o.(*appsv1.DaemonSet); ok {
-			for _, c := range ds.Spec.Template.Spec.Containers {
-				if c.Name == name {
-					return c
-				}
-			}
-		}
-	}
-	t.Fatalf("no container %q in the DaemonSet", name)
-	return corev1.Container{}
-}
-
+// expand substitutes the downward-API variables kubelet expands in args.
 func expand(args []string) []string {
 	out := make([]string, len(args))
 	for i, a := range args {
@@ -81,71 +39,337 @@ func expand(args []string) []string {
 	return out
 }
 
-func TestAgentArgsParse(t *testing.T) {
-	objs := decodeManifests(t)
-	c := container(t, objs, "aether-agent")
+func agentConfig(t *testing.T, r *render) *app.Config {
+	t.Helper()
 	var stderr bytes.Buffer
-	cfg, err := app.ParseFlags(expand(c.Args), &stderr)
+	cfg, err := app.ParseFlags(expand(container(t, r, "aether-agent").Args), &stderr)
 	if err != nil {
-		t.Fatalf("aether-agent rejects the manifest's args: %v\n%s", err, stderr.String())
+		t.Fatalf("aether-agent rejects the chart's args: %v\n%s", err, stderr.String())
 	}
-	if cfg.NodeName != "node-1" || cfg.XDSSocket == "" || cfg.LDSSocket == "" {
-		t.Fatalf("unexpected agent config %+v", cfg)
-	}
+	return cfg
 }
 
-// TestNodeGating checks the agent removes the not-ready taint and its
-// ClusterRole allows the patch that does it.
-func TestNodeGating(t *testing.T) {
-	objs := decodeManifests(t)
-	cfg, err := app.ParseFlags(expand(container(t, objs, "aether-agent").Args), &bytes.Buffer{})
+func installerOptions(t *testing.T, r *render) *cniinstall.Options {
+	t.Helper()
+	var stderr bytes.Buffer
+	o, err := cniinstall.ParseFlags(container(t, r, "install-cni").Args, &stderr)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("aether-cni-install rejects the chart's args: %v\n%s", err, stderr.String())
 	}
-	if !cfg.RemoveNotReadyTaint || cfg.PodManifests != "" {
-		t.Fatalf("the agent must use the Kubernetes pod source and remove %s (--remove-not-ready-taint)", nodegate.TaintKey)
-	}
-	for _, o := range objs {
-		if r, ok := o.(*rbacv1.ClusterRole); ok && r.Name == "aether-agent" {
-			for _, rule := range r.Rules {
-				if slices.Contains(rule.APIGroups, "") && slices.Contains(rule.Resources, "nodes") &&
-					slices.Contains(rule.Verbs, "get") && slices.Contains(rule.Verbs, "patch") {
-					return
-				}
+	return o
+}
+
+func TestAgentArgsParse(t *testing.T) {
+	forEachSet(t, func(t *testing.T, r *render) {
+		cfg := agentConfig(t, r)
+		if cfg.NodeName != "node-1" || cfg.XDSSocket == "" || cfg.LDSSocket == "" {
+			t.Fatalf("unexpected agent config %+v", cfg)
+		}
+		if !slices.Contains(cfg.SystemNamespaces, chart.Namespace) {
+			t.Errorf("system namespaces %q lack the release namespace %s", cfg.SystemNamespaces, chart.Namespace)
+		}
+		if cfg.PodManifests != "" {
+			t.Error("the chart must use the Kubernetes pod source, not --pod-manifests")
+		}
+		env := envVars(container(t, r, "aether-agent"))
+		if env["NODE_NAME"] != "spec.nodeName" {
+			t.Errorf("aether-agent env NODE_NAME from %q, want the downward API spec.nodeName", env["NODE_NAME"])
+		}
+	})
+}
+
+// TestValuesReachTheBinaries checks each value set's values arrive in the
+// parsed configurations of the agent and the installer.
+func TestValuesReachTheBinaries(t *testing.T) {
+	t.Run("default", func(t *testing.T) {
+		r := renderSet(t, valueSets[0])
+		cfg := agentConfig(t, r)
+		if cfg.Registry != "local" || cfg.ClusterID != "Kubernetes" || cfg.TrustDomain != "cluster.local" || cfg.LogLevel != "info" || !cfg.RemoveNotReadyTaint {
+			t.Errorf("agent config %+v: want the chart's defaults", cfg)
+		}
+		o := installerOptions(t, r)
+		if !slices.Equal(o.Config.Binaries, []string{cniinstall.PluginType}) {
+			t.Errorf("installer copies %q, want only aether-cni", o.Config.Binaries)
+		}
+		if r.ds.Spec.Template.Spec.PriorityClassName != "system-node-critical" {
+			t.Errorf("priorityClassName %q, want system-node-critical", r.ds.Spec.Template.Spec.PriorityClassName)
+		}
+	})
+	t.Run("etcd-tls", func(t *testing.T) {
+		r := renderSet(t, valueSets[1])
+		cfg := agentConfig(t, r)
+		if cfg.Registry != "etcd" || len(cfg.EtcdEndpoints) != 2 || cfg.EtcdInsecure || cfg.EtcdPrefix != "/aether/prod/" ||
+			cfg.ClusterID != "prod-eu-1" || cfg.TrustDomain != "prod.example.com" {
+			t.Errorf("agent config %+v: want etcd over TLS with the set's endpoints, prefix, cluster and trust domain", cfg)
+		}
+		if !slices.Contains(cfg.SystemNamespaces, "monitoring") {
+			t.Errorf("system namespaces %q lack monitoring", cfg.SystemNamespaces)
+		}
+		// Every TLS file is an item of the Secret volume, mounted read-only
+		// in the agent, from the key the values name.
+		keys := map[string]string{cfg.EtcdCAFile: "ca.pem", cfg.EtcdCertFile: "client.pem", cfg.EtcdKeyFile: "client-key.pem"}
+		for file, key := range keys {
+			m, v := mountOf(t, r, container(t, r, "aether-agent"), file)
+			if v.Secret == nil || v.Secret.SecretName != "aether-etcd-client" || !m.ReadOnly {
+				t.Errorf("%s: want a read-only mount of Secret aether-etcd-client, got volume %+v", file, v)
+				continue
 			}
-			t.Fatalf("ClusterRole aether-agent does not allow get and patch on nodes: %+v", r.Rules)
+			rel, _ := filepath.Rel(m.MountPath, file)
+			if !slices.ContainsFunc(v.Secret.Items, func(i corev1.KeyToPath) bool { return i.Key == key && i.Path == rel }) {
+				t.Errorf("%s: Secret items %+v do not map key %s to %s", file, v.Secret.Items, key, rel)
+			}
+		}
+		if r.ds.Spec.Template.Spec.ImagePullSecrets[0].Name != "regcred" {
+			t.Errorf("imagePullSecrets %+v, want regcred", r.ds.Spec.Template.Spec.ImagePullSecrets)
+		}
+		for _, c := range allContainers(r) {
+			if c.Image != "registry.example.com/aether/aether-node:v0.2.0" || c.ImagePullPolicy != corev1.PullAlways {
+				t.Errorf("container %s image %q %s, want the set's image and pull policy", c.Name, c.Image, c.ImagePullPolicy)
+			}
+		}
+	})
+	t.Run("eni-vlan-debug", func(t *testing.T) {
+		r := renderSet(t, valueSets[2])
+		cfg := agentConfig(t, r)
+		if cfg.LogLevel != "debug" || cfg.RemoveNotReadyTaint || cfg.PodWait.String() != "10s" {
+			t.Errorf("agent config %+v: want debug, no node gating, the extra --pod-wait", cfg)
+		}
+		o := installerOptions(t, r)
+		if !slices.Contains(o.Config.Binaries, cniinstall.EniVlanBinary) || o.LogLevel != "debug" {
+			t.Errorf("installer %+v: want eni-vlan copied and debug logs", o)
+		}
+		var entry struct {
+			LogLevel string `json:"log_level"`
+		}
+		if err := json.Unmarshal(o.Config.Entry, &entry); err != nil || entry.LogLevel != "debug" {
+			t.Errorf("chained entry %s: want log_level debug (%v)", o.Config.Entry, err)
+		}
+		if !slices.Contains(container(t, r, "aether-proxy").Args, "-log-level=debug") {
+			t.Error("aether-proxy does not get -log-level=debug")
+		}
+		if pc := r.ds.Spec.Template.Spec.PriorityClassName; pc != "" {
+			t.Errorf("priorityClassName %q, want none", pc)
+		}
+	})
+}
+
+// TestInstallerArgsParse checks the installer sidecar: a native sidecar
+// whose args parse with cniinstall's own parser, whose dirs are the mounts
+// of the chart's host paths, which copies from the image's bin dir and
+// gets its pod's name and namespace.
+func TestInstallerArgsParse(t *testing.T) {
+	forEachSet(t, func(t *testing.T, r *render) {
+		c := container(t, r, "install-cni")
+		if !slices.ContainsFunc(r.ds.Spec.Template.Spec.InitContainers, func(i corev1.Container) bool { return i.Name == c.Name }) ||
+			c.RestartPolicy == nil || *c.RestartPolicy != corev1.ContainerRestartPolicyAlways {
+			t.Fatal("install-cni must be an init container with restartPolicy Always (a native sidecar)")
+		}
+		o := installerOptions(t, r)
+		if o.Config.SourceDir != oci.BinDir {
+			t.Errorf("--source-dir %q, want the image's bin dir %s", o.Config.SourceDir, oci.BinDir)
+		}
+		values := chartValues(t, r)
+		for _, d := range []struct{ path, host string }{{o.Config.BinDir, values.CNI.BinDir}, {o.Config.ConfDir, values.CNI.ConfDir}} {
+			m, v := mountOf(t, r, c, d.path)
+			if v.HostPath == nil || m.MountPath != d.path || v.HostPath.Path != d.host {
+				t.Errorf("installer dir %s: want the mount of host path %s, got mount %+v of %+v", d.path, d.host, m, v.VolumeSource)
+			}
+		}
+		m, v := mountOf(t, r, c, o.Config.StateFile)
+		if v.HostPath == nil || v.HostPath.Path != m.MountPath || filepath.Clean(o.Config.StateFile) != cniinstall.DefaultStateFile {
+			t.Errorf("state file %s: want %s on the same host path, got mount %+v of %+v", o.Config.StateFile, cniinstall.DefaultStateFile, m, v.VolumeSource)
+		}
+		env := envVars(c)
+		if env["POD_NAME"] != "metadata.name" || env["POD_NAMESPACE"] != "metadata.namespace" {
+			t.Errorf("installer env %v: want POD_NAME and POD_NAMESPACE from the downward API", env)
+		}
+	})
+}
+
+// TestImageCommands checks every container runs a release binary from the
+// image's bin dir.
+func TestImageCommands(t *testing.T) {
+	forEachSet(t, func(t *testing.T, r *render) {
+		for _, c := range allContainers(r) {
+			if len(c.Command) != 1 || filepath.Dir(c.Command[0]) != oci.BinDir {
+				t.Errorf("container %s command %q: want one binary in %s", c.Name, c.Command, oci.BinDir)
+				continue
+			}
+			if _, err := os.Stat(filepath.Join(harness.ModuleRoot(), "cmd", filepath.Base(c.Command[0]))); err != nil {
+				t.Errorf("container %s runs %s, which no cmd/ builds", c.Name, c.Command[0])
+			}
+		}
+	})
+}
+
+// TestGracePeriod checks a stopping pod leaves aether-proxy its whole drain
+// and the install-cni sidecar, stopped after it, time to uninstall.
+func TestGracePeriod(t *testing.T) {
+	forEachSet(t, func(t *testing.T, r *render) {
+		var drain time.Duration
+		for _, a := range container(t, r, "aether-proxy").Args {
+			if v, ok := strings.CutPrefix(a, "-drain-timeout="); ok {
+				d, err := time.ParseDuration(v)
+				if err != nil {
+					t.Fatalf("aether-proxy %s: %v", a, err)
+				}
+				drain = d
+			}
+		}
+		grace := r.ds.Spec.Template.Spec.TerminationGracePeriodSeconds
+		if drain == 0 || grace == nil || time.Duration(*grace)*time.Second < drain+10*time.Second {
+			t.Errorf("terminationGracePeriodSeconds %v, proxy -drain-timeout %s: want the grace period at least 10s above the drain", grace, drain)
+		}
+	})
+}
+
+// TestNodeGating checks the RBAC follows node gating: with it the
+// ClusterRole bound to the DaemonSet's ServiceAccount allows get and patch
+// on nodes, without it only get.
+func TestNodeGating(t *testing.T) {
+	forEachSet(t, func(t *testing.T, r *render) {
+		cfg := agentConfig(t, r)
+		verbs := nodeVerbs(t, r)
+		if !slices.Contains(verbs, "get") {
+			t.Errorf("the agent's ClusterRole does not allow get on nodes (locality): %q", verbs)
+		}
+		if cfg.RemoveNotReadyTaint != slices.Contains(verbs, "patch") {
+			t.Errorf("--remove-not-ready-taint=%v but nodes verbs %q: patch is needed to remove %s, and only then", cfg.RemoveNotReadyTaint, verbs, nodegate.TaintKey)
+		}
+	})
+}
+
+// TestInstallerRBAC checks the installer can answer its rolling-update
+// question: with --uninstall-on-exit=auto a Role in the release namespace,
+// bound to the DaemonSet's ServiceAccount, allows get on pods and get on
+// the chart's DaemonSet (by name); with another mode no Role is rendered.
+func TestInstallerRBAC(t *testing.T) {
+	forEachSet(t, func(t *testing.T, r *render) {
+		mode := installerOptions(t, r).Config.UninstallOnExit
+		sa := r.ds.Spec.Template.Spec.ServiceAccountName
+		roles := map[string]*rbacv1.Role{}
+		for _, o := range r.objs {
+			if role, ok := o.(*rbacv1.Role); ok {
+				roles[role.Name] = role
+			}
+		}
+		var rules []rbacv1.PolicyRule
+		for _, o := range r.objs {
+			b, ok := o.(*rbacv1.RoleBinding)
+			if !ok || b.Namespace != chart.Namespace || b.RoleRef.Kind != "Role" || !slices.ContainsFunc(b.Subjects, func(s rbacv1.Subject) bool {
+				return s.Kind == "ServiceAccount" && s.Name == sa && s.Namespace == chart.Namespace
+			}) {
+				continue
+			}
+			role := roles[b.RoleRef.Name]
+			if role == nil || role.Namespace != chart.Namespace {
+				t.Fatalf("RoleBinding %s names Role %s, which the chart does not render in %s", b.Name, b.RoleRef.Name, chart.Namespace)
+			}
+			rules = append(rules, role.Rules...)
+		}
+		allows := func(group, resource, name string) bool {
+			return slices.ContainsFunc(rules, func(rule rbacv1.PolicyRule) bool {
+				return slices.Contains(rule.APIGroups, group) && slices.Contains(rule.Resources, resource) &&
+					slices.Contains(rule.Verbs, "get") && (len(rule.ResourceNames) == 0 || slices.Contains(rule.ResourceNames, name))
+			})
+		}
+		if mode != cniinstall.UninstallAuto {
+			if len(rules) > 0 {
+				t.Errorf("--uninstall-on-exit=%s asks the API nothing, but the chart binds a Role: %+v", mode, rules)
+			}
+			return
+		}
+		if !allows("", "pods", "any-pod") {
+			t.Errorf("--uninstall-on-exit=auto: no Role lets the installer get its own pod (rules %+v)", rules)
+		}
+		if !allows("apps", "daemonsets", r.ds.Name) {
+			t.Errorf("--uninstall-on-exit=auto: no Role lets the installer get DaemonSet %s (rules %+v)", r.ds.Name, rules)
+		}
+		if allows("apps", "daemonsets", "another-daemonset") {
+			t.Errorf("the installer's Role allows get on every DaemonSet; it needs only %s", r.ds.Name)
+		}
+	})
+}
+
+// nodeVerbs returns the verbs on nodes of the ClusterRoles bound to the
+// DaemonSet's ServiceAccount.
+func nodeVerbs(t *testing.T, r *render) []string {
+	t.Helper()
+	sa := r.ds.Spec.Template.Spec.ServiceAccountName
+	roles := map[string]*rbacv1.ClusterRole{}
+	for _, o := range r.objs {
+		if cr, ok := o.(*rbacv1.ClusterRole); ok {
+			roles[cr.Name] = cr
 		}
 	}
-	t.Fatal("no ClusterRole aether-agent")
+	var verbs []string
+	bound := false
+	for _, o := range r.objs {
+		b, ok := o.(*rbacv1.ClusterRoleBinding)
+		if !ok || !slices.ContainsFunc(b.Subjects, func(s rbacv1.Subject) bool {
+			return s.Kind == "ServiceAccount" && s.Name == sa && s.Namespace == chart.Namespace
+		}) {
+			continue
+		}
+		role := roles[b.RoleRef.Name]
+		if role == nil {
+			t.Fatalf("ClusterRoleBinding %s names ClusterRole %s, which the chart does not render", b.Name, b.RoleRef.Name)
+		}
+		bound = true
+		for _, rule := range role.Rules {
+			if slices.Contains(rule.APIGroups, "") && slices.Contains(rule.Resources, "nodes") {
+				verbs = append(verbs, rule.Verbs...)
+			}
+		}
+	}
+	if !bound {
+		t.Fatalf("no ClusterRoleBinding binds ServiceAccount %s/%s", chart.Namespace, sa)
+	}
+	return verbs
 }
 
 // TestSocketLayout checks every side names the same sockets, and that they
 // sit in a directory of their own below the hostPath: kubelet creates the
 // hostPath 0755, which the agent refuses as a socket directory.
 func TestSocketLayout(t *testing.T) {
-	objs := decodeManifests(t)
-	cfg, err := app.ParseFlags(expand(container(t, objs, "aether-agent").Args), &bytes.Buffer{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var hostPath string
-	for _, o := range objs {
-		if ds, ok := o.(*appsv1.DaemonSet); ok {
-			for _, v := range ds.Spec.Template.Spec.Volumes {
-				if v.Name == "run-aether" && v.HostPath != nil {
-					hostPath = v.HostPath.Path
-				}
+	forEachSet(t, func(t *testing.T, r *render) {
+		cfg := agentConfig(t, r)
+		var hostPath string
+		for _, v := range r.ds.Spec.Template.Spec.Volumes {
+			if v.Name == "run-aether" && v.HostPath != nil {
+				hostPath = v.HostPath.Path
 			}
 		}
-	}
-	if hostPath == "" {
-		t.Fatal("no run-aether hostPath volume")
-	}
-	for _, s := range []string{cfg.CNISocket, cfg.AdminSocket, cfg.XDSSocket, cfg.LDSSocket} {
-		if dir := filepath.Dir(s); dir != app.SocketDir || dir == hostPath {
-			t.Errorf("agent socket %q: want it in %s, a directory of its own below the hostPath %s", s, app.SocketDir, hostPath)
+		if hostPath == "" {
+			t.Fatal("no run-aether hostPath volume")
 		}
-	}
+		for _, s := range []string{cfg.CNISocket, cfg.AdminSocket, cfg.XDSSocket, cfg.LDSSocket} {
+			if dir := filepath.Dir(s); dir != app.SocketDir || dir == hostPath {
+				t.Errorf("agent socket %q: want it in %s, a directory of its own below the hostPath %s", s, app.SocketDir, hostPath)
+			}
+		}
+		proxyArgs := expand(container(t, r, "aether-proxy").Args)
+		for _, want := range []string{"-xds-address=unix://" + cfg.XDSSocket, "-lds-address=unix://" + cfg.LDSSocket} {
+			if !slices.Contains(proxyArgs, want) {
+				t.Errorf("aether-proxy args %q lack %q", proxyArgs, want)
+			}
+		}
+		// The installer writes the host paths into the chained entry that
+		// aether-cni reads on the host.
+		var entry struct {
+			AgentSocket string `json:"agent_socket"`
+			PinDir      string `json:"netns_pin_dir"`
+		}
+		if err := json.Unmarshal(installerOptions(t, r).Config.Entry, &entry); err != nil {
+			t.Fatal(err)
+		}
+		if entry.AgentSocket != cfg.CNISocket || entry.AgentSocket != meshcni.DefaultAgentSocket {
+			t.Errorf("installer --agent-socket %q, agent --cni-socket %q, aether-cni default %q: want one path", entry.AgentSocket, cfg.CNISocket, meshcni.DefaultAgentSocket)
+		}
+		if entry.PinDir != meshcni.DefaultPinDir || filepath.Dir(entry.PinDir) != hostPath {
+			t.Errorf("installer --netns-pin-dir %q: want aether-cni's default %s below the hostPath %s", entry.PinDir, meshcni.DefaultPinDir, hostPath)
+		}
+	})
 	// aetherctl's defaults (it runs on the node, in the agent's container)
 	// name the agent's default sockets.
 	def, err := app.ParseFlags(nil, &bytes.Buffer{})
@@ -155,12 +379,7 @@ func TestSocketLayout(t *testing.T) {
 	if adminapi.DefaultSocket != def.AdminSocket || workloadclient.DefaultSocket != def.XDSSocket {
 		t.Errorf("aetherctl defaults admin %q, xds %q; the agent's are %q, %q", adminapi.DefaultSocket, workloadclient.DefaultSocket, def.AdminSocket, def.XDSSocket)
 	}
-	proxyArgs := expand(container(t, objs, "aether-proxy").Args)
-	for _, want := range []string{"-xds-address=unix://" + cfg.XDSSocket, "-lds-address=unix://" + cfg.LDSSocket} {
-		if !slices.Contains(proxyArgs, want) {
-			t.Errorf("aether-proxy args %q lack %q", proxyArgs, want)
-		}
-	}
+	// The static conflist for hand installs names the same socket.
 	raw, err := os.ReadFile(filepath.Join("cni", "10-aether.conflist"))
 	if err != nil {
 		t.Fatal(err)
@@ -175,29 +394,37 @@ func TestSocketLayout(t *testing.T) {
 	if err := json.Unmarshal(list.Plugins[len(list.Plugins)-1].Bytes, &entry); err != nil {
 		t.Fatal(err)
 	}
-	if entry.AgentSocket != cfg.CNISocket || entry.AgentSocket != meshcni.DefaultAgentSocket {
-		t.Errorf("conflist agent_socket %q, agent --cni-socket %q, aether-cni default %q: want one path", entry.AgentSocket, cfg.CNISocket, meshcni.DefaultAgentSocket)
+	if entry.AgentSocket != def.CNISocket || entry.AgentSocket != meshcni.DefaultAgentSocket {
+		t.Errorf("conflist agent_socket %q, agent default --cni-socket %q, aether-cni default %q: want one path", entry.AgentSocket, def.CNISocket, meshcni.DefaultAgentSocket)
 	}
 }
 
+var (
+	proxyFlagsOnce sync.Once
+	proxyFlags     map[string]bool
+	proxyHelp      []byte
+)
+
 func TestProxyArgsExist(t *testing.T) {
-	objs := decodeManifests(t)
-	c := container(t, objs, "aether-proxy")
-	bin := filepath.Join(harness.BuildOwn(t, "aether-proxy"), "aether-proxy")
-	out, _ := exec.Command(bin, "-h").CombinedOutput()
-	known := map[string]bool{}
-	for _, m := range regexp.MustCompile(`(?m)^\s+-([a-z-]+)`).FindAllStringSubmatch(string(out), -1) {
-		known[m[1]] = true
-	}
-	if len(known) == 0 {
-		t.Fatalf("could not read aether-proxy's flags from -h:\n%s", out)
-	}
-	for _, a := range expand(c.Args) {
-		name := strings.TrimLeft(strings.SplitN(a, "=", 2)[0], "-")
-		if !known[name] {
-			t.Errorf("aether-proxy has no flag %q (manifest arg %q)", name, a)
+	proxyFlagsOnce.Do(func() {
+		bin := filepath.Join(harness.BuildOwn(t, "aether-proxy"), "aether-proxy")
+		proxyHelp, _ = exec.Command(bin, "-h").CombinedOutput()
+		proxyFlags = map[string]bool{}
+		for _, m := range regexp.MustCompile(`(?m)^\s+-([a-z-]+)`).FindAllStringSubmatch(string(proxyHelp), -1) {
+			proxyFlags[m[1]] = true
 		}
+	})
+	if len(proxyFlags) == 0 {
+		t.Fatalf("could not read aether-proxy's flags from -h:\n%s", proxyHelp)
 	}
+	forEachSet(t, func(t *testing.T, r *render) {
+		for _, a := range expand(container(t, r, "aether-proxy").Args) {
+			name := strings.TrimLeft(strings.SplitN(a, "=", 2)[0], "-")
+			if !proxyFlags[name] {
+				t.Errorf("aether-proxy has no flag %q (chart arg %q)", name, a)
+			}
+		}
+	})
 }
 
 func TestConflistParses(t *testing.T) {
@@ -233,4 +460,74 @@ func TestConflistParses(t *testing.T) {
 	if !mc.Capture.RedirectAll {
 		t.Error("the node conflist must divert every port (redirect_all), or pod traffic is not captured")
 	}
+}
+
+// allContainers returns the DaemonSet's init containers and containers.
+func allContainers(r *render) []corev1.Container {
+	spec := r.ds.Spec.Template.Spec
+	return append(append([]corev1.Container{}, spec.InitContainers...), spec.Containers...)
+}
+
+// envVars maps each env var of c taken from the downward API to its field.
+func envVars(c corev1.Container) map[string]string {
+	out := map[string]string{}
+	for _, e := range c.Env {
+		if e.ValueFrom != nil && e.ValueFrom.FieldRef != nil {
+			out[e.Name] = e.ValueFrom.FieldRef.FieldPath
+		}
+	}
+	return out
+}
+
+// mountOf returns c's mount holding path and the volume behind it.
+func mountOf(t *testing.T, r *render, c corev1.Container, path string) (corev1.VolumeMount, corev1.Volume) {
+	t.Helper()
+	var best corev1.VolumeMount
+	for _, m := range c.VolumeMounts {
+		if rel, err := filepath.Rel(m.MountPath, path); err == nil && !strings.HasPrefix(rel, "..") && len(m.MountPath) > len(best.MountPath) {
+			best = m
+		}
+	}
+	if best.Name == "" {
+		t.Fatalf("container %s mounts nothing holding %s", c.Name, path)
+	}
+	for _, v := range r.ds.Spec.Template.Spec.Volumes {
+		if v.Name == best.Name {
+			return best, v
+		}
+	}
+	t.Fatalf("container %s mounts volume %s, which the pod does not define", c.Name, best.Name)
+	return best, corev1.Volume{}
+}
+
+// renderedValues are the values the tests compare the render with.
+type renderedValues struct {
+	CNI struct {
+		BinDir  string `yaml:"binDir"`
+		ConfDir string `yaml:"confDir"`
+	} `yaml:"cni"`
+}
+
+// chartValues reads the CNI dirs a render used: its values files over the
+// chart's defaults.
+func chartValues(t *testing.T, r *render) renderedValues {
+	t.Helper()
+	var v renderedValues
+	for _, f := range append([]string{filepath.Join(chart.Dir(), "values.yaml")}, r.set.paths()...) {
+		raw, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var one renderedValues
+		if err := yaml.Unmarshal(raw, &one); err != nil {
+			t.Fatalf("failed to read values %s: %v", f, err)
+		}
+		if one.CNI.BinDir != "" {
+			v.CNI.BinDir = one.CNI.BinDir
+		}
+		if one.CNI.ConfDir != "" {
+			v.CNI.ConfDir = one.CNI.ConfDir
+		}
+	}
+	return v
 }

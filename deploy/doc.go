@@ -1,5 +1,7 @@
-// Package deploy holds the deployment manifests (aether-node.yaml) and the
-// node conflist (cni/10-aether.conflist). Its test checks that they decode
-// as the Kubernetes objects and CNI configurations they claim to be, and
-// that every flag they pass exists in the binaries.
+// Package deploy holds the deployment: the Helm chart (chart/aether-node,
+// rendered by package aether.io/node/deploy/chart), the manifest generated
+// from it (aether-node.yaml) and the static node conflist
+// (cni/10-aether.conflist). Its tests lint and render the chart, compare the
+// renders with golden files, check that every flag the chart passes exists
+// in the binaries and that the rendered objects pass a server-side dry-run.
 package deploy

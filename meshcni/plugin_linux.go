@@ -30,8 +30,8 @@ import (
 // Agent is aether-agent's CNIService as the plugin uses it
 // (agentclient.Client; a fake in unit tests).
 type Agent interface {
-	AddPod(ctx context.Context, pod *cniv1.CNIPod) (cniv1.AddPodResponse_Result, error)
-	RemovePod(ctx context.Context, name, namespace, containerID string) (cniv1.RemovePodResponse_Result, error)
+	AddPod(ctx context.Context, req *cniv1.AddPodRequest) (cniv1.AddPodResponse_Result, error)
+	RemovePod(ctx context.Context, req *cniv1.RemovePodRequest) (cniv1.RemovePodResponse_Result, error)
 	ReportAddResult(ctx context.Context, req *cniv1.ReportAddResultRequest) error
 	GetPod(ctx context.Context, containerID string) (*cniv1.GetPodResponse, error)
 	Ready(ctx context.Context) error
@@ -259,12 +259,13 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		return err
 	}
 	defer func() { _ = agent.Close() }()
-	preCall := p.Now().Sub(p.Started)
+	sent := p.callTimings()
+	preCall := sent.GetPreCall().AsDuration()
 	step = p.Now()
-	res, err := agent.AddPod(ctx, &cniv1.CNIPod{
+	res, err := agent.AddPod(ctx, &cniv1.AddPodRequest{Pod: &cniv1.CNIPod{
 		Name: id.name, Namespace: id.namespace, Uid: id.uid, NetworkNamespace: registered,
 		ContainerId: id.sandboxID, Ips: ips, Pid: pid,
-	})
+	}, PluginTimings: sent})
 	log.Debug("step done", "step", "add_pod", "duration", p.Now().Sub(step))
 	if err != nil {
 		unpin()
@@ -282,7 +283,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		return fmt.Errorf("aether-agent refused pod %s/%s: AddPod answered %s", id.namespace, id.name, res)
 	}
 
-	t := &cniv1.PluginTimings{Started: timestamppb.New(p.Started), PreCall: durationpb.New(preCall)}
+	t := &cniv1.PluginTimings{Started: sent.GetStarted(), PreCall: sent.GetPreCall()}
 	if cfg.ProbeBudget > 0 {
 		step = p.Now()
 		if err := p.Readiness.Probe(ctx, args.Netns, cfg.ProbeURL, cfg.ProbeBudget); err != nil {
@@ -311,6 +312,12 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	}
 	log.Info("pod added", "pre_call", preCall, "total", t.Total.AsDuration())
 	return p.printPrev(cfg)
+}
+
+// callTimings are the PluginTimings every agent RPC of an invocation
+// carries: started, and pre_call = started -> now (the RPC is sent next).
+func (p *Plugin) callTimings() *cniv1.PluginTimings {
+	return &cniv1.PluginTimings{Started: timestamppb.New(p.Started), PreCall: durationpb.New(p.Now().Sub(p.Started))}
 }
 
 // printPrev writes prevResult, unchanged, in the netconf's version.
@@ -344,7 +351,9 @@ func (p *Plugin) Del(args *skel.CmdArgs) error {
 			return err
 		}
 		defer func() { _ = agent.Close() }()
-		res, err := agent.RemovePod(context.Background(), id.name, id.namespace, id.sandboxID)
+		res, err := agent.RemovePod(context.Background(), &cniv1.RemovePodRequest{
+			Name: id.name, Namespace: id.namespace, ContainerId: id.sandboxID, PluginTimings: p.callTimings(),
+		})
 		if err != nil {
 			return agentErr(err, fmt.Sprintf("failed to withdraw pod %s/%s from aether-agent (the runtime retries DEL)", id.namespace, id.name))
 		}

@@ -7,14 +7,20 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	cniv1 "aether.io/node/api/aether/cni/v1"
 	"aether.io/node/meshcni/agentclient"
@@ -24,31 +30,35 @@ import (
 
 // recorder is every fake at once; it logs calls in order.
 type recorder struct {
-	calls      []string
-	addResult  cniv1.AddPodResponse_Result
-	addErr     error
-	removeErr  error
-	added      *cniv1.CNIPod
-	report     *cniv1.ReportAddResultRequest
-	installErr error
-	probeErr   error
-	verifyErr  error
-	present    bool
-	record     *cniv1.GetPodResponse
-	pins       map[string]bool
-	pidErr     error
+	calls     []string
+	addResult cniv1.AddPodResponse_Result
+	addErr    error
+	removeErr error
+	added     *cniv1.CNIPod
+	// addTimings and removeTimings are the plugin_timings of the last
+	// AddPod and RemovePod.
+	addTimings, removeTimings *cniv1.PluginTimings
+	report                    *cniv1.ReportAddResultRequest
+	installErr                error
+	probeErr                  error
+	verifyErr                 error
+	present                   bool
+	record                    *cniv1.GetPodResponse
+	pins                      map[string]bool
+	pidErr                    error
 }
 
 func (r *recorder) log(f string, a ...any) { r.calls = append(r.calls, fmt.Sprintf(f, a...)) }
 
-func (r *recorder) AddPod(_ context.Context, pod *cniv1.CNIPod) (cniv1.AddPodResponse_Result, error) {
+func (r *recorder) AddPod(_ context.Context, req *cniv1.AddPodRequest) (cniv1.AddPodResponse_Result, error) {
 	r.log("AddPod")
-	r.added = pod
+	r.added, r.addTimings = req.GetPod(), req.GetPluginTimings()
 	return r.addResult, r.addErr
 }
 
-func (r *recorder) RemovePod(_ context.Context, name, ns, cid string) (cniv1.RemovePodResponse_Result, error) {
-	r.log("RemovePod %s/%s %s", ns, name, cid)
+func (r *recorder) RemovePod(_ context.Context, req *cniv1.RemovePodRequest) (cniv1.RemovePodResponse_Result, error) {
+	r.log("RemovePod %s/%s %s", req.GetNamespace(), req.GetName(), req.GetContainerId())
+	r.removeTimings = req.GetPluginTimings()
 	return cniv1.RemovePodResponse_RESULT_SUCCESS, r.removeErr
 }
 
@@ -159,6 +169,12 @@ func TestAddManagedOrderAndTimings(t *testing.T) {
 	if tm.GetTotal().AsDuration() <= tm.GetPreCall().AsDuration() {
 		t.Fatalf("total %v not after pre_call %v", tm.GetTotal().AsDuration(), tm.GetPreCall().AsDuration())
 	}
+	// AddPod carried started and pre_call (the same as the report's), and
+	// nothing AddPod could not know yet.
+	wantT := &cniv1.PluginTimings{Started: timestamppb.New(time.Unix(1000, 0)), PreCall: tm.GetPreCall()}
+	if !proto.Equal(r.addTimings, wantT) || tm.GetPreCall().AsDuration() <= 0 {
+		t.Fatalf("AddPod plugin_timings = %v, want %v", r.addTimings, wantT)
+	}
 }
 
 func TestAddPidFromPathSkipsCRI(t *testing.T) {
@@ -266,6 +282,11 @@ func TestDel(t *testing.T) {
 	}
 	if !slices.Equal(r.calls, []string{"RemovePod shop/web cid"}) {
 		t.Fatalf("calls = %q", r.calls)
+	}
+	// The test clock ticks 1ms per reading: started -> RemovePod sent.
+	want := &cniv1.PluginTimings{Started: timestamppb.New(time.Unix(1000, 0)), PreCall: durationpb.New(time.Millisecond)}
+	if !proto.Equal(r.removeTimings, want) {
+		t.Fatalf("RemovePod plugin_timings = %v, want %v", r.removeTimings, want)
 	}
 	r.removeErr = fmt.Errorf("%w: down", agentclient.ErrUnavailable)
 	err := p.Del(a)
@@ -381,5 +402,83 @@ func TestAddForwardsPodUID(t *testing.T) {
 				t.Fatalf("AddPod uid = %q, want %q", got, tc.want)
 			}
 		})
+	}
+}
+
+// timingsAgent is a CNIService over a unix socket that records the
+// plugin_timings of every AddPod, RemovePod and ReportAddResult.
+type timingsAgent struct {
+	cniv1.UnimplementedCNIServiceServer
+	mu                        sync.Mutex
+	add, remove, report       *cniv1.PluginTimings
+	addSeen, removeSeen, seen bool
+}
+
+func (a *timingsAgent) AddPod(_ context.Context, req *cniv1.AddPodRequest) (*cniv1.AddPodResponse, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.add, a.addSeen = req.GetPluginTimings(), true
+	return &cniv1.AddPodResponse{Result: cniv1.AddPodResponse_RESULT_SUCCESS}, nil
+}
+
+func (a *timingsAgent) RemovePod(_ context.Context, req *cniv1.RemovePodRequest) (*cniv1.RemovePodResponse, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.remove, a.removeSeen = req.GetPluginTimings(), true
+	return &cniv1.RemovePodResponse{Result: cniv1.RemovePodResponse_RESULT_SUCCESS}, nil
+}
+
+func (a *timingsAgent) ReportAddResult(_ context.Context, req *cniv1.ReportAddResultRequest) (*cniv1.ReportAddResultResponse, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.report, a.seen = req.GetTimings(), true
+	return &cniv1.ReportAddResultResponse{}, nil
+}
+
+// TestTimingsOnEveryRPC runs ADD and DEL through the real agent client to a
+// CNIService on a unix socket: AddPod and RemovePod carry the invocation's
+// started and pre_call on the wire, and AddPod's are the report's.
+func TestTimingsOnEveryRPC(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "cni.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	agent := &timingsAgent{}
+	srv := grpc.NewServer()
+	cniv1.RegisterCNIServiceServer(srv, agent)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = srv.Serve(l) }()
+	t.Cleanup(func() { srv.Stop(); <-done })
+
+	r := &recorder{pins: map[string]bool{}}
+	p, _ := newTestPlugin(r)
+	p.DialAgent = DialAgent
+	stdin := conf(`"agent_socket":"` + sock + `","readiness_probe_disabled":true,`)
+	if err := p.Add(args("/run/netns/pod", stdin)); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Del(args("/run/netns/pod", stdin)); err != nil {
+		t.Fatal(err)
+	}
+	agent.mu.Lock()
+	defer agent.mu.Unlock()
+	if !agent.addSeen || !agent.removeSeen || !agent.seen {
+		t.Fatalf("RPCs seen: AddPod %v, RemovePod %v, ReportAddResult %v", agent.addSeen, agent.removeSeen, agent.seen)
+	}
+	started := timestamppb.New(time.Unix(1000, 0))
+	for _, tc := range []struct {
+		rpc string
+		got *cniv1.PluginTimings
+	}{{"AddPod", agent.add}, {"RemovePod", agent.remove}} {
+		if !proto.Equal(tc.got.GetStarted(), started) || tc.got.GetPreCall().AsDuration() <= 0 {
+			t.Errorf("%s plugin_timings = %v, want started %v and a pre_call", tc.rpc, tc.got, started.AsTime())
+		}
+		if tc.got.GetTotal() != nil || tc.got.GetCaptureDivert() != nil || tc.got.GetReadinessProbe() != nil {
+			t.Errorf("%s plugin_timings = %v, want started and pre_call only", tc.rpc, tc.got)
+		}
+	}
+	if !proto.Equal(agent.add.GetPreCall(), agent.report.GetPreCall()) || !proto.Equal(agent.add.GetStarted(), agent.report.GetStarted()) {
+		t.Errorf("AddPod timings %v differ from the report's %v", agent.add, agent.report)
 	}
 }

@@ -2,10 +2,18 @@
 // mesh-managed pods in, and that workload discovery (xDS) follows.
 //
 // Two backends implement Registry: an embedded single-node one (the default)
-// and one on etcd that spans nodes. Invariant shared by both and by their
-// callers: a terminating pod is never (re-)registered; callers check
-// terminating under the same lock that marks pods terminating, and backends
-// delete a deregistered endpoint at once.
+// and one on etcd that spans nodes. Invariants shared by both and by their
+// callers:
+//   - a terminating pod is never (re-)registered: callers write in the order
+//     lock → check → write → re-check — the writes of one key are ordered by
+//     a per-key lock, terminating is checked under the same lock that marks
+//     pods terminating, the registry call runs without that lock (a slow
+//     backend must not block the caller's other work), and a pod that turned
+//     terminating while its Register was in flight is deregistered again;
+//   - backends delete a deregistered endpoint at once, and callers retry a
+//     failed Deregister until it succeeds and delete their node's keys that
+//     no live record owns (agent/pods: the retry set and the ghost sweep);
+//   - backends never hold their own lock across a network call.
 package registry
 
 import (
@@ -36,6 +44,11 @@ type Endpoint struct {
 	Owner *Owner `json:"owner,omitempty"`
 	// HostNetwork is true for host-network pods.
 	HostNetwork bool `json:"host_network,omitempty"`
+	// FixedName is true when the pod's name was not generated
+	// (metadata.generateName empty): istiod then names the workload after
+	// the pod, whatever Owner says. False from agents that predate the
+	// field, which is what every controller-created pod has.
+	FixedName bool `json:"fixed_name,omitempty"`
 	// Healthy is the liveness verdict; an endpoint starts healthy when it is
 	// registered by a successful AddPod and is marked unhealthy by liveness.
 	Healthy bool `json:"healthy"`

@@ -4,7 +4,8 @@
 // a client links nothing else of the agent:
 //
 //	GET /v1/pods                   every stored record
-//	GET /v1/pods/{namespace}/{name} the records of one pod (404 if none)
+//	GET /v1/pods/{namespace}/{name} the records of one pod (404 if none,
+//	                                with NotFound naming its last DEL)
 package adminapi
 
 import (
@@ -43,8 +44,42 @@ type Pod struct {
 	UDSCSIVolume    string            `json:"uds_csi_volume,omitempty"`
 	UDSCSIVolumes   uint32            `json:"uds_csi_volumes,omitempty"`
 	AddedAt         time.Time         `json:"added_at"`
-	LastTimings     map[string]string `json:"last_timings,omitempty"`
+	// LastTimings are the plugin's timings of the last ADD (AddPod's,
+	// completed by ReportAddResult).
+	LastTimings map[string]string `json:"last_timings,omitempty"`
+	// LastDel is the pod's last DEL the agent kept (an earlier sandbox of
+	// the same pod), if any.
+	LastDel *Removal `json:"last_del,omitempty"`
 }
+
+// Removal is the last CNI DEL of a pod: the agent keeps it in memory for
+// an hour (lost on restart), one per pod.
+type Removal struct {
+	ContainerID string    `json:"container_id"`
+	At          time.Time `json:"at"`
+	// Timings are the plugin's timings of that DEL (started, pre_call);
+	// empty from a plugin that predates them.
+	Timings map[string]string `json:"timings,omitempty"`
+}
+
+// NotFound is the body of a 404 answer for one pod: the agent holds no
+// record of it, but may still know its last DEL.
+type NotFound struct {
+	Error   string   `json:"error"`
+	LastDel *Removal `json:"last_del,omitempty"`
+}
+
+// NotFoundError is Pod's error when the agent has no record of the pod;
+// it matches ErrNotFound (errors.Is).
+type NotFoundError struct {
+	// LastDel is the pod's last DEL, when the agent still knows it.
+	LastDel *Removal
+}
+
+func (e *NotFoundError) Error() string { return ErrNotFound.Error() }
+
+// Is makes errors.Is(err, ErrNotFound) hold.
+func (e *NotFoundError) Is(target error) bool { return target == ErrNotFound }
 
 // Client talks to the admin socket.
 type Client struct {
@@ -85,7 +120,10 @@ func (c *Client) get(ctx context.Context, path string) ([]Pod, error) {
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode == http.StatusNotFound {
-		return nil, ErrNotFound
+		// An agent that predates NotFound answers plain text: no LastDel.
+		var nf NotFound
+		_ = json.NewDecoder(io.LimitReader(resp.Body, 1<<16)).Decode(&nf)
+		return nil, &NotFoundError{LastDel: nf.LastDel}
 	}
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))

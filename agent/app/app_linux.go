@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracegrpc"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -153,7 +154,7 @@ func (a *agent) openStore(context.Context) error {
 }
 
 func (a *agent) openRegistry(context.Context) error {
-	reg, closeReg, err := newRegistry(a.c, a.log)
+	reg, closeReg, err := newRegistry(a.c, a.log, a.metrics.Registry)
 	if err != nil {
 		return err
 	}
@@ -269,8 +270,10 @@ func listenSocket(flag, path string) (*net.UnixListener, error) {
 	return nil, err
 }
 
-// newRegistry opens the endpoint registry --registry names.
-func newRegistry(c *Config, log *slog.Logger) (registry.Registry, func(), error) {
+// newRegistry opens the endpoint registry --registry names. The etcd
+// backend's count of rejected values is exported on metrics as
+// aether_registry_etcd_rejected_total; the close func unregisters it.
+func newRegistry(c *Config, log *slog.Logger, metrics prometheus.Registerer) (registry.Registry, func(), error) {
 	if c.Registry != "etcd" {
 		return local.New(), func() {}, nil
 	}
@@ -280,7 +283,18 @@ func newRegistry(c *Config, log *slog.Logger) (registry.Registry, func(), error)
 	if err != nil {
 		return nil, nil, fmt.Errorf("failed to open the etcd registry at %v: %w", c.EtcdEndpoints, err)
 	}
-	return r, func() { _ = r.Close() }, nil
+	rejected := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "aether_registry_etcd_rejected_total",
+		Help: "etcd endpoint values ignored because their key is outside <prefix><node>/<key> or their JSON names another key or node.",
+	}, func() float64 { return float64(r.Rejected()) })
+	if err := metrics.Register(rejected); err != nil {
+		_ = r.Close()
+		return nil, nil, fmt.Errorf("failed to register the etcd registry metrics: %w", err)
+	}
+	return r, func() {
+		metrics.Unregister(rejected)
+		_ = r.Close()
+	}, nil
 }
 
 func newTracer(ctx context.Context, endpoint string) (trace.Tracer, func(), error) {

@@ -64,6 +64,22 @@ func waitServing(ctx context.Context, t *testing.T, c *Config, done chan error) 
 	}
 }
 
+// runAgent runs the agent with c until the test ends (then checks it
+// stopped cleanly). done receives Run's result; ctx ends with the test.
+func runAgent(t *testing.T, c *Config) (ctx context.Context, done chan error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done = make(chan error, 1)
+	go func() { done <- Run(ctx, c, slog.New(slog.DiscardHandler)) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run after a clean stop = %v", err)
+		}
+	})
+	return ctx, done
+}
+
 // assertNoSockets checks Run removed the socket files it created.
 func assertNoSockets(t *testing.T, paths ...string) {
 	t.Helper()
@@ -234,15 +250,7 @@ func TestRunSocketDirUnderOpenParent(t *testing.T) {
 		extra = append(extra, "--"+name+"-socket", filepath.Join(sockDir, name+".sock"))
 	}
 	c := testConfig(t, extra...)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- Run(ctx, c, slog.New(slog.DiscardHandler)) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run after a clean stop = %v", err)
-		}
-	})
+	ctx, done := runAgent(t, c)
 	waitServing(ctx, t, c, done)
 	fi, err := os.Stat(sockDir)
 	if err != nil {

@@ -101,14 +101,21 @@ func (l *listenerSync) RecordRemoved(key string) {
 	}
 }
 
+// localSource is the index source (workload.Index.Writer) of this node's
+// own records; the registry follower writes as workload.FollowerSource.
+const localSource = "local"
+
 // localWorkloads serves this node's pods in workload discovery from the
 // stored records, not from the registry: a terminating pod is deregistered
 // at once (no new traffic is routed to it) but stays here, UNHEALTHY, until
-// RemovePod, like every local xDS resource.
+// RemovePod, like every local xDS resource. It writes to the index as
+// localSource, so the follower of other nodes can neither replace nor
+// remove what it serves (and the reverse).
 type localWorkloads struct {
-	cfg workload.Config
-	idx *workload.Index
-	log *slog.Logger
+	cfg   workload.Config
+	idx   *workload.Index
+	local *workload.Writer
+	log   *slog.Logger
 }
 
 func (w *localWorkloads) RecordStored(_ *store.Record, ep registry.Endpoint) {
@@ -117,12 +124,12 @@ func (w *localWorkloads) RecordStored(_ *store.Record, ep registry.Endpoint) {
 		w.log.Error("failed to build workload", "container_id", ep.Key, "error", err.Error())
 		return
 	}
-	if _, err := w.idx.Upsert(ep.Key, wl); err != nil {
+	if _, err := w.local.Upsert(ep.Key, wl); err != nil {
 		w.log.Error("failed to index workload", "container_id", ep.Key, "error", err.Error())
 	}
 }
 
-func (w *localWorkloads) RecordRemoved(key string) { w.idx.Remove(key) }
+func (w *localWorkloads) RecordRemoved(key string) { w.local.Remove(key) }
 
 // nodeXDS is the pods.Observer that keeps the node's xDS resources: per-pod
 // listeners and, when workload discovery is served, local workloads.
@@ -148,9 +155,10 @@ func (n *nodeXDS) RecordRemoved(key string) {
 func newNodeXDS(c *Config, log *slog.Logger) *nodeXDS {
 	n := &nodeXDS{listeners: newListenerSync(listener.Ports{}, log.With("component", "lds"))}
 	if c.XDSSocket != "" || c.XDSAddress != "" {
+		idx := workload.NewIndex()
 		n.workloads = &localWorkloads{
 			cfg: workload.Config{ClusterID: c.ClusterID, TrustDomain: c.TrustDomain, Network: c.Network},
-			idx: workload.NewIndex(), log: log.With("component", "wds"),
+			idx: idx, local: idx.Writer(localSource), log: log.With("component", "wds"),
 		}
 	}
 	return n

@@ -42,7 +42,7 @@ func New(mgr *pods.Manager, log *slog.Logger) *Server {
 
 // AddPod implements CNIService.AddPod.
 func (s *Server) AddPod(ctx context.Context, req *cniv1.AddPodRequest) (*cniv1.AddPodResponse, error) {
-	res, err := s.mgr.AddPod(ctx, req.GetPod())
+	res, err := s.mgr.AddPod(ctx, req.GetPod(), req.GetPluginTimings())
 	if errors.Is(err, pods.ErrPodUnavailable) || errors.Is(err, pods.ErrPodUIDMismatch) {
 		return nil, status.Error(grpccodes.Unavailable, err.Error())
 	}
@@ -55,7 +55,7 @@ func (s *Server) AddPod(ctx context.Context, req *cniv1.AddPodRequest) (*cniv1.A
 
 // RemovePod implements CNIService.RemovePod.
 func (s *Server) RemovePod(ctx context.Context, req *cniv1.RemovePodRequest) (*cniv1.RemovePodResponse, error) {
-	res, err := s.mgr.RemovePod(ctx, req.GetNamespace(), req.GetName(), req.GetContainerId())
+	res, err := s.mgr.RemovePod(ctx, req.GetNamespace(), req.GetName(), req.GetContainerId(), req.GetPluginTimings())
 	if err != nil {
 		return nil, status.Error(grpccodes.Internal, err.Error())
 	}
@@ -64,10 +64,8 @@ func (s *Server) RemovePod(ctx context.Context, req *cniv1.RemovePodRequest) (*c
 
 // ReportAddResult implements CNIService.ReportAddResult.
 func (s *Server) ReportAddResult(ctx context.Context, req *cniv1.ReportAddResultRequest) (*cniv1.ReportAddResultResponse, error) {
-	span := trace.SpanFromContext(ctx)
-	span.SetAttributes(TimingAttributes(req.GetTimings())...)
 	known, err := s.mgr.ReportAddResult(ctx, req)
-	span.SetAttributes(attribute.Bool("aether.cni.known_container", known))
+	trace.SpanFromContext(ctx).SetAttributes(attribute.Bool("aether.cni.known_container", known))
 	if err != nil {
 		return nil, status.Error(grpccodes.Internal, err.Error())
 	}
@@ -186,27 +184,27 @@ func (ic *interceptor) unary(ctx context.Context, req any, info *grpc.UnaryServe
 	return resp, err
 }
 
+// requestAttributes are the span attributes of a request: the pod's
+// identity and, on every RPC that carries them, the plugin's timings.
 func requestAttributes(req any) []attribute.KeyValue {
 	switch r := req.(type) {
 	case *cniv1.AddPodRequest:
-		return []attribute.KeyValue{
-			attribute.String("k8s.namespace.name", r.GetPod().GetNamespace()),
-			attribute.String("k8s.pod.name", r.GetPod().GetName()), attribute.String("container.id", r.GetPod().GetContainerId()),
-		}
+		return append(podAttributes(r.GetPod().GetNamespace(), r.GetPod().GetName(), r.GetPod().GetContainerId()),
+			TimingAttributes(r.GetPluginTimings())...)
 	case *cniv1.RemovePodRequest:
-		return []attribute.KeyValue{
-			attribute.String("k8s.namespace.name", r.GetNamespace()),
-			attribute.String("k8s.pod.name", r.GetName()), attribute.String("container.id", r.GetContainerId()),
-		}
+		return append(podAttributes(r.GetNamespace(), r.GetName(), r.GetContainerId()), TimingAttributes(r.GetPluginTimings())...)
 	case *cniv1.ReportAddResultRequest:
-		return []attribute.KeyValue{
-			attribute.String("k8s.namespace.name", r.GetNamespace()),
-			attribute.String("k8s.pod.name", r.GetName()), attribute.String("container.id", r.GetContainerId()),
-		}
+		return append(podAttributes(r.GetNamespace(), r.GetName(), r.GetContainerId()), TimingAttributes(r.GetTimings())...)
 	case *cniv1.GetPodRequest:
 		return []attribute.KeyValue{attribute.String("container.id", r.GetContainerId())}
 	}
 	return nil
+}
+
+func podAttributes(ns, name, containerID string) []attribute.KeyValue {
+	return []attribute.KeyValue{
+		attribute.String("k8s.namespace.name", ns), attribute.String("k8s.pod.name", name), attribute.String("container.id", containerID),
+	}
 }
 
 // describe names every violated rule: "field: message [rule id]".

@@ -103,6 +103,108 @@ func TestReportAddResultSpanAttributes(t *testing.T) {
 	}
 }
 
+// TestPluginTimingsOnEveryRPCSpan: AddPod and RemovePod record their
+// plugin_timings on their own span, as ReportAddResult does; a request of
+// the old shape (no plugin_timings) is served as before and its span
+// carries no timing attributes.
+func TestPluginTimingsOnEveryRPCSpan(t *testing.T) {
+	c, rec, mdir := serve(t, []uint32{uint32(os.Geteuid())})
+	manifest := `apiVersion: v1
+kind: Pod
+metadata: {name: web, namespace: shop, uid: uid-web, labels: {aether.io/managed: "true"}}
+spec: {nodeName: "n", containers: [{name: c, image: pause}]}
+`
+	if err := os.WriteFile(filepath.Join(mdir, "web.yaml"), []byte(manifest), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	started := time.Date(2026, 11, 29, 10, 0, 0, 0, time.UTC)
+	timings := &cniv1.PluginTimings{Started: timestamppb.New(started), PreCall: durationpb.New(4 * time.Millisecond)}
+	pod := &cniv1.CNIPod{Name: "web", Namespace: "shop", ContainerId: "c1", NetworkNamespace: "/n", Ips: []string{"10.0.0.1"}}
+	wantTimings := map[string]string{
+		"aether.cni.plugin.started":     "2026-11-29T10:00:00.000000000Z",
+		"aether.cni.plugin.pre_call_ns": "4000000",
+	}
+	for _, tc := range []struct {
+		name     string
+		call     func(ctx context.Context) error
+		span     string
+		timings  bool
+		wantMore map[string]string
+	}{
+		{
+			name: "AddPod with plugin_timings", span: "aether.cni.v1.CNIService/AddPod", timings: true,
+			call: func(ctx context.Context) error {
+				r, err := c.AddPod(ctx, &cniv1.AddPodRequest{Pod: pod, PluginTimings: timings})
+				return want(r.GetResult() == cniv1.AddPodResponse_RESULT_SUCCESS, err, r)
+			},
+			wantMore: map[string]string{"aether.cni.result": "RESULT_SUCCESS", "container.id": "c1"},
+		},
+		{
+			name: "AddPod of the old shape", span: "aether.cni.v1.CNIService/AddPod",
+			call: func(ctx context.Context) error {
+				r, err := c.AddPod(ctx, &cniv1.AddPodRequest{Pod: pod})
+				return want(r.GetResult() == cniv1.AddPodResponse_RESULT_SUCCESS, err, r)
+			},
+			wantMore: map[string]string{"aether.cni.result": "RESULT_SUCCESS", "container.id": "c1"},
+		},
+		{
+			name: "RemovePod with plugin_timings", span: "aether.cni.v1.CNIService/RemovePod", timings: true,
+			call: func(ctx context.Context) error {
+				r, err := c.RemovePod(ctx, &cniv1.RemovePodRequest{Name: "web", Namespace: "shop", ContainerId: "c1", PluginTimings: timings})
+				return want(r.GetResult() == cniv1.RemovePodResponse_RESULT_SUCCESS, err, r)
+			},
+			wantMore: map[string]string{"k8s.pod.name": "web", "container.id": "c1"},
+		},
+		{
+			name: "RemovePod of the old shape", span: "aether.cni.v1.CNIService/RemovePod",
+			call: func(ctx context.Context) error {
+				r, err := c.RemovePod(ctx, &cniv1.RemovePodRequest{Name: "web", Namespace: "shop", ContainerId: "c1"})
+				return want(r.GetResult() == cniv1.RemovePodResponse_RESULT_SUCCESS, err, r)
+			},
+			wantMore: map[string]string{"k8s.pod.name": "web", "container.id": "c1"},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rec.Reset()
+			if err := tc.call(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			spans := rec.Ended()
+			if len(spans) != 1 || spans[0].Name() != tc.span {
+				t.Fatalf("spans = %v, want one %s", spans, tc.span)
+			}
+			got := map[string]string{}
+			for _, kv := range spans[0].Attributes() {
+				got[string(kv.Key)] = kv.Value.String()
+			}
+			for k, v := range tc.wantMore {
+				if got[k] != v {
+					t.Errorf("attribute %s = %q, want %q (all: %v)", k, got[k], v, got)
+				}
+			}
+			for k, v := range wantTimings {
+				if tc.timings && got[k] != v {
+					t.Errorf("attribute %s = %q, want %q (all: %v)", k, got[k], v, got)
+				}
+				if _, ok := got[k]; !tc.timings && ok {
+					t.Errorf("old-shape request has attribute %s (all: %v)", k, got)
+				}
+			}
+		})
+	}
+}
+
+// want turns an RPC's outcome into an error when it failed or ok is false.
+func want(ok bool, err error, resp any) error {
+	if err != nil {
+		return err
+	}
+	if !ok {
+		return status.Errorf(codes.Unknown, "unexpected answer %v", resp)
+	}
+	return nil
+}
+
 func TestValidationAndPeer(t *testing.T) {
 	c, _, _ := serve(t, []uint32{uint32(os.Geteuid())})
 	for _, tc := range []struct {

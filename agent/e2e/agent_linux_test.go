@@ -79,8 +79,9 @@ func TestManifestSourceAddGetReportRemove(t *testing.T) {
 		}
 	}
 
-	// Unknown pod: retried within the deadline, then Unavailable.
-	_, err = c.AddPod(ctxT(t, 700*time.Millisecond), &cniv1.AddPodRequest{Pod: cniPod("shop", "ghost", "cid-ghost", "10.1.0.8")})
+	// Unknown pod: retried within the deadline, then Unavailable (the agent answers
+	// up to 250 ms before the caller's deadline; 3 s leaves room for a slow rescan under load).
+	_, err = c.AddPod(ctxT(t, 3*time.Second), &cniv1.AddPodRequest{Pod: cniPod("shop", "ghost", "cid-ghost", "10.1.0.8")})
 	if status.Code(err) != codes.Unavailable {
 		t.Fatalf("AddPod of unknown pod: %v, want Unavailable", err)
 	}
@@ -178,14 +179,22 @@ func TestManifestSourceAddGetReportRemove(t *testing.T) {
 		return err == nil && g.GetPod().GetTerminating() && !g.GetRegistered()
 	})
 	// RemovePod: record gone; removing again (or an unknown one) succeeds.
+	// The DEL's plugin_timings are kept: aetherctl pod names them.
 	for i := 0; i < 2; i++ {
-		rr, err := c.RemovePod(ctxT(t, 5*time.Second), &cniv1.RemovePodRequest{Name: "web-1", Namespace: "shop", ContainerId: "cid-web-1"})
+		rr, err := c.RemovePod(ctxT(t, 5*time.Second), &cniv1.RemovePodRequest{
+			Name: "web-1", Namespace: "shop", ContainerId: "cid-web-1",
+			PluginTimings: &cniv1.PluginTimings{PreCall: durationpb.New(time.Duration(i+3) * time.Millisecond)},
+		})
 		if err != nil || rr.GetResult() != cniv1.RemovePodResponse_RESULT_SUCCESS {
 			t.Fatalf("RemovePod #%d = %v, %v", i, rr, err)
 		}
 	}
 	if _, err := c.GetPod(ctxT(t, 5*time.Second), &cniv1.GetPodRequest{ContainerId: "cid-web-1"}); status.Code(err) != codes.NotFound {
 		t.Fatalf("GetPod after RemovePod: %v, want NotFound", err)
+	}
+	err = ctl.RunPod(ctxT(t, 10*time.Second), []string{"--admin-socket", a.admin, "shop/web-1"}, &out)
+	if err == nil || !regexp.MustCompile(`no record of pod shop/web-1; its last DEL: container cid-web-1 at \S+, pre call 4ms$`).MatchString(err.Error()) {
+		t.Fatalf("aetherctl pod after DEL = %v, want no record naming the last DEL (pre call 4ms)", err)
 	}
 	a.terminate(t)
 }

@@ -17,10 +17,10 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"aether.io/node/test/kubetest"
 	"aether.io/node/agent/nodegate"
 	cniv1 "aether.io/node/api/aether/cni/v1"
 	"aether.io/node/test/harness"
+	"aether.io/node/test/kubetest"
 )
 
 func kubePod(name string, managed bool, node string) *corev1.Pod {

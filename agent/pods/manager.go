@@ -4,9 +4,17 @@
 // Invariants (see agent/README.md):
 //   - persist before register: an endpoint is registered only for a record
 //     that is durably stored;
-//   - never re-register a terminating pod: every Register call checks the
-//     record's terminating flag under mu, the same lock under which the pod
-//     watch marks pods terminating;
+//   - never re-register a terminating pod: every registry write follows
+//     lock → check → write → re-check: the key's write lock orders the
+//     writes of one key; the check of the record's terminating flag runs
+//     under mu, the same lock under which the pod watch marks pods
+//     terminating; the write runs without mu (a slow registry never blocks
+//     AddPod, RemovePod or the admin API); a record that turned terminating
+//     or was removed while its Register was in flight is deregistered again;
+//   - failed deregistrations are retried with backoff until they succeed,
+//     and the liveness loop's ghost sweep deletes this node's keys without
+//     a live record (after a restart the retry set is gone; the sweep finds
+//     the same keys);
 //   - replay before serve: Replay loads every record before the CNI socket
 //     is opened.
 package pods
@@ -104,12 +112,34 @@ type Manager struct {
 	prober  Prober
 	now     func() time.Time
 
-	mu          sync.Mutex // the lifecycle lock
+	mu          sync.Mutex // the lifecycle lock; never held across a registry or store call
 	entries     map[string]*entry
 	terminating map[string]time.Time // pod identity -> when marked
+	removals    map[string]Removal   // namespace/name -> last DEL
+	retries     map[string]*retry    // container ID -> failed deregistration to retry
+
+	writes keyLocks // orders the registry writes of each key
+}
+
+// maxRemovals bounds the DEL timings kept in memory (one per pod); the
+// oldest goes first, and pruneMarks drops any older than an hour.
+const maxRemovals = 4096
+
+// Removal is the last CNI DEL (RemovePod) of a pod the agent held a record
+// of. It lives in memory only (the record itself is gone), so it is lost
+// when the agent restarts.
+type Removal struct {
+	// ContainerID is the sandbox the DEL removed.
+	ContainerID string
+	// At is when the agent handled it.
+	At time.Time
+	// Timings are the plugin's timings of that DEL; nil from a plugin that
+	// predates RemovePodRequest.plugin_timings.
+	Timings *cniv1.PluginTimings
 }
 
 type entry struct {
+	key        string     // the container ID, never changes
 	wmu        sync.Mutex // orders this record's writes
 	rec        *store.Record
 	persisted  bool
@@ -134,7 +164,8 @@ func New(cfg Config, st *store.Store, reg registry.Registry, src podsource.Sourc
 	}
 	return &Manager{
 		cfg: cfg, store: st, reg: reg, src: src, log: log, metrics: m, prober: prober, now: time.Now,
-		entries: map[string]*entry{}, terminating: map[string]time.Time{},
+		entries: map[string]*entry{}, terminating: map[string]time.Time{}, removals: map[string]Removal{},
+		retries: map[string]*retry{},
 	}
 }
 
@@ -164,27 +195,35 @@ func matches(rec *store.Record, ns, name, uid string) bool {
 }
 
 // Replay loads every stored record and registers the ones that are not
-// terminating. Call it before serving.
+// terminating (outside mu, replayParallel at a time, within one
+// writeTimeout: the liveness loop registers whatever failed). Call it
+// before serving.
 func (m *Manager) Replay(ctx context.Context) (int, error) {
 	recs, err := m.store.List()
 	if err != nil {
 		return 0, fmt.Errorf("failed to replay records: %w", err)
 	}
+	var live []*entry
+	var health []bool
 	m.mu.Lock()
-	defer m.mu.Unlock()
 	for _, r := range recs {
-		e := &entry{rec: r, persisted: true}
-		m.entries[r.Key()] = e
+		e := &entry{key: r.Key(), rec: r, persisted: true}
+		m.entries[e.key] = e
 		if r.Pod.GetTerminating() {
 			m.terminating[podIdentity(r.Pod.GetNamespace(), r.Pod.GetName(), r.Pod.GetUid())] = m.now()
 			continue
 		}
 		m.checkUDS(r)
-		m.registerLocked(ctx, e, m.prober.Healthy(r))
+		live = append(live, e)
+		health = append(health, m.prober.Healthy(r))
 	}
+	m.mu.Unlock()
+	m.registerAll(ctx, live, health)
+	m.mu.Lock()
 	for _, e := range m.entries {
 		m.observeLocked(e)
 	}
+	m.mu.Unlock()
 	m.log.Info("replayed pod records", "records", len(recs))
 	return len(recs), nil
 }
@@ -264,8 +303,11 @@ func (m *Manager) samePod(lctx context.Context, uid string, p *podsource.Pod) (*
 }
 
 // AddPod handles CNI ADD. in must be valid (the server validates it).
-func (m *Manager) AddPod(ctx context.Context, in *cniv1.CNIPod) (cniv1.AddPodResponse_Result, error) {
-	res, err := m.addPod(ctx, in)
+// timings are the plugin's (AddPodRequest.plugin_timings; nil from a plugin
+// that predates them): a managed pod's record keeps them as its last ADD
+// timings until ReportAddResult completes them.
+func (m *Manager) AddPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.PluginTimings) (cniv1.AddPodResponse_Result, error) {
+	res, err := m.addPod(ctx, in, timings)
 	switch {
 	case err != nil:
 		m.metrics.Operations.WithLabelValues(telemetry.OpAddPod, telemetry.ResultError).Inc()
@@ -277,7 +319,7 @@ func (m *Manager) AddPod(ctx context.Context, in *cniv1.CNIPod) (cniv1.AddPodRes
 	return res, err
 }
 
-func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod) (cniv1.AddPodResponse_Result, error) {
+func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.PluginTimings) (cniv1.AddPodResponse_Result, error) {
 	ns, name, key := in.GetNamespace(), in.GetName(), in.GetContainerId()
 	log := m.log.With("namespace", ns, "name", name, "container_id", key)
 	if m.isSystemNamespace(ns) {
@@ -317,18 +359,24 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod) (cniv1.AddPodRes
 	if node == "" {
 		node = m.cfg.Node
 	}
-	rec := &store.Record{Pod: pod, Node: node, Owner: p.Owner, HostNetwork: p.HostNetwork, AddedAt: m.now().UTC()}
+	rec := &store.Record{Pod: pod, Node: node, Owner: p.Owner, HostNetwork: p.HostNetwork, FixedName: p.FixedName, AddedAt: m.now().UTC()}
+	if timings != nil {
+		rec.LastTimings = proto.Clone(timings).(*cniv1.PluginTimings)
+	}
 
 	m.mu.Lock()
 	e, had := m.entries[key]
 	var prev *store.Record
 	if !had {
-		e = &entry{}
+		e = &entry{key: key}
 		m.entries[key] = e
 	} else {
 		prev = e.rec
 		rec.AddedAt = prev.AddedAt
-		rec.Uncaptured, rec.UncapturedError, rec.LastTimings = prev.Uncaptured, prev.UncapturedError, prev.LastTimings
+		rec.Uncaptured, rec.UncapturedError = prev.Uncaptured, prev.UncapturedError
+		if rec.LastTimings == nil {
+			rec.LastTimings = prev.LastTimings
+		}
 		if prev.Pod.GetTerminating() && matches(prev, ns, name, p.UID) {
 			pod.Terminating = true // never cleared by a re-ADD
 		}
@@ -356,14 +404,15 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod) (cniv1.AddPodRes
 	m.checkUDS(rec)
 
 	m.mu.Lock()
-	defer m.mu.Unlock()
 	if !e.removed {
 		m.observeLocked(e)
 	}
-	if !e.removed && !e.rec.Pod.GetTerminating() {
-		m.registerLocked(ctx, e, true)
-	}
-	log.Info("pod added", "terminating", e.rec.Pod.GetTerminating(), "registered", e.registered)
+	m.mu.Unlock()
+	m.register(ctx, e, true) // checks terminating and removed itself
+	m.mu.Lock()
+	terminating, registered := e.rec.Pod.GetTerminating(), e.registered
+	m.mu.Unlock()
+	log.Info("pod added", "terminating", terminating, "registered", registered)
 	return cniv1.AddPodResponse_RESULT_SUCCESS, nil
 }
 
@@ -389,42 +438,11 @@ func (m *Manager) persist(ctx context.Context, e *entry) error {
 	return nil
 }
 
-// registerLocked registers e unless it is terminating, removed or not yet
-// durable. mu is held: this is the check the invariant needs.
-func (m *Manager) registerLocked(ctx context.Context, e *entry, healthy bool) {
-	if e.removed || !e.persisted || e.rec.Pod.GetTerminating() {
-		return
-	}
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-	defer cancel()
-	if err := m.reg.Register(rctx, m.endpoint(e.rec, healthy)); err != nil {
-		m.log.Error("failed to register endpoint", "container_id", e.rec.Key(), "error", err.Error())
-		e.registered = false
-		return
-	}
-	e.registered, e.healthy = true, healthy
-	m.observeLocked(e)
-}
-
-func (m *Manager) deregisterLocked(ctx context.Context, e *entry) {
-	if !e.registered {
-		return
-	}
-	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-	defer cancel()
-	if err := m.reg.Deregister(rctx, e.rec.Key()); err != nil {
-		m.log.Error("failed to deregister endpoint", "container_id", e.rec.Key(), "error", err.Error())
-		return
-	}
-	e.registered = false
-	m.observeLocked(e)
-}
-
 func (m *Manager) endpoint(r *store.Record, healthy bool) registry.Endpoint {
 	p := r.Pod
 	ep := registry.Endpoint{
 		Key: r.Key(), Node: r.Node, Namespace: p.GetNamespace(), Name: p.GetName(), UID: p.GetUid(),
-		ServiceAccount: p.GetServiceAccount(), Labels: p.GetLabels(), Owner: r.Owner, HostNetwork: r.HostNetwork,
+		ServiceAccount: p.GetServiceAccount(), Labels: p.GetLabels(), Owner: r.Owner, HostNetwork: r.HostNetwork, FixedName: r.FixedName,
 		Healthy: healthy, Locality: m.cfg.Locality,
 	}
 	if ep.Node == "" {
@@ -450,11 +468,19 @@ func (m *Manager) checkUDS(r *store.Record) {
 }
 
 // RemovePod handles CNI DEL: the record is deleted first (the only failure
-// that fails the DEL), then the endpoint is deregistered. Unknown
-// containers succeed.
-func (m *Manager) RemovePod(ctx context.Context, ns, name, key string) (cniv1.RemovePodResponse_Result, error) {
+// that fails the DEL), then the endpoint is deregistered (a failed
+// deregistration is retried by the liveness loop). Unknown containers
+// succeed. timings are the plugin's
+// (RemovePodRequest.plugin_timings; nil from a plugin that predates them):
+// they are kept as the pod's last DEL (LastRemoval) when the agent held a
+// record of the container, or already holds a DEL of that pod (a retried
+// DEL); DELs of pods the agent never managed are not kept.
+func (m *Manager) RemovePod(ctx context.Context, ns, name, key string, timings *cniv1.PluginTimings) (cniv1.RemovePodResponse_Result, error) {
 	m.mu.Lock()
 	e := m.entries[key]
+	if _, known := m.removals[ns+"/"+name]; e != nil || known {
+		m.keepRemovalLocked(ns, name, key, timings)
+	}
 	m.mu.Unlock()
 	if e == nil {
 		m.metrics.Operations.WithLabelValues(telemetry.OpRemovePod, telemetry.ResultSuccess).Inc()
@@ -472,7 +498,6 @@ func (m *Manager) RemovePod(ctx context.Context, ns, name, key string) (cniv1.Re
 	if m.entries[key] == e {
 		delete(m.entries, key)
 	}
-	m.deregisterLocked(ctx, e)
 	if m.cfg.Observer != nil {
 		m.cfg.Observer.RecordRemoved(key)
 	}
@@ -480,6 +505,7 @@ func (m *Manager) RemovePod(ctx context.Context, ns, name, key string) (cniv1.Re
 	// a lagging source must not register it); pruneMarks ages them out.
 	r := e.rec.Pod
 	m.mu.Unlock()
+	m.deregister(ctx, e)
 	if r.GetNamespace() != ns || r.GetName() != name {
 		m.log.Warn("remove named another pod than the record", "container_id", key, "namespace", ns, "name", name,
 			"record_namespace", r.GetNamespace(), "record_name", r.GetName())
@@ -526,6 +552,42 @@ func (m *Manager) ReportAddResult(ctx context.Context, req *cniv1.ReportAddResul
 	return true, nil
 }
 
+// keepRemovalLocked records the last DEL of ns/name; mu is held.
+func (m *Manager) keepRemovalLocked(ns, name, key string, timings *cniv1.PluginTimings) {
+	id := ns + "/" + name
+	if _, ok := m.removals[id]; !ok && len(m.removals) >= maxRemovals {
+		oldest := ""
+		for k, r := range m.removals {
+			if oldest == "" || r.At.Before(m.removals[oldest].At) {
+				oldest = k
+			}
+		}
+		delete(m.removals, oldest)
+	}
+	r := Removal{ContainerID: key, At: m.now().UTC()}
+	if timings != nil {
+		r.Timings = proto.Clone(timings).(*cniv1.PluginTimings)
+	}
+	m.removals[id] = r
+}
+
+// LastRemoval returns the last DEL of namespace/name the agent kept (see
+// RemovePod), whether or not the pod still has records.
+func (m *Manager) LastRemoval(ns, name string) (Removal, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.removalLocked(ns, name)
+}
+
+// removalLocked returns a copy of the kept DEL of ns/name; mu is held.
+func (m *Manager) removalLocked(ns, name string) (Removal, bool) {
+	r, ok := m.removals[ns+"/"+name]
+	if ok && r.Timings != nil {
+		r.Timings = proto.Clone(r.Timings).(*cniv1.PluginTimings)
+	}
+	return r, ok
+}
+
 func resultOf(errText string) string {
 	if errText != "" {
 		return telemetry.ResultError
@@ -542,10 +604,16 @@ type PodState struct {
 	// refused; both empty when the pod asks for no UDS socket.
 	UDSPath    string
 	UDSRefusal string
+	// LastRemoval is the pod's (namespace/name) last kept DEL, if any: the
+	// DEL of an earlier sandbox of the same pod.
+	LastRemoval *Removal
 }
 
 func (m *Manager) stateLocked(e *entry) PodState {
 	s := PodState{Record: e.rec.Clone(), Registered: e.registered, Healthy: e.healthy}
+	if r, ok := m.removalLocked(e.rec.Pod.GetNamespace(), e.rec.Pod.GetName()); ok {
+		s.LastRemoval = &r
+	}
 	if p, asked, err := uds.Resolve(m.cfg.UDSRoot, e.rec.Pod); asked {
 		var re *uds.RefusalError
 		if errors.As(err, &re) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"pgregory.net/rapid"
@@ -88,16 +89,16 @@ func (f *fakeSource) List() []*podsource.Pod {
 }
 
 // checkingRegistry fails the test when a key of a terminating pod is
-// registered.
+// registered. Replay registers concurrently: it is safe for concurrent use.
 type checkingRegistry struct {
 	*local.Registry
 	terminating func(key string) bool
 	t           interface{ Fatalf(string, ...any) }
-	registers   int
+	registers   atomic.Int64
 }
 
 func (c *checkingRegistry) Register(ctx context.Context, ep registry.Endpoint) error {
-	c.registers++
+	c.registers.Add(1)
 	if c.terminating(ep.Key) {
 		c.t.Fatalf("registered endpoint %s of a terminating pod", ep.Key)
 	}
@@ -163,7 +164,7 @@ func TestNeverReregisterTerminating(t *testing.T) {
 				res, err := m.AddPod(ctx, &cniv1.CNIPod{
 					Namespace: "ns", Name: pods[i].Name, ContainerId: key,
 					NetworkNamespace: "/x", Ips: []string{"10.0.0.1"},
-				})
+				}, nil)
 				if err != nil || res != cniv1.AddPodResponse_RESULT_SUCCESS {
 					rt.Fatalf("AddPod %s = %v, %v", key, res, err)
 				}
@@ -201,7 +202,7 @@ func TestNeverReregisterTerminating(t *testing.T) {
 			"remove": func(rt *rapid.T) {
 				i := rapid.IntRange(0, nPods-1).Draw(rt, "pod")
 				c := rapid.IntRange(0, 1).Draw(rt, "container")
-				if _, err := m.RemovePod(ctx, "ns", pods[i].Name, fmt.Sprintf("c-%d-%d", i, c)); err != nil {
+				if _, err := m.RemovePod(ctx, "ns", pods[i].Name, fmt.Sprintf("c-%d-%d", i, c), nil); err != nil {
 					rt.Fatalf("RemovePod: %v", err)
 				}
 			},

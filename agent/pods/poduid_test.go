@@ -67,7 +67,7 @@ func TestAddPodUID(t *testing.T) {
 			res, err := m.AddPod(ctx, &cniv1.CNIPod{
 				Namespace: "ns", Name: "db-0", Uid: tc.uid, ContainerId: "sandbox-2",
 				NetworkNamespace: "/x", Ips: []string{"10.0.0.2"},
-			})
+			}, nil)
 			if src.fetches != tc.wantFetches {
 				t.Errorf("Fetch called %d times, want %d", src.fetches, tc.wantFetches)
 			}
@@ -143,7 +143,7 @@ func BenchmarkAddPodUID(b *testing.B) {
 			in := &cniv1.CNIPod{Namespace: "ns", Name: "db-0", Uid: bc.uid, ContainerId: "sandbox", NetworkNamespace: "/x", Ips: []string{"10.0.0.2"}}
 			ctx := context.Background()
 			for b.Loop() {
-				if res, err := m.AddPod(ctx, in); err != nil || res != cniv1.AddPodResponse_RESULT_SUCCESS {
+				if res, err := m.AddPod(ctx, in, nil); err != nil || res != cniv1.AddPodResponse_RESULT_SUCCESS {
 					b.Fatalf("AddPod = %v, %v", res, err)
 				}
 			}

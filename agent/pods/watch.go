@@ -31,8 +31,8 @@ func (h handler) OnDelete(p *podsource.Pod) {
 }
 
 // MarkTerminating marks every record of the pod terminating: under mu
-// (so no Register can follow), then persisted, then deregistered. Records
-// stay until RemovePod.
+// (so no Register can follow; one in flight is corrected by its re-check),
+// then persisted, then deregistered. Records stay until RemovePod.
 func (m *Manager) MarkTerminating(ctx context.Context, ns, name, uid, reason string) {
 	m.mu.Lock()
 	m.terminating[podIdentity(ns, name, uid)] = m.now()
@@ -55,13 +55,12 @@ func (m *Manager) MarkTerminating(ctx context.Context, ns, name, uid, reason str
 		if err := m.persist(ctx, e); err != nil {
 			m.log.Error("failed to persist terminating pod", "container_id", e.rec.Key(), "error", err.Error())
 		}
+		m.deregister(ctx, e)
 		m.mu.Lock()
-		m.deregisterLocked(ctx, e)
 		m.observeLocked(e) // local xDS keeps the pod, UNHEALTHY, until RemovePod
-		key := e.rec.Key()
 		m.mu.Unlock()
 		m.log.Info("pod terminating: endpoint deregistered", "namespace", ns, "name", name, "uid", uid,
-			"container_id", key, "reason", reason)
+			"container_id", e.key, "reason", reason)
 	}
 }
 
@@ -90,17 +89,19 @@ func (m *Manager) updatePod(ctx context.Context, p *podsource.Pod) {
 	m.mu.Unlock()
 	for _, e := range changed {
 		if err := m.persist(ctx, e); err != nil {
-			m.log.Error("failed to persist pod update", "container_id", e.rec.Key(), "error", err.Error())
+			m.log.Error("failed to persist pod update", "container_id", e.key, "error", err.Error())
 			continue
 		}
 		m.mu.Lock()
-		if e.registered {
-			m.registerLocked(ctx, e, e.healthy)
-		} else {
+		registered, healthy := e.registered, e.healthy
+		if !registered {
 			m.observeLocked(e)
 		}
 		m.mu.Unlock()
-		m.log.Info("pod updated", "namespace", p.Namespace, "name", p.Name, "container_id", e.rec.Key())
+		if registered {
+			m.register(ctx, e, healthy)
+		}
+		m.log.Info("pod updated", "namespace", p.Namespace, "name", p.Name, "container_id", e.key)
 	}
 }
 
@@ -137,28 +138,31 @@ func (m *Manager) Reconcile(ctx context.Context) {
 	}
 }
 
-// LivenessTick probes every stored, live pod and (re-)registers the ones
-// whose endpoint is missing from the registry or whose health changed. A
-// terminating pod is skipped by a check under mu.
+// LivenessTick retries the due failed deregistrations, probes every
+// stored, live pod and (re-)registers the ones whose endpoint is missing
+// from the registry or whose health changed, and sweeps this node's
+// registry keys that no live record owns (ghosts). Every registry write
+// runs outside mu and checks terminating under it (see register).
 func (m *Manager) LivenessTick(ctx context.Context) {
+	m.retryDeregistrations(ctx)
 	type cand struct {
-		key string
 		e   *entry
 		rec *store.Record
 	}
 	var cands []cand
 	m.mu.Lock()
-	for k, e := range m.entries {
-		if e.removed || !e.persisted || e.rec.Pod.GetTerminating() {
-			continue
+	for _, e := range m.entries {
+		if liveLocked(e) {
+			cands = append(cands, cand{e, e.rec})
 		}
-		cands = append(cands, cand{k, e, e.rec})
 	}
 	m.mu.Unlock()
-	present := map[string]bool{}
-	if eps, err := m.reg.List(ctx); err == nil {
+	eps, err := m.reg.List(ctx)
+	listed := err == nil
+	present := map[string]bool{} // key -> registered health
+	if listed {
 		for _, ep := range eps {
-			present[ep.Key+"\x00"+boolString(ep.Healthy)] = true
+			present[ep.Key] = ep.Healthy
 		}
 	} else {
 		m.log.Warn("failed to list registry", "error", err.Error())
@@ -167,26 +171,32 @@ func (m *Manager) LivenessTick(ctx context.Context) {
 	for i, c := range cands {
 		health[i] = m.prober.Healthy(c.rec)
 	}
-	m.mu.Lock()
-	defer m.mu.Unlock()
+	reregistered := 0
 	for i, c := range cands {
 		e := c.e
-		if m.entries[c.key] != e || e.removed || e.rec.Pod.GetTerminating() {
+		m.mu.Lock()
+		h, found := present[e.key]
+		skip := m.entries[e.key] != e || !liveLocked(e) || (e.registered && e.healthy == health[i] && found && h == health[i])
+		m.mu.Unlock()
+		if skip {
 			continue
 		}
-		if e.registered && e.healthy == health[i] && present[c.key+"\x00"+boolString(health[i])] {
-			continue
+		if m.register(ctx, e, health[i]) && listed && !found {
+			reregistered++
 		}
-		m.registerLocked(ctx, e, health[i])
 	}
+	ghosts := 0
+	if listed {
+		ghosts = m.sweepGhosts(ctx, eps)
+	}
+	if reregistered > 0 || ghosts > 0 {
+		m.metrics.RegistryReregistered.Add(float64(reregistered))
+		m.metrics.RegistryGhostsDeleted.Add(float64(ghosts))
+		m.log.Info("registry repaired", "reregistered", reregistered, "ghosts_deleted", ghosts)
+	}
+	m.mu.Lock()
 	m.updateGaugesLocked()
-}
-
-func boolString(b bool) string {
-	if b {
-		return "1"
-	}
-	return "0"
+	m.mu.Unlock()
 }
 
 func (m *Manager) updateGaugesLocked() {
@@ -211,10 +221,11 @@ func (m *Manager) updateGaugesLocked() {
 	g.WithLabelValues("registered").Set(float64(registered))
 	g.WithLabelValues("terminating").Set(float64(terminating))
 	g.WithLabelValues("uncaptured").Set(float64(uncaptured))
+	m.metrics.PendingDeregistrations.Set(float64(len(m.retries)))
 }
 
 // RunLiveness ticks every interval until ctx ends, and prunes terminating
-// marks of pods without records after an hour.
+// marks of pods without records, and kept DELs, after an hour.
 func (m *Manager) RunLiveness(ctx context.Context, interval time.Duration) {
 	t := time.NewTicker(interval)
 	defer t.Stop()
@@ -240,6 +251,11 @@ func (m *Manager) pruneMarks(age time.Duration) {
 	for _, k := range slices.Collect(maps.Keys(m.terminating)) {
 		if !ids[k] && m.now().Sub(m.terminating[k]) > age {
 			delete(m.terminating, k)
+		}
+	}
+	for k, r := range m.removals {
+		if m.now().Sub(r.At) > age {
+			delete(m.removals, k)
 		}
 	}
 }

@@ -45,6 +45,10 @@ type Pod struct {
 	Owner *registry.Owner
 	// HostNetwork is spec.hostNetwork.
 	HostNetwork bool
+	// FixedName is true when the pod's name was not generated
+	// (metadata.generateName empty): istiod then names the workload after
+	// the pod whatever its owner (xds/workload).
+	FixedName bool
 }
 
 // ID returns "namespace/name".
@@ -91,6 +95,7 @@ func FromKube(k *corev1.Pod) *Pod {
 		Annotations:    copyMap(k.Annotations),
 		Terminating:    k.DeletionTimestamp != nil,
 		HostNetwork:    k.Spec.HostNetwork,
+		FixedName:      k.GenerateName == "",
 	}
 	if p.ServiceAccount == "" {
 		p.ServiceAccount = k.Spec.DeprecatedServiceAccount // older manifests set only the deprecated field

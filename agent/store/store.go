@@ -58,12 +58,18 @@ type Record struct {
 	Owner *registry.Owner
 	// HostNetwork is true for host-network pods.
 	HostNetwork bool
+	// FixedName is true when the pod's name was not generated
+	// (podsource.Pod.FixedName); false on records written before it existed,
+	// which the workload builder then treats as generated (as every
+	// controller-created pod is).
+	FixedName bool
 	// Uncaptured is true when the last ReportAddResult carried a
 	// capture_divert_error: the pod runs without the mesh.
 	Uncaptured bool
 	// UncapturedError is that capture_divert_error.
 	UncapturedError string
-	// LastTimings are the timings of the last ReportAddResult, if any.
+	// LastTimings are the plugin's timings of the last ADD, if any: those of
+	// AddPod (started, pre_call), replaced by ReportAddResult's (every field).
 	LastTimings *cniv1.PluginTimings
 	// AddedAt is when AddPod first stored the record.
 	AddedAt time.Time
@@ -97,6 +103,7 @@ type envelope struct {
 	Node            string          `json:"node,omitempty"`
 	Owner           *registry.Owner `json:"owner,omitempty"`
 	HostNetwork     bool            `json:"host_network,omitempty"`
+	FixedName       bool            `json:"fixed_name,omitempty"`
 	Uncaptured      bool            `json:"uncaptured,omitempty"`
 	UncapturedError string          `json:"uncaptured_error,omitempty"`
 	LastTimings     json.RawMessage `json:"last_timings,omitempty"`
@@ -114,7 +121,7 @@ func Encode(r *Record) ([]byte, error) {
 		return nil, fmt.Errorf("failed to encode pod %q: %w", r.Pod.GetContainerId(), err)
 	}
 	env := envelope{
-		Version: recordVersion, Pod: pod, Node: r.Node, Owner: r.Owner, HostNetwork: r.HostNetwork,
+		Version: recordVersion, Pod: pod, Node: r.Node, Owner: r.Owner, HostNetwork: r.HostNetwork, FixedName: r.FixedName,
 		Uncaptured: r.Uncaptured, UncapturedError: r.UncapturedError, AddedAt: r.AddedAt.UTC(),
 	}
 	if r.LastTimings != nil {
@@ -150,7 +157,7 @@ func Decode(b []byte) (*Record, error) {
 		return nil, fmt.Errorf("failed to decode record: version %d, this agent reads version %d", env.Version, recordVersion)
 	}
 	r := &Record{
-		Pod: &cniv1.CNIPod{}, Node: env.Node, Owner: env.Owner, HostNetwork: env.HostNetwork,
+		Pod: &cniv1.CNIPod{}, Node: env.Node, Owner: env.Owner, HostNetwork: env.HostNetwork, FixedName: env.FixedName,
 		Uncaptured: env.Uncaptured, UncapturedError: env.UncapturedError, AddedAt: env.AddedAt,
 	}
 	opts := protojson.UnmarshalOptions{DiscardUnknown: true}

@@ -26,13 +26,15 @@ func rec(i int) *Record {
 		},
 		Node: "n1", Owner: &registry.Owner{Kind: "ReplicaSet", Name: "rs"}, AddedAt: time.Unix(100, 0).UTC(),
 		LastTimings: &cniv1.PluginTimings{Total: durationpb.New(time.Millisecond)}, Uncaptured: true, UncapturedError: "x",
+		FixedName: i%2 == 0,
 	}
 }
 
 func equal(t *testing.T, got, want *Record) {
 	t.Helper()
 	if !proto.Equal(got.Pod, want.Pod) || !proto.Equal(got.LastTimings, want.LastTimings) || got.Node != want.Node ||
-		*got.Owner != *want.Owner || !got.AddedAt.Equal(want.AddedAt) || got.Uncaptured != want.Uncaptured || got.UncapturedError != want.UncapturedError {
+		*got.Owner != *want.Owner || !got.AddedAt.Equal(want.AddedAt) || got.Uncaptured != want.Uncaptured || got.UncapturedError != want.UncapturedError ||
+		got.FixedName != want.FixedName {
 		t.Fatalf("record = %+v, want %+v", got, want)
 	}
 }

@@ -44,6 +44,15 @@ type Metrics struct {
 	PodLookupRetry prometheus.Counter
 	// Pods gauges the stored records by state.
 	Pods *prometheus.GaugeVec
+	// PendingDeregistrations gauges the failed deregistrations waiting
+	// for a retry.
+	PendingDeregistrations prometheus.Gauge
+	// RegistryGhostsDeleted counts this node's registry keys the ghost
+	// sweep deleted because no live record owned them.
+	RegistryGhostsDeleted prometheus.Counter
+	// RegistryReregistered counts live records registered again because
+	// their key was missing from the registry.
+	RegistryReregistered prometheus.Counter
 }
 
 // NewMetrics registers every metric (with zero values for known labels) on
@@ -75,8 +84,21 @@ func NewMetrics() *Metrics {
 			Name: "aether_agent_pods",
 			Help: "Stored pod records by state (stored, registered, terminating, uncaptured).",
 		}, []string{"state"}),
+		PendingDeregistrations: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "aether_agent_registry_pending_deregistrations",
+			Help: "Failed endpoint deregistrations waiting for a retry (with backoff).",
+		}),
+		RegistryGhostsDeleted: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "aether_agent_registry_ghosts_deleted_total",
+			Help: "This node's registry keys deleted by the liveness loop's ghost sweep because no live record owned them.",
+		}),
+		RegistryReregistered: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "aether_agent_registry_reregistered_total",
+			Help: "Live records registered again by the liveness loop because their key was missing from the registry.",
+		}),
 	}
 	m.Registry.MustRegister(m.Operations, m.Quarantined, m.PeerRejected, m.UDSRefusals, m.PodLookupRetry, m.Pods,
+		m.PendingDeregistrations, m.RegistryGhostsDeleted, m.RegistryReregistered,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for _, op := range []string{OpAddPod, OpRemovePod, OpReadinessProbe, OpCaptureDivert} {
 		for _, r := range []string{ResultSuccess, ResultError} {

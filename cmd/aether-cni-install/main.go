@@ -1,11 +1,13 @@
 // Command aether-cni-install runs as the DaemonSet's install container and
 // stays as a sidecar: it copies aether-cni (and optionally eni-vlan) into
 // the host's CNI bin dir, chains aether-cni onto the primary network
-// configuration, repairs the chain until SIGTERM, then uninstalls. See
-// cniinstall/README.md.
+// configuration, repairs the chain until SIGTERM, then uninstalls, unless
+// --uninstall-on-exit (auto: its DaemonSet stays, a rolling update) keeps
+// them. See cniinstall/README.md.
 //
-// Exit codes: 0 uninstalled after SIGTERM/SIGINT, 1 install, watch or
-// uninstall failed, 2 invalid flags.
+// Exit codes: 0 stopped after SIGTERM/SIGINT (uninstalled, or kept by
+// --uninstall-on-exit), 1 install, watch or uninstall failed, 2 invalid
+// flags or environment.
 package main
 
 import (
@@ -33,6 +35,16 @@ func main() {
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "aether-cni-install:", err)
 		os.Exit(2)
+	}
+	if opts.Config.UninstallOnExit == cniinstall.UninstallAuto {
+		owner, err := cniinstall.InClusterOwner(os.Getenv, cniinstall.ServiceAccountDir)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "aether-cni-install:", err)
+			os.Exit(2)
+		}
+		if owner != nil {
+			opts.Config.Owner = owner
+		}
 	}
 	inst, err := cniinstall.New(opts.Config, log)
 	if err != nil {

@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -55,14 +56,22 @@ func (n node) flags(extra ...string) []string {
 	}, extra...)
 }
 
-// run starts the real binary; the returned stderr is safe to read once the
-// process has exited.
-func run(t *testing.T, args ...string) (*exec.Cmd, *bytes.Buffer) {
+// run starts the real binary and returns it with its stderr.
+func run(t *testing.T, args ...string) (*exec.Cmd, *lockedBuffer) {
+	t.Helper()
+	return runEnv(t, nil, args...)
+}
+
+// runEnv is run with extra environment variables.
+func runEnv(t *testing.T, env []string, args ...string) (*exec.Cmd, *lockedBuffer) {
 	t.Helper()
 	bin := filepath.Join(harness.BuildOwn(t, "aether-cni-install"), "aether-cni-install")
 	cmd := exec.Command(bin, args...)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
+	if env != nil {
+		cmd.Env = append(os.Environ(), env...)
+	}
+	stderr := &lockedBuffer{}
+	cmd.Stderr = stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -72,10 +81,28 @@ func run(t *testing.T, args ...string) (*exec.Cmd, *bytes.Buffer) {
 			_ = cmd.Wait()
 		}
 	})
-	return cmd, &stderr
+	return cmd, stderr
 }
 
-func wait(t *testing.T, cmd *exec.Cmd, stderr *bytes.Buffer) int {
+// lockedBuffer is the process's stderr, readable while it runs.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+func wait(t *testing.T, cmd *exec.Cmd, stderr *lockedBuffer) int {
 	t.Helper()
 	done := make(chan error, 1)
 	go func() { done <- cmd.Wait() }()
@@ -199,6 +226,7 @@ func TestBinaryErrors(t *testing.T) {
 		{"plugin config of another type", n.flags("--plugin-config=" + badEntry), 2, `"type" must be "aether-cni"`},
 		{"relative agent socket", n.flags("--agent-socket=cni.sock"), 2, `invalid agent_socket "cni.sock": must be an absolute path`},
 		{"state file in conf dir", n.flags("--state-file=" + filepath.Join(n.conf, "state.json")), 2, "must be outside the conf dir"},
+		{"bad uninstall mode", n.flags("--uninstall-on-exit=sometimes"), 2, `invalid --uninstall-on-exit "sometimes": must be auto, always or never`},
 		{"missing conf dir", n.flags("--cni-conf-dir=" + filepath.Join(n.conf, "missing")), 1, "failed to watch conf dir"},
 		{"missing source binary", n.flags("--source-dir=" + t.TempDir()), 1, "failed to read plugin binary"},
 	} {
@@ -211,5 +239,88 @@ func TestBinaryErrors(t *testing.T) {
 				t.Fatalf("stderr does not say %q", tc.want)
 			}
 		})
+	}
+}
+
+// calico writes the Calico-like primary into n's conf dir and returns its
+// path and bytes.
+func calico(t *testing.T, n node) (string, []byte) {
+	t.Helper()
+	orig, err := os.ReadFile("../../cniinstall/testdata/primaries/10-calico.conflist")
+	if err != nil {
+		t.Fatal(err)
+	}
+	primary := filepath.Join(n.conf, "10-calico.conflist")
+	if err := os.WriteFile(primary, orig, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return primary, orig
+}
+
+// term sends SIGTERM and wants exit code 0.
+func term(t *testing.T, cmd *exec.Cmd, stderr *lockedBuffer) {
+	t.Helper()
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if code := wait(t, cmd, stderr); code != 0 {
+		t.Fatalf("exit code %d after SIGTERM, want 0", code)
+	}
+}
+
+// TestBinaryInPodWithoutPodName: in a pod (KUBERNETES_SERVICE_HOST set),
+// auto needs POD_NAME and POD_NAMESPACE: exit 2 naming them; the other
+// modes need neither.
+func TestBinaryInPodWithoutPodName(t *testing.T) {
+	n := newNode(t)
+	env := []string{"KUBERNETES_SERVICE_HOST=10.96.0.1", "KUBERNETES_SERVICE_PORT=443", "POD_NAME=", "POD_NAMESPACE="}
+	cmd, stderr := runEnv(t, env, n.flags()...)
+	if code := wait(t, cmd, stderr); code != 2 {
+		t.Fatalf("exit code %d, want 2", code)
+	}
+	if want := `POD_NAME="" and POD_NAMESPACE="" must both be set`; !strings.Contains(stderr.String(), want) {
+		t.Fatalf("stderr does not say %q", want)
+	}
+	primary, orig := calico(t, n)
+	cmd, stderr = runEnv(t, env, n.flags("--uninstall-on-exit=always")...)
+	waitFor(t, "chained", chained(primary))
+	term(t, cmd, stderr)
+	if got, _ := os.ReadFile(primary); !bytes.Equal(got, orig) {
+		t.Fatalf("primary after uninstall:\nwant %q\ngot  %q", orig, got)
+	}
+}
+
+// TestBinaryKeepThenAdopt: --uninstall-on-exit=never leaves the chain, the
+// binaries and the state file at SIGTERM (what auto does during a rolling
+// update); the next installer adopts them without rewriting the primary and
+// its uninstall restores the original byte for byte.
+func TestBinaryKeepThenAdopt(t *testing.T) {
+	n := newNode(t)
+	primary, orig := calico(t, n)
+	cmd, stderr := run(t, n.flags("--uninstall-on-exit=never")...)
+	waitFor(t, "chained", chained(primary))
+	term(t, cmd, stderr)
+	kept, err := os.Stat(primary)
+	if err != nil || !chained(primary)() {
+		t.Fatalf("chain not kept after SIGTERM with never (err %v)", err)
+	}
+	for _, p := range []string{filepath.Join(n.bin, "aether-cni"), n.state} {
+		if _, err := os.Stat(p); err != nil {
+			t.Fatalf("%s not kept: %v", p, err)
+		}
+	}
+	cmd, stderr = run(t, n.flags("--uninstall-on-exit=always")...)
+	waitFor(t, "state adopted", func() bool { return strings.Contains(stderr.String(), "chain in place") })
+	if fi, err := os.Stat(primary); err != nil || !os.SameFile(fi, kept) || !fi.ModTime().Equal(kept.ModTime()) {
+		t.Fatalf("the next installer rewrote the kept chain (err %v)", err)
+	}
+	term(t, cmd, stderr)
+	if got, _ := os.ReadFile(primary); !bytes.Equal(got, orig) {
+		t.Fatalf("primary after the next installer's uninstall:\nwant %q\ngot  %q", orig, got)
+	}
+	for _, p := range []string{filepath.Join(n.bin, "aether-cni"), n.state} {
+		if _, err := os.Lstat(p); !os.IsNotExist(err) {
+			t.Fatalf("%s still exists after uninstall (err %v)", p, err)
+		}
 	}
 }

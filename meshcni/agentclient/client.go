@@ -106,34 +106,37 @@ func (c *Client) retry(ctx context.Context, rpc string, attempts int, call func(
 	return c.unavailable(rpc, err)
 }
 
-// AddPod reports pod and returns the agent's verdict.
-func (c *Client) AddPod(ctx context.Context, pod *cniv1.CNIPod) (cniv1.AddPodResponse_Result, error) {
+// AddPod sends req (the pod and, from a current plugin, its timings) and
+// returns the agent's verdict.
+func (c *Client) AddPod(ctx context.Context, req *cniv1.AddPodRequest) (cniv1.AddPodResponse_Result, error) {
 	var res cniv1.AddPodResponse_Result
 	err := c.retry(ctx, "AddPod", c.opts.Attempts, func(ctx context.Context) error {
-		r, err := c.api.AddPod(ctx, &cniv1.AddPodRequest{Pod: pod})
+		r, err := c.api.AddPod(ctx, req)
 		if err == nil {
 			res = r.GetResult()
 		}
 		return err
 	})
 	if err != nil && !errors.Is(err, ErrUnavailable) {
+		pod := req.GetPod()
 		return 0, fmt.Errorf("failed to add pod %s/%s: agent answered %s: %s", pod.GetNamespace(), pod.GetName(), status.Code(err), status.Convert(err).Message())
 	}
 	return res, err
 }
 
-// RemovePod withdraws a container and returns the agent's verdict.
-func (c *Client) RemovePod(ctx context.Context, name, namespace, containerID string) (cniv1.RemovePodResponse_Result, error) {
+// RemovePod withdraws the container of req (with the DEL's timings, from
+// a current plugin) and returns the agent's verdict.
+func (c *Client) RemovePod(ctx context.Context, req *cniv1.RemovePodRequest) (cniv1.RemovePodResponse_Result, error) {
 	var res cniv1.RemovePodResponse_Result
 	err := c.retry(ctx, "RemovePod", c.opts.Attempts, func(ctx context.Context) error {
-		r, err := c.api.RemovePod(ctx, &cniv1.RemovePodRequest{Name: name, Namespace: namespace, ContainerId: containerID})
+		r, err := c.api.RemovePod(ctx, req)
 		if err == nil {
 			res = r.GetResult()
 		}
 		return err
 	})
 	if err != nil && !errors.Is(err, ErrUnavailable) {
-		return 0, fmt.Errorf("failed to remove pod %s/%s: agent answered %s: %s", namespace, name, status.Code(err), status.Convert(err).Message())
+		return 0, fmt.Errorf("failed to remove pod %s/%s: agent answered %s: %s", req.GetNamespace(), req.GetName(), status.Code(err), status.Convert(err).Message())
 	}
 	return res, err
 }

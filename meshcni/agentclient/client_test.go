@@ -101,7 +101,7 @@ func TestAddPodRetries(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			f := &fakeAgent{failN: tc.failN, failCode: tc.code, addResult: cniv1.AddPodResponse_RESULT_SUCCESS}
 			c := client(t, serve(t, f), tc.attempts)
-			res, err := c.AddPod(context.Background(), &cniv1.CNIPod{Name: "p", Namespace: "n"})
+			res, err := c.AddPod(context.Background(), &cniv1.AddPodRequest{Pod: &cniv1.CNIPod{Name: "p", Namespace: "n"}})
 			if got := f.calls.Load(); got != tc.wantCalls {
 				t.Errorf("calls = %d, want %d", got, tc.wantCalls)
 			}
@@ -127,7 +127,7 @@ var errOther = errors.New("other")
 
 func TestAgentDownIsBoundedAndUnavailable(t *testing.T) {
 	c := client(t, filepath.Join(t.TempDir(), "absent.sock"), 3)
-	_, err := c.RemovePod(context.Background(), "p", "n", "c")
+	_, err := c.RemovePod(context.Background(), &cniv1.RemovePodRequest{Name: "p", Namespace: "n", ContainerId: "c"})
 	if !errors.Is(err, agentclient.ErrUnavailable) {
 		t.Fatalf("RemovePod with no agent = %v, want ErrUnavailable", err)
 	}
@@ -139,7 +139,7 @@ func TestAgentDownIsBoundedAndUnavailable(t *testing.T) {
 func TestHangingAgentHitsDeadline(t *testing.T) {
 	f := &fakeAgent{hang: true}
 	c := client(t, serve(t, f), 2)
-	_, err := c.AddPod(context.Background(), &cniv1.CNIPod{Name: "p", Namespace: "n"})
+	_, err := c.AddPod(context.Background(), &cniv1.AddPodRequest{Pod: &cniv1.CNIPod{Name: "p", Namespace: "n"}})
 	if !errors.Is(err, agentclient.ErrUnavailable) {
 		t.Fatalf("AddPod on a hanging agent = %v, want ErrUnavailable after its deadlines", err)
 	}

@@ -86,8 +86,12 @@ type Registry struct {
 	ctx    context.Context // ends at Close; owns the keepalive loop
 	cancel context.CancelFunc
 
-	mu    sync.Mutex
-	lease clientv3.LeaseID // 0 = none yet
+	// grantMu lets one lease grant run at a time, without mu: a grant
+	// waiting on an unreachable etcd never blocks Deregister, List or the
+	// bookkeeping of Register.
+	grantMu sync.Mutex
+	mu      sync.Mutex       // never held across a call to etcd
+	lease   clientv3.LeaseID // 0 = none yet
 	// local holds the endpoints a lease re-grant writes again: those whose
 	// Register succeeded (or is in flight) and that were not deregistered.
 	local map[string]localEntry
@@ -389,6 +393,8 @@ func (r *Registry) decode(kv *mvccpb.KeyValue) (registry.Endpoint, bool) {
 
 // Revoke revokes this node's lease, deleting all its endpoints at once.
 func (r *Registry) Revoke(ctx context.Context) error {
+	r.grantMu.Lock() // a grant in flight would install a lease after this
+	defer r.grantMu.Unlock()
 	r.mu.Lock()
 	lease := r.lease
 	r.lease = 0
@@ -415,13 +421,24 @@ func (r *Registry) Close() error {
 	return nil
 }
 
-// ensureLease returns the node's lease, granting it and starting its
-// keepalive if there is none.
-func (r *Registry) ensureLease(ctx context.Context) (clientv3.LeaseID, error) {
+// currentLease returns the node's lease, 0 if there is none.
+func (r *Registry) currentLease() clientv3.LeaseID {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.lease != 0 {
-		return r.lease, nil
+	return r.lease
+}
+
+// ensureLease returns the node's lease, granting it and starting its
+// keepalive if there is none. Grants run one at a time under grantMu, never
+// under mu (see Registry).
+func (r *Registry) ensureLease(ctx context.Context) (clientv3.LeaseID, error) {
+	if lease := r.currentLease(); lease != 0 {
+		return lease, nil
+	}
+	r.grantMu.Lock()
+	defer r.grantMu.Unlock()
+	if lease := r.currentLease(); lease != 0 {
+		return lease, nil // granted while this call waited
 	}
 	if r.ctx.Err() != nil {
 		return 0, errors.New("failed to grant lease: the registry is closed")
@@ -434,7 +451,9 @@ func (r *Registry) ensureLease(ctx context.Context) (clientv3.LeaseID, error) {
 	if err != nil {
 		return 0, fmt.Errorf("failed to keep etcd lease %x alive: %w", int64(resp.ID), err)
 	}
+	r.mu.Lock()
 	r.lease = resp.ID
+	r.mu.Unlock()
 	r.log.Info("granted etcd lease", "lease", int64(resp.ID), "ttl_seconds", r.ttl)
 	r.wg.Add(1)
 	go r.keepAlive(resp.ID, ka)

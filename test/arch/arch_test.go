@@ -173,6 +173,10 @@ func TestImportBoundaries(t *testing.T) {
 		// aetherctl talks to the agent through the admin API's client only,
 		// never through its server side (store, registry, pod manager).
 		{"aetherctl links only the agent's admin API client", mod("ctl", "cmd/aetherctl"), mod("agent/app", "agent/pods", "agent/store", "agent/adminapi/handler", "agent/cniserver", "registry", "proxy")},
+		// deploy/chart runs helm (a binary built into the test cache) and
+		// links the test harness; generators and tests use it, never a
+		// release binary.
+		{"release binaries link neither test, deploy nor tools packages", mod("cmd"), mod("test", "deploy", "tools")},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			from := g.modulePackages(tt.from)

@@ -48,8 +48,12 @@ func eventually(t *testing.T, what string, cond func() bool) {
 func writePod(t *testing.T, a *agentproc.Agent, ns, name, uid, deletionTimestamp string) {
 	t.Helper()
 	meta := map[string]any{
-		"name": name, "namespace": ns, "uid": uid,
-		"labels":          map[string]string{"aether.io/managed": "true", "app.kubernetes.io/name": "web", "app.kubernetes.io/version": "v2"},
+		// A Deployment's pod as the ReplicaSet controller makes it: a
+		// generated name and the pod-template-hash label.
+		"name": name, "namespace": ns, "uid": uid, "generateName": "web-7d9f8c6b5-",
+		"labels": map[string]string{
+			"aether.io/managed": "true", "app.kubernetes.io/name": "web", "app.kubernetes.io/version": "v2", "pod-template-hash": "7d9f8c6b5",
+		},
 		"ownerReferences": []map[string]any{{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web-7d9f8c6b5", "uid": "rs-1", "controller": true}},
 	}
 	if deletionTimestamp != "" {

@@ -128,64 +128,62 @@ func rawAddresses(ips []netip.Addr) ([][]byte, error) {
 	return out, nil
 }
 
-// workloadTypeAndName follows the owner chain the way Istio labels
-// telemetry: a ReplicaSet's pods belong to its Deployment, a Job created by
-// a CronJob to the CronJob; other controllers (StatefulSet, DaemonSet, ...)
-// give their name with type POD; a bare pod is itself.
+// workloadTypeAndName names the workload as istiod's ambient workload
+// builder does (istio.io/istio pilot/pkg/serviceregistry/kube/controller/
+// ambient workloadNameAndType over pkg/kube GetDeployMetaFromPod):
+//   - a pod whose name was not generated (FixedName), or without a
+//     controlling owner, is its own workload: POD, the pod's name;
+//   - a ReplicaSet whose name ends with the pod's pod-template-hash label is
+//     a Deployment's: DEPLOYMENT, the name without "-<hash>";
+//   - a Job named "<name>-<8 to 10 digits>" was created by a CronJob:
+//     CRONJOB, <name>; any other Job: JOB, the Job's name;
+//   - a Deployment or CronJob owning the pod directly: that type and name;
+//   - anything else (StatefulSet, DaemonSet, a ReplicaSet without the hash,
+//     ReplicationController, Argo Rollout, ...): POD, the pod's name.
+//
+// istiod's ambient builder applies no label override to the workload
+// name (the service.istio.io/workload-name label is read by
+// GetWorkloadMetaFromPod, which the ambient builder does not use); labels
+// only pick the canonical name and revision (canonicalName).
 func workloadTypeAndName(ep registry.Endpoint) (workloadpb.WorkloadType, string) {
-	if ep.Owner == nil || ep.Owner.Name == "" {
+	if ep.FixedName || ep.Owner == nil {
 		return workloadpb.WorkloadType_POD, ep.Name
 	}
-	switch ep.Owner.Kind {
+	wtype, name := workloadpb.WorkloadType_POD, ""
+	switch owner := ep.Owner.Name; ep.Owner.Kind {
 	case "ReplicaSet":
-		if d, ok := deploymentOf(ep.Owner.Name, ep.Labels[labelPodTemplateHash]); ok {
-			return workloadpb.WorkloadType_DEPLOYMENT, d
+		// As istiod: the suffix test is on the hash, the trim on "-<hash>".
+		if hash := ep.Labels[labelPodTemplateHash]; hash != "" && strings.HasSuffix(owner, hash) {
+			wtype, name = workloadpb.WorkloadType_DEPLOYMENT, strings.TrimSuffix(owner, "-"+hash)
 		}
-		return workloadpb.WorkloadType_POD, ep.Owner.Name
-	case "Deployment":
-		return workloadpb.WorkloadType_DEPLOYMENT, ep.Owner.Name
 	case "Job":
-		if c, ok := cronJobOf(ep.Owner.Name); ok {
-			return workloadpb.WorkloadType_CRONJOB, c
+		wtype, name = workloadpb.WorkloadType_JOB, owner
+		if c, ok := cronJobOf(owner); ok {
+			wtype, name = workloadpb.WorkloadType_CRONJOB, c
 		}
-		return workloadpb.WorkloadType_JOB, ep.Owner.Name
+	case "Deployment":
+		wtype, name = workloadpb.WorkloadType_DEPLOYMENT, owner
 	case "CronJob":
-		return workloadpb.WorkloadType_CRONJOB, ep.Owner.Name
-	default:
-		return workloadpb.WorkloadType_POD, ep.Owner.Name
+		wtype, name = workloadpb.WorkloadType_CRONJOB, owner
 	}
+	if wtype == workloadpb.WorkloadType_POD || name == "" {
+		// Every other kind is named after the pod, and so is a workload
+		// whose derived name is empty (GetDeployMetaFromPod's fallback).
+		name = ep.Name
+	}
+	return wtype, name
 }
 
-// deploymentOf strips the pod-template-hash suffix from a ReplicaSet name
-// ("web-7d9f8c6b5" → "web"). With the pod's pod-template-hash label the
-// suffix must match it; without, the last dash-separated segment must look
-// like a template hash (lower-case alphanumerics).
-func deploymentOf(rs, hash string) (string, bool) {
-	if hash != "" {
-		d, ok := strings.CutSuffix(rs, "-"+hash)
-		return d, ok && d != ""
-	}
-	i := strings.LastIndexByte(rs, '-')
-	if i <= 0 || i == len(rs)-1 {
-		return "", false
-	}
-	for _, c := range rs[i+1:] {
-		if (c < 'a' || c > 'z') && (c < '0' || c > '9') {
-			return "", false
-		}
-	}
-	return rs[:i], true
-}
-
-// cronJobOf recognises a Job created by a CronJob: the CronJob controller
-// names it "<cronjob>-<scheduled time in minutes since the epoch>".
+// cronJobOf recognises a Job created by a CronJob as istiod does: a name
+// "<cronjob>-<8 to 10 digits>" (the CronJob controller appends the
+// scheduled time in minutes since the epoch), <cronjob> not empty.
 func cronJobOf(job string) (string, bool) {
 	i := strings.LastIndexByte(job, '-')
 	if i <= 0 {
 		return "", false
 	}
 	suffix := job[i+1:]
-	if len(suffix) < 8 {
+	if len(suffix) < 8 || len(suffix) > 10 {
 		return "", false
 	}
 	for _, c := range suffix {
@@ -196,20 +194,29 @@ func cronJobOf(job string) (string, bool) {
 	return job[:i], true
 }
 
+// canonicalName and canonicalRevision follow istio.io/istio pkg/kube/labels
+// CanonicalService: the first of the labels that is present (even with an
+// empty value) wins; the name falls back to the workload name, the revision
+// to "latest".
 func canonicalName(labels map[string]string, workloadName string) string {
-	for _, k := range []string{LabelCanonicalName, LabelAppName, labelApp} {
-		if v := labels[k]; v != "" {
-			return v
-		}
+	if v, ok := firstLabel(labels, LabelCanonicalName, LabelAppName, labelApp); ok {
+		return v
 	}
 	return workloadName
 }
 
 func canonicalRevision(labels map[string]string) string {
-	for _, k := range []string{LabelCanonicalRevision, LabelAppVersion, labelVersion} {
-		if v := labels[k]; v != "" {
-			return v
-		}
+	if v, ok := firstLabel(labels, LabelCanonicalRevision, LabelAppVersion, labelVersion); ok {
+		return v
 	}
 	return defaultRevision
+}
+
+func firstLabel(labels map[string]string, keys ...string) (string, bool) {
+	for _, k := range keys {
+		if v, ok := labels[k]; ok {
+			return v, true
+		}
+	}
+	return "", false
 }

@@ -68,12 +68,14 @@ func TestBuildFields(t *testing.T) {
 		addrs    int
 	}{
 		{
+			// istiod names a ReplicaSet's pod without pod-template-hash after
+			// the pod (see TestWorkloadTypeAndNameAsIstiod).
 			name: "replicaset without hash label", edit: func(e *registry.Endpoint) { e.Labels = nil },
-			wantType: workloadpb.WorkloadType_DEPLOYMENT, wantName: "web", canon: "web", rev: "latest", addrs: 2,
+			wantType: workloadpb.WorkloadType_POD, wantName: "web-7d9f8c6b5-x2x4q", canon: "web-7d9f8c6b5-x2x4q", rev: "latest", addrs: 2,
 		},
 		{
 			name: "replicaset hash label mismatch", edit: func(e *registry.Endpoint) { e.Labels = map[string]string{"pod-template-hash": "zzz"} },
-			wantType: workloadpb.WorkloadType_POD, wantName: "web-7d9f8c6b5", canon: "web-7d9f8c6b5", rev: "latest", addrs: 2,
+			wantType: workloadpb.WorkloadType_POD, wantName: "web-7d9f8c6b5-x2x4q", canon: "web-7d9f8c6b5-x2x4q", rev: "latest", addrs: 2,
 		},
 		{
 			name: "cronjob", edit: func(e *registry.Endpoint) { e.Owner = &registry.Owner{Kind: "Job", Name: "backup-28861440"} },
@@ -85,14 +87,17 @@ func TestBuildFields(t *testing.T) {
 		},
 		{
 			name: "statefulset", edit: func(e *registry.Endpoint) { e.Owner = &registry.Owner{Kind: "StatefulSet", Name: "db"} },
-			wantType: workloadpb.WorkloadType_POD, wantName: "db", canon: "db", rev: "latest", addrs: 2,
+			wantType: workloadpb.WorkloadType_POD, wantName: "web-7d9f8c6b5-x2x4q", canon: "web-7d9f8c6b5-x2x4q", rev: "latest", addrs: 2,
 		},
 		{
 			name: "bare pod", edit: func(e *registry.Endpoint) { e.Owner = nil },
 			wantType: workloadpb.WorkloadType_POD, wantName: "web-7d9f8c6b5-x2x4q", canon: "web-7d9f8c6b5-x2x4q", rev: "latest", addrs: 2,
 		},
+		{name: "empty app label is present", edit: func(e *registry.Endpoint) {
+			e.Labels = map[string]string{"pod-template-hash": "7d9f8c6b5", "app": "", "version": ""}
+		}, wantType: workloadpb.WorkloadType_DEPLOYMENT, wantName: "web", canon: "", rev: "", addrs: 2},
 		{name: "istio labels win", edit: func(e *registry.Endpoint) {
-			e.Labels = map[string]string{LabelCanonicalName: "shopfront", LabelAppName: "x", LabelCanonicalRevision: "v3", LabelAppVersion: "v1"}
+			e.Labels = map[string]string{"pod-template-hash": "7d9f8c6b5", LabelCanonicalName: "shopfront", LabelAppName: "x", LabelCanonicalRevision: "v3", LabelAppVersion: "v1"}
 		}, wantType: workloadpb.WorkloadType_DEPLOYMENT, wantName: "web", canon: "shopfront", rev: "v3", addrs: 2},
 		{name: "app.kubernetes.io labels", edit: func(e *registry.Endpoint) {
 			e.Labels = map[string]string{"pod-template-hash": "7d9f8c6b5", LabelAppName: "frontend", LabelAppVersion: "1.2"}
@@ -133,6 +138,143 @@ func TestBuildFields(t *testing.T) {
 				if len(a) != 4 && len(a) != 16 {
 					t.Errorf("address %x is not raw IP bytes", a)
 				}
+			}
+		})
+	}
+}
+
+// TestWorkloadTypeAndNameAsIstiod: the workload type and name of a pod
+// are what istiod sends for it. Each case follows istio.io/istio
+// pilot/pkg/serviceregistry/kube/controller/ambient/workloads.go
+// workloadNameAndType, which maps pkg/kube/util.go GetDeployMetaFromPod's
+// kind (Deployment, Job, CronJob; anything else is POD named after the pod).
+func TestWorkloadTypeAndNameAsIstiod(t *testing.T) {
+	hash := map[string]string{"pod-template-hash": "7d9f8c6b5"}
+	for _, tc := range []struct {
+		name      string
+		pod       string
+		fixedName bool
+		owner     *registry.Owner
+		labels    map[string]string
+		wantType  workloadpb.WorkloadType
+		wantName  string
+	}{
+		// GetDeployMetaFromPod: no generateName → Kind Pod, the pod's name,
+		// whatever the owner references say.
+		{name: "bare pod", pod: "debug", wantType: workloadpb.WorkloadType_POD, wantName: "debug"},
+		{
+			name: "name not generated, owned by a ReplicaSet", pod: "web-manual", fixedName: true,
+			owner: &registry.Owner{Kind: "ReplicaSet", Name: "web-7d9f8c6b5"}, labels: hash,
+			wantType: workloadpb.WorkloadType_POD, wantName: "web-manual",
+		},
+		// generateName but no controller reference: the pod.
+		{name: "generated name, no controller", pod: "web-x2x4q", wantType: workloadpb.WorkloadType_POD, wantName: "web-x2x4q"},
+		// ReplicaSet + pod-template-hash suffix → Kind Deployment, the name
+		// without "-<hash>".
+		{
+			name: "deployment", pod: "web-7d9f8c6b5-x2x4q", owner: &registry.Owner{Kind: "ReplicaSet", Name: "web-7d9f8c6b5"}, labels: hash,
+			wantType: workloadpb.WorkloadType_DEPLOYMENT, wantName: "web",
+		},
+		// The suffix test is on the hash alone, the trim on "-<hash>": a
+		// ReplicaSet name ending in the hash without the dash keeps its name.
+		{
+			name: "replicaset name ends with the hash without a dash", pod: "web7d9f8c6b5-x2x4q",
+			owner: &registry.Owner{Kind: "ReplicaSet", Name: "web7d9f8c6b5"}, labels: hash,
+			wantType: workloadpb.WorkloadType_DEPLOYMENT, wantName: "web7d9f8c6b5",
+		},
+		// ReplicaSet without pod-template-hash (a bare ReplicaSet) → Kind
+		// ReplicaSet → workloadNameAndType's default: POD, the pod's name.
+		{
+			name: "replicaset without pod-template-hash", pod: "cache-8kx2z", owner: &registry.Owner{Kind: "ReplicaSet", Name: "cache"},
+			wantType: workloadpb.WorkloadType_POD, wantName: "cache-8kx2z",
+		},
+		{
+			name: "replicaset whose name lacks the hash", pod: "cache-8kx2z", owner: &registry.Owner{Kind: "ReplicaSet", Name: "cache"}, labels: hash,
+			wantType: workloadpb.WorkloadType_POD, wantName: "cache-8kx2z",
+		},
+		// Argo Rollouts' hash label gives Kind Rollout, which the ambient
+		// builder does not map: POD.
+		{
+			name: "argo rollout", pod: "web-6c5d-abcde", owner: &registry.Owner{Kind: "ReplicaSet", Name: "web-6c5d"},
+			labels:   map[string]string{"rollouts-pod-template-hash": "6c5d"},
+			wantType: workloadpb.WorkloadType_POD, wantName: "web-6c5d-abcde",
+		},
+		// StatefulSet, DaemonSet, ReplicationController: kinds kept by
+		// GetDeployMetaFromPod, default of workloadNameAndType: POD, the pod.
+		{
+			name: "statefulset", pod: "db-0", owner: &registry.Owner{Kind: "StatefulSet", Name: "db"},
+			wantType: workloadpb.WorkloadType_POD, wantName: "db-0",
+		},
+		{
+			name: "daemonset", pod: "agent-q7w2x", owner: &registry.Owner{Kind: "DaemonSet", Name: "agent"},
+			wantType: workloadpb.WorkloadType_POD, wantName: "agent-q7w2x",
+		},
+		{
+			name: "openshift deploymentconfig", pod: "app-1-abcde", owner: &registry.Owner{Kind: "ReplicationController", Name: "app-1"},
+			labels:   map[string]string{"deploymentconfig": "app"},
+			wantType: workloadpb.WorkloadType_POD, wantName: "app-1-abcde",
+		},
+		// Job named "<cronjob>-<8 to 10 digits>" (cronJobNameRegexp
+		// `(.+)-\d{8,10}$`) → Kind CronJob.
+		{
+			name: "job of a cronjob", pod: "backup-28861440-abcde", owner: &registry.Owner{Kind: "Job", Name: "backup-28861440"},
+			wantType: workloadpb.WorkloadType_CRONJOB, wantName: "backup",
+		},
+		{
+			name: "job of a cronjob, 10 digits", pod: "nightly-db-2886144000-abcde", owner: &registry.Owner{Kind: "Job", Name: "nightly-db-2886144000"},
+			wantType: workloadpb.WorkloadType_CRONJOB, wantName: "nightly-db",
+		},
+		{
+			name: "job with 11 digits is a plain job", pod: "x-28861440000-abcde", owner: &registry.Owner{Kind: "Job", Name: "x-28861440000"},
+			wantType: workloadpb.WorkloadType_JOB, wantName: "x-28861440000",
+		},
+		{
+			name: "job with 7 digits is a plain job", pod: "x-2886144-abcde", owner: &registry.Owner{Kind: "Job", Name: "x-2886144"},
+			wantType: workloadpb.WorkloadType_JOB, wantName: "x-2886144",
+		},
+		{
+			name: "digits alone are a plain job", pod: "-28861440-abcde", owner: &registry.Owner{Kind: "Job", Name: "-28861440"},
+			wantType: workloadpb.WorkloadType_JOB, wantName: "-28861440",
+		},
+		{
+			name: "plain job", pod: "migrate-v2-abcde", owner: &registry.Owner{Kind: "Job", Name: "migrate-v2"},
+			wantType: workloadpb.WorkloadType_JOB, wantName: "migrate-v2",
+		},
+		// A Deployment or CronJob as the direct controller keeps its kind.
+		{
+			name: "deployment as direct controller", pod: "web-abcde", owner: &registry.Owner{Kind: "Deployment", Name: "web"},
+			wantType: workloadpb.WorkloadType_DEPLOYMENT, wantName: "web",
+		},
+		{
+			name: "cronjob as direct controller", pod: "tick-abcde", owner: &registry.Owner{Kind: "CronJob", Name: "tick"},
+			wantType: workloadpb.WorkloadType_CRONJOB, wantName: "tick",
+		},
+		// A derived name that is empty falls back to the pod's name; the
+		// kind stays.
+		{
+			name: "job owner without a name", pod: "orphan-abcde", owner: &registry.Owner{Kind: "Job"},
+			wantType: workloadpb.WorkloadType_JOB, wantName: "orphan-abcde",
+		},
+		// The ambient builder applies no workload-name label override.
+		{
+			name: "workload-name label ignored", pod: "web-7d9f8c6b5-x2x4q", owner: &registry.Owner{Kind: "ReplicaSet", Name: "web-7d9f8c6b5"},
+			labels:   map[string]string{"pod-template-hash": "7d9f8c6b5", "service.istio.io/workload-name": "other"},
+			wantType: workloadpb.WorkloadType_DEPLOYMENT, wantName: "web",
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ep := testEndpoint()
+			ep.Name, ep.FixedName, ep.Owner, ep.Labels = tc.pod, tc.fixedName, tc.owner, tc.labels
+			w, err := Build(testConfig, ep)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if w.GetWorkloadType() != tc.wantType || w.GetWorkloadName() != tc.wantName {
+				t.Errorf("workload type/name = %v/%q, want %v/%q", w.GetWorkloadType(), w.GetWorkloadName(), tc.wantType, tc.wantName)
+			}
+			// CanonicalService falls back to the workload name.
+			if w.GetCanonicalName() != tc.wantName {
+				t.Errorf("canonical name = %q, want the workload name %q", w.GetCanonicalName(), tc.wantName)
 			}
 		})
 	}

@@ -2,6 +2,7 @@ package workload
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -9,13 +10,18 @@ import (
 	"aether.io/node/registry"
 )
 
-// Follower keeps an Index equal to what a Registry holds: it consumes
-// Registry.Watch, builds each endpoint's workload once per change and
-// upserts or removes it.
+// FollowerSource is the Index source (Index.Writer) a Follower writes as.
+const FollowerSource = "registry"
+
+// Follower keeps its share of an Index equal to what a Registry holds: it
+// consumes Registry.Watch, builds each endpoint's workload once per change
+// and upserts or removes it. It writes as FollowerSource, so it never
+// replaces or removes a key another source (the agent's own records) put
+// in the index, and its reconcile only removes keys it put itself.
 type Follower struct {
 	reg registry.Registry
 	cfg Config
-	idx *Index
+	idx *Writer
 	log *slog.Logger
 	// synced is closed once the initial content has been applied.
 	synced chan struct{}
@@ -26,7 +32,7 @@ func NewFollower(reg registry.Registry, cfg Config, idx *Index, log *slog.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Follower{reg: reg, cfg: cfg, idx: idx, log: log, synced: make(chan struct{})}
+	return &Follower{reg: reg, cfg: cfg, idx: idx.Writer(FollowerSource), log: log, synced: make(chan struct{})}
 }
 
 // Synced is closed once the registry's content at start has been listed
@@ -75,7 +81,8 @@ func (f *Follower) Run(ctx context.Context) error {
 }
 
 // reconcile lists the registry and applies it: puts every endpoint and
-// removes the keys the registry no longer has.
+// removes the keys the registry no longer has among those the follower put
+// (keys of other sources are never touched).
 func (f *Follower) reconcile(ctx context.Context) error {
 	eps, err := f.reg.List(ctx)
 	if err != nil {
@@ -117,6 +124,11 @@ func (f *Follower) put(ep registry.Endpoint) {
 	w, err := Build(f.cfg, ep)
 	if err == nil {
 		_, err = f.idx.Upsert(ep.Key, w)
+	}
+	if errors.Is(err, ErrNotOwner) {
+		// Another source serves this key (this node's own pod): leave it.
+		f.log.Warn("not serving endpoint: the key is served by another source", "key", ep.Key, "namespace", ep.Namespace, "name", ep.Name)
+		return
 	}
 	if err != nil {
 		// An endpoint that cannot be served must not keep an older version.

@@ -1,7 +1,9 @@
 package workload
 
 import (
+	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -58,13 +60,23 @@ func NewResource(w *workloadpb.Workload) (*Resource, error) {
 // the streams watching it which names changed. It keys changes by the
 // registry's endpoint key too, because a deregistration only carries that.
 //
+// Ownership: every endpoint key belongs to the source that put it (the
+// agent's own records, the follower of the shared registry, ...; see
+// Writer) until that source removes it. A source can neither replace nor
+// remove another source's key, so local and remote workloads cannot erase
+// each other. When several keys claim one uid (a pod's new sandbox, or the
+// same pod seen through two sources) the newest upsert is served, and
+// removing it serves the newest remaining claimant instead of nothing.
+//
 // Every change costs O(1) marshalling plus O(streams) bookkeeping; nothing
 // is rebuilt per change.
 type Index struct {
 	mu       sync.RWMutex
 	byName   map[string]*Resource
-	nameKey  map[string]string // name → endpoint key that owns it
-	keyName  map[string]string // endpoint key → name
+	nameKey  map[string]string    // name → endpoint key whose resource is served
+	keys     map[string]*keyEntry // endpoint key → its source and resource
+	claims   map[string][]string  // name → endpoint keys claiming it
+	seq      uint64               // last keyEntry.seq handed out
 	rev      uint64
 	watchers map[*Subscription]struct{}
 	onSize   func(int)
@@ -74,21 +86,56 @@ type Index struct {
 	sotwList []*Resource
 }
 
+// keyEntry is what one endpoint key holds: its source, the uid it claims
+// and its resource; seq orders the claimants of a uid (newest served).
+type keyEntry struct {
+	source string
+	res    *Resource
+	seq    uint64
+}
+
+// ErrNotOwner is returned by Writer.Upsert for an endpoint key that another
+// source put in the index.
+var ErrNotOwner = errors.New("endpoint key belongs to another source")
+
 // NewIndex returns an empty index.
 func NewIndex() *Index {
 	return &Index{
 		byName:   make(map[string]*Resource),
 		nameKey:  make(map[string]string),
-		keyName:  make(map[string]string),
+		keys:     make(map[string]*keyEntry),
+		claims:   make(map[string][]string),
 		watchers: make(map[*Subscription]struct{}),
 	}
 }
+
+// Writer is one source's handle on an Index: it upserts and removes only
+// the endpoint keys this source put, and lists only those (see Index,
+// Ownership). Build it with Index.Writer.
+type Writer struct {
+	x      *Index
+	source string
+}
+
+// Writer returns the handle of the named source. The Index's own Upsert,
+// UpsertResource and Remove write as the source "".
+func (x *Index) Writer(source string) *Writer { return &Writer{x: x, source: source} }
 
 // Upsert sets the workload registered under the endpoint key. It validates
 // and marshals w once; an unchanged workload (same version) is not pushed.
 // A new key for an existing uid (a pod's new sandbox) takes the uid over.
 // It reports whether anything changed.
 func (x *Index) Upsert(key string, w *workloadpb.Workload) (bool, error) {
+	return x.upsert("", key, w)
+}
+
+// Upsert is Index.Upsert as this source; a key another source holds is
+// refused with ErrNotOwner.
+func (w *Writer) Upsert(key string, wl *workloadpb.Workload) (bool, error) {
+	return w.x.upsert(w.source, key, wl)
+}
+
+func (x *Index) upsert(source, key string, w *workloadpb.Workload) (bool, error) {
 	if err := Validate(w); err != nil {
 		return false, err
 	}
@@ -96,55 +143,107 @@ func (x *Index) Upsert(key string, w *workloadpb.Workload) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	return x.UpsertResource(key, r), nil
+	return x.upsertResource(source, key, r)
 }
 
-// UpsertResource is Upsert for an already marshalled resource.
+// UpsertResource is Upsert for an already marshalled resource. A key
+// another source holds is left alone (false).
 func (x *Index) UpsertResource(key string, r *Resource) bool {
+	changed, _ := x.upsertResource("", key, r)
+	return changed
+}
+
+func (x *Index) upsertResource(source, key string, r *Resource) (bool, error) {
 	now := time.Now()
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	changed := false
-	if old, ok := x.keyName[key]; ok && old != r.Name {
-		// The endpoint was renamed (should not happen for pods): drop the old name.
-		delete(x.keyName, key)
-		if x.nameKey[old] == key {
-			x.deleteLocked(old, now)
-			changed = true
-		}
+	e, ok := x.keys[key]
+	switch {
+	case ok && e.source != source:
+		return false, fmt.Errorf("failed to upsert endpoint %q as %q: %w (%q)", key, source, ErrNotOwner, e.source)
+	case ok && e.res.Name != r.Name:
+		// The endpoint was renamed (should not happen for pods): drop its claim on the old name.
+		changed = x.unclaimLocked(e.res.Name, key, now)
 	}
-	if prevKey, ok := x.nameKey[r.Name]; ok && prevKey != key {
-		delete(x.keyName, prevKey)
+	x.seq++
+	x.keys[key] = &keyEntry{source: source, res: r, seq: x.seq}
+	if !slices.Contains(x.claims[r.Name], key) {
+		x.claims[r.Name] = append(x.claims[r.Name], key)
 	}
-	x.keyName[key] = r.Name
-	x.nameKey[r.Name] = key
-	if cur, ok := x.byName[r.Name]; ok && cur.Version == r.Version {
-		return changed
+	return x.serveLocked(r.Name, key, r, now) || changed, nil
+}
+
+// serveLocked makes r (of key) the served resource of name; an unchanged
+// version is not pushed. It reports whether anything changed.
+func (x *Index) serveLocked(name, key string, r *Resource, now time.Time) bool {
+	x.nameKey[name] = key
+	if cur, ok := x.byName[name]; ok && cur.Version == r.Version {
+		return false
 	}
-	x.byName[r.Name] = r
+	x.byName[name] = r
 	x.rev++
-	x.notifyLocked(r.Name, now)
+	x.notifyLocked(name, now)
 	x.sizeLocked()
 	return true
 }
 
-// Remove deletes the workload registered under the endpoint key. A key that
-// no longer owns its uid (the pod got a new sandbox) removes nothing. It
-// reports whether anything changed.
-func (x *Index) Remove(key string) bool {
+// Remove deletes the workload registered under the endpoint key (as the
+// source ""). A key that no longer owns its uid (the pod got a new sandbox)
+// removes nothing. It reports whether anything changed.
+func (x *Index) Remove(key string) bool { return x.remove("", key) }
+
+// Remove is Index.Remove as this source: a key another source holds is
+// left alone.
+func (w *Writer) Remove(key string) bool { return w.x.remove(w.source, key) }
+
+func (x *Index) remove(source, key string) bool {
 	now := time.Now()
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	name, ok := x.keyName[key]
-	if !ok {
+	e, ok := x.keys[key]
+	if !ok || e.source != source {
 		return false
 	}
-	delete(x.keyName, key)
+	delete(x.keys, key)
+	return x.unclaimLocked(e.res.Name, key, now)
+}
+
+// unclaimLocked drops key's claim on name. If key was served, the newest
+// remaining claimant is served instead, or the name is deleted when none
+// is left. It reports whether anything changed.
+func (x *Index) unclaimLocked(name, key string, now time.Time) bool {
+	keys := slices.DeleteFunc(x.claims[name], func(k string) bool { return k == key })
+	if len(keys) == 0 {
+		delete(x.claims, name)
+		x.deleteLocked(name, now)
+		return true
+	}
+	x.claims[name] = keys
 	if x.nameKey[name] != key {
 		return false
 	}
-	x.deleteLocked(name, now)
-	return true
+	var next string
+	var best *keyEntry
+	for _, k := range keys {
+		if e := x.keys[k]; best == nil || e.seq > best.seq {
+			next, best = k, e
+		}
+	}
+	return x.serveLocked(name, next, best.res, now)
+}
+
+// Keys returns the endpoint keys this source holds.
+func (w *Writer) Keys() []string {
+	w.x.mu.RLock()
+	defer w.x.mu.RUnlock()
+	var out []string
+	for k, e := range w.x.keys {
+		if e.source == w.source {
+			out = append(out, k)
+		}
+	}
+	return out
 }
 
 func (x *Index) deleteLocked(name string, now time.Time) {
@@ -183,15 +282,4 @@ func (x *Index) Revision() uint64 {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
 	return x.rev
-}
-
-// Keys returns the endpoint keys the index holds workloads for.
-func (x *Index) Keys() []string {
-	x.mu.RLock()
-	defer x.mu.RUnlock()
-	out := make([]string, 0, len(x.keyName))
-	for k := range x.keyName {
-		out = append(out, k)
-	}
-	return out
 }

@@ -16,9 +16,11 @@ import (
 	"aether.io/node/agent/pods"
 )
 
-// Lister lists the stored pod states (*pods.Manager implements it).
+// Lister lists the stored pod states and the kept DELs (*pods.Manager
+// implements it).
 type Lister interface {
 	List() []pods.PodState
+	LastRemoval(namespace, name string) (pods.Removal, bool)
 }
 
 // Options configure NewHandler.
@@ -52,6 +54,7 @@ func New(l Lister, o Options) http.Handler {
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /v1/pods", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
 		states := l.List()
 		out := make([]adminapi.Pod, 0, len(states))
 		for _, s := range states {
@@ -60,6 +63,7 @@ func New(l Lister, o Options) http.Handler {
 		writeJSON(w, out)
 	})
 	mux.HandleFunc("GET /v1/pods/{namespace}/{name}", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
 		ns, name := r.PathValue("namespace"), r.PathValue("name")
 		var out []adminapi.Pod
 		for _, s := range l.List() {
@@ -68,7 +72,12 @@ func New(l Lister, o Options) http.Handler {
 			}
 		}
 		if len(out) == 0 {
-			http.Error(w, fmt.Sprintf("no record for pod %s/%s", ns, name), http.StatusNotFound)
+			nf := adminapi.NotFound{Error: fmt.Sprintf("no record for pod %s/%s", ns, name)}
+			if d, ok := l.LastRemoval(ns, name); ok {
+				nf.LastDel = RemovalView(d)
+			}
+			w.WriteHeader(http.StatusNotFound)
+			writeJSON(w, nf)
 			return
 		}
 		writeJSON(w, out)
@@ -90,7 +99,6 @@ func New(l Lister, o Options) http.Handler {
 // writeJSON writes v indented; a client that went away is not an error
 // worth reporting.
 func writeJSON(w http.ResponseWriter, v any) {
-	w.Header().Set("Content-Type", "application/json")
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	_ = enc.Encode(v)

@@ -2,10 +2,12 @@ package handler
 
 import (
 	"context"
+	"errors"
 	"net"
 	"net/http"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -13,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/pods"
@@ -20,10 +23,26 @@ import (
 	cniv1 "aether.io/node/api/aether/cni/v1"
 )
 
-// fakePods is a Lister with fixed states.
-type fakePods []pods.PodState
+// fakePods is a Lister with fixed states and kept DELs.
+type fakePods struct {
+	states   []pods.PodState
+	removals map[string]pods.Removal
+}
 
-func (f fakePods) List() []pods.PodState { return f }
+func (f fakePods) List() []pods.PodState { return f.states }
+
+func (f fakePods) LastRemoval(ns, name string) (pods.Removal, bool) {
+	r, ok := f.removals[ns+"/"+name]
+	return r, ok
+}
+
+var delAt = time.Date(2026, 11, 30, 9, 0, 0, 0, time.UTC)
+
+func removal(id string) pods.Removal {
+	return pods.Removal{ContainerID: id, At: delAt, Timings: &cniv1.PluginTimings{
+		Started: timestamppb.New(delAt), PreCall: durationpb.New(2 * time.Millisecond),
+	}}
+}
 
 func state(ns, name, id string) pods.PodState {
 	return pods.PodState{
@@ -60,7 +79,10 @@ func serveAdmin(t *testing.T, allowed []uint32, states fakePods) (*adminapi.Clie
 
 func TestHandler(t *testing.T) {
 	me := uint32(os.Geteuid())
-	states := fakePods{state("shop", "web", "c1"), state("shop", "web", "c2"), state("shop", "db", "c3")}
+	states := fakePods{
+		states:   []pods.PodState{state("shop", "web", "c1"), state("shop", "web", "c2"), state("shop", "db", "c3")},
+		removals: map[string]pods.Removal{"shop/gone": removal("c0")},
+	}
 	for _, tc := range []struct {
 		name         string
 		allowed      []uint32
@@ -68,6 +90,8 @@ func TestHandler(t *testing.T) {
 		wantIDs      []string
 		wantErr      string
 		wantRejected float64
+		// wantDel is the last DEL a not-found answer names.
+		wantDel *adminapi.Removal
 	}{
 		{
 			name: "list every record", allowed: []uint32{me},
@@ -89,6 +113,16 @@ func TestHandler(t *testing.T) {
 			wantErr: adminapi.ErrNotFound.Error(),
 		},
 		{
+			name: "removed pod is not found, with its last DEL", allowed: []uint32{me},
+			call: func(ctx context.Context, c *adminapi.Client) ([]adminapi.Pod, error) {
+				return c.Pod(ctx, "shop", "gone")
+			},
+			wantErr: adminapi.ErrNotFound.Error(),
+			wantDel: &adminapi.Removal{ContainerID: "c0", At: delAt, Timings: map[string]string{
+				"started": "2026-11-30T09:00:00Z", "pre_call": "2ms",
+			}},
+		},
+		{
 			name: "peer uid not allowed", allowed: []uint32{me + 4242},
 			call:         func(ctx context.Context, c *adminapi.Client) ([]adminapi.Pod, error) { return c.Pods(ctx) },
 			wantErr:      "403 Forbidden: permission denied: peer uid not allowed",
@@ -101,6 +135,10 @@ func TestHandler(t *testing.T) {
 			if tc.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 					t.Fatalf("err = %v, want %q", err, tc.wantErr)
+				}
+				var nf *adminapi.NotFoundError
+				if errors.As(err, &nf) && !reflect.DeepEqual(nf.LastDel, tc.wantDel) {
+					t.Errorf("not found names last DEL %+v, want %+v", nf.LastDel, tc.wantDel)
 				}
 			} else if err != nil {
 				t.Fatal(err)
@@ -155,5 +193,16 @@ func TestView(t *testing.T) {
 	}
 	if _, ok := v.LastTimings["pre_call"]; ok {
 		t.Fatalf("unset timing rendered: %v", v.LastTimings)
+	}
+	if v.LastDel != nil {
+		t.Fatalf("last DEL of a pod without one: %+v", v.LastDel)
+	}
+	s := state("shop", "web", "c1")
+	d := removal("c0")
+	s.LastRemoval = &d
+	v = View(s)
+	want := &adminapi.Removal{ContainerID: "c0", At: delAt, Timings: map[string]string{"started": "2026-11-30T09:00:00Z", "pre_call": "2ms"}}
+	if !reflect.DeepEqual(v.LastDel, want) {
+		t.Fatalf("last DEL = %+v, want %+v", v.LastDel, want)
 	}
 }

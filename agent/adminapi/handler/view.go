@@ -7,8 +7,11 @@ package handler
 import (
 	"time"
 
+	"google.golang.org/protobuf/types/known/durationpb"
+
 	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/pods"
+	cniv1 "aether.io/node/api/aether/cni/v1"
 )
 
 // View renders a pod state as the admin API returns it.
@@ -22,26 +25,42 @@ func View(s pods.PodState) adminapi.Pod {
 		Uncaptured: r.Uncaptured, UncapturedError: r.UncapturedError, UDSPath: s.UDSPath, UDSRefusal: s.UDSRefusal,
 		Volumes: p.GetVolumes(), UDSCSIVolume: p.GetUdsCsiVolume(), UDSCSIVolumes: p.GetUdsCsiVolumes(), AddedAt: r.AddedAt,
 	}
-	if t := r.LastTimings; t != nil {
-		v.LastTimings = map[string]string{}
-		if t.GetStarted() != nil {
-			v.LastTimings["started"] = t.GetStarted().AsTime().Format(time.RFC3339Nano)
-		}
-		add := func(k string, set bool, d time.Duration) {
-			if set {
-				v.LastTimings[k] = d.String()
-			}
-		}
-		add("pre_call", t.GetPreCall() != nil, t.GetPreCall().AsDuration())
-		add("readiness_probe", t.GetReadinessProbe() != nil, t.GetReadinessProbe().AsDuration())
-		add("capture_divert", t.GetCaptureDivert() != nil, t.GetCaptureDivert().AsDuration())
-		add("total", t.GetTotal() != nil, t.GetTotal().AsDuration())
-		if e := t.GetReadinessProbeError(); e != "" {
-			v.LastTimings["readiness_probe_error"] = e
-		}
-		if e := t.GetCaptureDivertError(); e != "" {
-			v.LastTimings["capture_divert_error"] = e
-		}
+	v.LastTimings = Timings(r.LastTimings)
+	if d := s.LastRemoval; d != nil {
+		v.LastDel = RemovalView(*d)
 	}
 	return v
+}
+
+// RemovalView renders a kept DEL as the admin API returns it.
+func RemovalView(r pods.Removal) *adminapi.Removal {
+	return &adminapi.Removal{ContainerID: r.ContainerID, At: r.At, Timings: Timings(r.Timings)}
+}
+
+// Timings renders every set PluginTimings field (durations as
+// time.Duration strings, started as RFC 3339); nil for none.
+func Timings(t *cniv1.PluginTimings) map[string]string {
+	if t == nil {
+		return nil
+	}
+	out := map[string]string{}
+	if t.GetStarted() != nil {
+		out["started"] = t.GetStarted().AsTime().Format(time.RFC3339Nano)
+	}
+	add := func(k string, d *durationpb.Duration) {
+		if d != nil {
+			out[k] = d.AsDuration().String()
+		}
+	}
+	add("pre_call", t.GetPreCall())
+	add("readiness_probe", t.GetReadinessProbe())
+	add("capture_divert", t.GetCaptureDivert())
+	add("total", t.GetTotal())
+	if e := t.GetReadinessProbeError(); e != "" {
+		out["readiness_probe_error"] = e
+	}
+	if e := t.GetCaptureDivertError(); e != "" {
+		out["capture_divert_error"] = e
+	}
+	return out
 }

@@ -218,6 +218,7 @@ func (s *Source) scan() {
 		now := map[string]bool{}
 		for _, kp := range kpods {
 			if kp.Spec.NodeName != "" && s.node != "" && kp.Spec.NodeName != s.node {
+				s.logOtherNode(path, kp)
 				continue
 			}
 			p := podsource.FromKube(kp)
@@ -263,4 +264,18 @@ func (s *Source) scan() {
 			h.OnPod(c.pod)
 		}
 	}
+}
+
+// logOtherNode says why a manifest's pod is not served here. YAML 1.1 reads
+// an unquoted y/n/yes/no/on/off as a boolean, so `nodeName: n` arrives as
+// "false" (kubelet's own decoder does the same): that case is a warning
+// with the fix, any other node name is routine.
+func (s *Source) logOtherNode(path string, kp *corev1.Pod) {
+	if kp.Spec.NodeName == "true" || kp.Spec.NodeName == "false" {
+		s.log.Warn("pod manifest skipped: spec.nodeName decoded as a YAML boolean, quote the node name",
+			"path", path, "pod", kp.Namespace+"/"+kp.Name, "node_name", kp.Spec.NodeName, "node", s.node)
+		return
+	}
+	s.log.Debug("pod manifest skipped: pod belongs to another node",
+		"path", path, "pod", kp.Namespace+"/"+kp.Name, "node_name", kp.Spec.NodeName, "node", s.node)
 }

@@ -1,8 +1,15 @@
 package manifests
 
 import (
+	"bytes"
+	"context"
+	"errors"
+	"log/slog"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"aether.io/node/agent/podsource"
 )
@@ -66,8 +73,13 @@ spec:
 	}
 	p := podsource.FromKube(pods[0])
 	if p.UDSCSIVolume != "" || p.UDSCSIVolumes != 2 || strings.Join(p.Volumes, ",") != "m1,m2,other,e" || !p.Terminating ||
-		p.Owner == nil || p.Owner.Kind != "ReplicaSet" || p.Owner.Name != "web-7d9" || !p.HostNetwork || p.ServiceAccount != "sa" || p.UID != "u1" {
+		p.Owner == nil || p.Owner.Kind != "ReplicaSet" || p.Owner.Name != "web-7d9" || !p.HostNetwork || p.ServiceAccount != "sa" || p.UID != "u1" ||
+		!p.FixedName {
 		t.Fatalf("FromKube = %+v", p)
+	}
+	pods[0].GenerateName = "web-7d9-"
+	if p := podsource.FromKube(pods[0]); p.FixedName {
+		t.Fatalf("FromKube of a pod with generateName = %+v, want FixedName false", p)
 	}
 }
 
@@ -90,4 +102,32 @@ func FuzzParse(f *testing.F) {
 			_ = podsource.FromKube(p)
 		}
 	})
+}
+
+// TestUnquotedNodeNameWarns pins the YAML 1.1 trap: `nodeName: n` decodes as
+// "false", the pod is not this node's, and the source says so with the fix.
+func TestUnquotedNodeNameWarns(t *testing.T) {
+	dir := t.TempDir()
+	manifest := "apiVersion: v1\nkind: Pod\nmetadata: {name: a}\nspec:\n  nodeName: n\n  containers: [{name: c, image: i}]\n"
+	if err := os.WriteFile(filepath.Join(dir, "a.yaml"), []byte(manifest), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var logs bytes.Buffer
+	s := New(dir, "n", time.Second, slog.New(slog.NewTextHandler(&logs, nil)))
+	_, err := s.Fetch(context.Background(), "default", "a")
+	if !errors.Is(err, podsource.ErrNotFound) {
+		t.Fatalf("Fetch = %v, want ErrNotFound (the pod decodes with nodeName \"false\")", err)
+	}
+	if got := logs.String(); !strings.Contains(got, "level=WARN") || !strings.Contains(got, "quote the node name") || !strings.Contains(got, `node_name=false`) {
+		t.Fatalf("want a warning naming the YAML boolean, got logs:\n%s", got)
+	}
+
+	// Quoted, the same pod is this node's.
+	manifest = strings.Replace(manifest, "nodeName: n", `nodeName: "n"`, 1)
+	if err := os.WriteFile(filepath.Join(dir, "a.yaml"), []byte(manifest+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Fetch(context.Background(), "default", "a"); err != nil {
+		t.Fatalf("Fetch with a quoted nodeName = %v", err)
+	}
 }

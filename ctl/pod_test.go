@@ -1,0 +1,103 @@
+package ctl
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"flag"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"aether.io/node/agent/adminapi"
+)
+
+var update = flag.Bool("update", false, "rewrite the golden files in testdata/")
+
+// serveAdmin answers GET /v1/pods/{ns}/{name} on a unix socket with pods
+// (or with notFound when pods is empty), as the agent's admin API does.
+func serveAdmin(t *testing.T, pods []adminapi.Pod, notFound *adminapi.NotFound) string {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "admin.sock")
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{ReadHeaderTimeout: 5 * time.Second, Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		if len(pods) == 0 {
+			w.WriteHeader(http.StatusNotFound)
+			_ = json.NewEncoder(w).Encode(notFound)
+			return
+		}
+		_ = json.NewEncoder(w).Encode(pods)
+	})}
+	done := make(chan struct{})
+	go func() { defer close(done); _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.Close(); <-done })
+	return sock
+}
+
+// TestRunPod renders `aetherctl pod` against golden text: the last ADD's
+// timings, the last DEL of an earlier sandbox, and a pod with no record
+// left whose last DEL the agent still knows.
+func TestRunPod(t *testing.T) {
+	at := time.Date(2026, 11, 30, 10, 0, 0, 0, time.UTC)
+	del := &adminapi.Removal{ContainerID: "cid-old", At: at.Add(-time.Minute), Timings: map[string]string{
+		"started": "2026-11-30T09:58:59.9Z", "pre_call": "1.2ms",
+	}}
+	pod := adminapi.Pod{
+		Namespace: "shop", Name: "web-1", ContainerID: "cid-new", UID: "uid-1", IPs: []string{"10.1.0.5"},
+		NetworkNS: "/run/aether/netns/cid-new", ServiceAccount: "web", Managed: true, Registered: true, Healthy: true,
+		AddedAt: at, LastDel: del, LastTimings: map[string]string{
+			"started": "2026-11-30T09:59:59.9Z", "pre_call": "2ms", "capture_divert": "1ms", "total": "9ms",
+		},
+	}
+	for _, tc := range []struct {
+		name, golden string
+		pods         []adminapi.Pod
+		notFound     *adminapi.NotFound
+		wantErr      string
+	}{
+		{name: "pod with the DEL of an earlier sandbox", golden: "pod.golden", pods: []adminapi.Pod{pod}},
+		{
+			name: "no record, last DEL known", notFound: &adminapi.NotFound{Error: "no record", LastDel: del},
+			wantErr: "the agent has no record of pod shop/web-1; its last DEL: container cid-old at 2026-11-30T09:59:00Z, pre call 1.2ms",
+		},
+		{
+			name: "no record from an agent without NotFound", notFound: nil,
+			wantErr: "the agent has no record of pod shop/web-1",
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sock := serveAdmin(t, tc.pods, tc.notFound)
+			var out bytes.Buffer
+			err := RunPod(context.Background(), []string{"--admin-socket", sock, "shop/web-1"}, &out)
+			if tc.wantErr != "" {
+				if err == nil || err.Error() != tc.wantErr {
+					t.Fatalf("err = %v, want %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			path := filepath.Join("testdata", tc.golden)
+			if *update {
+				if err := os.WriteFile(path, out.Bytes(), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			want, err := os.ReadFile(path)
+			if err != nil {
+				t.Fatalf("missing golden (run go test ./ctl -update): %v", err)
+			}
+			if !bytes.Equal(out.Bytes(), want) {
+				t.Fatalf("aetherctl pod:\n%s\nwant:\n%s", out.Bytes(), want)
+			}
+		})
+	}
+}

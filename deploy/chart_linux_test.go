@@ -1,0 +1,254 @@
+package deploy_test
+
+import (
+	"bytes"
+	"context"
+	"flag"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/serializer"
+	yamlutil "k8s.io/apimachinery/pkg/util/yaml"
+	"k8s.io/client-go/kubernetes/scheme"
+
+	"aether.io/node/deploy/chart"
+)
+
+var update = flag.Bool("update", false, "rewrite the golden renders in testdata/golden")
+
+// valueSet is one set of chart values the tests render, lint, check
+// against the binaries and dry-run against a kube-apiserver.
+type valueSet struct {
+	name  string
+	files []string // values files under testdata/values
+}
+
+var valueSets = []valueSet{
+	{name: "default"},
+	{name: "etcd-tls", files: []string{"etcd-tls.yaml"}},
+	{name: "eni-vlan-debug", files: []string{"eni-vlan-debug.yaml"}},
+}
+
+func (v valueSet) paths() []string {
+	var out []string
+	for _, f := range v.files {
+		out = append(out, filepath.Join("testdata", "values", f))
+	}
+	return out
+}
+
+// render is one value set rendered by `helm template` and decoded.
+type render struct {
+	set  valueSet
+	raw  []byte
+	objs []runtime.Object
+	ds   *appsv1.DaemonSet
+}
+
+var (
+	rendersMu sync.Mutex
+	renders   = map[string]*render{}
+)
+
+// renderSet renders v once per test binary.
+func renderSet(t *testing.T, v valueSet) *render {
+	t.Helper()
+	rendersMu.Lock()
+	defer rendersMu.Unlock()
+	if r, ok := renders[v.name]; ok {
+		return r
+	}
+	raw, err := chart.Render(context.Background(), v.paths()...)
+	if err != nil {
+		t.Fatalf("value set %s: %v", v.name, err)
+	}
+	r := &render{set: v, raw: raw, objs: decodeManifests(t, raw)}
+	for _, o := range r.objs {
+		if ds, ok := o.(*appsv1.DaemonSet); ok {
+			if r.ds != nil {
+				t.Fatalf("value set %s renders two DaemonSets", v.name)
+			}
+			r.ds = ds
+		}
+	}
+	if r.ds == nil {
+		t.Fatalf("value set %s renders no DaemonSet", v.name)
+	}
+	renders[v.name] = r
+	return r
+}
+
+// forEachSet runs f as a subtest for every value set.
+func forEachSet(t *testing.T, f func(t *testing.T, r *render)) {
+	for _, v := range valueSets {
+		t.Run(v.name, func(t *testing.T) { f(t, renderSet(t, v)) })
+	}
+}
+
+// decodeManifests decodes every document of a multi-document YAML stream
+// strictly into the client-go scheme's types.
+func decodeManifests(t *testing.T, raw []byte) []runtime.Object {
+	t.Helper()
+	dec := serializer.NewCodecFactory(scheme.Scheme, serializer.EnableStrict).UniversalDeserializer()
+	r := yamlutil.NewYAMLReader(bufioReader(raw))
+	var objs []runtime.Object
+	for {
+		doc, err := r.Read()
+		if err != nil {
+			break
+		}
+		if len(bytes.TrimSpace(stripComments(doc))) == 0 {
+			continue
+		}
+		obj, gvk, err := dec.Decode(doc, nil, nil)
+		if err != nil {
+			t.Fatalf("manifest document does not decode strictly: %v\n%s", err, doc)
+		}
+		obj.GetObjectKind().SetGroupVersionKind(*gvk)
+		objs = append(objs, obj)
+	}
+	if len(objs) < 4 {
+		t.Fatalf("decoded %d objects, want the ServiceAccount, the RBAC and the DaemonSet", len(objs))
+	}
+	return objs
+}
+
+// stripComments drops YAML comment lines (helm's "# Source:" lines).
+func stripComments(doc []byte) []byte {
+	var out []byte
+	for _, l := range bytes.SplitAfter(doc, []byte("\n")) {
+		if !bytes.HasPrefix(bytes.TrimSpace(l), []byte("#")) {
+			out = append(out, l...)
+		}
+	}
+	return out
+}
+
+func TestHelmLint(t *testing.T) {
+	for _, v := range valueSets {
+		t.Run(v.name, func(t *testing.T) {
+			args := []string{"lint", "--strict", chart.Dir(), "--namespace", chart.Namespace}
+			for _, f := range v.paths() {
+				args = append(args, "--values", f)
+			}
+			out, err := chart.Run(context.Background(), args...)
+			if err != nil {
+				t.Fatalf("helm lint --strict: %v\n%s", err, out)
+			}
+			t.Logf("%s", out)
+		})
+	}
+}
+
+// TestGolden compares every render with testdata/golden/<set>.yaml
+// (`go test ./deploy -run TestGolden -update` rewrites them) and checks a
+// second render is byte-identical.
+func TestGolden(t *testing.T) {
+	forEachSet(t, func(t *testing.T, r *render) {
+		again, err := chart.Render(context.Background(), r.set.paths()...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(again, r.raw) {
+			t.Fatal("two renders of the same values differ: the chart's output is not stable")
+		}
+		golden := filepath.Join("testdata", "golden", r.set.name+".yaml")
+		if *update {
+			if err := os.WriteFile(golden, r.raw, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		want, err := os.ReadFile(golden)
+		if err != nil {
+			t.Fatalf("%v (run go test ./deploy -run TestGolden -update)", err)
+		}
+		if !bytes.Equal(r.raw, want) {
+			t.Errorf("render differs from %s (run go test ./deploy -run TestGolden -update and review the diff):\n%s", golden, firstDiff(string(want), string(r.raw)))
+		}
+	})
+}
+
+// firstDiff names the first line where got differs from want.
+func firstDiff(want, got string) string {
+	w, g := strings.Split(want, "\n"), strings.Split(got, "\n")
+	for i := 0; i < len(w) || i < len(g); i++ {
+		var wl, gl string
+		if i < len(w) {
+			wl = w[i]
+		}
+		if i < len(g) {
+			gl = g[i]
+		}
+		if wl != gl {
+			return "line " + strconv.Itoa(i+1) + ":\n  want " + wl + "\n  got  " + gl
+		}
+	}
+	return ""
+}
+
+// TestGeneratedManifest checks aether-node.yaml is the chart's default
+// render (`make generate` writes it).
+func TestGeneratedManifest(t *testing.T) {
+	want, err := chart.Manifest(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := os.ReadFile("aether-node.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Errorf("aether-node.yaml is not the chart's default render: run make generate\n%s", firstDiff(string(want), string(got)))
+	}
+	if !bytes.HasPrefix(got, []byte("# GENERATED")) {
+		t.Error("aether-node.yaml lacks its generated-file header")
+	}
+}
+
+// TestChartRejects checks values the binaries would refuse fail the render
+// with a message naming the value.
+func TestChartRejects(t *testing.T) {
+	tests := []struct {
+		name, values, want string
+	}{
+		{"log level", "logLevel: verbose\n", `invalid logLevel "verbose"`},
+		{"plugin log level", "cni:\n  pluginLogLevel: trace\n", `invalid cni.pluginLogLevel "trace"`},
+		{"primary", "cni:\n  primary: calico\n", `invalid cni.primary "calico"`},
+		{"registry mode", "registry:\n  mode: consul\n", `invalid registry.mode "consul"`},
+		{"etcd without endpoints", "registry:\n  mode: etcd\n  etcd:\n    insecure: true\n", "invalid registry.etcd.endpoints"},
+		{"etcd without TLS or insecure", "registry:\n  mode: etcd\n  etcd:\n    endpoints: [https://e:2379]\n", "no tlsSecret.name and insecure is false"},
+		{"empty cluster id", "clusterID: \"\"\n", "invalid clusterID"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := filepath.Join(t.TempDir(), "values.yaml")
+			if err := os.WriteFile(f, []byte(tt.values), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			out, err := chart.Render(context.Background(), f)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("render error = %v, want one containing %q\n%s", err, tt.want, out)
+			}
+		})
+	}
+}
+
+// container returns the DaemonSet's container (or init container) name.
+func container(t *testing.T, r *render, name string) corev1.Container {
+	t.Helper()
+	spec := r.ds.Spec.Template.Spec
+	for _, c := range append(append([]corev1.Container{}, spec.InitContainers...), spec.Containers...) {
+		if c.Name == name {
+			return c
+		}
+	}
+	t.Fatalf("no container %q in the DaemonSet", name)
+	return corev1.Container{}
+}
