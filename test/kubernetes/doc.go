@@ -24,22 +24,28 @@
 // # What it installs and checks
 //
 // The image is built by tools/image (what `make image` runs) and imported
-// with ctr under two tags; deploy/aether-node.yaml is installed with the
-// image, binary paths and host paths adapted (host paths live in the lane's
-// directory and are mounted at the same path in the containers; the
-// installer runs as a sidecar; the agent reaches the API server on the
-// node's loopback: no kube-proxy, so the Service IP does not route). Then,
-// in order: the DaemonSet is Ready, the taint is gone and aether-cni is
-// chained; managed pods are captured, served by aether-proxy and listed by
-// aetherctl (pods, workloads) with uid, service account and owner;
-// unmanaged pods are untouched; traffic between managed pods goes through
-// aether-proxy; a deleted pod turns UNHEALTHY before it is removed; a
-// rolling update of the DaemonSet keeps records and capture of running
-// pods and a pod created meanwhile starts; uninstall restores the
-// conflist byte for byte, removes the binary, and new pods are not
-// captured. Whether the pod created during the roll-out is captured
-// depends on the installer keeping the chain across its restart: the lane
-// logs it and how long the conflist was unchained, it does not assert it.
+// with ctr under two tags. The Helm chart (deploy/chart) is rendered with
+// the lane's values (image, pull policy Never, the lane's CNI dirs) and
+// its objects created; where the chart has no value the DaemonSet is
+// adapted: the host paths /run/aether and /var/lib/aether live in the
+// lane's directory (mounted at the same path in the containers) and the
+// pods reach the API server on the node's loopback (no kube-proxy, so the
+// Service IP does not route). Then, in order:
+//   - the DaemonSet is Ready, the agent removed the agent-not-ready taint,
+//     the installer chained aether-cni onto the bridge conflist;
+//   - managed pods are captured, served by aether-proxy and listed by
+//     aetherctl (pods, workloads) with uid, service account and owner
+//     Deployment; the unmanaged pod is untouched; traffic from a managed
+//     pod goes through aether-proxy (its metrics name both workloads, or
+//     "unknown" for the unmanaged destination);
+//   - a deleted pod turns UNHEALTHY before it is removed (watched with
+//     aetherctl workloads --watch), and its record goes with the DEL;
+//   - a rolling update of the DaemonSet (new tag) keeps every record and
+//     capture, never unchains the conflist (sampled every 10 ms), and a
+//     pod created meanwhile starts captured (kubelet retries aether-cni's
+//     code 11 while the agent restarts);
+//   - uninstall (the chart's objects deleted) restores the conflist byte
+//     for byte, removes the binary, and new pods are not captured.
 //
 // # What it restores
 //

@@ -26,17 +26,16 @@ import (
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes/scheme"
 
+	"aether.io/node/deploy/chart"
 	"aether.io/node/test/harness"
 	"aether.io/node/test/kubetest"
-	"aether.io/node/tools/image/oci"
 )
 
 const (
 	// imageRepo is the lane's image name; tags tell rollouts apart.
 	imageRepo = "localhost/aether-node"
-	// systemNamespace holds the DaemonSet (deploy/aether-node.yaml).
-	systemNamespace = "aether-system"
-	daemonSetName   = "aether-node"
+	// daemonSetName is the chart's DaemonSet (release aether-node).
+	daemonSetName = "aether-node"
 )
 
 // install holds what installing aether-node put on the node.
@@ -66,22 +65,39 @@ func buildImage(t *testing.T, n *node, tags ...string) {
 	}
 }
 
-// installAetherNode creates deploy/aether-node.yaml's objects, adapted to
-// the lane: the image under tag, binaries from the image's bin dir, host
-// paths inside the lane's directory (mounted at the same path in the
-// containers, so the paths aether-cni gets from the conflist are the ones
-// the agent and the proxy see), the API server on the node's loopback (no
-// kube-proxy: the Service IP does not route), and the installer as a
-// sidecar instead of deploy's copying init container.
+// installAetherNode renders the Helm chart (deploy/chart) with the lane's
+// values (the image under tag, pull policy Never, the CNI dirs of the
+// lane's containerd) and creates its objects in a new aether-system
+// namespace, with the DaemonSet adapted where the chart has no value: the
+// host paths /run/aether and /var/lib/aether move into the lane's
+// directory (mounted at the same path in the containers, so the paths
+// aether-cni gets from the conflist are the ones the agent and the proxy
+// see), and the pods reach the API server on the node's loopback (no
+// kube-proxy: the Service IP does not route).
 func installAetherNode(t *testing.T, n *node, tag string) *install {
 	t.Helper()
 	in := &install{runDir: n.hostPath("run/aether"), state: n.hostPath("var/lib/aether")}
 	mkdir(t, in.runDir, in.state)
 	sharedMount(t, in.runDir)
-	raw, err := os.ReadFile(filepath.Join(harness.ModuleRoot(), "deploy", "aether-node.yaml"))
-	if err != nil {
+	values := filepath.Join(t.TempDir(), "values.yaml")
+	if err := os.WriteFile(values, []byte(fmt.Sprintf(`image:
+  repository: %s
+  tag: %s
+  pullPolicy: Never
+cni:
+  binDir: %s
+  confDir: %s
+  pluginLogLevel: debug
+logLevel: debug
+`, imageRepo, tag, n.cniBin, n.runtime.ConfDir())), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	ctx := context.Background()
+	raw, err := chart.Render(ctx, values)
+	if err != nil {
+		t.Fatalf("failed to render the chart: %v", err)
+	}
+	in.objects = append(in.objects, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: chart.Namespace}})
 	r := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(raw)))
 	for {
 		doc, err := r.Read()
@@ -96,14 +112,13 @@ func installAetherNode(t *testing.T, n *node, tag string) *install {
 		}
 		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode(doc, nil, nil)
 		if err != nil {
-			t.Fatalf("failed to decode deploy/aether-node.yaml: %v", err)
+			t.Fatalf("failed to decode the rendered chart: %v\n%s", err, doc)
 		}
 		if ds, ok := obj.(*appsv1.DaemonSet); ok {
-			adaptDaemonSet(t, n, in, ds, tag)
+			adaptDaemonSet(t, n, in, ds)
 		}
 		in.objects = append(in.objects, obj)
 	}
-	ctx := context.Background()
 	cs := n.cluster.Client
 	for _, obj := range in.objects {
 		var err error
@@ -116,10 +131,14 @@ func installAetherNode(t *testing.T, n *node, tag string) *install {
 			_, err = cs.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
 		case *rbacv1.ClusterRoleBinding:
 			_, err = cs.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.Role:
+			_, err = cs.RbacV1().Roles(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.RoleBinding:
+			_, err = cs.RbacV1().RoleBindings(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
 		case *appsv1.DaemonSet:
 			_, err = cs.AppsV1().DaemonSets(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
 		default:
-			t.Fatalf("deploy/aether-node.yaml holds a %T the lane does not install", obj)
+			t.Fatalf("the chart renders a %T the lane does not install", obj)
 		}
 		if err != nil {
 			t.Fatalf("failed to create %T: %v", obj, err)
@@ -128,60 +147,24 @@ func installAetherNode(t *testing.T, n *node, tag string) *install {
 	return in
 }
 
-// adaptDaemonSet rewrites deploy's DaemonSet for the lane (see
+// adaptDaemonSet rewrites what the chart fixes and the lane must move (see
 // installAetherNode).
-func adaptDaemonSet(t *testing.T, n *node, in *install, ds *appsv1.DaemonSet, tag string) {
+func adaptDaemonSet(t *testing.T, n *node, in *install, ds *appsv1.DaemonSet) {
 	t.Helper()
 	spec := &ds.Spec.Template.Spec
-	hostPaths := map[string]string{"/run/aether": in.runDir, "/var/lib/aether": in.state, "/opt/cni/bin": n.cniBin}
+	moved := map[string]string{"/run/aether": in.runDir, "/var/lib/aether": in.state}
 	for i := range spec.Volumes {
-		hp := spec.Volumes[i].HostPath
-		if hp == nil {
-			continue
-		}
-		to, ok := hostPaths[hp.Path]
-		if !ok {
-			t.Fatalf("deploy's DaemonSet has host path %q the lane does not map", hp.Path)
-		}
-		// Mounted at the host path itself: what the conflist names is what
-		// the containers see.
-		for j := range spec.Containers {
-			for k, m := range spec.Containers[j].VolumeMounts {
-				if m.Name == spec.Volumes[i].Name {
-					spec.Containers[j].VolumeMounts[k].MountPath = to
-				}
+		if hp := spec.Volumes[i].HostPath; hp != nil {
+			if to, ok := moved[hp.Path]; ok {
+				hp.Path = to
 			}
 		}
-		hp.Path = to
 	}
-	spec.Volumes = append(spec.Volumes, corev1.Volume{Name: "cni-conf", VolumeSource: corev1.VolumeSource{
-		HostPath: &corev1.HostPathVolumeSource{Path: n.runtime.ConfDir()},
-	}})
-	// deploy's init container only copies binaries; the lane runs the
-	// installer (install, repair, uninstall on SIGTERM) as a sidecar.
-	spec.InitContainers = nil
-	installer := corev1.Container{
-		Name:    "install-cni",
-		Command: []string{oci.BinDir + "/aether-cni-install"},
-		Args: []string{
-			"--cni-bin-dir=" + n.cniBin, "--cni-conf-dir=" + n.runtime.ConfDir(), "--source-dir=" + oci.BinDir,
-			"--state-file=" + filepath.Join(in.state, "cni-install", "state.json"),
-			"--agent-socket=" + filepath.Join(in.agentSocketDir(), "cni.sock"),
-			"--netns-pin-dir=" + filepath.Join(in.runDir, "netns"),
-			"--plugin-log-level=debug",
-		},
-		VolumeMounts: []corev1.VolumeMount{
-			{Name: "cni-bin", MountPath: n.cniBin},
-			{Name: "cni-conf", MountPath: n.runtime.ConfDir()},
-			{Name: "state", MountPath: in.state},
-		},
-	}
-	for i := range spec.Containers {
-		c := &spec.Containers[i]
-		c.Image = imageRepo + ":" + tag
-		c.ImagePullPolicy = corev1.PullNever
-		for j, cmd := range c.Command {
-			c.Command[j] = strings.Replace(cmd, "/opt/aether/bin", oci.BinDir, 1)
+	for _, c := range allContainers(spec) {
+		for k, m := range c.VolumeMounts {
+			if to, ok := moved[m.MountPath]; ok {
+				c.VolumeMounts[k].MountPath = to
+			}
 		}
 		for j, a := range c.Args {
 			a = strings.ReplaceAll(a, "/run/aether", in.runDir)
@@ -191,8 +174,19 @@ func adaptDaemonSet(t *testing.T, n *node, in *install, ds *appsv1.DaemonSet, ta
 			corev1.EnvVar{Name: "KUBERNETES_SERVICE_HOST", Value: "127.0.0.1"},
 			corev1.EnvVar{Name: "KUBERNETES_SERVICE_PORT", Value: strconv.Itoa(n.cluster.Port)})
 	}
-	installer.Image, installer.ImagePullPolicy = imageRepo+":"+tag, corev1.PullNever
-	spec.Containers = append(spec.Containers, installer)
+}
+
+// allContainers returns the pod's init containers (the installer is a
+// native sidecar) and containers.
+func allContainers(spec *corev1.PodSpec) []*corev1.Container {
+	var cs []*corev1.Container
+	for i := range spec.InitContainers {
+		cs = append(cs, &spec.InitContainers[i])
+	}
+	for i := range spec.Containers {
+		cs = append(cs, &spec.Containers[i])
+	}
+	return cs
 }
 
 // sharedMount makes dir a shared mount point (a bind mount onto itself),
@@ -216,7 +210,7 @@ func waitDaemonSetReady(t *testing.T, n *node, d time.Duration) *appsv1.DaemonSe
 	var ds *appsv1.DaemonSet
 	kubetest.WaitFor(t, "DaemonSet "+daemonSetName+" ready", d, n.kubelet, func() bool {
 		var err error
-		ds, err = n.cluster.Client.AppsV1().DaemonSets(systemNamespace).Get(context.Background(), daemonSetName, metav1.GetOptions{})
+		ds, err = n.cluster.Client.AppsV1().DaemonSets(chart.Namespace).Get(context.Background(), daemonSetName, metav1.GetOptions{})
 		if err != nil {
 			return false
 		}
@@ -242,6 +236,10 @@ func (in *install) uninstall(t *testing.T, n *node) {
 			err = cs.AppsV1().DaemonSets(o.Namespace).Delete(ctx, o.Name, opts)
 		case *rbacv1.ClusterRoleBinding:
 			err = cs.RbacV1().ClusterRoleBindings().Delete(ctx, o.Name, opts)
+		case *rbacv1.RoleBinding:
+			err = cs.RbacV1().RoleBindings(o.Namespace).Delete(ctx, o.Name, opts)
+		case *rbacv1.Role:
+			err = cs.RbacV1().Roles(o.Namespace).Delete(ctx, o.Name, opts)
 		case *rbacv1.ClusterRole:
 			err = cs.RbacV1().ClusterRoles().Delete(ctx, o.Name, opts)
 		case *corev1.ServiceAccount:
@@ -255,7 +253,7 @@ func (in *install) uninstall(t *testing.T, n *node) {
 		}
 	}
 	kubetest.WaitFor(t, "aether-node pods gone", 90*time.Second, n.kubelet, func() bool {
-		l, err := cs.CoreV1().Pods(systemNamespace).List(ctx, metav1.ListOptions{})
+		l, err := cs.CoreV1().Pods(chart.Namespace).List(ctx, metav1.ListOptions{})
 		return err == nil && len(l.Items) == 0
 	})
 }
@@ -264,72 +262,81 @@ func (in *install) uninstall(t *testing.T, n *node) {
 func setImage(t *testing.T, n *node, tag string) {
 	t.Helper()
 	ctx := context.Background()
-	dss := n.cluster.Client.AppsV1().DaemonSets(systemNamespace)
+	dss := n.cluster.Client.AppsV1().DaemonSets(chart.Namespace)
 	ds, err := dss.Get(ctx, daemonSetName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	for i := range ds.Spec.Template.Spec.Containers {
-		ds.Spec.Template.Spec.Containers[i].Image = imageRepo + ":" + tag
+	for _, c := range allContainers(&ds.Spec.Template.Spec) {
+		c.Image = imageRepo + ":" + tag
 	}
 	if _, err := dss.Update(ctx, ds, metav1.UpdateOptions{}); err != nil {
 		t.Fatalf("failed to roll the DaemonSet to %s: %v", tag, err)
 	}
 }
 
+// chainGaps describes the samples of the conflist without aether-cni.
+type chainGaps struct {
+	samples, count     int
+	unchained, longest time.Duration
+	readErr            error
+}
+
+func (g chainGaps) String() string {
+	return fmt.Sprintf("%d samples, %d gap(s) without aether-cni, %s unchained in all, longest %s, read error %v",
+		g.samples, g.count, g.unchained.Round(time.Millisecond), g.longest.Round(time.Millisecond), g.readErr)
+}
+
 // watchChain samples the conflist every 10 ms until the returned function
-// is called; that function stops the sampling and describes the gaps in
+// is called; that function stops the sampling and returns the gaps in
 // which aether-cni was not chained.
-func watchChain(t *testing.T, conflist string) func() string {
+func watchChain(t *testing.T, conflist string) func() chainGaps {
 	t.Helper()
-	stop, done := make(chan struct{}), make(chan string, 1)
+	stop, done := make(chan struct{}), make(chan chainGaps, 1)
 	go func() {
 		var (
-			gaps        int
-			unchained   time.Duration
-			longest     time.Duration
-			gapStart    time.Time
-			last        = time.Now()
-			ticker      = time.NewTicker(10 * time.Millisecond)
-			samples     int
-			readFailure error
+			g        chainGaps
+			gapStart time.Time
+			last     = time.Now()
+			ticker   = time.NewTicker(10 * time.Millisecond)
 		)
 		defer ticker.Stop()
+		endGap := func(at time.Time) {
+			g.count++
+			g.unchained += at.Sub(gapStart)
+			g.longest = max(g.longest, at.Sub(gapStart))
+			gapStart = time.Time{}
+		}
 		for {
 			select {
 			case <-stop:
 				if !gapStart.IsZero() {
-					gaps++
-					unchained += last.Sub(gapStart)
-					longest = max(longest, last.Sub(gapStart))
+					endGap(last)
 				}
-				done <- fmt.Sprintf("%d samples, %d gap(s) without aether-cni, %s unchained in all, longest %s, read error %v",
-					samples, gaps, unchained.Round(time.Millisecond), longest.Round(time.Millisecond), readFailure)
+				done <- g
 				return
 			case now := <-ticker.C:
-				samples++
+				g.samples++
 				last = now
 				b, err := os.ReadFile(conflist)
 				if err != nil {
-					readFailure = err
+					g.readErr = err
 				}
 				chained := err == nil && bytes.Contains(b, []byte(`"aether-cni"`))
 				switch {
 				case !chained && gapStart.IsZero():
 					gapStart = now
 				case chained && !gapStart.IsZero():
-					gaps++
-					d := now.Sub(gapStart)
-					unchained += d
-					longest = max(longest, d)
-					gapStart = time.Time{}
+					endGap(now)
 				}
 			}
 		}
 	}()
-	var once sync.Once
-	var result string
-	stopFn := func() string {
+	var (
+		once   sync.Once
+		result chainGaps
+	)
+	stopFn := func() chainGaps {
 		once.Do(func() { close(stop); result = <-done })
 		return result
 	}
