@@ -181,7 +181,7 @@ func TestKubernetes(t *testing.T) {
 		waitDaemonSetReady(t, n, 120*time.Second)
 		t.Logf("DaemonSet rolled in %s", time.Since(rollStart).Round(time.Millisecond))
 		during := runningPods(t, n, "during", 1, 120*time.Second)[0]
-		t.Logf("pod %s running %s after the roll-out began", during.Name, time.Since(rollStart).Round(time.Millisecond))
+		t.Logf("pod %s running %s after the roll-out began; %s", during.Name, time.Since(rollStart).Round(time.Millisecond), sandboxRetries(t, n, during))
 		// The chart's installer (--uninstall-on-exit=auto) keeps the chain
 		// while its DaemonSet exists: the conflist is never unchained.
 		if gaps := chain(); gaps.count != 0 {

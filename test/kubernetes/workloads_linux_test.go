@@ -343,3 +343,28 @@ func managedRecords(t *testing.T, in *install) map[string]string {
 	}
 	return recs
 }
+
+// sandboxRetries summarises kubelet's FailedCreatePodSandBox events of a
+// pod (each one a sandbox ADD that failed and was retried, such as
+// aether-cni's code 11 while the agent restarts).
+func sandboxRetries(t *testing.T, n *node, p corev1.Pod) string {
+	t.Helper()
+	evs, err := n.cluster.Client.CoreV1().Events(p.Namespace).List(context.Background(), metav1.ListOptions{
+		FieldSelector: "involvedObject.name=" + p.Name + ",reason=FailedCreatePodSandBox",
+	})
+	if err != nil {
+		t.Fatalf("failed to list the events of pod %s: %v", p.Name, err)
+	}
+	var count int32
+	for _, e := range evs.Items {
+		count += max(e.Count, 1)
+	}
+	if count == 0 {
+		return "its sandbox started at the first attempt"
+	}
+	msg := evs.Items[0].Message
+	if len(msg) > 300 {
+		msg = msg[:300] + "..."
+	}
+	return fmt.Sprintf("kubelet retried its sandbox after %d failed attempt(s), first: %s", count, msg)
+}
