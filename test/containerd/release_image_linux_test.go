@@ -13,6 +13,7 @@ import (
 
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
+	"aether.io/node/test/containerd"
 	"aether.io/node/test/harness"
 	"aether.io/node/tools/image/oci"
 )
@@ -24,7 +25,7 @@ import (
 // container started by containerd + runc.
 func TestReleaseImage(t *testing.T) {
 	harness.RequireRoot(t)
-	need(t, "containerd", "runc", "ctr")
+	containerd.Need(t, "containerd", "runc", "ctr")
 	node := harness.NewNS(t, "ctdimg")
 	bins := oci.Binaries
 	own := harness.BuildOwn(t, bins...)
@@ -49,13 +50,11 @@ func TestReleaseImage(t *testing.T) {
 
 	// CRI reports ready only with a loadable network config; this lane
 	// never starts a pod sandbox, so a loopback-only list is enough.
-	rt := startContainerd(t, node, t.TempDir(), func(string) string {
+	rt := containerd.Start(t, node, t.TempDir(), func(string) string {
 		return `{"cniVersion":"1.0.0","name":"lo","plugins":[{"type":"loopback"}]}`
 	})
-	if out, err := exec.Command("ctr", "--address", rt.sock, "-n", "k8s.io", "images", "import", tarPath).CombinedOutput(); err != nil {
-		t.Fatalf("ctr images import: %v\n%s", err, out)
-	}
-	images := runtimeapi.NewImageServiceClient(rt.conn)
+	rt.Import(t, tarPath)
+	images := runtimeapi.NewImageServiceClient(rt.Conn)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	st, err := images.ImageStatus(ctx, &runtimeapi.ImageStatusRequest{Image: &runtimeapi.ImageSpec{Image: ref}})
@@ -71,9 +70,9 @@ func TestReleaseImage(t *testing.T) {
 
 	// Run a binary from the image. runc state and the cgroup stay under
 	// this containerd's own dirs (cleanupHost removes them on failure).
-	id := "img-" + randHex(4)
-	cmd := exec.Command("ctr", "--address", rt.sock, "-n", "k8s.io", "run", "--rm",
-		"--runc-root", filepath.Join(rt.base, "runc", "k8s.io"), "--cgroup", rt.cgroupParent+"/"+id,
+	id := "img-" + containerd.RandHex(4)
+	cmd := exec.Command("ctr", "--address", rt.Sock, "-n", "k8s.io", "run", "--rm",
+		"--runc-root", rt.RuncRoot(), "--cgroup", rt.CgroupParent+"/"+id,
 		"--env", "CNI_COMMAND=VERSION", ref, id, oci.BinDir+"/eni-vlan")
 	cmd.Stdin = strings.NewReader(`{"cniVersion":"1.0.0"}`)
 	out, err := cmd.Output()
@@ -82,7 +81,7 @@ func TestReleaseImage(t *testing.T) {
 		if ee := (*exec.ExitError)(nil); errors.As(err, &ee) {
 			stderr = ee.Stderr
 		}
-		t.Fatalf("ctr run eni-vlan VERSION from the image: %v\n%s%s\n%s", err, out, stderr, rt.log())
+		t.Fatalf("ctr run eni-vlan VERSION from the image: %v\n%s%s\n%s", err, out, stderr, rt.Log())
 	}
 	var v struct {
 		CNIVersion        string   `json:"cniVersion"`
@@ -91,7 +90,7 @@ func TestReleaseImage(t *testing.T) {
 	if err := json.Unmarshal(out, &v); err != nil || len(v.SupportedVersions) == 0 {
 		t.Fatalf("eni-vlan VERSION from the image printed %q (%v), want the CNI version JSON", out, err)
 	}
-	if _, err := os.Stat(filepath.Join(rt.base, "runc", "k8s.io", id)); !os.IsNotExist(err) {
+	if _, err := os.Stat(filepath.Join(rt.RuncRoot(), id)); !os.IsNotExist(err) {
 		t.Fatalf("runc state of the --rm container left behind: %v", err)
 	}
 }

@@ -39,10 +39,22 @@ const (
 
 const token = "aether-test-token"
 
-// BinDir returns the cache directory holding kube-apiserver and etcd,
-// building whichever is missing (under a per-directory file lock, so
-// parallel test processes build once).
-func BinDir(tb testing.TB) string {
+// Binaries BinDir can build from test/kube: etcd and kube-apiserver are
+// always built; the others only when asked for.
+const (
+	Etcd              = "etcd"
+	APIServer         = "kube-apiserver"
+	ControllerManager = "kube-controller-manager"
+	Scheduler         = "kube-scheduler"
+	Kubelet           = "kubelet"
+)
+
+// BinDir returns the cache directory holding etcd, kube-apiserver and the
+// extra binaries named (ControllerManager, Scheduler, Kubelet), building
+// whichever is missing (under a per-directory file lock, so parallel test
+// processes build once). Builds run under nice so that they share the
+// machine; each build's duration is logged.
+func BinDir(tb testing.TB, extra ...string) string {
 	tb.Helper()
 	dir := filepath.Join(harness.CacheDir(), "kube", KubernetesVersion+"-etcd-"+EtcdVersion)
 	if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -54,19 +66,29 @@ func BinDir(tb testing.TB) string {
 	}
 	defer unlock()
 	mod := filepath.Join(harness.ModuleRoot(), "test", "kube")
+	k8s := "-s -w -X k8s.io/component-base/version.gitVersion=" + KubernetesVersion +
+		" -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37"
 	builds := []struct{ name, pkg, ldflags string }{
-		{"etcd", "./etcd", "-s -w"},
-		{"kube-apiserver", "k8s.io/kubernetes/cmd/kube-apiserver", "-s -w -X k8s.io/component-base/version.gitVersion=" + KubernetesVersion +
-			" -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=37"},
+		{Etcd, "./etcd", "-s -w"},
+		{APIServer, "k8s.io/kubernetes/cmd/kube-apiserver", k8s},
+	}
+	for _, name := range extra {
+		switch name {
+		case Etcd, APIServer:
+		case ControllerManager, Scheduler, Kubelet:
+			builds = append(builds, struct{ name, pkg, ldflags string }{name, "k8s.io/kubernetes/cmd/" + name, k8s})
+		default:
+			tb.Fatalf("unknown binary %q: BinDir builds %s, %s, %s, %s and %s", name, Etcd, APIServer, ControllerManager, Scheduler, Kubelet)
+		}
 	}
 	for _, b := range builds {
 		out := filepath.Join(dir, b.name)
 		if _, err := os.Stat(out); err == nil {
 			continue
 		}
-		tb.Logf("building %s into %s (cold builds of kube-apiserver take ~8-13 min on 2 cores)", b.name, dir)
+		tb.Logf("building %s into %s (cold builds: kube-apiserver ~8-13 min, kubelet several minutes on 2 cores)", b.name, dir)
 		start := time.Now()
-		cmd := exec.Command("go", "build", "-trimpath", "-ldflags", b.ldflags, "-o", out+".tmp", b.pkg)
+		cmd := exec.Command("nice", "-n", "10", "go", "build", "-trimpath", "-ldflags", b.ldflags, "-o", out+".tmp", b.pkg)
 		cmd.Dir = mod
 		if o, err := cmd.CombinedOutput(); err != nil {
 			tb.Fatalf("failed to build %s: %v\n%s", b.name, err, o)
@@ -83,7 +105,9 @@ func lock(dir string) (func(), error) {
 	return filelock.Lock(filepath.Join(dir, ".lock"), 0o644)
 }
 
-func freePort(tb testing.TB) int {
+// FreePort returns a TCP port free on the machine's loopback now (so also
+// free in a new network namespace).
+func FreePort(tb testing.TB) int {
 	tb.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -95,18 +119,27 @@ func freePort(tb testing.TB) int {
 
 // Cluster is a running etcd + kube-apiserver.
 type Cluster struct {
-	// Kubeconfig is the path of a kubeconfig for the apiserver.
+	// Kubeconfig is the path of a kubeconfig for the apiserver (admin).
 	Kubeconfig string
 	// Client is a clientset with cluster-admin rights.
 	Client kubernetes.Interface
-	// Config is the rest config behind Client.
+	// Config is the rest config behind Client (it dials through the
+	// network namespace when the cluster runs in one).
 	Config *rest.Config
+	// Dir holds the cluster's files: etcd data, the service-account key
+	// pair (sa.key, sa.pub), the apiserver's certificates (certs/), the
+	// kubeconfig.
+	Dir string
+	// Port is kube-apiserver's secure port on 127.0.0.1.
+	Port int
 
+	ns   *harness.NS
 	mu   sync.Mutex
-	cmds []*proc
+	cmds []*Proc
 }
 
-type proc struct {
+// Proc is a process started by the cluster; Stop (and Cluster.Stop) end it.
+type Proc struct {
 	name string
 	cmd  *exec.Cmd
 	out  *lockedBuf
@@ -130,22 +163,28 @@ func (l *lockedBuf) String() string {
 	return l.b.String()
 }
 
-func start(tb testing.TB, name string, args []string, dir string) *proc {
+func start(tb testing.TB, ns *harness.NS, name string, args []string, dir string) *Proc {
 	tb.Helper()
-	p := &proc{name: name, out: &lockedBuf{}, done: make(chan struct{})}
+	p := &Proc{name: name, out: &lockedBuf{}, done: make(chan struct{})}
 	p.cmd = exec.Command(args[0], args[1:]...)
 	p.cmd.Dir = dir
 	p.cmd.Stdout = p.out
 	p.cmd.Stderr = p.out
 	p.cmd.SysProcAttr = &unix.SysProcAttr{Pdeathsig: unix.SIGKILL}
-	if err := p.cmd.Start(); err != nil {
+	run := p.cmd.Start
+	if ns != nil {
+		run = func() error { return ns.Do(p.cmd.Start) }
+	}
+	if err := run(); err != nil {
 		tb.Fatalf("failed to start %s: %v", name, err)
 	}
 	go func() { _ = p.cmd.Wait(); close(p.done) }()
 	return p
 }
 
-func (p *proc) stop() {
+// Stop sends SIGTERM to the process (by its PID) and waits for it, killing
+// it after 10 s. It is idempotent.
+func (p *Proc) Stop() {
 	select {
 	case <-p.done:
 		return
@@ -160,18 +199,44 @@ func (p *proc) stop() {
 	}
 }
 
+// Output returns the tail of the process's combined output.
+func (p *Proc) Output() string { return tail(p.out.String()) }
+
+// Exited is closed when the process has exited.
+func (p *Proc) Exited() <-chan struct{} { return p.done }
+
+// Options tune StartWith.
+type Options struct {
+	// NetNS runs etcd, kube-apiserver and every process started with Run
+	// in this network namespace: the API listens on the namespace's
+	// loopback only, and Config dials through the namespace. Nil means
+	// the machine's loopback.
+	NetNS *harness.NS
+	// APIServerArgs are appended to kube-apiserver's flags.
+	APIServerArgs []string
+	// Binaries are the extra binaries BinDir builds (ControllerManager,
+	// Scheduler, Kubelet).
+	Binaries []string
+}
+
 // Start runs etcd and kube-apiserver (building them if needed), waits for
 // /readyz and the default namespace, and stops both in tb.Cleanup.
 func Start(tb testing.TB) *Cluster {
 	tb.Helper()
-	bins := BinDir(tb)
+	return StartWith(tb, Options{})
+}
+
+// StartWith is Start with options.
+func StartWith(tb testing.TB, o Options) *Cluster {
+	tb.Helper()
+	bins := BinDir(tb, o.Binaries...)
 	dir := tb.TempDir()
-	etcdPort, peerPort, apiPort := freePort(tb), freePort(tb), freePort(tb)
-	c := &Cluster{}
+	etcdPort, peerPort, apiPort := FreePort(tb), FreePort(tb), FreePort(tb)
+	c := &Cluster{Dir: dir, Port: apiPort, ns: o.NetNS}
 	tb.Cleanup(c.Stop)
 
 	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", etcdPort)
-	etcd := start(tb, "etcd", []string{
+	etcd := start(tb, o.NetNS, "etcd", []string{
 		filepath.Join(bins, "etcd"), "--data-dir", filepath.Join(dir, "etcd"),
 		"--listen-client-url", etcdURL, "--listen-peer-url", fmt.Sprintf("http://127.0.0.1:%d", peerPort),
 	}, dir)
@@ -196,18 +261,23 @@ func Start(tb testing.TB) *Cluster {
 	saKey := write("sa.key", pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)}))
 	saPub := write("sa.pub", pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pub}))
 	tokens := write("tokens.csv", []byte(token+`,admin,admin-uid,"system:masters"`+"\n"))
-	api := start(tb, "kube-apiserver", []string{
+	api := start(tb, o.NetNS, "kube-apiserver", append([]string{
 		filepath.Join(bins, "kube-apiserver"),
 		"--etcd-servers=" + etcdURL, "--service-account-issuer=https://kubernetes.default.svc",
 		"--service-account-key-file=" + saPub, "--service-account-signing-key-file=" + saKey,
 		"--cert-dir=" + filepath.Join(dir, "certs"), fmt.Sprintf("--secure-port=%d", apiPort), "--bind-address=127.0.0.1",
 		"--authorization-mode=RBAC", "--allow-privileged=true", "--token-auth-file=" + tokens, "--service-cluster-ip-range=10.96.0.0/16",
-	}, dir)
+	}, o.APIServerArgs...), dir)
 	c.add(api)
 
 	host := fmt.Sprintf("https://127.0.0.1:%d", apiPort)
 	c.Config = &rest.Config{Host: host, BearerToken: token, TLSClientConfig: rest.TLSClientConfig{Insecure: true}}
-	hc := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{TLSClientConfig: insecureTLS()}}
+	tr := &http.Transport{TLSClientConfig: insecureTLS()}
+	if o.NetNS != nil {
+		c.Config.Dial = c.dial
+		tr.DialContext = c.dial
+	}
+	hc := &http.Client{Timeout: 2 * time.Second, Transport: tr}
 	waitFor(tb, "kube-apiserver /readyz", 120*time.Second, api, func() bool {
 		req, _ := http.NewRequest("GET", host+"/readyz", nil)
 		req.Header.Set("Authorization", "Bearer "+token)
@@ -246,20 +316,60 @@ current-context: test
 	return c
 }
 
-func (c *Cluster) add(p *proc) {
+// dial opens a connection from inside the cluster's network namespace.
+func (c *Cluster) dial(ctx context.Context, network, addr string) (net.Conn, error) {
+	var conn net.Conn
+	err := c.ns.Do(func() error {
+		var err error
+		conn, err = (&net.Dialer{}).DialContext(ctx, network, addr)
+		return err
+	})
+	return conn, err
+}
+
+// Dial opens a connection to addr from where the cluster runs (inside
+// Options.NetNS when set): for a test to reach what runs next to the
+// apiserver, such as a hostNetwork pod's port.
+func (c *Cluster) Dial(ctx context.Context, network, addr string) (net.Conn, error) {
+	if c.ns == nil {
+		return (&net.Dialer{}).DialContext(ctx, network, addr)
+	}
+	return c.dial(ctx, network, addr)
+}
+
+// Run starts another process next to the apiserver (in Options.NetNS when
+// set), with dir as its working directory; Cluster.Stop stops it before
+// kube-apiserver and etcd, in the reverse order of starting. A test that
+// must stop it earlier calls Proc.Stop (idempotent).
+func (c *Cluster) Run(tb testing.TB, dir string, args ...string) *Proc {
+	tb.Helper()
+	p := start(tb, c.ns, filepath.Base(args[0]), args, dir)
+	c.add(p)
+	return p
+}
+
+// WaitFor polls cond every 50 ms until it holds, failing the test after d
+// or when p exits first (with p's output).
+func WaitFor(tb testing.TB, what string, d time.Duration, p *Proc, cond func() bool) {
+	tb.Helper()
+	waitFor(tb, what, d, p, cond)
+}
+
+func (c *Cluster) add(p *Proc) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.cmds = append(c.cmds, p)
 }
 
-// Stop stops kube-apiserver and etcd (the API is then gone).
+// Stop stops every process Run started (newest first), then kube-apiserver,
+// then etcd (the apiserver hangs on SIGTERM when etcd is gone first).
 func (c *Cluster) Stop() {
 	c.mu.Lock()
 	cmds := c.cmds
 	c.cmds = nil
 	c.mu.Unlock()
 	for i := len(cmds) - 1; i >= 0; i-- {
-		cmds[i].stop()
+		cmds[i].Stop()
 	}
 }
 
@@ -276,7 +386,7 @@ func (c *Cluster) Namespace(tb testing.TB, ns string) {
 	}
 }
 
-func waitFor(tb testing.TB, what string, d time.Duration, p *proc, cond func() bool) {
+func waitFor(tb testing.TB, what string, d time.Duration, p *Proc, cond func() bool) {
 	tb.Helper()
 	deadline := time.Now().Add(d)
 	for !cond() {
