@@ -26,6 +26,69 @@ var update = flag.Bool("update", false, "rewrite the golden files in testdata/")
 
 func TestMain(m *testing.M) { harness.Main(m) }
 
+// TestInstallReplacesInPlace: a retried ADD whose configuration changed
+// (every ordered pair of golden configurations) leaves exactly the new
+// ruleset in the kernel, as a fresh install would, also when someone added
+// a chain to our table meanwhile.
+func TestInstallReplacesInPlace(t *testing.T) {
+	if _, err := exec.LookPath("nft"); err != nil {
+		t.Fatalf("nft binary needed to read the kernel's ruleset back: %v", err)
+	}
+	for from, fromCfg := range goldenConfigs {
+		for to, toCfg := range goldenConfigs {
+			if from == to {
+				continue
+			}
+			t.Run(from+"->"+to, func(t *testing.T) {
+				pod := harness.NewNS(t, "repl")
+				inst := capture.Installer{}
+				if err := inst.Install(pod.Path(), capture.Build(fromCfg)); err != nil {
+					t.Fatal(err)
+				}
+				pod.MustDo(t, func() error {
+					out, err := exec.Command("nft", "add", "chain", "inet", capture.TableName, "stray").CombinedOutput()
+					if err != nil {
+						return fmt.Errorf("nft add chain: %w: %s", err, out)
+					}
+					return nil
+				})
+				rs := capture.Build(toCfg)
+				if err := inst.Install(pod.Path(), rs); err != nil {
+					t.Fatal(err)
+				}
+				if err := inst.Verify(pod.Path(), rs); err != nil {
+					t.Fatalf("Verify after the replacement: %v", err)
+				}
+				var out []byte
+				pod.MustDo(t, func() error {
+					var err error
+					out, err = exec.Command("nft", "list", "table", "inet", capture.TableName).CombinedOutput()
+					return err
+				})
+				if want := goldenTable(t, to); string(out) != want {
+					t.Fatalf("kernel ruleset after %s -> %s differs from golden %s:\n--- nft list\n%s--- golden\n%s", from, to, to, out, want)
+				}
+			})
+		}
+	}
+}
+
+// goldenTable is testdata/<name>.nft without its comment lines.
+func goldenTable(t *testing.T, name string) string {
+	t.Helper()
+	want, err := os.ReadFile(filepath.Join("testdata", name+".nft"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var table []string
+	for _, l := range strings.SplitAfter(string(want), "\n") {
+		if !strings.HasPrefix(l, "#") {
+			table = append(table, l)
+		}
+	}
+	return strings.Join(table, "")
+}
+
 // goldenConfigs are the configurations whose exact ruleset is kept in testdata/.
 var goldenConfigs = map[string]capture.Config{
 	"scoped-default": {Ports: []uint16{capture.DefaultOutboundPort}},
@@ -277,18 +340,8 @@ func TestGoldenMatchesKernel(t *testing.T) {
 				out, err = exec.Command("nft", "list", "table", "inet", capture.TableName).CombinedOutput()
 				return err
 			})
-			want, err := os.ReadFile(filepath.Join("testdata", name+".nft"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			var table []string
-			for _, l := range strings.SplitAfter(string(want), "\n") {
-				if !strings.HasPrefix(l, "#") {
-					table = append(table, l)
-				}
-			}
-			if got := string(out); got != strings.Join(table, "") {
-				t.Fatalf("kernel ruleset differs from golden %s:\n--- nft list\n%s--- golden\n%s", name, got, strings.Join(table, ""))
+			if got, want := string(out), goldenTable(t, name); got != want {
+				t.Fatalf("kernel ruleset differs from golden %s:\n--- nft list\n%s--- golden\n%s", name, got, want)
 			}
 		})
 	}

@@ -48,39 +48,100 @@ func InstallFd(fd int, r Ruleset) error {
 	return installNFT(fd, r)
 }
 
+// installNFT makes the namespace's capture table exactly r, in one
+// nftables batch (atomic). A retried ADD finds the table from the first
+// attempt: when it already is r nothing is written; otherwise it is
+// rewritten in place (rules flushed and re-added, chains kept). Deleting
+// the table or a base chain makes the commit wait for an RCU grace period
+// (5-25 ms here, against well under 1 ms for a whole fresh install), so
+// that happens only for a base chain whose hook, type or priority changed.
 func installNFT(fd int, r Ruleset) error {
 	c, err := nftables.New(nftables.WithNetNSFd(fd))
 	if err != nil {
 		return fmt.Errorf("failed to open nftables in netns: %w", err)
 	}
 	t := &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
-	// A retried ADD finds the table: delete and re-create it in the same
-	// batch, so the result is exactly r, atomically. Only then, because a
-	// deletion makes the commit wait for an RCU grace period (5-25 ms here)
-	// while a fresh pod's install takes well under 1 ms.
-	if _, err := c.ListTableOfFamily(TableName, nftables.TableFamilyINet); err == nil {
-		c.DelTable(t)
-	} else if !errors.Is(err, unix.ENOENT) {
+	existing, err := c.ListTableOfFamily(TableName, nftables.TableFamilyINet)
+	switch {
+	case err == nil:
+		if verifyNFT(c, existing, r) == nil {
+			return nil
+		}
+		if err := replaceInPlace(c, t, r); err != nil {
+			return err
+		}
+	case errors.Is(err, unix.ENOENT):
+		c.AddTable(t)
+		for _, ch := range r.Chains {
+			c.AddChain(newChain(t, ch))
+		}
+	default:
 		return fmt.Errorf("failed to look up table %q: %w", TableName, err)
 	}
-	c.AddTable(t)
-	// Every chain first: rules jump to chains declared later.
-	nchs := make([]*nftables.Chain, len(r.Chains))
-	for i, ch := range r.Chains {
-		nch := &nftables.Chain{Name: ch.Name, Table: t}
-		if ch.Hook != nil {
-			pol := nftables.ChainPolicyAccept
-			nch.Type, nch.Hooknum, nch.Priority, nch.Policy = ch.Type, ch.Hook, ch.Priority, &pol
-		}
-		nchs[i] = c.AddChain(nch)
-	}
-	for i, ch := range r.Chains {
+	// Rules last: they jump to chains declared anywhere in the table.
+	for _, ch := range r.Chains {
 		for _, rl := range ch.Rules {
-			c.AddRule(&nftables.Rule{Table: t, Chain: nchs[i], Exprs: rl.Exprs})
+			c.AddRule(&nftables.Rule{Table: t, Chain: &nftables.Chain{Name: ch.Name, Table: t}, Exprs: rl.Exprs})
 		}
 	}
 	if err := c.Flush(); err != nil {
 		return fmt.Errorf("failed to install nftables table %q: %w", TableName, err)
+	}
+	return nil
+}
+
+// newChain is the nftables chain of ch in t.
+func newChain(t *nftables.Table, ch Chain) *nftables.Chain {
+	nch := &nftables.Chain{Name: ch.Name, Table: t}
+	if ch.Hook != nil {
+		pol := nftables.ChainPolicyAccept
+		nch.Type, nch.Hooknum, nch.Priority, nch.Policy = ch.Type, ch.Hook, ch.Priority, &pol
+	}
+	return nch
+}
+
+// sameBase reports whether the table's chain got is declared as want
+// (both regular, or the same type, hook and priority).
+func sameBase(want Chain, got *nftables.Chain) bool {
+	if (want.Hook == nil) != (got.Hooknum == nil) {
+		return false
+	}
+	return want.Hook == nil || *want.Hook == *got.Hooknum && *want.Priority == *got.Priority && want.Type == got.Type
+}
+
+// replaceInPlace queues, on c, the changes that turn the existing table
+// into r's chains with no rules: every chain r keeps is flushed, chains r
+// lacks (or declares differently) are deleted, missing ones are added.
+// Flushes come first, so a deleted chain is no longer a jump target.
+func replaceInPlace(c *nftables.Conn, t *nftables.Table, r Ruleset) error {
+	chains, err := c.ListChainsOfTableFamily(nftables.TableFamilyINet)
+	if err != nil {
+		return fmt.Errorf("failed to list chains of table %q: %w", TableName, err)
+	}
+	want := map[string]Chain{}
+	for _, ch := range r.Chains {
+		want[ch.Name] = ch
+	}
+	keep := map[string]bool{}
+	var drop []*nftables.Chain
+	for _, got := range chains {
+		if got.Table.Name != TableName {
+			continue
+		}
+		c.FlushChain(got)
+		if ch, ok := want[got.Name]; ok && sameBase(ch, got) {
+			keep[got.Name] = true
+		} else {
+			drop = append(drop, got)
+		}
+	}
+	for _, got := range drop {
+		c.DelChain(got)
+	}
+	for _, ch := range r.Chains {
+		if !keep[ch.Name] {
+			c.AddChain(newChain(t, ch))
+		}
 	}
 	return nil
 }
@@ -202,6 +263,14 @@ func VerifyFd(fd int, r Ruleset) error {
 		}
 		return fmt.Errorf("failed to list table %q: %w", TableName, err)
 	}
+	if err := verifyNFT(c, t, r); err != nil {
+		return err
+	}
+	return verifyRouting(fd, r.Config)
+}
+
+// verifyNFT checks that table t holds exactly r's chains and rules.
+func verifyNFT(c *nftables.Conn, t *nftables.Table, r Ruleset) error {
 	chains, err := c.ListChainsOfTableFamily(nftables.TableFamilyINet)
 	if err != nil {
 		return fmt.Errorf("failed to list chains of table %q: %w", TableName, err)
@@ -222,8 +291,7 @@ func VerifyFd(fd int, r Ruleset) error {
 		if !ok {
 			return fmt.Errorf("chain %s missing from table inet %s", want.Name, TableName)
 		}
-		if (want.Hook == nil) != (got.Hooknum == nil) ||
-			want.Hook != nil && (*want.Hook != *got.Hooknum || *want.Priority != *got.Priority || want.Type != got.Type) {
+		if !sameBase(want, got) {
 			return fmt.Errorf("chain %s of table inet %s changed type, hook or priority", want.Name, TableName)
 		}
 		rules, err := c.GetRules(t, got)
@@ -239,7 +307,7 @@ func VerifyFd(fd int, r Ruleset) error {
 			}
 		}
 	}
-	return verifyRouting(fd, r.Config)
+	return nil
 }
 
 func sameExprs(a, b []expr.Any) bool {
