@@ -64,12 +64,14 @@ func installNFT(fd int, r Ruleset) error {
 	existing, err := c.ListTableOfFamily(TableName, nftables.TableFamilyINet)
 	switch {
 	case err == nil:
-		if verifyNFT(c, existing, r) == nil {
-			return nil
-		}
-		if err := replaceInPlace(c, t, r); err != nil {
+		chains, err := tableChains(c)
+		if err != nil {
 			return err
 		}
+		if verifyChains(c, existing, chains, r) == nil {
+			return nil
+		}
+		replaceInPlace(c, t, chains, r)
 	case errors.Is(err, unix.ENOENT):
 		c.AddTable(t)
 		for _, ch := range r.Chains {
@@ -109,15 +111,26 @@ func sameBase(want Chain, got *nftables.Chain) bool {
 	return want.Hook == nil || *want.Hook == *got.Hooknum && *want.Priority == *got.Priority && want.Type == got.Type
 }
 
-// replaceInPlace queues, on c, the changes that turn the existing table
-// into r's chains with no rules: every chain r keeps is flushed, chains r
-// lacks (or declares differently) are deleted, missing ones are added.
-// Flushes come first, so a deleted chain is no longer a jump target.
-func replaceInPlace(c *nftables.Conn, t *nftables.Table, r Ruleset) error {
+// tableChains lists the chains of our table by name.
+func tableChains(c *nftables.Conn) (map[string]*nftables.Chain, error) {
 	chains, err := c.ListChainsOfTableFamily(nftables.TableFamilyINet)
 	if err != nil {
-		return fmt.Errorf("failed to list chains of table %q: %w", TableName, err)
+		return nil, fmt.Errorf("failed to list chains of table %q: %w", TableName, err)
 	}
+	have := map[string]*nftables.Chain{}
+	for _, ch := range chains {
+		if ch.Table.Name == TableName {
+			have[ch.Name] = ch
+		}
+	}
+	return have, nil
+}
+
+// replaceInPlace queues, on c, the changes that turn the table holding
+// chains into r's chains with no rules: every chain r keeps is flushed,
+// chains r lacks (or declares differently) are deleted, missing ones are
+// added. Flushes come first, so a deleted chain is no longer a jump target.
+func replaceInPlace(c *nftables.Conn, t *nftables.Table, chains map[string]*nftables.Chain, r Ruleset) {
 	want := map[string]Chain{}
 	for _, ch := range r.Chains {
 		want[ch.Name] = ch
@@ -125,9 +138,6 @@ func replaceInPlace(c *nftables.Conn, t *nftables.Table, r Ruleset) error {
 	keep := map[string]bool{}
 	var drop []*nftables.Chain
 	for _, got := range chains {
-		if got.Table.Name != TableName {
-			continue
-		}
 		c.FlushChain(got)
 		if ch, ok := want[got.Name]; ok && sameBase(ch, got) {
 			keep[got.Name] = true
@@ -143,7 +153,6 @@ func replaceInPlace(c *nftables.Conn, t *nftables.Table, r Ruleset) error {
 			c.AddChain(newChain(t, ch))
 		}
 	}
-	return nil
 }
 
 func localRoutes(h netlinksafe.Handle, c Config) ([]*netlink.Route, []*netlink.Rule, error) {
@@ -263,28 +272,21 @@ func VerifyFd(fd int, r Ruleset) error {
 		}
 		return fmt.Errorf("failed to list table %q: %w", TableName, err)
 	}
-	if err := verifyNFT(c, t, r); err != nil {
+	have, err := tableChains(c)
+	if err != nil {
+		return err
+	}
+	if err := verifyChains(c, t, have, r); err != nil {
 		return err
 	}
 	return verifyRouting(fd, r.Config)
 }
 
-// verifyNFT checks that table t holds exactly r's chains and rules.
-func verifyNFT(c *nftables.Conn, t *nftables.Table, r Ruleset) error {
-	chains, err := c.ListChainsOfTableFamily(nftables.TableFamilyINet)
-	if err != nil {
-		return fmt.Errorf("failed to list chains of table %q: %w", TableName, err)
-	}
-	have := map[string]*nftables.Chain{}
-	n := 0
-	for _, ch := range chains {
-		if ch.Table.Name == TableName {
-			have[ch.Name] = ch
-			n++
-		}
-	}
-	if n != len(r.Chains) {
-		return fmt.Errorf("table inet %s has %d chains, want %d", TableName, n, len(r.Chains))
+// verifyChains checks that table t, holding the chains have, holds exactly
+// r's chains and rules.
+func verifyChains(c *nftables.Conn, t *nftables.Table, have map[string]*nftables.Chain, r Ruleset) error {
+	if len(have) != len(r.Chains) {
+		return fmt.Errorf("table inet %s has %d chains, want %d", TableName, len(have), len(r.Chains))
 	}
 	for _, want := range r.Chains {
 		got, ok := have[want.Name]
