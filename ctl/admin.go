@@ -90,3 +90,11 @@ func writeTable(w io.Writer, rows [][]string) {
 		fmt.Fprintln(w, b.String())
 	}
 }
+
+// dash shows an empty value as "-".
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}

@@ -54,6 +54,7 @@ func RunPod(ctx context.Context, args []string, stdout io.Writer) error {
 			{"Container:", p.ContainerID},
 			{"UID:", p.UID},
 			{"Service account:", p.ServiceAccount},
+			{"Owner:", dash(p.Owner)},
 			{"IPs:", strings.Join(p.IPs, ", ")},
 			{"Network namespace:", p.NetworkNS},
 			{"Managed:", yesNo(p.Managed)},

@@ -24,13 +24,16 @@ const DefaultSocket = "/run/aether/agent/admin.sock"
 
 // Pod is one stored record as the admin API returns it.
 type Pod struct {
-	Namespace       string            `json:"namespace"`
-	Name            string            `json:"name"`
-	ContainerID     string            `json:"container_id"`
-	UID             string            `json:"uid,omitempty"`
-	IPs             []string          `json:"ips"`
-	NetworkNS       string            `json:"network_namespace"`
-	ServiceAccount  string            `json:"service_account,omitempty"`
+	Namespace      string   `json:"namespace"`
+	Name           string   `json:"name"`
+	ContainerID    string   `json:"container_id"`
+	UID            string   `json:"uid,omitempty"`
+	IPs            []string `json:"ips"`
+	NetworkNS      string   `json:"network_namespace"`
+	ServiceAccount string   `json:"service_account,omitempty"`
+	// Owner is the pod's controlling owner reference as recorded,
+	// "<kind>/<name>" (for example ReplicaSet/web-5d4b8c); empty for a bare pod.
+	Owner           string            `json:"owner,omitempty"`
 	Labels          map[string]string `json:"labels,omitempty"`
 	Managed         bool              `json:"managed"`
 	Terminating     bool              `json:"terminating"`

@@ -97,6 +97,9 @@ func TestKubernetes(t *testing.T) {
 			if rec == nil || rec.UID != string(p.UID) || rec.ServiceAccount != "default" || !rec.Managed {
 				t.Fatalf("aetherctl pods: record of %s = %+v, want uid %s, service account default, managed", p.Name, rec, p.UID)
 			}
+			if ref := metav1.GetControllerOf(&p); ref == nil || rec.Owner != ref.Kind+"/"+ref.Name {
+				t.Fatalf("aetherctl pods: owner of %s = %q, want its controller %+v", p.Name, rec.Owner, ref)
+			}
 			w := findWorkload(rows, p.Name)
 			if w == nil || w.WorkloadName != name || w.ServiceAccount != "default" || w.Status != "HEALTHY" || !strings.Contains(w.UID, p.Name) {
 				t.Fatalf("aetherctl workloads: workload of %s = %+v, want owner deployment %s, service account default, HEALTHY", p.Name, w, name)

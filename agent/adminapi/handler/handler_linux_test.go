@@ -21,6 +21,7 @@ import (
 	"aether.io/node/agent/pods"
 	"aether.io/node/agent/store"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/registry"
 )
 
 // fakePods is a Lister with fixed states and kept DELs.
@@ -197,7 +198,14 @@ func TestView(t *testing.T) {
 	if v.LastDel != nil {
 		t.Fatalf("last DEL of a pod without one: %+v", v.LastDel)
 	}
+	if v.Owner != "" {
+		t.Fatalf("owner of a bare pod = %q, want none", v.Owner)
+	}
 	s := state("shop", "web", "c1")
+	s.Record.Owner = &registry.Owner{Kind: "ReplicaSet", Name: "web-5d4b8c"}
+	if v := View(s); v.Owner != "ReplicaSet/web-5d4b8c" {
+		t.Fatalf("owner = %q, want ReplicaSet/web-5d4b8c", v.Owner)
+	}
 	d := removal("c0")
 	s.LastRemoval = &d
 	v = View(s)

@@ -25,6 +25,9 @@ func View(s pods.PodState) adminapi.Pod {
 		Uncaptured: r.Uncaptured, UncapturedError: r.UncapturedError, UDSPath: s.UDSPath, UDSRefusal: s.UDSRefusal,
 		Volumes: p.GetVolumes(), UDSCSIVolume: p.GetUdsCsiVolume(), UDSCSIVolumes: p.GetUdsCsiVolumes(), AddedAt: r.AddedAt,
 	}
+	if r.Owner != nil {
+		v.Owner = r.Owner.Kind + "/" + r.Owner.Name
+	}
 	v.LastTimings = Timings(r.LastTimings)
 	if d := s.LastRemoval; d != nil {
 		v.LastDel = RemovalView(*d)
