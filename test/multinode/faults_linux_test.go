@@ -104,6 +104,19 @@ var faults = []fault{
 		c.writable(t, k, "/fault/kill9_leader/after")
 		c.caughtUp(t, k, l)
 	}},
+	{name: "all_down", run: func(t *testing.T, c *cluster, k *checks) {
+		for _, m := range c.members {
+			c.stop(m, syscall.SIGKILL)
+		}
+		k.check(t, c.put("/fault/all_down/during", "v") != nil, "write accepted with every member down")
+		for _, m := range c.members {
+			c.start(m)
+		}
+		c.writable(t, k, "/fault/all_down/after")
+		for _, m := range c.members {
+			c.caughtUp(t, k, m)
+		}
+	}},
 	{name: "partition_leader", nft: true, run: func(t *testing.T, c *cluster, k *checks) {
 		l := c.leader(recovery)
 		c.partition(l)
