@@ -291,3 +291,22 @@ func BenchmarkMint(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkStoreSync100 is one full re-mint of 100 accounts (the cost of a
+// rotation wave at 100 pods with distinct service accounts) plus the snapshot.
+func BenchmarkStoreSync100(b *testing.B) {
+	ca := testCA(b)
+	accts := make([]Account, 100)
+	for i := range accts {
+		accts[i] = Account{Namespace: "ns", ServiceAccount: "sa-" + big.NewInt(int64(i)).String()}
+	}
+	for b.Loop() {
+		st := NewStore(ca, 4*time.Hour, func() time.Time { return t0 })
+		if err := st.Sync(accts); err != nil {
+			b.Fatal(err)
+		}
+		if svids, _ := st.Snapshot(); len(svids) != 100 {
+			b.Fatalf("got %d SVIDs", len(svids))
+		}
+	}
+}
