@@ -1,0 +1,160 @@
+// Package identity mints SPIFFE X.509-SVIDs for the managed pods of this node
+// from a CA the agent is given (the embedded provider of issue 13).
+package identity
+
+import (
+	"crypto"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"math/big"
+	"net/url"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
+)
+
+// backdate is how far NotBefore is set before the mint time to tolerate clock skew.
+const backdate = 5 * time.Minute
+
+// CA is a validated signing CA for one trust domain.
+type CA struct {
+	cert *x509.Certificate
+	key  crypto.Signer
+	td   spiffeid.TrustDomain
+}
+
+// ParseCA parses a PEM certificate and PEM private key and validates them
+// for trust domain td at time now.
+func ParseCA(certPEM, keyPEM []byte, td spiffeid.TrustDomain, now time.Time) (*CA, error) {
+	block, _ := pem.Decode(certPEM)
+	if block == nil || block.Type != "CERTIFICATE" {
+		return nil, errors.New("failed to parse CA certificate: no PEM CERTIFICATE block")
+	}
+	cert, err := x509.ParseCertificate(block.Bytes)
+	if err != nil {
+		return nil, fmt.Errorf("failed to parse CA certificate: %w", err)
+	}
+	kb, _ := pem.Decode(keyPEM)
+	if kb == nil {
+		return nil, errors.New("failed to parse CA key: no PEM block")
+	}
+	key, err := parseKey(kb.Bytes)
+	if err != nil {
+		return nil, err
+	}
+	ca := &CA{cert: cert, key: key, td: td}
+	if err := ca.validate(now); err != nil {
+		return nil, err
+	}
+	return ca, nil
+}
+
+func parseKey(der []byte) (crypto.Signer, error) {
+	if k, err := x509.ParsePKCS8PrivateKey(der); err == nil {
+		s, ok := k.(crypto.Signer)
+		if !ok {
+			return nil, errors.New("failed to parse CA key: not a signing key")
+		}
+		return s, nil
+	}
+	if k, err := x509.ParseECPrivateKey(der); err == nil {
+		return k, nil
+	}
+	if k, err := x509.ParsePKCS1PrivateKey(der); err == nil {
+		return k, nil
+	}
+	return nil, errors.New("failed to parse CA key: not PKCS#8, SEC 1 or PKCS#1")
+}
+
+func (c *CA) validate(now time.Time) error {
+	if !c.cert.IsCA || !c.cert.BasicConstraintsValid {
+		return fmt.Errorf("failed to validate CA %q: not a CA certificate", c.cert.Subject)
+	}
+	if c.cert.KeyUsage != 0 && c.cert.KeyUsage&x509.KeyUsageCertSign == 0 {
+		return fmt.Errorf("failed to validate CA %q: key usage lacks certSign", c.cert.Subject)
+	}
+	pub, ok := c.key.Public().(interface{ Equal(crypto.PublicKey) bool })
+	if !ok || !pub.Equal(c.cert.PublicKey) {
+		return fmt.Errorf("failed to validate CA %q: key does not match certificate", c.cert.Subject)
+	}
+	if now.After(c.cert.NotAfter) {
+		return fmt.Errorf("failed to validate CA %q: expired at %s", c.cert.Subject, c.cert.NotAfter.UTC().Format(time.RFC3339))
+	}
+	if now.Before(c.cert.NotBefore) {
+		return fmt.Errorf("failed to validate CA %q: not valid before %s", c.cert.Subject, c.cert.NotBefore.UTC().Format(time.RFC3339))
+	}
+	for _, u := range c.cert.URIs {
+		id, err := spiffeid.FromURI(u)
+		if err != nil {
+			continue
+		}
+		if id.TrustDomain() != c.td {
+			return fmt.Errorf("failed to validate CA %q: trust domain %q, want %q", c.cert.Subject, id.TrustDomain(), c.td)
+		}
+	}
+	return nil
+}
+
+// NotAfter is the CA's expiry; SVIDs never outlive it.
+func (c *CA) NotAfter() time.Time { return c.cert.NotAfter }
+
+// Bundle is the X.509 bundle of the CA's trust domain.
+func (c *CA) Bundle() *x509bundle.Bundle {
+	return x509bundle.FromX509Authorities(c.td, []*x509.Certificate{c.cert})
+}
+
+// WorkloadID is the SPIFFE ID of a service account in a namespace.
+func WorkloadID(td spiffeid.TrustDomain, ns, sa string) (spiffeid.ID, error) {
+	id, err := spiffeid.FromSegments(td, "ns", ns, "sa", sa)
+	if err != nil {
+		return spiffeid.ID{}, fmt.Errorf("failed to build SPIFFE ID for %q/%q: %w", ns, sa, err)
+	}
+	return id, nil
+}
+
+// Mint issues an X.509-SVID for id valid from now-backdate for ttl, clamped
+// to the CA's expiry, with a fresh ECDSA P-256 key.
+func (c *CA) Mint(id spiffeid.ID, now time.Time, ttl time.Duration) (*x509svid.SVID, error) {
+	if !id.MemberOf(c.td) {
+		return nil, fmt.Errorf("failed to mint SVID %q: not in trust domain %q", id, c.td)
+	}
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, fmt.Errorf("failed to generate key for %q: %w", id, err)
+	}
+	serial, err := rand.Int(rand.Reader, new(big.Int).Lsh(big.NewInt(1), 127))
+	if err != nil {
+		return nil, fmt.Errorf("failed to generate serial for %q: %w", id, err)
+	}
+	notAfter := now.Add(ttl)
+	if notAfter.After(c.cert.NotAfter) {
+		notAfter = c.cert.NotAfter
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          serial,
+		Subject:               pkix.Name{},
+		URIs:                  []*url.URL{id.URL()},
+		NotBefore:             now.Add(-backdate),
+		NotAfter:              notAfter,
+		KeyUsage:              x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+		BasicConstraintsValid: true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, c.cert, key.Public(), c.key)
+	if err != nil {
+		return nil, fmt.Errorf("failed to sign SVID %q: %w", id, err)
+	}
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
+		return nil, fmt.Errorf("failed to parse SVID %q: %w", id, err)
+	}
+	return &x509svid.SVID{ID: id, Certificates: []*x509.Certificate{cert}, PrivateKey: key}, nil
+}

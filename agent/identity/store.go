@@ -1,0 +1,112 @@
+package identity
+
+import (
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
+)
+
+// Account names one (namespace, service account). SVIDs are minted once per
+// account rather than per pod: pods of one account share a SPIFFE ID anyway,
+// so one key and certificate per account is equivalent and cheaper.
+type Account struct {
+	Namespace      string
+	ServiceAccount string
+}
+
+// Store holds the current SVIDs of the node's accounts and rotates them at
+// half of their lifetime. It is safe for concurrent use.
+type Store struct {
+	ca  *CA
+	ttl time.Duration
+	now func() time.Time
+
+	mu      sync.Mutex
+	svids   map[Account]*x509svid.SVID
+	version uint64
+	changed chan struct{}
+}
+
+// NewStore returns a Store minting from ca with lifetime ttl; now is the clock.
+func NewStore(ca *CA, ttl time.Duration, now func() time.Time) *Store {
+	return &Store{ca: ca, ttl: ttl, now: now, svids: map[Account]*x509svid.SVID{}, changed: make(chan struct{})}
+}
+
+// Sync makes the store hold exactly the SVIDs of want: it mints missing
+// ones, rotates those past half of their lifetime and drops the others.
+func (s *Store) Sync(want []Account) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.now()
+	keep := make(map[Account]bool, len(want))
+	dirty := false
+	var firstErr error
+	for _, a := range want {
+		keep[a] = true
+		if cur, ok := s.svids[a]; ok && !dueForRotation(cur, now) {
+			continue
+		}
+		id, err := WorkloadID(s.ca.td, a.Namespace, a.ServiceAccount)
+		if err == nil {
+			var sv *x509svid.SVID
+			if sv, err = s.ca.Mint(id, now, s.ttl); err == nil {
+				s.svids[a] = sv
+				dirty = true
+				continue
+			}
+		}
+		if firstErr == nil {
+			firstErr = err
+		}
+	}
+	for a := range s.svids {
+		if !keep[a] {
+			delete(s.svids, a)
+			dirty = true
+		}
+	}
+	if dirty {
+		s.version++
+		close(s.changed)
+		s.changed = make(chan struct{})
+	}
+	return firstErr
+}
+
+// dueForRotation reports whether half of sv's lifetime has passed at now.
+func dueForRotation(sv *x509svid.SVID, now time.Time) bool {
+	c := sv.Certificates[0]
+	half := c.NotBefore.Add(c.NotAfter.Sub(c.NotBefore) / 2)
+	return !now.Before(half)
+}
+
+// Snapshot returns the current SVIDs sorted by SPIFFE ID, and a channel
+// closed at the next change.
+func (s *Store) Snapshot() ([]*x509svid.SVID, <-chan struct{}) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]*x509svid.SVID, 0, len(s.svids))
+	for _, sv := range s.svids {
+		out = append(out, sv)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID.String() < out[j].ID.String() })
+	return out, s.changed
+}
+
+// NextRotation is the earliest time an SVID becomes due for rotation, or the
+// zero time if the store is empty.
+func (s *Store) NextRotation() time.Time {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var next time.Time
+	for _, sv := range s.svids {
+		c := sv.Certificates[0]
+		half := c.NotBefore.Add(c.NotAfter.Sub(c.NotBefore) / 2)
+		if next.IsZero() || half.Before(next) {
+			next = half
+		}
+	}
+	return next
+}
