@@ -35,6 +35,9 @@ type EntryOptions struct {
 	RedirectAll bool
 	// LogLevel is the plugin's log_level ("" = the plugin's default).
 	LogLevel string
+	// CaptureFailure is capture_failure: "fail", "open" or "" (the
+	// plugin's default, fail).
+	CaptureFailure string
 }
 
 // Entry renders the aether-cni plugin object (one line of JSON, keys in a
@@ -49,6 +52,7 @@ func (o EntryOptions) Entry() ([]byte, error) {
 		AgentSocket  string          `json:"agent_socket"`
 		PinDir       string          `json:"netns_pin_dir"`
 		Capture      capture         `json:"capture"`
+		Failure      string          `json:"capture_failure,omitempty"`
 		LogLevel     string          `json:"log_level,omitempty"`
 		Capabilities map[string]bool `json:"capabilities"`
 	}{
@@ -56,6 +60,7 @@ func (o EntryOptions) Entry() ([]byte, error) {
 		AgentSocket:  o.AgentSocket,
 		PinDir:       o.PinDir,
 		Capture:      capture{RedirectAll: o.RedirectAll},
+		Failure:      o.CaptureFailure,
 		LogLevel:     o.LogLevel,
 		Capabilities: map[string]bool{"io.kubernetes.cri.pod-annotations": true},
 	}
@@ -68,6 +73,11 @@ func (o EntryOptions) Entry() ([]byte, error) {
 	case "", "debug", "info", "warn", "error":
 	default:
 		return nil, fmt.Errorf("invalid plugin log level %q: must be debug, info, warn or error", o.LogLevel)
+	}
+	switch o.CaptureFailure {
+	case "", "fail", "open":
+	default:
+		return nil, fmt.Errorf("invalid capture failure policy %q: must be fail (a pod whose divert or readiness probe fails does not start) or open (it starts uncaptured)", o.CaptureFailure)
 	}
 	return json.Marshal(e)
 }
@@ -101,6 +111,7 @@ func ParseFlags(args []string, out io.Writer) (*Options, error) {
 	fs.StringVar(&entry.AgentSocket, "agent-socket", DefaultAgentSocket, "agent_socket of the chained aether-cni entry")
 	fs.StringVar(&entry.PinDir, "netns-pin-dir", DefaultPinDir, "netns_pin_dir of the chained aether-cni entry")
 	fs.BoolVar(&entry.RedirectAll, "redirect-all", true, "capture.redirect_all of the chained aether-cni entry")
+	fs.StringVar(&entry.CaptureFailure, "capture-failure", "", "capture_failure of the chained aether-cni entry: fail (a pod whose divert or readiness probe fails does not start) or open (it starts uncaptured); empty = the plugin's default, fail")
 	fs.StringVar(&entry.LogLevel, "plugin-log-level", "", "log_level of the chained aether-cni entry (debug, info, warn, error; empty = plugin default)")
 	fs.StringVar(&pluginConf, "plugin-config", "", "file with the whole aether-cni plugin object (JSON, \"type\": \"aether-cni\"); overrides the entry flags")
 	fs.StringVar(&o.LogLevel, "log-level", "info", "installer log level: debug, info, warn or error")

@@ -26,9 +26,9 @@ func TestParseFlags(t *testing.T) {
 		},
 		{
 			"eni-vlan and entry flags",
-			[]string{"--install-eni-vlan", "--agent-socket=/a.sock", "--netns-pin-dir=/pins", "--redirect-all=false", "--plugin-log-level=debug"},
+			[]string{"--install-eni-vlan", "--agent-socket=/a.sock", "--netns-pin-dir=/pins", "--redirect-all=false", "--plugin-log-level=debug", "--capture-failure=open"},
 			[]string{"aether-cni", "eni-vlan"},
-			`{"type":"aether-cni","agent_socket":"/a.sock","netns_pin_dir":"/pins","capture":{},"log_level":"debug","capabilities":{"io.kubernetes.cri.pod-annotations":true}}`,
+			`{"type":"aether-cni","agent_socket":"/a.sock","netns_pin_dir":"/pins","capture":{},"capture_failure":"open","log_level":"debug","capabilities":{"io.kubernetes.cri.pod-annotations":true}}`,
 		},
 		{
 			"plugin config file, compacted",
@@ -53,7 +53,7 @@ func TestParseFlags(t *testing.T) {
 			}
 		})
 	}
-	for _, bad := range [][]string{{"--plugin-log-level=loud"}, {"--netns-pin-dir=rel"}, {"--plugin-config=/nonexistent"}, {"--log-level=trace"}, {"--uninstall-on-exit=sometimes"}} {
+	for _, bad := range [][]string{{"--plugin-log-level=loud"}, {"--netns-pin-dir=rel"}, {"--plugin-config=/nonexistent"}, {"--log-level=trace"}, {"--uninstall-on-exit=sometimes"}, {"--capture-failure=ignore"}} {
 		if _, err := ParseFlags(bad, io.Discard); err == nil {
 			t.Errorf("ParseFlags(%v) succeeded; want an error", bad)
 		}

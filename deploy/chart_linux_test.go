@@ -220,6 +220,7 @@ func TestChartRejects(t *testing.T) {
 	}{
 		{"log level", "logLevel: verbose\n", `invalid logLevel "verbose"`},
 		{"plugin log level", "cni:\n  pluginLogLevel: trace\n", `invalid cni.pluginLogLevel "trace"`},
+		{"capture failure", "cni:\n  captureFailure: ignore\n", `invalid cni.captureFailure "ignore"`},
 		{"primary", "cni:\n  primary: calico\n", `invalid cni.primary "calico"`},
 		{"registry mode", "registry:\n  mode: consul\n", `invalid registry.mode "consul"`},
 		{"etcd without endpoints", "registry:\n  mode: etcd\n  etcd:\n    insecure: true\n", "invalid registry.etcd.endpoints"},

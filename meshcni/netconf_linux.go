@@ -28,6 +28,10 @@ const (
 	DefaultPinDir = "/run/aether/netns"
 	// DefaultUnpinDelay is how long a pin outlives DEL.
 	DefaultUnpinDelay = 60 * time.Second
+	// CaptureFailureFail and CaptureFailureOpen are the values of
+	// capture_failure.
+	CaptureFailureFail = "fail"
+	CaptureFailureOpen = "open"
 	// DefaultProbeBudget bounds the readiness probe.
 	DefaultProbeBudget = 5 * time.Second
 	// DefaultAgentTimeout bounds one agent RPC attempt.
@@ -116,6 +120,9 @@ type NetConf struct {
 	ReadinessProbeBudgetMs *int `json:"readiness_probe_budget_ms,omitempty"`
 	// Capture configures the divert.
 	Capture CaptureConf `json:"capture,omitempty"`
+	// CaptureFailure is what a failed divert or a readiness probe that
+	// never answers does to the ADD: "fail" (the default) or "open".
+	CaptureFailure string `json:"capture_failure,omitempty"`
 	// LogFile receives the plugin's logs (stderr when empty).
 	LogFile string `json:"log_file,omitempty"`
 	// LogLevel is debug, info, warn or error.
@@ -151,6 +158,9 @@ type Config struct {
 	ProbeBudget time.Duration
 	// Capture is the node-level divert (before per-pod annotations).
 	Capture capture.Config
+	// FailOpen is capture_failure "open": the pod starts uncaptured when
+	// the divert or the readiness probe fails. false ("fail") fails the ADD.
+	FailOpen bool
 	// LogFile and LogLevel: see NetConf.
 	LogFile, LogLevel string
 }
@@ -262,6 +272,13 @@ func ParseConfig(data []byte, requirePrev bool) (*Config, error) {
 	}
 	if err := c.Capture.Normalize().Validate(); err != nil {
 		return nil, cniutil.InvalidConfigf("invalid capture section: %w", err)
+	}
+	switch n.CaptureFailure {
+	case "", CaptureFailureFail:
+	case CaptureFailureOpen:
+		c.FailOpen = true
+	default:
+		return nil, cniutil.InvalidConfigf("invalid capture_failure %q: must be %q (the default: the ADD fails when the divert cannot be installed or the proxy never answers the readiness probe) or %q (the pod starts uncaptured and the agent serves it UNHEALTHY)", n.CaptureFailure, CaptureFailureFail, CaptureFailureOpen)
 	}
 	switch c.LogLevel {
 	case "", "debug", "info", "warn", "error":

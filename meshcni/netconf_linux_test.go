@@ -35,6 +35,8 @@ func TestParseConfig(t *testing.T) {
 		{"main route table", `{"capture":{"route_table":254}}`, false, "capture.route_table 254"},
 		{"same marks", `{"capture":{"bypass_mark":5,"divert_mark":5}}`, false, "differ"},
 		{"bad log level", `{"log_level":"loud"}`, false, "log_level"},
+		{"capture_failure open", `{"capture_failure":"open"}`, false, ""},
+		{"bad capture_failure", `{"capture_failure":"ignore"}`, false, `invalid capture_failure "ignore": must be "fail"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := ParseConfig([]byte(tc.conf), tc.requirePrev)
@@ -61,7 +63,7 @@ func TestDefaults(t *testing.T) {
 	}
 	if c.AgentSocket != DefaultAgentSocket || c.PinDir != DefaultPinDir || c.UnpinDelay != DefaultUnpinDelay ||
 		c.ProbeBudget != DefaultProbeBudget || c.ProbeURL != "http://127.0.0.1:18081/aether/readyz" ||
-		c.CRISocket != DefaultCRISocket || c.AddAttempts != 3 {
+		c.CRISocket != DefaultCRISocket || c.AddAttempts != 3 || c.FailOpen {
 		t.Fatalf("defaults: %+v", c)
 	}
 	if !slices.Equal(c.Capture.Ports, []uint16{18081}) || c.Capture.RedirectAll || c.Capture.CapturePort != 18001 {

@@ -43,6 +43,7 @@ type Capturer interface {
 	Install(nsPath string, r capture.Ruleset) error
 	Verify(nsPath string, r capture.Ruleset) error
 	Present(nsPath string) (bool, error)
+	Remove(nsPath string, c capture.Config) error
 }
 
 // Pinner pins netns paths (package pin).
@@ -284,25 +285,41 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	}
 
 	t := &cniv1.PluginTimings{Started: sent.GetStarted(), PreCall: sent.GetPreCall()}
+	// failure is why the ADD fails under capture_failure "fail"; under
+	// "open" the same errors are warnings and the pod starts uncaptured.
+	var failure error
 	if cfg.ProbeBudget > 0 {
 		step = p.Now()
 		if err := p.Readiness.Probe(ctx, args.Netns, cfg.ProbeURL, cfg.ProbeBudget); err != nil {
 			t.ReadinessProbeError = truncate(err.Error())
-			log.Warn("data plane not confirmed serving", "error", err)
+			if cfg.FailOpen {
+				log.Warn("data plane not confirmed serving", "error", err)
+			} else {
+				failure = cniutil.TryAgainf("aether-proxy did not answer the readiness probe %s in pod %s/%s within %s (capture_failure is %q; %q starts pods uncaptured): %w",
+					cfg.ProbeURL, id.namespace, id.name, cfg.ProbeBudget, CaptureFailureFail, CaptureFailureOpen, err)
+			}
 		}
 		t.ReadinessProbe = durationpb.New(p.Now().Sub(step))
 	}
 
-	step = p.Now()
 	pc, warns := cfg.PodCapture(cfg.Raw.RuntimeConfig.PodAnnotations)
 	for _, w := range warns {
 		log.Warn("pod annotation ignored", "reason", w)
 	}
-	if err := p.Capture.Install(args.Netns, capture.Build(pc)); err != nil {
-		t.CaptureDivertError = truncate(err.Error())
-		log.Warn("capture divert failed; the pod runs UNCAPTURED", "error", err)
+	rs := capture.Build(pc)
+	if failure == nil {
+		step = p.Now()
+		if err := p.Capture.Install(args.Netns, rs); err != nil {
+			t.CaptureDivertError = truncate(err.Error())
+			if cfg.FailOpen {
+				log.Warn("capture divert failed; the pod runs UNCAPTURED", "error", err)
+			} else {
+				failure = fmt.Errorf("failed to install the capture divert in pod %s/%s (capture_failure is %q; %q starts pods uncaptured): %w",
+					id.namespace, id.name, CaptureFailureFail, CaptureFailureOpen, err)
+			}
+		}
+		t.CaptureDivert = durationpb.New(p.Now().Sub(step))
 	}
-	t.CaptureDivert = durationpb.New(p.Now().Sub(step))
 
 	t.Total = durationpb.New(p.Now().Sub(p.Started))
 	if err := agent.ReportAddResult(ctx, &cniv1.ReportAddResultRequest{
@@ -310,8 +327,32 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	}); err != nil {
 		log.Warn("add result not reported", "error", err)
 	}
+	if failure != nil {
+		p.rollback(ctx, c, agent, args.Netns, rs.Config, unpin)
+		return failure
+	}
 	log.Info("pod added", "pre_call", preCall, "total", t.Total.AsDuration())
 	return p.printPrev(cfg)
+}
+
+// rollback undoes a managed ADD that fails under capture_failure "fail",
+// so the failed ADD leaves nothing: the divert (also a half-installed one),
+// the agent's record and registration, and the netns pin. Each step is
+// tried even if an earlier one fails; the runtime's DEL finds nothing left.
+func (p *Plugin) rollback(ctx context.Context, c *call, agent Agent, netns string, cc capture.Config, unpin func()) {
+	id, log := c.id, c.log
+	if err := p.Capture.Remove(netns, cc); err != nil {
+		log.Warn("failed to remove the capture divert after a failed ADD", "error", err)
+	}
+	res, err := agent.RemovePod(ctx, &cniv1.RemovePodRequest{
+		Name: id.name, Namespace: id.namespace, ContainerId: id.sandboxID, PluginTimings: p.callTimings(),
+	})
+	if err != nil {
+		log.Warn("failed to withdraw the pod from aether-agent after a failed ADD (the runtime's DEL retries)", "error", err)
+	} else {
+		log.Info("failed ADD rolled back", "remove_pod", res.String())
+	}
+	unpin()
 }
 
 // callTimings are the PluginTimings every agent RPC of an invocation

@@ -85,6 +85,10 @@ func (r *recorder) Install(ns string, _ capture.Ruleset) error {
 
 func (r *recorder) Verify(string, capture.Ruleset) error { r.log("Verify"); return r.verifyErr }
 func (r *recorder) Present(string) (bool, error)         { return r.present, nil }
+func (r *recorder) Remove(ns string, _ capture.Config) error {
+	r.log("Remove %s", ns)
+	return nil
+}
 
 func (r *recorder) Pin(dir, cid, ns string) (string, error) {
 	r.log("Pin")
@@ -217,15 +221,67 @@ func TestAddIgnoredInstallsNothing(t *testing.T) {
 	}
 }
 
-func TestAddDivertFailureReportedNotFatal(t *testing.T) {
+func TestAddDivertFailureFailOpen(t *testing.T) {
 	r := &recorder{addResult: cniv1.AddPodResponse_RESULT_SUCCESS, pins: map[string]bool{}, installErr: errors.New("nft: no tproxy"), probeErr: errors.New("503")}
 	p, _ := newTestPlugin(r)
-	if err := p.Add(args("/run/netns/pod", conf(""))); err != nil {
-		t.Fatalf("ADD failed on a divert failure: %v", err)
+	if err := p.Add(args("/run/netns/pod", conf(`"capture_failure":"open",`))); err != nil {
+		t.Fatalf("ADD failed on a divert failure under capture_failure=open: %v", err)
 	}
 	tm := r.report.GetTimings()
 	if !strings.Contains(tm.GetCaptureDivertError(), "no tproxy") || !strings.Contains(tm.GetReadinessProbeError(), "503") {
 		t.Fatalf("errors not reported: %v", tm)
+	}
+	if !r.pins["cid"] || slices.ContainsFunc(r.calls, func(c string) bool { return strings.HasPrefix(c, "RemovePod") || c == "Remove" }) {
+		t.Fatalf("capture_failure=open rolled back: calls %q, pins %v", r.calls, r.pins)
+	}
+}
+
+// TestAddCaptureFailureFail: under capture_failure "fail" (the default) a
+// readiness probe that never answers (code 11) or a divert that cannot be
+// installed (code 999) fails the ADD after reporting the error, and the
+// ADD leaves nothing: divert removed, agent record withdrawn, pin released,
+// nothing printed.
+func TestAddCaptureFailureFail(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		conf       string
+		probeErr   error
+		installErr error
+		wantCode   uint
+		wantCalls  []string
+		wantReport func(*cniv1.PluginTimings) bool
+	}{
+		{
+			name: "probe never answers", probeErr: errors.New("connection refused"), wantCode: types.ErrTryAgainLater,
+			wantCalls: []string{"CRI", "Pin", "AddPod", "Probe http://127.0.0.1:18081/aether/readyz", "Report", "Remove /run/netns/pod", "RemovePod shop/web sandbox", "Unpin"},
+			wantReport: func(tm *cniv1.PluginTimings) bool {
+				return strings.Contains(tm.GetReadinessProbeError(), "refused") && tm.GetCaptureDivert() == nil
+			},
+		},
+		{
+			name: "divert fails (explicit fail)", conf: `"capture_failure":"fail",`, installErr: errors.New("nft: no tproxy"), wantCode: types.ErrInternal,
+			wantCalls:  []string{"CRI", "Pin", "AddPod", "Probe http://127.0.0.1:18081/aether/readyz", "Install /run/netns/pod", "Report", "Remove /run/netns/pod", "RemovePod shop/web sandbox", "Unpin"},
+			wantReport: func(tm *cniv1.PluginTimings) bool { return strings.Contains(tm.GetCaptureDivertError(), "no tproxy") },
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := &recorder{addResult: cniv1.AddPodResponse_RESULT_SUCCESS, pins: map[string]bool{}, installErr: tc.installErr, probeErr: tc.probeErr}
+			p, out := newTestPlugin(r)
+			err := p.Add(args("/run/netns/pod", conf(tc.conf)))
+			ce := cniutil.AsCNIError(err)
+			if ce == nil || ce.Code != tc.wantCode || !strings.Contains(err.Error(), "capture_failure") {
+				t.Fatalf("ADD = %v, want code %d naming capture_failure", err, tc.wantCode)
+			}
+			if !slices.Equal(r.calls, tc.wantCalls) {
+				t.Fatalf("calls = %q, want %q", r.calls, tc.wantCalls)
+			}
+			if !tc.wantReport(r.report.GetTimings()) {
+				t.Fatalf("report = %v", r.report.GetTimings())
+			}
+			if len(r.pins) != 0 || out.Len() != 0 {
+				t.Fatalf("failed ADD left pins %v, printed %q", r.pins, out)
+			}
+		})
 	}
 }
 

@@ -443,7 +443,9 @@ func (m *Manager) endpoint(r *store.Record, healthy bool) registry.Endpoint {
 	ep := registry.Endpoint{
 		Key: r.Key(), Node: r.Node, Namespace: p.GetNamespace(), Name: p.GetName(), UID: p.GetUid(),
 		ServiceAccount: p.GetServiceAccount(), Labels: p.GetLabels(), Owner: r.Owner, HostNetwork: r.HostNetwork, FixedName: r.FixedName,
-		Healthy: healthy, Locality: m.cfg.Locality,
+		// An UNCAPTURED pod runs outside the mesh: it is served UNHEALTHY
+		// (no traffic is routed to it) until a later ADD captures it.
+		Healthy: healthy && !r.Uncaptured, Locality: m.cfg.Locality,
 	}
 	if ep.Node == "" {
 		ep.Node = m.cfg.Node
@@ -538,6 +540,7 @@ func (m *Manager) ReportAddResult(ctx context.Context, req *cniv1.ReportAddResul
 	if t != nil {
 		rec.LastTimings = proto.Clone(t).(*cniv1.PluginTimings)
 	}
+	wasUncaptured := e.rec.Uncaptured
 	rec.Uncaptured = t.GetCaptureDivertError() != ""
 	rec.UncapturedError = t.GetCaptureDivertError()
 	e.rec = rec
@@ -548,6 +551,20 @@ func (m *Manager) ReportAddResult(ctx context.Context, req *cniv1.ReportAddResul
 	}
 	if err := m.persist(ctx, e); err != nil {
 		return true, fmt.Errorf("failed to persist add result of %q: %w", key, err)
+	}
+	if rec.Uncaptured != wasUncaptured {
+		// Health as served changed (UNCAPTURED is served UNHEALTHY): tell
+		// the local xDS at once and republish the endpoint. A failed
+		// registry write is retried by the liveness loop.
+		m.mu.Lock()
+		registered, healthy := e.registered, e.healthy
+		if !e.removed {
+			m.observeLocked(e)
+		}
+		m.mu.Unlock()
+		if registered {
+			m.register(ctx, e, healthy)
+		}
 	}
 	return true, nil
 }

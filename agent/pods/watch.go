@@ -176,7 +176,10 @@ func (m *Manager) LivenessTick(ctx context.Context) {
 		e := c.e
 		m.mu.Lock()
 		h, found := present[e.key]
-		skip := m.entries[e.key] != e || !liveLocked(e) || (e.registered && e.healthy == health[i] && found && h == health[i])
+		// The registry holds the served health (UNCAPTURED is served
+		// unhealthy; see endpoint).
+		served := health[i] && !e.rec.Uncaptured
+		skip := m.entries[e.key] != e || !liveLocked(e) || (e.registered && e.healthy == health[i] && found && h == served)
 		m.mu.Unlock()
 		if skip {
 			continue

@@ -346,3 +346,69 @@ func TestGoldenMatchesKernel(t *testing.T) {
 		})
 	}
 }
+
+// TestRemoveLeavesNothing: Remove takes out the table, the fwmark rules
+// and the local routes of both families (the namespace is as before the
+// install), also after an install that left only the routing behind, and
+// a second Remove is no error.
+func TestRemoveLeavesNothing(t *testing.T) {
+	pod, _ := topology(t)
+	inst := capture.Installer{}
+	rs := capture.Build(goldenConfigs["redirect-all-excluded"])
+	snapshot := func() string {
+		t.Helper()
+		var b strings.Builder
+		cmds := [][]string{
+			{"ip", "-4", "rule"},
+			{"ip", "-6", "rule"},
+			{"ip", "-4", "route", "show", "table", "all"},
+			{"ip", "-6", "route", "show", "table", "all"},
+			{"nft", "list", "ruleset"},
+		}
+		for _, args := range cmds {
+			var out []byte
+			pod.MustDo(t, func() error {
+				var err error
+				out, err = exec.Command(args[0], args[1:]...).CombinedOutput()
+				if err != nil {
+					return fmt.Errorf("%v: %w: %s", args, err, out)
+				}
+				return nil
+			})
+			fmt.Fprintf(&b, "## %s\n%s", strings.Join(args, " "), out)
+		}
+		return b.String()
+	}
+	before := snapshot()
+	if err := inst.Install(pod.Path(), rs); err != nil {
+		t.Fatal(err)
+	}
+	if snapshot() == before {
+		t.Fatal("install changed nothing visible: the snapshot cannot tell")
+	}
+	for i := range 2 {
+		if err := inst.Remove(pod.Path(), rs.Config); err != nil {
+			t.Fatalf("remove %d: %v", i, err)
+		}
+		if after := snapshot(); after != before {
+			t.Fatalf("remove %d left state behind:\n--- before\n%s\n--- after\n%s", i, before, after)
+		}
+	}
+	// Routing without the table (an Install that failed half-way).
+	if err := inst.Install(pod.Path(), rs); err != nil {
+		t.Fatal(err)
+	}
+	pod.MustDo(t, func() error {
+		out, err := exec.Command("nft", "delete", "table", "inet", capture.TableName).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("%w: %s", err, out)
+		}
+		return nil
+	})
+	if err := inst.Remove(pod.Path(), rs.Config); err != nil {
+		t.Fatal(err)
+	}
+	if after := snapshot(); after != before {
+		t.Fatalf("remove after a half install left state behind:\n--- before\n%s\n--- after\n%s", before, after)
+	}
+}

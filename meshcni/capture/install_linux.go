@@ -380,3 +380,63 @@ func isDefault(n *net.IPNet) bool {
 	ones, _ := n.Mask.Size()
 	return ones == 0
 }
+
+// Remove takes the divert of c out of the namespace at nsPath: the capture
+// table, and the fwmark rules and local routes of c's table. What is
+// already gone is no error, so Remove also cleans up after an Install that
+// failed half-way (routing in place, table not).
+func (Installer) Remove(nsPath string, c Config) error {
+	return inNS(nsPath, func(fd int) error { return RemoveFd(fd, c) })
+}
+
+// RemoveFd is Remove on an open namespace fd. The routing goes first and
+// each part is tried even when another fails (a table that another netlink
+// socket owns cannot be deleted, but the rules and routes still go).
+func RemoveFd(fd int, c Config) error {
+	c = c.Normalize()
+	return errors.Join(removeRouting(fd, c), removeTable(fd))
+}
+
+func removeRouting(fd int, c Config) error {
+	h, err := netlinksafe.NewHandleAt(netns.NsHandle(fd), unix.NETLINK_ROUTE)
+	if err != nil {
+		return fmt.Errorf("failed to open netlink in netns: %w", err)
+	}
+	defer h.Close()
+	routes, rules, err := localRoutes(h, c)
+	if err != nil {
+		return err
+	}
+	gone := func(err error) bool {
+		return err == nil || errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ESRCH) || errors.Is(err, unix.EAFNOSUPPORT)
+	}
+	var errs []error
+	for i := range rules {
+		if err := h.RuleDel(rules[i]); !gone(err) {
+			errs = append(errs, fmt.Errorf("failed to delete fwmark rule %#x lookup %d: %w", c.DivertMark, c.RouteTable, err))
+		}
+		if err := h.RouteDel(routes[i]); !gone(err) {
+			errs = append(errs, fmt.Errorf("failed to delete local route of table %d: %w", c.RouteTable, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func removeTable(fd int) error {
+	nc, err := nftables.New(nftables.WithNetNSFd(fd))
+	if err != nil {
+		return fmt.Errorf("failed to open nftables in netns: %w", err)
+	}
+	_, err = nc.ListTableOfFamily(TableName, nftables.TableFamilyINet)
+	if errors.Is(err, unix.ENOENT) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("failed to look up table %q: %w", TableName, err)
+	}
+	nc.DelTable(&nftables.Table{Name: TableName, Family: nftables.TableFamilyINet})
+	if err := nc.Flush(); err != nil && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("failed to delete nftables table %q: %w", TableName, err)
+	}
+	return nil
+}

@@ -1,6 +1,7 @@
 package e2e_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -9,11 +10,14 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/containernetworking/cni/pkg/types"
 	mdnetlink "github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 
@@ -379,13 +383,13 @@ func ownTable(t *testing.T, ns *harness.NS, name string) {
 	}
 }
 
-// TestDivertFailureReported: when the divert cannot be installed (here the
-// pod netns holds a table of that name owned by another netlink socket),
-// ADD still succeeds, the failure reaches the agent (uncaptured,
-// capture_divert_error) and CHECK fails.
-func TestDivertFailureReported(t *testing.T) {
+// TestDivertFailureFailOpen: under capture_failure "open", when the
+// divert cannot be installed (here the pod netns holds a table of that name
+// owned by another netlink socket), ADD still succeeds, the failure reaches
+// the agent (uncaptured, capture_divert_error) and CHECK fails.
+func TestDivertFailureFailOpen(t *testing.T) {
 	ctx := context.Background()
-	e := newEnv(t, "1.0.0", map[string]any{"readiness_probe_disabled": true})
+	e := newEnv(t, "1.0.0", map[string]any{"readiness_probe_disabled": true, "capture_failure": "open"})
 	p, podNS := newPod(t, "owned")
 	e.agent.WritePod(t, p.Namespace, p.Name, p.UID, true, nil)
 	ownTable(t, podNS, capture.TableName)
@@ -405,6 +409,79 @@ func TestDivertFailureReported(t *testing.T) {
 	}
 	if err := e.rt.Del(ctx, p); err != nil {
 		t.Fatalf("DEL: %v", err)
+	}
+}
+
+// divertRouting is what of the divert's policy routing the pod netns
+// holds: fwmark rules, and routes in the divert's table ("" = none).
+func divertRouting(t *testing.T, ns *harness.NS) string {
+	t.Helper()
+	table := fmt.Sprint(capture.DefaultRouteTable)
+	var b strings.Builder
+	for _, args := range [][]string{{"-4", "rule"}, {"-6", "rule"}, {"-4", "route", "show", "table", table}, {"-6", "route", "show", "table", table}} {
+		ns.MustDo(t, func() error {
+			out, err := exec.Command("ip", args...).CombinedOutput()
+			if err != nil && bytes.Contains(out, []byte("table does not exist")) {
+				return nil // the kernel never had a route in it
+			}
+			if err != nil {
+				return fmt.Errorf("ip %v: %w: %s", args, err, out)
+			}
+			for _, l := range strings.Split(string(out), "\n") {
+				if args[1] == "route" && strings.TrimSpace(l) != "" || strings.Contains(l, "fwmark") {
+					fmt.Fprintf(&b, "%v: %s\n", args, l)
+				}
+			}
+			return nil
+		})
+	}
+	return b.String()
+}
+
+// TestCaptureFailureFailLeavesNothing: under capture_failure "fail" (the
+// default) an ADD whose readiness probe never answers (code 11) or whose
+// divert cannot be installed (code 999) fails, and leaves nothing: no
+// divert table, fwmark rule or route, no agent record, no netns pin; the
+// runtime's DEL afterwards succeeds.
+func TestCaptureFailureFailLeavesNothing(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		conf     map[string]any
+		owned    bool // another socket owns the capture table: Install fails
+		wantCode uint
+	}{
+		{"probe never answers", map[string]any{"readiness_probe_budget_ms": 300}, false, types.ErrTryAgainLater},
+		{"divert cannot be installed", map[string]any{"readiness_probe_disabled": true, "capture_failure": "fail"}, true, types.ErrInternal},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			e := newEnv(t, "1.0.0", tc.conf)
+			p, podNS := newPod(t, "strict")
+			e.agent.WritePod(t, p.Namespace, p.Name, p.UID, true, nil)
+			if tc.owned {
+				ownTable(t, podNS, capture.TableName)
+			}
+			_, err := e.rt.Add(ctx, p)
+			if code := cniCode(err); code != tc.wantCode || !strings.Contains(err.Error(), "capture_failure") {
+				t.Fatalf("ADD = %v (code %d), want code %d naming capture_failure", err, code, tc.wantCode)
+			}
+			t.Logf("ADD failed as it should: %v", err)
+			if left := divertRouting(t, podNS); left != "" {
+				t.Errorf("failed ADD left divert routing behind:\n%s", left)
+			}
+			if !tc.owned && tablePresent(t, podNS) {
+				t.Error("failed ADD left the capture table")
+			}
+			if _, err := e.agent.Client(t).GetPod(ctx, p.ContainerID); !errors.Is(err, agentclient.ErrNotFound) {
+				t.Errorf("agent still has a record of the failed pod: GetPod = %v", err)
+			}
+			if _, err := os.Lstat(filepath.Join(e.pinDir, p.ContainerID)); !os.IsNotExist(err) {
+				t.Errorf("failed ADD left its netns pin: %v", err)
+			}
+			if err := e.rt.Del(ctx, p); err != nil {
+				t.Fatalf("DEL after the failed ADD: %v", err)
+			}
+		})
 	}
 }
 

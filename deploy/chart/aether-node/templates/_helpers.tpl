@@ -45,6 +45,9 @@ refuses as a socket directory); aether-cni pins network namespaces in netns/.
 {{- if not (has .Values.cni.pluginLogLevel (append $levels "")) -}}
 {{- fail (printf "invalid cni.pluginLogLevel %q: must be empty, debug, info, warn or error" .Values.cni.pluginLogLevel) -}}
 {{- end -}}
+{{- if not (has .Values.cni.captureFailure (list "fail" "open")) -}}
+{{- fail (printf "invalid cni.captureFailure %q: must be fail or open" .Values.cni.captureFailure) -}}
+{{- end -}}
 {{- if not (has .Values.cni.primary (list "" "eni-vlan")) -}}
 {{- fail (printf "invalid cni.primary %q: must be empty or eni-vlan" .Values.cni.primary) -}}
 {{- end -}}
