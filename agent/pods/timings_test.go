@@ -16,6 +16,20 @@ import (
 	"aether.io/node/registry/local"
 )
 
+// webPodStore is a temporary store and a pod source holding the managed
+// pod ns/web (uid u1).
+func webPodStore(t *testing.T) (*store.Store, *fakeSource) {
+	t.Helper()
+	st, err := store.Open(t.TempDir(), store.Options{NoSync: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	src := newFakeSource()
+	src.set(&podsource.Pod{Namespace: "ns", Name: "web", UID: "u1", Labels: map[string]string{ManagedLabel: "true"}})
+	return st, src
+}
+
 func callTimings(started time.Time, preCall time.Duration) *cniv1.PluginTimings {
 	return &cniv1.PluginTimings{Started: timestamppb.New(started), PreCall: durationpb.New(preCall)}
 }
@@ -25,13 +39,7 @@ func callTimings(started time.Time, preCall time.Duration) *cniv1.PluginTimings 
 // record holds the last ADD's timings, the manager the last DEL's.
 func TestPluginTimingsKept(t *testing.T) {
 	ctx := context.Background()
-	st, err := store.Open(t.TempDir(), store.Options{NoSync: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { st.Close() })
-	src := newFakeSource()
-	src.set(&podsource.Pod{Namespace: "ns", Name: "web", UID: "u1", Labels: map[string]string{ManagedLabel: "true"}})
+	st, src := webPodStore(t)
 	m := New(Config{Node: "n", PodWait: 200 * time.Millisecond}, st, local.New(), src, nil, nil, nil)
 	clock := time.Date(2026, 11, 30, 10, 0, 0, 0, time.UTC)
 	m.now = func() time.Time { return clock }

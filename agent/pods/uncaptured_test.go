@@ -6,7 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"aether.io/node/agent/podsource"
 	"aether.io/node/agent/store"
 	cniv1 "aether.io/node/api/aether/cni/v1"
 	"aether.io/node/registry"
@@ -40,13 +39,7 @@ func (o *lastEndpoint) healthy(key string) (bool, bool) {
 // ADD that captures it serves it HEALTHY again.
 func TestUncapturedServedUnhealthy(t *testing.T) {
 	ctx := context.Background()
-	st, err := store.Open(t.TempDir(), store.Options{NoSync: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { st.Close() })
-	src := newFakeSource()
-	src.set(&podsource.Pod{Namespace: "ns", Name: "web", UID: "u1", Labels: map[string]string{ManagedLabel: "true"}})
+	st, src := webPodStore(t)
 	live := true
 	obs := &lastEndpoint{eps: map[string]registry.Endpoint{}}
 	reg := local.New()

@@ -238,17 +238,22 @@ func (Installer) Present(nsPath string) (bool, error) {
 		if err != nil {
 			return fmt.Errorf("failed to open nftables in netns: %w", err)
 		}
-		_, err = c.ListTableOfFamily(TableName, nftables.TableFamilyINet)
-		if errors.Is(err, unix.ENOENT) {
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("failed to list table %q: %w", TableName, err)
-		}
-		present = true
-		return nil
+		present, err = hasTable(c)
+		return err
 	})
 	return present, err
+}
+
+// hasTable reports whether c's namespace holds the capture table.
+func hasTable(c *nftables.Conn) (bool, error) {
+	_, err := c.ListTableOfFamily(TableName, nftables.TableFamilyINet)
+	if errors.Is(err, unix.ENOENT) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("failed to list table %q: %w", TableName, err)
+	}
+	return true, nil
 }
 
 // Verify compares the namespace's divert with r: the same chains (type,
@@ -427,12 +432,8 @@ func removeTable(fd int) error {
 	if err != nil {
 		return fmt.Errorf("failed to open nftables in netns: %w", err)
 	}
-	_, err = nc.ListTableOfFamily(TableName, nftables.TableFamilyINet)
-	if errors.Is(err, unix.ENOENT) {
-		return nil
-	}
-	if err != nil {
-		return fmt.Errorf("failed to look up table %q: %w", TableName, err)
+	if ok, err := hasTable(nc); !ok || err != nil {
+		return err
 	}
 	nc.DelTable(&nftables.Table{Name: TableName, Family: nftables.TableFamilyINet})
 	if err := nc.Flush(); err != nil && !errors.Is(err, unix.ENOENT) {
