@@ -202,17 +202,28 @@ func ipv6Disabled(h netlinksafe.Handle) bool {
 	return true
 }
 
-func installRouting(fd int, c Config) error {
+// routing opens netlink on the namespace fd and renders c's local routes
+// and fwmark rules there; the caller closes the handle.
+func routing(fd int, c Config) (*netlinksafe.Handle, []*netlink.Route, []*netlink.Rule, error) {
 	h, err := netlinksafe.NewHandleAt(netns.NsHandle(fd), unix.NETLINK_ROUTE)
 	if err != nil {
-		return fmt.Errorf("failed to open netlink in netns: %w", err)
+		return nil, nil, nil, fmt.Errorf("failed to open netlink in netns: %w", err)
 	}
-	defer h.Close()
 	routes, rules, err := localRoutes(h, c)
+	if err != nil {
+		h.Close()
+		return nil, nil, nil, err
+	}
+	return &h, routes, rules, nil
+}
+
+func installRouting(fd int, c Config) error {
+	h, routes, rules, err := routing(fd, c)
 	if err != nil {
 		return err
 	}
-	no6 := ipv6Disabled(h)
+	defer h.Close()
+	no6 := ipv6Disabled(*h)
 	for i := range routes {
 		if routes[i].Family == unix.AF_INET6 && no6 {
 			continue
@@ -403,15 +414,11 @@ func RemoveFd(fd int, c Config) error {
 }
 
 func removeRouting(fd int, c Config) error {
-	h, err := netlinksafe.NewHandleAt(netns.NsHandle(fd), unix.NETLINK_ROUTE)
-	if err != nil {
-		return fmt.Errorf("failed to open netlink in netns: %w", err)
-	}
-	defer h.Close()
-	routes, rules, err := localRoutes(h, c)
+	h, routes, rules, err := routing(fd, c)
 	if err != nil {
 		return err
 	}
+	defer h.Close()
 	gone := func(err error) bool {
 		return err == nil || errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ESRCH) || errors.Is(err, unix.EAFNOSUPPORT)
 	}
