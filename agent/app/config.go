@@ -14,6 +14,7 @@ import (
 
 	"aether.io/node/agent/pods"
 	"aether.io/node/pkg/meshcontract"
+	"aether.io/node/pkg/tlsfiles"
 	"aether.io/node/registry"
 	etcdreg "aether.io/node/registry/etcd"
 	"aether.io/node/xds/resource"
@@ -53,6 +54,10 @@ type Config struct {
 	// XDSSocket and XDSAddress serve workload discovery; LDSSocket serves
 	// aether-proxy's per-pod listeners.
 	XDSSocket, XDSAddress, LDSSocket string
+	// XDSTLS are the mutual-TLS files of --xds-address (required beyond
+	// loopback); XDSMaxRecvBytes bounds one request received there.
+	XDSTLS          tlsfiles.Files
+	XDSMaxRecvBytes int
 	// ClusterID, TrustDomain and Network go into every served workload.
 	ClusterID, TrustDomain, Network string
 	// Registry is "local" or "etcd"; the Etcd* fields configure etcd.
@@ -95,7 +100,11 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.StringVar(&c.OTLPEndpoint, "otlp-endpoint", "", "OTLP/gRPC collector (host:port) for traces; empty disables export")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.StringVar(&c.XDSSocket, "xds-socket", SocketDir+"/xds.sock", "unix socket serving workload discovery ("+resource.WorkloadType+", delta and SotW ADS); empty disables it")
-	fs.StringVar(&c.XDSAddress, "xds-address", "", "optional TCP host:port also serving workload discovery")
+	fs.StringVar(&c.XDSAddress, "xds-address", "", "optional TCP host:port also serving workload discovery; beyond loopback it requires --xds-tls-cert, --xds-tls-key and --xds-client-ca (mutual TLS)")
+	fs.StringVar(&c.XDSTLS.Cert, "xds-tls-cert", "", "PEM certificate chain --xds-address presents (reloaded when the file changes)")
+	fs.StringVar(&c.XDSTLS.Key, "xds-tls-key", "", "PEM private key of --xds-tls-cert")
+	fs.StringVar(&c.XDSTLS.CA, "xds-client-ca", "", "PEM bundle that verifies the client certificates --xds-address requires")
+	fs.IntVar(&c.XDSMaxRecvBytes, "xds-max-recv-bytes", DefaultXDSMaxRecvBytes, "largest request --xds-address accepts (a reconnect's initial_resource_versions grows with the cluster; the unix socket has no such limit)")
 	fs.StringVar(&c.LDSSocket, "lds-socket", SocketDir+"/lds.sock", "unix socket serving aether-proxy's per-pod listeners (envoy.config.listener.v3.Listener, ADS); empty disables it")
 	fs.StringVar(&c.ClusterID, "cluster-id", "Kubernetes", "cluster name: the first segment of every workload uid and its cluster_id")
 	fs.StringVar(&c.TrustDomain, "trust-domain", "cluster.local", "SPIFFE trust domain of the workloads")
@@ -157,6 +166,9 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 		}
 	default:
 		return nil, fmt.Errorf("invalid --registry %q: want local or etcd", c.Registry)
+	}
+	if err := c.checkXDSAddress(); err != nil {
+		return nil, err
 	}
 	if (c.XDSSocket != "" || c.XDSAddress != "") && c.ClusterID == "" {
 		return nil, errors.New("invalid --cluster-id: empty; workload uids need the cluster name")

@@ -37,6 +37,13 @@ func TestParseFlags(t *testing.T) {
 		{[]string{"--registry=etcd", "--etcd-endpoints", "https://10.0.0.1:2379"}, "pass --etcd-insecure"},
 		{[]string{"--registry=etcd", "--etcd-endpoints", "https://10.0.0.1:2379,http://10.0.0.2:2379", "--etcd-ca", "/etc/ca.pem"}, `endpoint "http://10.0.0.2:2379" would drop TLS`},
 		{[]string{"--registry=etcd", "--etcd-endpoints", "http://10.0.0.1:2379", "--etcd-ca", "/etc/ca.pem", "--etcd-insecure"}, "need https:// endpoints, even with --etcd-insecure"},
+		{[]string{"--xds-address", ":15010"}, "beyond loopback workload discovery requires mutual TLS"},
+		{[]string{"--xds-address", "10.0.0.5:15010"}, "requires mutual TLS"},
+		{[]string{"--xds-address", "node.example:15010"}, "requires mutual TLS"},
+		{[]string{"--xds-address", "10.0.0.5:15010", "--xds-tls-cert", "/c", "--xds-tls-key", "/k"}, "give all three or none"},
+		{[]string{"--xds-tls-cert", "/c", "--xds-tls-key", "/k", "--xds-client-ca", "/ca"}, "given without --xds-address"},
+		{[]string{"--xds-address", "15010"}, "want host:port"},
+		{[]string{"--xds-address", "127.0.0.1:15010", "--xds-max-recv-bytes", "0"}, "invalid --xds-max-recv-bytes 0"},
 	} {
 		if _, err := ParseFlags(tc.args, &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("ParseFlags(%q) = %v, want %q", tc.args, err, tc.want)
@@ -54,6 +61,16 @@ func TestParseFlags(t *testing.T) {
 		}
 		if o := c.etcdOptions(); o.Insecure != slices.Contains(args, "--etcd-insecure") || o.CAFile != c.EtcdCAFile || len(o.Endpoints) != 1 {
 			t.Errorf("ParseFlags(%q): etcd options %+v", args, o)
+		}
+	}
+	for _, args := range [][]string{
+		{"--xds-address", "127.0.0.1:15010"},
+		{"--xds-address", "[::1]:15010"},
+		{"--xds-address", "localhost:15010"},
+		{"--xds-address", "10.0.0.5:15010", "--xds-tls-cert", "/c", "--xds-tls-key", "/k", "--xds-client-ca", "/ca"},
+	} {
+		if _, err := ParseFlags(args, &bytes.Buffer{}); err != nil {
+			t.Errorf("ParseFlags(%q) = %v", args, err)
 		}
 	}
 	var out bytes.Buffer

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+	"golang.org/x/net/netutil"
 	"google.golang.org/protobuf/proto"
 
 	cachev3 "github.com/envoyproxy/go-control-plane/pkg/cache/types"
@@ -246,8 +247,11 @@ func (a *agent) appendXDS() {
 				return nil
 			})
 		}
-		serve := func(ln net.Listener) (net.Listener, lifecycle.Server, error) {
-			g := grpc.NewServer(workload.ServerGRPCOptions(0)...)
+		serve := func(ln net.Listener, opts ...grpc.ServerOption) (net.Listener, lifecycle.Server, error) {
+			if opts == nil {
+				opts = workload.ServerGRPCOptions(0)
+			}
+			g := grpc.NewServer(opts...)
 			srv.Register(g)
 			s := lifecycle.GRPC(g)
 			drain := s.Shutdown
@@ -270,11 +274,15 @@ func (a *agent) appendXDS() {
 		}
 		if c.XDSAddress != "" {
 			a.lc.Serve("wds_tcp", func() (net.Listener, lifecycle.Server, error) {
+				opts, err := tcpServerOptions(c, log.With("component", "wds_tcp"))
+				if err != nil {
+					return nil, lifecycle.Server{}, err
+				}
 				ln, err := net.Listen("tcp", c.XDSAddress)
 				if err != nil {
 					return nil, lifecycle.Server{}, fmt.Errorf("failed to listen on --xds-address %q: %w", c.XDSAddress, err)
 				}
-				return serve(ln)
+				return serve(netutil.LimitListener(ln, xdsTCPMaxConns), opts...)
 			})
 		}
 	}

@@ -13,6 +13,7 @@ package adsclient
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -27,6 +28,7 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 )
 
@@ -61,6 +63,9 @@ type Client struct {
 	// MaxMessageBytes bounds a received response (0: gRPC's default, 4 MiB).
 	// Servers that do not split responses send the whole state at once.
 	MaxMessageBytes int
+	// TLS secures the connection (mutual TLS to an --xds-address beyond
+	// loopback); nil dials without transport security (unix sockets).
+	TLS *tls.Config
 	// Once makes Run open a single stream, without waiting for the server to
 	// become reachable, and return its error when it ends instead of
 	// reconnecting.
@@ -175,7 +180,11 @@ func (c *Client) Run(ctx context.Context) error {
 	c.mu.Lock()
 	c.initLocked()
 	c.mu.Unlock()
-	opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
+	creds := insecure.NewCredentials()
+	if c.TLS != nil {
+		creds = credentials.NewTLS(c.TLS)
+	}
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(creds)}
 	if c.MaxMessageBytes > 0 {
 		opts = append(opts, grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(c.MaxMessageBytes), grpc.MaxCallSendMsgSize(c.MaxMessageBytes)))
 	}

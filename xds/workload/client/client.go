@@ -8,6 +8,7 @@ package client
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"maps"
@@ -38,6 +39,8 @@ type Options struct {
 	InitialVersions map[string]string
 	// MaxMessageBytes bounds a received response; 0 means 1 GiB.
 	MaxMessageBytes int
+	// TLS secures a connection to Address (nil: none).
+	TLS *tls.Config
 }
 
 // Update is what one response changed.
@@ -103,7 +106,7 @@ func Dial(ctx context.Context, opts Options) (*Client, error) {
 	}
 	c.ads = &adsclient.Client{
 		Target: target, Node: &core.Node{Id: node}, TypeURLs: []string{resource.WorkloadType},
-		Handler: c.handle, MaxMessageBytes: maxMsg, Once: true,
+		Handler: c.handle, MaxMessageBytes: maxMsg, Once: true, TLS: opts.TLS,
 	}
 	if len(opts.Names) > 0 {
 		c.ads.Names = map[string][]string{resource.WorkloadType: slices.Clone(opts.Names)}

@@ -7,11 +7,13 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"net/netip"
 	"strings"
 	"text/tabwriter"
 
 	"aether.io/node/api/istio/workload"
+	"aether.io/node/pkg/tlsfiles"
 )
 
 // DefaultSocket is the agent's xDS socket.
@@ -82,6 +84,11 @@ func Run(ctx context.Context, args []string, stdout io.Writer) error {
 	output := fs.String("o", "table", "output format: table or json")
 	watch := fs.Bool("watch", false, "keep streaming changes after the initial list")
 	node := fs.String("node-id", "aetherctl", "node id sent to the server")
+	var files tlsfiles.Files
+	fs.StringVar(&files.Cert, "tls-cert", "", "PEM client certificate for --xds-address (mutual TLS; with --tls-key and --tls-ca)")
+	fs.StringVar(&files.Key, "tls-key", "", "PEM private key of --tls-cert")
+	fs.StringVar(&files.CA, "tls-ca", "", "PEM bundle that verifies the server's certificate")
+	serverName := fs.String("tls-server-name", "", "name the server's certificate must carry (default: the host of --xds-address)")
 	fs.Usage = func() {
 		fmt.Fprintln(stdout, "usage: aetherctl workloads [flags] [uid ...]\n\nLists istio.workload.Workload resources from a delta xDS server (all, or the given uids).")
 		fs.PrintDefaults()
@@ -100,6 +107,25 @@ func Run(ctx context.Context, args []string, stdout io.Writer) error {
 		opts.Address = *address
 	} else {
 		opts.Socket = *socket
+	}
+	switch {
+	case files.Empty():
+	case !files.Complete():
+		return fmt.Errorf("invalid --tls-cert %q, --tls-key %q, --tls-ca %q: give all three or none", files.Cert, files.Key, files.CA)
+	case *address == "":
+		return errors.New("invalid --tls-cert/--tls-key/--tls-ca: they secure --xds-address, which is not set")
+	default:
+		r, err := tlsfiles.NewReloader(files, nil)
+		if err != nil {
+			return err
+		}
+		name := *serverName
+		if name == "" {
+			if name, _, err = net.SplitHostPort(*address); err != nil {
+				return fmt.Errorf("invalid --xds-address %q: want host:port: %w", *address, err)
+			}
+		}
+		opts.TLS = r.ClientConfig(name)
 	}
 	c, err := Dial(ctx, opts)
 	if err != nil {
