@@ -618,3 +618,21 @@ func chartValues(t *testing.T, r *render) renderedValues {
 	}
 	return v
 }
+
+// TestProxySeesUDSSockets checks aether-proxy can connect to the UDS
+// sockets the agent resolves (<uds-csi-root>/<uid>/<file>, host paths it
+// hands the proxy in the listener metadata): the proxy mounts the host's
+// --uds-csi-root at the same path.
+func TestProxySeesUDSSockets(t *testing.T) {
+	forEachSet(t, func(t *testing.T, r *render) {
+		root := agentConfig(t, r).UDSRoot
+		m, v := mountOf(t, r, container(t, r, "aether-proxy"), filepath.Join(root, "some-uid", "app.sock"))
+		if v.HostPath == nil {
+			t.Fatalf("the proxy reaches %s through volume %s, which is not a host path", root, v.Name)
+		}
+		rel, err := filepath.Rel(m.MountPath, root)
+		if err != nil || filepath.Join(v.HostPath.Path, rel) != root {
+			t.Errorf("the proxy sees host path %s at %s: want the agent's --uds-csi-root %s at the same path", filepath.Join(v.HostPath.Path, rel), root, root)
+		}
+	})
+}

@@ -22,6 +22,7 @@ import (
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 
 	"aether.io/node/agent/store"
+	"aether.io/node/agent/uds"
 	"aether.io/node/pkg/lifecycle"
 	"aether.io/node/registry"
 	"aether.io/node/xds/listener"
@@ -36,14 +37,16 @@ import (
 type listenerSync struct {
 	cache *linearcache.LinearCache
 	ports listener.Ports
-	log   *slog.Logger
+	// udsRoot resolves each pod's UDS socket (--uds-csi-root).
+	udsRoot string
+	log     *slog.Logger
 
 	mu   sync.Mutex
 	sent map[string]uint64 // container ID -> hash of the published listeners
 }
 
-func newListenerSync(ports listener.Ports, log *slog.Logger) *listenerSync {
-	return &listenerSync{cache: linearcache.NewLinearCache(resource.ListenerType), ports: ports, log: log, sent: map[string]uint64{}}
+func newListenerSync(ports listener.Ports, udsRoot string, log *slog.Logger) *listenerSync {
+	return &listenerSync{cache: linearcache.NewLinearCache(resource.ListenerType), ports: ports, udsRoot: udsRoot, log: log, sent: map[string]uint64{}}
 }
 
 // RecordStored builds the pod's listeners and publishes them when they
@@ -56,9 +59,15 @@ func (l *listenerSync) RecordStored(rec *store.Record) {
 			ips = append(ips, a)
 		}
 	}
+	// A refused UDS socket (no, or several, csi.aether.io volumes) is
+	// reported by the pod manager and aetherctl; its inbound goes over TCP.
+	sock, _, err := uds.Resolve(l.udsRoot, p)
+	if err != nil {
+		sock = ""
+	}
 	ls, err := listener.Build(listener.Pod{
 		ContainerID: p.GetContainerId(), Namespace: p.GetNamespace(), Name: p.GetName(), UID: p.GetUid(),
-		NetNSPath: p.GetNetworkNamespace(), IPs: ips, Ports: l.ports,
+		NetNSPath: p.GetNetworkNamespace(), IPs: ips, Ports: l.ports, UDSSocket: sock,
 	})
 	if err != nil {
 		l.log.Error("failed to build pod listeners", "namespace", p.GetNamespace(), "name", p.GetName(),
@@ -154,7 +163,7 @@ func (n *nodeXDS) RecordRemoved(key string) {
 }
 
 func newNodeXDS(c *Config, log *slog.Logger) *nodeXDS {
-	n := &nodeXDS{listeners: newListenerSync(listener.Ports{}, log.With("component", "lds"))}
+	n := &nodeXDS{listeners: newListenerSync(listener.Ports{}, c.UDSRoot, log.With("component", "lds"))}
 	if c.XDSSocket != "" || c.XDSAddress != "" {
 		idx := workload.NewIndex()
 		n.workloads = &localWorkloads{

@@ -35,6 +35,7 @@ type Metrics struct {
 	duration *prometheus.HistogramVec
 	failed   *prometheus.CounterVec
 	udp      *prometheus.CounterVec
+	inbound  *prometheus.CounterVec
 	pods     prometheus.Gauge
 }
 
@@ -71,12 +72,16 @@ func New() *Metrics {
 			Name: "aether_udp_datagrams_total",
 			Help: "Captured UDP datagrams by direction (outbound: to the original destination; reply: back to the source) and outcome.",
 		}, []string{"direction", "outcome"}),
+		inbound: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "aether_inbound_deliveries_total",
+			Help: "Inbound connections handed to the app, by how: uds (the pod's unix socket), tcp (the pod's address; no socket declared), uds_fallback (the socket was missing or refused: delivered over TCP instead), failed (no connection to the app).",
+		}, []string{"via"}),
 		pods: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "aether_proxy_pods_serving",
 			Help: "Pods whose listeners are bound and served.",
 		}),
 	}
-	m.Registry.MustRegister(m.opened, m.closed, m.sent, m.received, m.duration, m.failed, m.udp, m.pods,
+	m.Registry.MustRegister(m.opened, m.closed, m.sent, m.received, m.duration, m.failed, m.udp, m.inbound, m.pods,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -136,6 +141,17 @@ func (m *Metrics) Failed(reason string) { m.failed.WithLabelValues(reason).Inc()
 func (m *Metrics) Datagram(direction, outcome string) {
 	m.udp.WithLabelValues(direction, outcome).Inc()
 }
+
+// Delivery values of aether_inbound_deliveries_total{via}.
+const (
+	ViaUDS         = "uds"
+	ViaTCP         = "tcp"
+	ViaUDSFallback = "uds_fallback"
+	ViaFailed      = "failed"
+)
+
+// Delivered counts one inbound delivery to the app.
+func (m *Metrics) Delivered(via string) { m.inbound.WithLabelValues(via).Inc() }
 
 // SetPodsServing sets the serving-pods gauge.
 func (m *Metrics) SetPodsServing(n int) { m.pods.Set(float64(n)) }

@@ -121,6 +121,10 @@ type Pod struct {
 	IPs []netip.Addr
 	// Ports are the listener ports (zero = defaults).
 	Ports Ports
+	// UDSSocket is the host path of the app's unix socket the agent
+	// resolved from the pod's csi.aether.io volume (seed 000), where
+	// inbound connections are delivered; "" delivers them over TCP.
+	UDSSocket string
 }
 
 // Validate reports a record listeners cannot be built from.
@@ -134,6 +138,8 @@ func (p Pod) Validate() error {
 		return fmt.Errorf("netns path %q must be absolute", p.NetNSPath)
 	case len(p.IPs) == 0:
 		return fmt.Errorf("pod %s/%s has no IPs: an unmanaged pod gets no listeners", p.Namespace, p.Name)
+	case p.UDSSocket != "" && !strings.HasPrefix(p.UDSSocket, "/"):
+		return fmt.Errorf("pod %s/%s UDS socket %q must be an absolute path", p.Namespace, p.Name, p.UDSSocket)
 	}
 	for _, ip := range p.IPs {
 		if !ip.IsValid() {
@@ -186,13 +192,17 @@ func podMetadata(p Pod) (*core.Metadata, error) {
 	for _, ip := range p.IPs {
 		ips = append(ips, ip.String())
 	}
-	s, err := structpb.NewStruct(map[string]any{
+	fields := map[string]any{
 		"container_id": p.ContainerID,
 		"namespace":    p.Namespace,
 		"name":         p.Name,
 		"uid":          p.UID,
 		"ips":          ips,
-	})
+	}
+	if p.UDSSocket != "" {
+		fields["uds_socket"] = p.UDSSocket
+	}
+	s, err := structpb.NewStruct(fields)
 	if err != nil {
 		return nil, fmt.Errorf("failed to build metadata of pod %s/%s: %w", p.Namespace, p.Name, err)
 	}
@@ -350,6 +360,9 @@ type Spec struct {
 	Role Role
 	// PodIPs are the pod's addresses (from the metadata).
 	PodIPs []netip.Addr
+	// UDSSocket is where inbound connections go instead of TCP ("" =
+	// TCP): see Pod.UDSSocket.
+	UDSSocket string
 	// NetNSPath is the network namespace every bind lives in.
 	NetNSPath string
 	// Transparent asks for IP_TRANSPARENT sockets.
@@ -373,6 +386,7 @@ func Parse(l *listenerv3.Listener) (Spec, error) {
 	s.PodKey = f["container_id"].GetStringValue()
 	s.Namespace = f["namespace"].GetStringValue()
 	s.PodName = f["name"].GetStringValue()
+	s.UDSSocket = f["uds_socket"].GetStringValue()
 	if s.PodKey == "" {
 		return s, fmt.Errorf("failed to parse listener %q: metadata %s has no container_id", l.GetName(), MetadataKey)
 	}
@@ -382,6 +396,9 @@ func Parse(l *listenerv3.Listener) (Spec, error) {
 			return s, fmt.Errorf("failed to parse listener %q pod IP %q: %w", l.GetName(), v.GetStringValue(), err)
 		}
 		s.PodIPs = append(s.PodIPs, ip)
+	}
+	if s.UDSSocket != "" && !strings.HasPrefix(s.UDSSocket, "/") {
+		return s, fmt.Errorf("failed to parse listener %q: uds_socket %q is not an absolute path", l.GetName(), s.UDSSocket)
 	}
 	role := Role(l.GetName()[strings.LastIndex(l.GetName(), "/")+1:])
 	if !slices.Contains(Roles, role) {

@@ -59,6 +59,20 @@ func TestBuildParse(t *testing.T) {
 			},
 		},
 		{
+			name: "ipv4-uds",
+			pod: func() listener.Pod {
+				p := pod("10.0.0.2")
+				p.UDSSocket = "/var/run/aether/uds/uid-1/app.sock"
+				return p
+			}(),
+			binds: map[listener.Role][]listener.Bind{
+				listener.RoleOutbound:   {{Addr: netip.MustParseAddrPort("127.0.0.1:18081")}},
+				listener.RoleCapture:    {{Addr: netip.MustParseAddrPort("0.0.0.0:18001")}},
+				listener.RoleCaptureUDP: {{Addr: netip.MustParseAddrPort("0.0.0.0:18001"), UDP: true}},
+				listener.RoleInbound:    {{Addr: netip.MustParseAddrPort("0.0.0.0:18008")}},
+			},
+		},
+		{
 			name: "ipv6-only-custom-ports",
 			pod: func() listener.Pod {
 				p := pod("fd00::2")
@@ -96,6 +110,9 @@ func TestBuildParse(t *testing.T) {
 				if len(s.PodIPs) != len(tc.pod.IPs) || s.PodIPs[0] != tc.pod.IPs[0] {
 					t.Errorf("listener %s parsed pod IPs %v, want %v", l.GetName(), s.PodIPs, tc.pod.IPs)
 				}
+				if s.UDSSocket != tc.pod.UDSSocket {
+					t.Errorf("listener %s parsed UDS socket %q, want %q", l.GetName(), s.UDSSocket, tc.pod.UDSSocket)
+				}
 				if l.GetName() != listener.ListenerName(tc.pod.ContainerID, s.Role) {
 					t.Errorf("listener name %q, role %q", l.GetName(), s.Role)
 				}
@@ -128,6 +145,7 @@ func TestBuildRejects(t *testing.T) {
 		{"no name", func(p *listener.Pod) { p.Name = "" }, "name"},
 		{"relative netns", func(p *listener.Pod) { p.NetNSPath = "netns/x" }, "must be absolute"},
 		{"no ips", func(p *listener.Pod) { p.IPs = nil }, "no IPs"},
+		{"relative uds socket", func(p *listener.Pod) { p.UDSSocket = "uid/app.sock" }, "must be an absolute path"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
