@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+	"time"
 
 	"aether.io/node/proxy"
 	"aether.io/node/proxy/dataplane"
@@ -31,6 +32,13 @@ func main() {
 	flag.DurationVar(&cfg.Dataplane.DrainTimeout, "drain-timeout", dataplane.DefaultDrainTimeout, "how long a removed pod's open connections may run")
 	flag.DurationVar(&cfg.Dataplane.CheckInterval, "netns-check-interval", dataplane.DefaultCheckInterval, "how often pinned netns paths are checked and failed binds retried")
 	flag.DurationVar(&cfg.Dataplane.UDPIdleTimeout, "udp-idle-timeout", dataplane.DefaultUDPIdleTimeout, "idle time after which a UDP flow ends")
+	flag.DurationVar(&cfg.Dataplane.ShutdownDrain, "shutdown-drain", 20*time.Second, "on SIGTERM: how long established connections may finish after every pod stopped accepting (0 closes at once; keep it under the pod's termination grace period)")
+	flag.DurationVar(&cfg.Dataplane.DNSIdleTimeout, "dns-idle-timeout", dataplane.DefaultDNSIdleTimeout, "idle time after which a UDP flow to port 53 ends")
+	flag.DurationVar(&cfg.Dataplane.TCPIdleTimeout, "tcp-idle-timeout", dataplane.DefaultTCPIdleTimeout, "a proxied TCP connection with no data either way for this long is closed")
+	flag.IntVar(&cfg.Dataplane.MaxConnsPerPod, "max-connections-per-pod", dataplane.DefaultMaxConnsPerPod, "open TCP connections one pod may have through the proxy; more are reset")
+	flag.IntVar(&cfg.Dataplane.MaxConns, "max-connections", dataplane.DefaultMaxConns, "open TCP connections of all pods together; more are reset")
+	flag.IntVar(&cfg.Dataplane.MaxUDPFlowsPerPod, "max-udp-flows-per-pod", dataplane.DefaultMaxUDPFlowsPerPod, "open UDP flows of one pod; a new one evicts the pod's least recently used")
+	flag.IntVar(&cfg.Dataplane.MaxUDPFlows, "max-udp-flows", dataplane.DefaultMaxUDPFlows, "open UDP flows of all pods together; a new one evicts the same pod's least recently used, or is dropped")
 	level := flag.String("log-level", "info", "debug, info, warn or error")
 	flag.Parse()
 	cfg.Dataplane.BypassMark = uint32(*bypass)

@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -31,6 +32,8 @@ type env struct {
 	server  *proxytest.Pod
 	mgr     *dataplane.Manager
 	metrics *telemetry.Metrics
+	// stop ends the manager's Run (as SIGTERM does) and waits for it.
+	stop func()
 }
 
 func setup(t testing.TB, cfg dataplane.Config) *env {
@@ -48,7 +51,8 @@ func setup(t testing.TB, cfg dataplane.Config) *env {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { _ = mgr.Run(ctx); close(done) }()
-	t.Cleanup(func() { cancel(); <-done; mgr.Close() })
+	e.stop = sync.OnceFunc(func() { cancel(); <-done })
+	t.Cleanup(func() { e.stop(); mgr.Close() })
 	e.set(t, e.client, e.server)
 	for _, p := range []*proxytest.Pod{e.client, e.server} {
 		e.waitReady(t, p, 200)

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"aether.io/node/pkg/meshcontract"
@@ -26,6 +27,22 @@ const (
 	DefaultDrainTimeout   = 30 * time.Second
 	DefaultCheckInterval  = time.Second
 	DefaultUDPIdleTimeout = 30 * time.Second
+
+	// DefaultMaxConnsPerPod and DefaultMaxConns cap the open proxied TCP
+	// connections of one pod and of the node.
+	DefaultMaxConnsPerPod = 8192
+	DefaultMaxConns       = 65536
+	// DefaultMaxUDPFlowsPerPod and DefaultMaxUDPFlows cap the open UDP
+	// flows of one pod (its least recently used flow makes room) and of
+	// the node.
+	DefaultMaxUDPFlowsPerPod = 1024
+	DefaultMaxUDPFlows       = 16384
+	// DefaultDNSIdleTimeout ends a UDP flow to port 53 (a query and its
+	// answer) sooner than other flows.
+	DefaultDNSIdleTimeout = 5 * time.Second
+	// DefaultTCPIdleTimeout closes a proxied TCP connection with no data
+	// either way for this long.
+	DefaultTCPIdleTimeout = time.Hour
 )
 
 // Config tunes the data plane. Zero fields take the defaults.
@@ -43,6 +60,25 @@ type Config struct {
 	CheckInterval time.Duration
 	// UDPIdleTimeout ends a UDP flow with no datagram either way.
 	UDPIdleTimeout time.Duration
+	// DNSIdleTimeout is UDPIdleTimeout for flows to port 53.
+	DNSIdleTimeout time.Duration
+	// TCPIdleTimeout closes a TCP connection idle both ways (checked every
+	// CheckInterval from the sockets' TCP_INFO).
+	TCPIdleTimeout time.Duration
+	// MaxConnsPerPod and MaxConns cap open TCP connections per pod and
+	// node-wide; a connection over a cap is reset and counted.
+	MaxConnsPerPod, MaxConns int
+	// ShutdownDrain is how long Run, when its context ends (SIGTERM),
+	// lets established connections finish after every pod stopped
+	// accepting (readiness 503), before it closes what is left; 0 closes
+	// everything at once.
+	ShutdownDrain time.Duration
+	// MaxUDPFlowsPerPod and MaxUDPFlows cap open UDP flows per pod (the
+	// pod's least recently used flow is evicted for a new one) and
+	// node-wide (the new flow evicts the pod's own least recently used
+	// flow, or is dropped when the pod has none: one pod never evicts
+	// another's flows).
+	MaxUDPFlowsPerPod, MaxUDPFlows int
 }
 
 func (c Config) withDefaults() Config {
@@ -60,6 +96,24 @@ func (c Config) withDefaults() Config {
 	}
 	if c.UDPIdleTimeout == 0 {
 		c.UDPIdleTimeout = DefaultUDPIdleTimeout
+	}
+	if c.DNSIdleTimeout == 0 {
+		c.DNSIdleTimeout = DefaultDNSIdleTimeout
+	}
+	if c.TCPIdleTimeout == 0 {
+		c.TCPIdleTimeout = DefaultTCPIdleTimeout
+	}
+	if c.MaxConnsPerPod == 0 {
+		c.MaxConnsPerPod = DefaultMaxConnsPerPod
+	}
+	if c.MaxConns == 0 {
+		c.MaxConns = DefaultMaxConns
+	}
+	if c.MaxUDPFlowsPerPod == 0 {
+		c.MaxUDPFlowsPerPod = DefaultMaxUDPFlowsPerPod
+	}
+	if c.MaxUDPFlows == 0 {
+		c.MaxUDPFlows = DefaultMaxUDPFlows
 	}
 	return c
 }
@@ -91,8 +145,10 @@ type PodStatus struct {
 	Name      string
 	NetNS     string
 	State     State
-	// Conns is the number of open proxied connections.
+	// Conns is the number of open proxied connections and UDP flows.
 	Conns int
+	// UDPFlows is the number of open UDP flows.
+	UDPFlows int
 	// Error is the last bind error of a failed pod.
 	Error string
 }
@@ -113,6 +169,10 @@ type Manager struct {
 	failed   map[string]string // pod key -> last bind error
 	kick     chan struct{}
 	ctx      context.Context // set by Run
+
+	// tcpConns and udpFlows count the node's open connections and flows
+	// (the caps of Config).
+	tcpConns, udpFlows atomic.Int64
 }
 
 // New returns a manager. It opens the process's own netns (to return to
@@ -124,12 +184,16 @@ func New(cfg Config, lookup PeerLookup, m *telemetry.Metrics, log *slog.Logger) 
 	if m == nil {
 		m = telemetry.New()
 	}
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
 	home, err := openHome()
 	if err != nil {
 		return nil, err
 	}
 	return &Manager{
-		cfg: cfg.withDefaults(), log: log, peers: lookup, metrics: m, home: home,
+		cfg: cfg, log: log, peers: lookup, metrics: m, home: home,
 		desired: map[string][]listener.Spec{}, pods: map[string]*pod{}, draining: map[*pod]struct{}{},
 		failed: map[string]string{}, kick: make(chan struct{}, 1),
 	}, nil
@@ -166,11 +230,12 @@ func (m *Manager) Run(ctx context.Context) error {
 		m.reconcile(ctx)
 		select {
 		case <-ctx.Done():
-			m.closeAll()
+			m.shutdown()
 			return nil
 		case <-m.kick:
 		case <-t.C:
 			m.checkVanished()
+			m.closeIdle()
 		}
 	}
 }
@@ -180,6 +245,35 @@ func (m *Manager) wake() {
 	case m.kick <- struct{}{}:
 	default:
 	}
+}
+
+// shutdown drains every pod for ShutdownDrain (all at once), then closes
+// them.
+func (m *Manager) shutdown() {
+	if m.cfg.ShutdownDrain <= 0 {
+		m.closeAll()
+		return
+	}
+	m.mu.Lock()
+	all := make([]*pod, 0, len(m.pods)+len(m.draining))
+	for _, p := range m.pods {
+		all = append(all, p)
+	}
+	for p := range m.draining {
+		all = append(all, p)
+	}
+	m.mu.Unlock()
+	m.log.Info("draining pods before exit", "pods", len(all), "deadline", m.cfg.ShutdownDrain)
+	var wg sync.WaitGroup
+	for _, p := range all {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			p.drainUntil(m.cfg.ShutdownDrain, nil)
+		}()
+	}
+	wg.Wait()
+	m.closeAll()
 }
 
 func (m *Manager) closeAll() {

@@ -43,6 +43,12 @@ type pod struct {
 	loops    atomic.Int32 // accept/read loops running
 	want     int32        // loops when fully served
 
+	// tcpConns counts the pod's open TCP connections (MaxConnsPerPod).
+	tcpConns atomic.Int64
+	// flows are the pod's open UDP flows, of both families.
+	flowMu sync.Mutex
+	flows  map[flowKey]*udpFlow
+
 	mu    sync.Mutex
 	conns map[closer]struct{}
 	wg    sync.WaitGroup // connections and flows
@@ -125,7 +131,7 @@ func (m *Manager) startPod(ctx context.Context, key string, specs []listener.Spe
 	}
 	p := &pod{
 		m: m, key: key, namespace: specs[0].Namespace, name: specs[0].PodName, specs: specs,
-		ips: specs[0].PodIPs, netns: ns, conns: map[closer]struct{}{}, done: make(chan struct{}),
+		ips: specs[0].PodIPs, netns: ns, conns: map[closer]struct{}{}, flows: map[flowKey]*udpFlow{}, done: make(chan struct{}),
 		log: m.log.With("pod_key", key, "namespace", specs[0].Namespace, "pod", specs[0].PodName),
 	}
 	p.dialer = net.Dialer{Timeout: m.cfg.ConnectTimeout, Control: markControl(m.cfg.BypassMark)}
@@ -243,9 +249,17 @@ func (p *pod) acceptLoop(l *tcpListener) {
 			}
 		}
 		backoff = 0
+		release, limit := p.admitTCP()
+		if limit != "" {
+			p.m.metrics.LimitHit(limit)
+			p.m.metrics.Failed(limit)
+			reset(c)
+			continue
+		}
 		p.wg.Add(1)
 		go func() {
 			defer p.wg.Done()
+			defer release()
 			switch l.spec.Role {
 			case listener.RoleCapture:
 				p.proxyTCP(c, l)
@@ -300,7 +314,12 @@ func (p *pod) stopAccepting() {
 
 // drain stops accepting, lets open connections finish within timeout,
 // aborts the rest, then closes everything.
-func (p *pod) drain(timeout time.Duration) {
+func (p *pod) drain(timeout time.Duration) { p.drainUntil(timeout, p.done) }
+
+// drainUntil stops accepting, ends the UDP flows, and waits for the open
+// connections until they end, timeout passes or abort closes; then it closes
+// the pod.
+func (p *pod) drainUntil(timeout time.Duration, abort <-chan struct{}) {
 	p.draining.Store(true)
 	p.stopAccepting()
 	// UDP flows have no end of their own: they stop with the listeners.
@@ -327,7 +346,7 @@ func (p *pod) drain(timeout time.Duration) {
 	case <-finished:
 	case <-t.C:
 		p.log.Warn("drain deadline passed; closing open connections", "open", p.openConns())
-	case <-p.ctx.Done():
+	case <-abort:
 	}
 	p.close()
 	<-p.done
@@ -365,6 +384,9 @@ func (p *pod) close() {
 
 func (p *pod) status() PodStatus {
 	st := PodStatus{Key: p.key, Namespace: p.namespace, Name: p.name, NetNS: p.netns.path, State: StateServing, Conns: p.openConns()}
+	p.flowMu.Lock()
+	st.UDPFlows = len(p.flows)
+	p.flowMu.Unlock()
 	if p.draining.Load() {
 		st.State = StateDraining
 	}

@@ -72,8 +72,6 @@ func origDst(oob []byte) (netip.AddrPort, bool) {
 func (p *pod) udpLoop(u *udpListener) {
 	buf := make([]byte, 64*1024)
 	oob := make([]byte, 256)
-	var mu sync.Mutex
-	flows := map[flowKey]*udpFlow{}
 	for {
 		n, oobn, _, src, err := u.conn.ReadMsgUDPAddrPort(buf, oob)
 		if err != nil {
@@ -89,23 +87,21 @@ func (p *pod) udpLoop(u *udpListener) {
 			continue
 		}
 		key := flowKey{src, dst}
-		mu.Lock()
-		f := flows[key]
-		mu.Unlock()
+		f := p.flow(key)
 		if f == nil {
-			f, err = p.newFlow(src, dst, func() {
-				mu.Lock()
-				delete(flows, key)
-				mu.Unlock()
-			})
+			if !p.admitFlow() {
+				p.m.metrics.Datagram("outbound", "flow_limit")
+				continue
+			}
+			var nf *udpFlow
+			nf, err = p.newFlow(src, dst, func() { p.dropFlow(key, nf) })
 			if err != nil {
 				p.log.Debug("udp flow failed", "src", src, "dst", dst, "error", err)
 				p.m.metrics.Datagram("outbound", "flow_failed")
 				continue
 			}
-			mu.Lock()
-			flows[key] = f
-			mu.Unlock()
+			f = nf
+			p.addFlow(key, f)
 		}
 		f.last.Store(time.Now().UnixNano())
 		if _, err := f.up.Write(buf[:n]); err != nil {
@@ -156,6 +152,9 @@ func (p *pod) newFlow(src, dst netip.AddrPort, done func()) (*udpFlow, error) {
 	f.last.Store(time.Now().UnixNano())
 	p.wg.Add(2)
 	idle := p.m.cfg.UDPIdleTimeout
+	if dst.Port() == 53 {
+		idle = p.m.cfg.DNSIdleTimeout
+	}
 	relay := func(from, to *net.UDPConn, direction string) {
 		defer p.wg.Done()
 		defer f.abort()

@@ -36,6 +36,7 @@ type Metrics struct {
 	failed   *prometheus.CounterVec
 	udp      *prometheus.CounterVec
 	inbound  *prometheus.CounterVec
+	limits   *prometheus.CounterVec
 	pods     prometheus.Gauge
 }
 
@@ -76,12 +77,16 @@ func New() *Metrics {
 			Name: "aether_inbound_deliveries_total",
 			Help: "Inbound connections handed to the app, by how: uds (the pod's unix socket), tcp (the pod's address; no socket declared), uds_fallback (the socket was missing or refused: delivered over TCP instead), failed (no connection to the app).",
 		}, []string{"via"}),
+		limits: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "aether_proxy_limit_hits_total",
+			Help: "Limits the proxy enforced, by limit: pod_connections and node_connections (a TCP connection reset), pod_udp_flows and node_udp_flows (a UDP flow evicted or refused), tcp_idle (an idle TCP connection closed).",
+		}, []string{"limit"}),
 		pods: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "aether_proxy_pods_serving",
 			Help: "Pods whose listeners are bound and served.",
 		}),
 	}
-	m.Registry.MustRegister(m.opened, m.closed, m.sent, m.received, m.duration, m.failed, m.udp, m.inbound, m.pods,
+	m.Registry.MustRegister(m.opened, m.closed, m.sent, m.received, m.duration, m.failed, m.udp, m.limits, m.inbound, m.pods,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -152,6 +157,18 @@ const (
 
 // Delivered counts one inbound delivery to the app.
 func (m *Metrics) Delivered(via string) { m.inbound.WithLabelValues(via).Inc() }
+
+// Values of aether_proxy_limit_hits_total{limit}.
+const (
+	LimitPodConnections  = "pod_connections"
+	LimitNodeConnections = "node_connections"
+	LimitPodUDPFlows     = "pod_udp_flows"
+	LimitNodeUDPFlows    = "node_udp_flows"
+	LimitTCPIdle         = "tcp_idle"
+)
+
+// LimitHit counts one enforcement of limit.
+func (m *Metrics) LimitHit(limit string) { m.limits.WithLabelValues(limit).Inc() }
 
 // SetPodsServing sets the serving-pods gauge.
 func (m *Metrics) SetPodsServing(n int) { m.pods.Set(float64(n)) }

@@ -1,0 +1,173 @@
+package dataplane
+
+import (
+	"fmt"
+	"net"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"aether.io/node/proxy/telemetry"
+)
+
+// Limits no pod can break: caps on TCP connections and UDP flows per pod and
+// node-wide, a short idle timeout for DNS flows, and an idle timeout for TCP
+// connections. Every hit is counted in aether_proxy_limit_hits_total{limit}.
+
+// validate rejects limits that make no sense (after defaults).
+func (c Config) validate() error {
+	for _, v := range []struct {
+		name string
+		n    int
+	}{{"MaxConnsPerPod", c.MaxConnsPerPod}, {"MaxConns", c.MaxConns}, {"MaxUDPFlowsPerPod", c.MaxUDPFlowsPerPod}, {"MaxUDPFlows", c.MaxUDPFlows}} {
+		if v.n < 1 {
+			return fmt.Errorf("invalid %s %d: must be at least 1", v.name, v.n)
+		}
+	}
+	for _, v := range []struct {
+		name string
+		d    time.Duration
+	}{{"UDPIdleTimeout", c.UDPIdleTimeout}, {"DNSIdleTimeout", c.DNSIdleTimeout}, {"TCPIdleTimeout", c.TCPIdleTimeout}, {"ConnectTimeout", c.ConnectTimeout}, {"DrainTimeout", c.DrainTimeout}, {"CheckInterval", c.CheckInterval}} {
+		if v.d < 0 {
+			return fmt.Errorf("invalid %s %s: must not be negative", v.name, v.d)
+		}
+	}
+	return nil
+}
+
+// admitTCP takes a slot for one accepted connection under the pod's and
+// the node's caps. It returns the release function, or the limit hit.
+func (p *pod) admitTCP() (release func(), limit string) {
+	if p.tcpConns.Add(1) > int64(p.m.cfg.MaxConnsPerPod) {
+		p.tcpConns.Add(-1)
+		return nil, telemetry.LimitPodConnections
+	}
+	if p.m.tcpConns.Add(1) > int64(p.m.cfg.MaxConns) {
+		p.m.tcpConns.Add(-1)
+		p.tcpConns.Add(-1)
+		return nil, telemetry.LimitNodeConnections
+	}
+	return func() {
+		p.tcpConns.Add(-1)
+		p.m.tcpConns.Add(-1)
+	}, ""
+}
+
+// flow returns the open flow of key, if any.
+func (p *pod) flow(key flowKey) *udpFlow {
+	p.flowMu.Lock()
+	defer p.flowMu.Unlock()
+	return p.flows[key]
+}
+
+// addFlow records a new flow of the pod.
+func (p *pod) addFlow(key flowKey, f *udpFlow) {
+	p.flowMu.Lock()
+	defer p.flowMu.Unlock()
+	p.flows[key] = f
+	p.m.udpFlows.Add(1)
+}
+
+// dropFlow forgets an ended flow (its done callback).
+func (p *pod) dropFlow(key flowKey, f *udpFlow) {
+	p.flowMu.Lock()
+	defer p.flowMu.Unlock()
+	if f != nil && p.flows[key] == f {
+		delete(p.flows, key)
+		p.m.udpFlows.Add(-1)
+	}
+}
+
+// evictLRU ends the pod's least recently used flow; false when it has none.
+func (p *pod) evictLRU() bool {
+	p.flowMu.Lock()
+	var oldest *udpFlow
+	for _, f := range p.flows {
+		if oldest == nil || f.last.Load() < oldest.last.Load() {
+			oldest = f
+		}
+	}
+	p.flowMu.Unlock()
+	if oldest == nil {
+		return false
+	}
+	oldest.abort() // its done callback forgets it
+	return true
+}
+
+// admitFlow makes room for one more flow of the pod under both caps, by
+// evicting the pod's own least recently used flows. It reports false when
+// the node is full and the pod holds no flow to give up.
+func (p *pod) admitFlow() bool {
+	if p.m.udpFlows.Load() >= int64(p.m.cfg.MaxUDPFlows) {
+		p.m.metrics.LimitHit(telemetry.LimitNodeUDPFlows)
+		if !p.evictLRU() {
+			return false
+		}
+	}
+	for {
+		p.flowMu.Lock()
+		n := len(p.flows)
+		p.flowMu.Unlock()
+		if n < p.m.cfg.MaxUDPFlowsPerPod {
+			return true
+		}
+		p.m.metrics.LimitHit(telemetry.LimitPodUDPFlows)
+		if !p.evictLRU() {
+			return true
+		}
+	}
+}
+
+// closeIdle closes, in every pod, the TCP connections idle both ways for
+// TCPIdleTimeout.
+func (m *Manager) closeIdle() {
+	m.mu.Lock()
+	all := make([]*pod, 0, len(m.pods)+len(m.draining))
+	for _, p := range m.pods {
+		all = append(all, p)
+	}
+	for p := range m.draining {
+		all = append(all, p)
+	}
+	m.mu.Unlock()
+	for _, p := range all {
+		p.closeIdle(m.cfg.TCPIdleTimeout)
+	}
+}
+
+func (p *pod) closeIdle(timeout time.Duration) {
+	p.mu.Lock()
+	var pairs []*tcpPair
+	for c := range p.conns {
+		if t, ok := c.(*tcpPair); ok {
+			pairs = append(pairs, t)
+		}
+	}
+	p.mu.Unlock()
+	for _, t := range pairs {
+		if min(idleFor(t.down), idleFor(t.up)) >= timeout {
+			p.m.metrics.LimitHit(telemetry.LimitTCPIdle)
+			p.log.Debug("closing idle connection", "src", t.down.RemoteAddr().String(), "dst", t.up.RemoteAddr().String(), "timeout", timeout)
+			t.abort()
+		}
+	}
+}
+
+// idleFor is how long c has neither sent nor received data (from
+// TCP_INFO); 0 when it cannot tell.
+func idleFor(c *net.TCPConn) time.Duration {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return 0
+	}
+	var idle time.Duration
+	_ = rc.Control(func(fd uintptr) {
+		ti, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
+		if err != nil {
+			return
+		}
+		idle = time.Duration(min(ti.Last_data_sent, ti.Last_data_recv)) * time.Millisecond
+	})
+	return idle
+}
