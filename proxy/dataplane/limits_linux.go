@@ -122,16 +122,7 @@ func (p *pod) admitFlow() bool {
 // closeIdle closes, in every pod, the TCP connections idle both ways for
 // TCPIdleTimeout.
 func (m *Manager) closeIdle() {
-	m.mu.Lock()
-	all := make([]*pod, 0, len(m.pods)+len(m.draining))
-	for _, p := range m.pods {
-		all = append(all, p)
-	}
-	for p := range m.draining {
-		all = append(all, p)
-	}
-	m.mu.Unlock()
-	for _, p := range all {
+	for _, p := range m.allPods() {
 		p.closeIdle(m.cfg.TCPIdleTimeout)
 	}
 }

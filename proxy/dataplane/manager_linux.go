@@ -254,15 +254,7 @@ func (m *Manager) shutdown() {
 		m.closeAll()
 		return
 	}
-	m.mu.Lock()
-	all := make([]*pod, 0, len(m.pods)+len(m.draining))
-	for _, p := range m.pods {
-		all = append(all, p)
-	}
-	for p := range m.draining {
-		all = append(all, p)
-	}
-	m.mu.Unlock()
+	all := m.allPods()
 	m.log.Info("draining pods before exit", "pods", len(all), "deadline", m.cfg.ShutdownDrain)
 	var wg sync.WaitGroup
 	for _, p := range all {
@@ -276,8 +268,14 @@ func (m *Manager) shutdown() {
 	m.closeAll()
 }
 
-func (m *Manager) closeAll() {
+// allPods are the serving and the draining pods.
+func (m *Manager) allPods() []*pod {
 	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.allPodsLocked()
+}
+
+func (m *Manager) allPodsLocked() []*pod {
 	all := make([]*pod, 0, len(m.pods)+len(m.draining))
 	for _, p := range m.pods {
 		all = append(all, p)
@@ -285,6 +283,12 @@ func (m *Manager) closeAll() {
 	for p := range m.draining {
 		all = append(all, p)
 	}
+	return all
+}
+
+func (m *Manager) closeAll() {
+	m.mu.Lock()
+	all := m.allPodsLocked()
 	m.pods = map[string]*pod{}
 	m.mu.Unlock()
 	for _, p := range all {
