@@ -31,6 +31,7 @@ func main() {
 	flag.DurationVar(&cfg.Dataplane.DrainTimeout, "drain-timeout", dataplane.DefaultDrainTimeout, "how long a removed pod's open connections may run")
 	flag.DurationVar(&cfg.Dataplane.CheckInterval, "netns-check-interval", dataplane.DefaultCheckInterval, "how often pinned netns paths are checked and failed binds retried")
 	flag.DurationVar(&cfg.Dataplane.UDPIdleTimeout, "udp-idle-timeout", dataplane.DefaultUDPIdleTimeout, "idle time after which a UDP flow ends")
+	flag.StringVar(&cfg.WorkloadAPISocket, "workload-api-socket", "", "SPIFFE Workload API socket of the node's workload identities (aether-agent's --workload-api-socket, e.g. /run/aether/agent/workload.sock); empty turns identity off")
 	level := flag.String("log-level", "info", "debug, info, warn or error")
 	flag.Parse()
 	cfg.Dataplane.BypassMark = uint32(*bypass)
