@@ -252,10 +252,12 @@ func (a *agent) listenAdmin() (net.Listener, lifecycle.Server, error) {
 	if err != nil {
 		return nil, lifecycle.Server{}, err
 	}
+	opts := adminhandler.Options{AllowedUIDs: a.c.AllowedUIDs, Rejected: a.metrics.PeerRejected, Logger: a.log}
+	if a.c.CA != nil {
+		opts.TrustDomain = a.c.CA.Bundle().TrustDomain()
+	}
 	srv := &http.Server{
-		Handler: adminhandler.New(a.mgr, adminhandler.Options{
-			AllowedUIDs: a.c.AllowedUIDs, Rejected: a.metrics.PeerRejected, Logger: a.log,
-		}),
+		Handler:           adminhandler.New(a.mgr, opts),
 		ReadHeaderTimeout: 5 * time.Second,
 		ConnContext:       adminhandler.ConnContext,
 	}

@@ -16,10 +16,6 @@ import (
 	"aether.io/node/registry"
 )
 
-// defaultServiceAccount is the account of a pod whose record names none
-// (Kubernetes' own default for spec.serviceAccountName).
-const defaultServiceAccount = "default"
-
 // Bounds of the identity loop: at most one sync per minSyncInterval (a CA
 // about to expire clamps SVIDs to it, and their rotation points bunch up),
 // and failed mints retried from mintRetry doubling to mintRetryMax.
@@ -46,10 +42,7 @@ func newPodAccounts() *podAccounts {
 }
 
 func (p *podAccounts) RecordStored(rec *store.Record, _ registry.Endpoint) {
-	a := identity.Account{Namespace: rec.Pod.GetNamespace(), ServiceAccount: rec.Pod.GetServiceAccount()}
-	if a.ServiceAccount == "" {
-		a.ServiceAccount = defaultServiceAccount
-	}
+	a := identity.AccountOf(rec.Pod.GetNamespace(), rec.Pod.GetServiceAccount())
 	key := rec.Pod.GetContainerId()
 	p.mu.Lock()
 	cur, ok := p.byKey[key]

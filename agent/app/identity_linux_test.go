@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
+	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/identity/identitytest"
 	cniv1 "aether.io/node/api/aether/cni/v1"
 )
@@ -112,6 +113,11 @@ func TestIdentityWorkloadAPI(t *testing.T) {
 	}
 	if b, err := first.Bundles.GetX509BundleForTrustDomain(first.SVIDs[0].ID.TrustDomain()); err != nil || len(b.X509Authorities()) != 1 {
 		t.Fatalf("bundle of the SVID's trust domain: %v, %v", b, err)
+	}
+	// The admin API (aetherctl pod) shows the pod's SPIFFE ID.
+	views, err := adminapi.NewClient(c.AdminSocket).Pods(wctx)
+	if err != nil || len(views) != 1 || views[0].SPIFFEID != want {
+		t.Fatalf("admin pods = %+v, %v; want one with SPIFFE ID %s", views, err, want)
 	}
 	// The one-shot fetch of go-spiffe's client gets the same SVID.
 	svids, err := client.FetchX509SVIDs(wctx)

@@ -17,6 +17,19 @@ type Account struct {
 	ServiceAccount string
 }
 
+// DefaultServiceAccount is the account of a pod whose record names none
+// (Kubernetes' own default for spec.serviceAccountName).
+const DefaultServiceAccount = "default"
+
+// AccountOf is the account of a pod in namespace ns running as service
+// account sa (DefaultServiceAccount when sa is empty).
+func AccountOf(ns, sa string) Account {
+	if sa == "" {
+		sa = DefaultServiceAccount
+	}
+	return Account{Namespace: ns, ServiceAccount: sa}
+}
+
 // Store holds the current SVIDs of the node's accounts and rotates them at
 // half of their lifetime. It is safe for concurrent use.
 type Store struct {
