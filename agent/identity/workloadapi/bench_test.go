@@ -1,6 +1,7 @@
 package workloadapi
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"testing"
@@ -53,7 +54,10 @@ func BenchmarkWorkloadAPIUpdate100(b *testing.B) {
 				b.Fatal(err)
 			}
 			c := serve(b, New(st, nil))
-			s, err := c.FetchX509SVID(withHeader(testCtx(b)), &workloadpb.X509SVIDRequest{})
+			// No deadline: a rotation wave costs tens of milliseconds a time.
+			ctx, cancel := context.WithCancel(context.Background())
+			b.Cleanup(cancel)
+			s, err := c.FetchX509SVID(withHeader(ctx), &workloadpb.X509SVIDRequest{})
 			if err != nil {
 				b.Fatal(err)
 			}
