@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/workloadapi"
+	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -61,6 +62,10 @@ func svidIDs(c *workloadapi.X509Context) []string {
 // managed pod is added through the CNI socket, rotates at half of
 // --svid-ttl (pushed to the watcher), and goes with RemovePod.
 func TestIdentityWorkloadAPI(t *testing.T) {
+	// Registered first, so it runs last: after the agent stopped, every
+	// goroutine of the identity parts has returned.
+	leak := goleak.IgnoreCurrent()
+	t.Cleanup(func() { goleak.VerifyNone(t, leak) })
 	cert, key := identitytest.Files(t, t.TempDir(), identitytest.Valid("cluster.local"))
 	sock := filepath.Join(t.TempDir(), "wl", "workload.sock")
 	c := testConfig(t, "--ca-cert", cert, "--ca-key", key, "--svid-ttl", "4s", "--workload-api-socket", sock)
