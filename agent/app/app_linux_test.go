@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"aether.io/node/agent/adminapi"
+	"aether.io/node/agent/identity/identitytest"
 	"aether.io/node/agent/store"
 	cniv1 "aether.io/node/api/aether/cni/v1"
 )
@@ -184,6 +185,24 @@ func TestRunFailedStart(t *testing.T) {
 				c.XDSSocket = filepath.Join(open, "xds.sock")
 			},
 			wantErr: []string{"failed to start wds_socket", "must be 0700", "--xds-socket", "fix: chmod 0700"},
+		},
+		{
+			name: "workload api socket dir open to others",
+			breakIt: func(t *testing.T, c *Config) {
+				open := filepath.Join(filepath.Dir(c.StateDir), "open")
+				if err := os.Mkdir(open, 0o755); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.Chmod(open, 0o755); err != nil {
+					t.Fatal(err)
+				}
+				cert, key := identitytest.Files(t, t.TempDir(), identitytest.Valid("cluster.local"))
+				c.CACertFile, c.CAKeyFile, c.WorkloadAPISocket = cert, key, filepath.Join(open, "workload.sock")
+				if err := c.loadCA(time.Now()); err != nil {
+					t.Fatal(err)
+				}
+			},
+			wantErr: []string{"failed to start workload_api_socket", "must be 0700", "--workload-api-socket", "fix: chmod 0700"},
 		},
 		{
 			name: "cni socket served by another process",
