@@ -66,6 +66,10 @@ func RunPod(ctx context.Context, args []string, stdout io.Writer) error {
 			{"Volumes:", strings.Join(p.Volumes, ", ")},
 			{"Added:", p.AddedAt.Format(time.RFC3339)},
 		}
+		if p.SPIFFEID != "" {
+			// After the service account it names (identity on only).
+			rows = slices.Insert(rows, 4, []string{"SPIFFE ID:", p.SPIFFEID})
+		}
 		var keys []string
 		for k := range p.Labels {
 			keys = append(keys, k)

@@ -34,6 +34,7 @@ var valueSets = []valueSet{
 	{name: "default"},
 	{name: "etcd-tls", files: []string{"etcd-tls.yaml"}},
 	{name: "eni-vlan-debug", files: []string{"eni-vlan-debug.yaml"}},
+	{name: "identity", files: []string{"identity.yaml"}},
 }
 
 func (v valueSet) paths() []string {
@@ -226,6 +227,8 @@ func TestChartRejects(t *testing.T) {
 		{"etcd without endpoints", "registry:\n  mode: etcd\n  etcd:\n    insecure: true\n", "invalid registry.etcd.endpoints"},
 		{"etcd without TLS or insecure", "registry:\n  mode: etcd\n  etcd:\n    endpoints: [https://e:2379]\n", "no tlsSecret.name and insecure is false"},
 		{"empty cluster id", "clusterID: \"\"\n", "invalid clusterID"},
+		{"identity without a CA", "identity:\n  enabled: true\n", "invalid identity: enabled without a CA"},
+		{"identity with two CAs", "identity:\n  enabled: true\n  caSecret: ca\n  generateCA: true\n", "both caSecret and generateCA"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

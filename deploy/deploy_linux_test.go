@@ -14,13 +14,17 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"go.yaml.in/yaml/v3"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	storagev1 "k8s.io/api/storage/v1"
 
 	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/app"
+	"aether.io/node/agent/identity"
+	"aether.io/node/agent/identity/identitytest"
 	"aether.io/node/agent/nodegate"
 	"aether.io/node/cniinstall"
 	"aether.io/node/csi"
@@ -45,11 +49,38 @@ func expand(args []string) []string {
 func agentConfig(t *testing.T, r *render) *app.Config {
 	t.Helper()
 	var stderr bytes.Buffer
-	cfg, err := app.ParseFlags(expand(container(t, r, "aether-agent").Args), &stderr)
+	cfg, err := app.ParseFlags(withTestCA(t, expand(container(t, r, "aether-agent").Args)), &stderr)
 	if err != nil {
 		t.Fatalf("aether-agent rejects the chart's args: %v\n%s", err, stderr.String())
 	}
 	return cfg
+}
+
+// withTestCA points --ca-cert and --ca-key, which name files of the
+// identity Secret's mount, at a CA generated for the args' trust domain, so
+// the agent's parser (which loads and validates the CA) accepts them.
+func withTestCA(t *testing.T, args []string) []string {
+	t.Helper()
+	td := "cluster.local"
+	for _, a := range args {
+		if v, ok := strings.CutPrefix(a, "--trust-domain="); ok {
+			td = v
+		}
+	}
+	var cert, key string
+	out := make([]string, len(args))
+	for i, a := range args {
+		out[i] = a
+		flag, _, ok := strings.Cut(a, "=")
+		if !ok || (flag != "--ca-cert" && flag != "--ca-key") {
+			continue
+		}
+		if cert == "" {
+			cert, key = identitytest.Files(t, t.TempDir(), identitytest.Valid(td))
+		}
+		out[i] = map[string]string{"--ca-cert": "--ca-cert=" + cert, "--ca-key": "--ca-key=" + key}[flag]
+	}
+	return out
 }
 
 func installerOptions(t *testing.T, r *render) *cniinstall.Options {
@@ -154,6 +185,87 @@ func TestValuesReachTheBinaries(t *testing.T) {
 			t.Errorf("priorityClassName %q, want none", pc)
 		}
 	})
+}
+
+// TestIdentityValues checks the identity values: the CA Secret's files are
+// mounted read-only into the agent at the paths of --ca-cert and --ca-key,
+// --svid-ttl carries svidTTL, and the proxy watches the agent's Workload
+// API socket; without identity neither binary gets an identity flag.
+func TestIdentityValues(t *testing.T) {
+	forEachSet(t, func(t *testing.T, r *render) {
+		agent, proxy := container(t, r, "aether-agent"), container(t, r, "aether-proxy")
+		if r.set.name != "identity" {
+			for _, a := range append(slices.Clone(agent.Args), proxy.Args...) {
+				if strings.Contains(a, "ca-cert") || strings.Contains(a, "workload-api-socket") {
+					t.Errorf("identity off but arg %q", a)
+				}
+			}
+			return
+		}
+		cfg := agentConfig(t, r)
+		if cfg.CA == nil || cfg.SVIDTTL != 2*time.Hour || filepath.Dir(cfg.WorkloadAPISocket) != app.SocketDir || cfg.TrustDomain != "mesh.example.com" {
+			t.Errorf("agent config %+v: want the CA loaded, 2h SVIDs, the socket in %s, trust domain mesh.example.com", cfg, app.SocketDir)
+		}
+		if !slices.Contains(proxy.Args, "-workload-api-socket="+cfg.WorkloadAPISocket) {
+			t.Errorf("aether-proxy args %q lack -workload-api-socket=%s", proxy.Args, cfg.WorkloadAPISocket)
+		}
+		for _, a := range agent.Args {
+			flag, file, _ := strings.Cut(a, "=")
+			if flag != "--ca-cert" && flag != "--ca-key" {
+				continue
+			}
+			m, v := mountOf(t, r, agent, file)
+			if v.Secret == nil || v.Secret.SecretName != "aether-identity-ca" || !m.ReadOnly {
+				t.Errorf("%s: want a read-only mount of Secret aether-identity-ca, got volume %+v", file, v)
+				continue
+			}
+			key := map[string]string{"--ca-cert": "tls.crt", "--ca-key": "tls.key"}[flag]
+			rel, _ := filepath.Rel(m.MountPath, file)
+			if !slices.ContainsFunc(v.Secret.Items, func(i corev1.KeyToPath) bool { return i.Key == key && i.Path == rel }) {
+				t.Errorf("%s: Secret items %+v do not map key %s to %s", file, v.Secret.Items, key, rel)
+			}
+		}
+	})
+}
+
+// TestIdentityGeneratedCA renders identity.generateCA: a kubernetes.io/tls
+// Secret whose CA the agent accepts (identity.ParseCA), mounted by the
+// DaemonSet. helm template cannot look up the installed Secret, so every
+// render generates a new CA (docs/identity.md says so).
+func TestIdentityGeneratedCA(t *testing.T) {
+	f := filepath.Join(t.TempDir(), "values.yaml")
+	if err := os.WriteFile(f, []byte("identity:\n  enabled: true\n  generateCA: true\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	raw, err := chart.Render(t.Context(), f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var secret *corev1.Secret
+	var ds *appsv1.DaemonSet
+	for _, o := range decodeManifests(t, raw) {
+		switch x := o.(type) {
+		case *corev1.Secret:
+			secret = x
+		case *appsv1.DaemonSet:
+			ds = x
+		}
+	}
+	if secret == nil || ds == nil {
+		t.Fatalf("render has no Secret or no DaemonSet:\n%s", raw)
+	}
+	if secret.Type != corev1.SecretTypeTLS || secret.Namespace != chart.Namespace {
+		t.Errorf("secret %s type %s namespace %s; want kubernetes.io/tls in %s", secret.Name, secret.Type, secret.Namespace, chart.Namespace)
+	}
+	td := spiffeid.RequireTrustDomainFromString("cluster.local")
+	if _, err := identity.ParseCA(secret.Data["tls.crt"], secret.Data["tls.key"], td, time.Now()); err != nil {
+		t.Fatalf("the generated CA is refused by the agent: %v", err)
+	}
+	if !slices.ContainsFunc(ds.Spec.Template.Spec.Volumes, func(v corev1.Volume) bool {
+		return v.Secret != nil && v.Secret.SecretName == secret.Name
+	}) {
+		t.Errorf("the DaemonSet does not mount the generated Secret %s", secret.Name)
+	}
 }
 
 // TestInstallerArgsParse checks the installer sidecar: a native sidecar

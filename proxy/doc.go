@@ -1,5 +1,6 @@
 // Package proxy wires aether-proxy together: the delta ADS client of the
 // agent (Listener and istio.workload.Workload resources), the WDS peer index,
-// the data plane that serves each pod's listeners inside its netns, and the
-// admin HTTP server (/metrics, /healthz, /debug/pods). See README.md.
+// the data plane that serves each pod's listeners inside its netns, the
+// SPIFFE Workload API watch (proxy/identity), and the admin HTTP server
+// (/metrics, /healthz, /debug/pods). See README.md.
 package proxy

@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"net"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -84,4 +85,40 @@ func TestRunAdminAddressInUse(t *testing.T) {
 		t.Fatalf("the proxy opened an xDS stream (%s) although it failed to start", r.GetTypeUrl())
 	default:
 	}
+}
+
+// TestRunIdentityBeforeTheAgentSocket: with --workload-api-socket naming a
+// socket nobody serves yet, the proxy still starts (its xDS stream, started
+// after the identity watch, opens) and stops cleanly; the watch retries.
+func TestRunIdentityBeforeTheAgentSocket(t *testing.T) {
+	ag := startAgent(t)
+	leak := goleak.IgnoreCurrent()
+	p, err := proxy.New(proxy.Config{
+		XDSTarget: "unix://" + ag.socket, NodeID: "node-1",
+		WorkloadAPISocket: filepath.Join(t.TempDir(), "not-yet", "workload.sock"),
+	}, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.Identity == nil {
+		t.Fatal("identity off although WorkloadAPISocket is set")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx) }()
+	select {
+	case <-ag.requests:
+	case err := <-done:
+		t.Fatalf("Run returned before opening its xDS stream: %v", err)
+	case <-time.After(20 * time.Second):
+		t.Fatal("no xDS stream: the identity watch blocked the start")
+	}
+	if p.Identity.Bundle() != nil || len(p.Identity.IDs()) != 0 {
+		t.Fatal("identity state without a Workload API server")
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("Run after a clean stop = %v", err)
+	}
+	goleak.VerifyNone(t, leak)
 }

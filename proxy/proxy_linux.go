@@ -20,6 +20,7 @@ import (
 	"aether.io/node/api/istio/workload"
 	"aether.io/node/pkg/lifecycle"
 	"aether.io/node/proxy/dataplane"
+	"aether.io/node/proxy/identity"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"
 	"aether.io/node/xds/adsclient"
@@ -44,6 +45,10 @@ type Config struct {
 	AdminAddress string
 	// Dataplane tunes the data plane.
 	Dataplane dataplane.Config
+	// WorkloadAPISocket is the SPIFFE Workload API socket the pods' SVIDs
+	// and the trust bundle are watched on (aether-agent's
+	// --workload-api-socket); empty turns identity off.
+	WorkloadAPISocket string
 }
 
 // Proxy is aether-proxy. Construct with New, then Run.
@@ -57,6 +62,9 @@ type Proxy struct {
 	// client when LDSTarget is set (else nil).
 	XDS *adsclient.Client
 	LDS *adsclient.Client
+	// Identity holds the SVIDs of the node's workload identities and the
+	// trust bundle (identity.Source); nil when WorkloadAPISocket is empty.
+	Identity *identity.Watcher
 
 	mu        sync.Mutex
 	listeners map[string]listener.Spec
@@ -80,6 +88,9 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 		return nil, err
 	}
 	p.Manager = m
+	if cfg.WorkloadAPISocket != "" {
+		p.Identity = identity.New(cfg.WorkloadAPISocket, nil, log.With("component", "identity"))
+	}
 	node := &core.Node{Id: cfg.NodeID, Cluster: "aether-proxy"}
 	p.XDS = &adsclient.Client{
 		Target: cfg.XDSTarget, Node: node, TypeURLs: []string{resource.ListenerType, resource.WorkloadType}, Handler: p.apply, Log: log,
@@ -181,7 +192,8 @@ func (p *Proxy) Handler() http.Handler {
 // Run serves until ctx ends: the admin server, the data plane and the xDS
 // stream(s). The parts start in this order and stop in reverse:
 //
-//	admin server → open pods (closed at stop) → data plane → xDS client(s)
+//	admin server → open pods (closed at stop) → data plane →
+//	identity (Workload API watch) → xDS client(s)
 //
 // so SIGTERM first stops taking xDS updates, then stops the data plane
 // loop, closes every open pod, and stops the admin server last (/healthz
@@ -199,6 +211,11 @@ func (p *Proxy) Run(ctx context.Context) error {
 		return nil
 	}})
 	lc.Go("dataplane", p.Manager.Run)
+	if p.Identity != nil {
+		// Never blocks the start: the watch retries until the agent's
+		// socket serves.
+		lc.Go("identity", p.Identity.Run)
+	}
 	lc.Go("xds_client", p.XDS.Run)
 	if p.LDS != nil {
 		lc.Go("lds_client", p.LDS.Run)

@@ -31,6 +31,9 @@ type Pod struct {
 	IPs            []string `json:"ips"`
 	NetworkNS      string   `json:"network_namespace"`
 	ServiceAccount string   `json:"service_account,omitempty"`
+	// SPIFFEID is the pod's SPIFFE ID (spiffe://<td>/ns/<ns>/sa/<sa>) when
+	// the agent issues identities (--ca-cert); empty otherwise.
+	SPIFFEID string `json:"spiffe_id,omitempty"`
 	// Owner is the pod's controlling owner reference as recorded,
 	// "<kind>/<name>" (for example ReplicaSet/web-5d4b8c); empty for a bare pod.
 	Owner           string            `json:"owner,omitempty"`

@@ -22,6 +22,7 @@ import (
 	"aether.io/node/agent/adminapi"
 	adminhandler "aether.io/node/agent/adminapi/handler"
 	"aether.io/node/agent/cniserver"
+	"aether.io/node/agent/identity"
 	"aether.io/node/agent/nodegate"
 	"aether.io/node/agent/pods"
 	"aether.io/node/agent/podsource"
@@ -50,6 +51,7 @@ func NewLogger(w *os.File, level string) (*slog.Logger, error) {
 //
 //	tracing → store → registry → pods (pod source client, replay) →
 //	health HTTP → workload discovery → listener discovery →
+//	identity (SVID loop, Workload API socket) →
 //	pod source, sync, liveness → CNI socket → node gate → admin socket →
 //	readiness
 //
@@ -85,11 +87,17 @@ type agent struct {
 	kube          kubernetes.Interface
 	nodeRes       *nodeXDS
 	mgr           *pods.Manager
+	// svids is the embedded SPIFFE provider's store; nil when identity is
+	// off (no --ca-cert).
+	svids *identity.Store
 }
 
 func newAgent(c *Config, log *slog.Logger) *agent {
 	a := &agent{c: c, log: log, metrics: telemetry.NewMetrics(), lc: lifecycle.New(log, c.ShutdownTimeout), synced: make(chan struct{})}
 	a.nodeRes = newNodeXDS(c, log)
+	if c.CA != nil {
+		a.svids = identity.NewStore(c.CA, c.SVIDTTL, time.Now)
+	}
 	a.lc.Append(lifecycle.Hook{Name: "tracing", Start: a.startTracing, Stop: func(context.Context) error {
 		a.stopTracing()
 		return nil
@@ -107,6 +115,7 @@ func newAgent(c *Config, log *slog.Logger) *agent {
 	a.lc.Append(lifecycle.Hook{Name: "pods", Start: a.startPods})
 	a.lc.Serve("http", a.listenHTTP)
 	a.appendXDS()
+	a.appendIdentity()
 	a.lc.Go("pod_source", func(ctx context.Context) error { return a.src.Run(ctx, a.mgr.Handler(ctx)) })
 	a.lc.Go("pod_source_sync", a.awaitSync)
 	a.lc.Go("liveness", func(ctx context.Context) error {
@@ -243,10 +252,12 @@ func (a *agent) listenAdmin() (net.Listener, lifecycle.Server, error) {
 	if err != nil {
 		return nil, lifecycle.Server{}, err
 	}
+	opts := adminhandler.Options{AllowedUIDs: a.c.AllowedUIDs, Rejected: a.metrics.PeerRejected, Logger: a.log}
+	if a.c.CA != nil {
+		opts.TrustDomain = a.c.CA.Bundle().TrustDomain()
+	}
 	srv := &http.Server{
-		Handler: adminhandler.New(a.mgr, adminhandler.Options{
-			AllowedUIDs: a.c.AllowedUIDs, Rejected: a.metrics.PeerRejected, Logger: a.log,
-		}),
+		Handler:           adminhandler.New(a.mgr, opts),
 		ReadHeaderTimeout: 5 * time.Second,
 		ConnContext:       adminhandler.ConnContext,
 	}

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"aether.io/node/agent/adminapi"
+	"aether.io/node/agent/identity/identitytest"
 	"aether.io/node/agent/store"
 	cniv1 "aether.io/node/api/aether/cni/v1"
 )
@@ -141,6 +142,20 @@ func TestRunCleanStop(t *testing.T) {
 	assertStoreFree(t, c.StateDir)
 }
 
+// openDir makes a directory open to group and others (0755) next to c's
+// state dir: the socket policy refuses to serve from it.
+func openDir(t *testing.T, c *Config) string {
+	t.Helper()
+	open := filepath.Join(filepath.Dir(c.StateDir), "open")
+	if err := os.Mkdir(open, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(open, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return open
+}
+
 // TestRunFailedStart checks a part that cannot start stops every part
 // started before it and releases their sockets, files and locks.
 func TestRunFailedStart(t *testing.T) {
@@ -174,16 +189,20 @@ func TestRunFailedStart(t *testing.T) {
 		{
 			name: "xds socket dir open to others",
 			breakIt: func(t *testing.T, c *Config) {
-				open := filepath.Join(filepath.Dir(c.StateDir), "open")
-				if err := os.Mkdir(open, 0o755); err != nil {
-					t.Fatal(err)
-				}
-				if err := os.Chmod(open, 0o755); err != nil {
-					t.Fatal(err)
-				}
-				c.XDSSocket = filepath.Join(open, "xds.sock")
+				c.XDSSocket = filepath.Join(openDir(t, c), "xds.sock")
 			},
 			wantErr: []string{"failed to start wds_socket", "must be 0700", "--xds-socket", "fix: chmod 0700"},
+		},
+		{
+			name: "workload api socket dir open to others",
+			breakIt: func(t *testing.T, c *Config) {
+				cert, key := identitytest.Files(t, t.TempDir(), identitytest.Valid("cluster.local"))
+				c.CACertFile, c.CAKeyFile, c.WorkloadAPISocket = cert, key, filepath.Join(openDir(t, c), "workload.sock")
+				if err := c.loadCA(time.Now()); err != nil {
+					t.Fatal(err)
+				}
+			},
+			wantErr: []string{"failed to start workload_api_socket", "must be 0700", "--workload-api-socket", "fix: chmod 0700"},
 		},
 		{
 			name: "cni socket served by another process",

@@ -12,6 +12,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+
+	"aether.io/node/agent/identity"
 	"aether.io/node/agent/pods"
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/pkg/tlsfiles"
@@ -68,7 +71,22 @@ type Config struct {
 	EtcdCAFile, EtcdCertFile, EtcdKeyFile string
 	// EtcdInsecure allows plaintext etcd (http:// endpoints, or no TLS files).
 	EtcdInsecure bool
+	// CACertFile and CAKeyFile are the PEM signing CA of the embedded SPIFFE
+	// provider; both empty turns identity off.
+	CACertFile, CAKeyFile string
+	// CA is the parsed and validated CA of CACertFile and CAKeyFile for
+	// TrustDomain (ParseFlags loads it); nil when identity is off.
+	CA *identity.CA
+	// SVIDTTL is the lifetime of every minted X.509-SVID; SVIDs rotate at
+	// half of it.
+	SVIDTTL time.Duration
+	// WorkloadAPISocket serves the SPIFFE Workload API when identity is on.
+	WorkloadAPISocket string
 }
+
+// MinSVIDTTL is the shortest --svid-ttl: X.509 validity has a precision of
+// one second, and a rotation needs a lifetime it can halve.
+const MinSVIDTTL = 2 * time.Second
 
 // ParseFlags parses args (without the program name). It returns
 // flag.ErrHelp after printing usage for --help.
@@ -117,6 +135,10 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.StringVar(&c.EtcdCertFile, "etcd-cert", "", "client certificate for etcd (TLS)")
 	fs.StringVar(&c.EtcdKeyFile, "etcd-key", "", "client key for etcd (TLS)")
 	fs.BoolVar(&c.EtcdInsecure, "etcd-insecure", false, "allow plaintext etcd: http:// endpoints, or none of --etcd-ca, --etcd-cert, --etcd-key (never TLS files with http://)")
+	fs.StringVar(&c.CACertFile, "ca-cert", "", "PEM certificate of the CA that signs the pods' X.509-SVIDs (embedded SPIFFE provider); with --ca-key turns identity on")
+	fs.StringVar(&c.CAKeyFile, "ca-key", "", "PEM private key (PKCS#8, SEC 1 or PKCS#1) of --ca-cert")
+	fs.DurationVar(&c.SVIDTTL, "svid-ttl", 4*time.Hour, "lifetime of each X.509-SVID; SVIDs rotate at half of it (at least "+MinSVIDTTL.String()+")")
+	fs.StringVar(&c.WorkloadAPISocket, "workload-api-socket", SocketDir+"/workload.sock", "unix socket serving the SPIFFE Workload API (X.509-SVIDs of this node's managed pods) to aether-proxy, mode 0600, --allowed-uids; served only with --ca-cert")
 	fs.StringVar(&locality, "locality", "", "node locality region/zone/subzone; empty reads the Node's topology labels (Kubernetes source only)")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: aether-agent [flags]\n\nThe aether node agent: serves aether.cni.v1.CNIService, keeps durable pod records\nand registers mesh-managed pods' endpoints.\n\nFlags:\n")
@@ -190,7 +212,46 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	if c.LivenessInterval <= 0 || c.PodWait <= 0 {
 		return nil, errors.New("--liveness-interval and --pod-wait must be positive")
 	}
+	if err := c.loadCA(time.Now()); err != nil {
+		return nil, err
+	}
 	return c, nil
+}
+
+// loadCA reads and validates --ca-cert and --ca-key at now. Both empty
+// leaves identity off; one without the other, an unreadable file or a CA
+// ParseCA refuses is a configuration error.
+func (c *Config) loadCA(now time.Time) error {
+	if c.CACertFile == "" && c.CAKeyFile == "" {
+		return nil
+	}
+	if c.CACertFile == "" || c.CAKeyFile == "" {
+		return errors.New("invalid --ca-cert/--ca-key: give both (the CA certificate and its key) or neither (identity off)")
+	}
+	if c.SVIDTTL < MinSVIDTTL {
+		return fmt.Errorf("invalid --svid-ttl %s: want at least %s", c.SVIDTTL, MinSVIDTTL)
+	}
+	if c.WorkloadAPISocket == "" {
+		return errors.New("invalid --workload-api-socket: empty; identity (--ca-cert) is served on it")
+	}
+	td, err := spiffeid.TrustDomainFromString(c.TrustDomain)
+	if err != nil {
+		return fmt.Errorf("invalid --trust-domain %q: %w", c.TrustDomain, err)
+	}
+	certPEM, err := os.ReadFile(c.CACertFile)
+	if err != nil {
+		return fmt.Errorf("failed to read --ca-cert %q: %w", c.CACertFile, err)
+	}
+	keyPEM, err := os.ReadFile(c.CAKeyFile)
+	if err != nil {
+		return fmt.Errorf("failed to read --ca-key %q: %w", c.CAKeyFile, err)
+	}
+	ca, err := identity.ParseCA(certPEM, keyPEM, td, now)
+	if err != nil {
+		return fmt.Errorf("invalid --ca-cert %q / --ca-key %q: %w", c.CACertFile, c.CAKeyFile, err)
+	}
+	c.CA = ca
+	return nil
 }
 
 // etcdOptions are the etcd registry options the flags give (without the

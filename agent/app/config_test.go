@@ -4,10 +4,14 @@ import (
 	"bytes"
 	"errors"
 	"flag"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
+	"aether.io/node/agent/identity/identitytest"
 	"aether.io/node/csi"
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/registry"
@@ -103,4 +107,56 @@ func TestUDSCSIRootAgreesWithTheDriver(t *testing.T) {
 	if c.UDSRoot != meshcontract.DefaultUDSCSIRoot {
 		t.Errorf("agent default root %q, want %q", c.UDSRoot, meshcontract.DefaultUDSCSIRoot)
 	}
+}
+
+// TestParseFlagsIdentity: the CA flags load and validate the CA up front,
+// so a bad CA is a configuration error (aether-agent exits 2) naming the
+// files and ParseCA's reason; without them identity is off.
+func TestParseFlagsIdentity(t *testing.T) {
+	dir := t.TempDir()
+	good := identitytest.Valid("cluster.local")
+	cert, key := identitytest.Files(t, mkdir(t, dir, "good"), good)
+	expired := good
+	expired.NotBefore, expired.NotAfter = time.Now().Add(-48*time.Hour), time.Now().Add(-24*time.Hour)
+	oldCert, oldKey := identitytest.Files(t, mkdir(t, dir, "expired"), expired)
+	otherCert, otherKey := identitytest.Files(t, mkdir(t, dir, "other"), identitytest.Valid("other.example"))
+	base := []string{"--node-name", "n1"}
+
+	c, err := ParseFlags(base, &bytes.Buffer{})
+	if err != nil || c.CA != nil || c.SVIDTTL != 4*time.Hour || c.WorkloadAPISocket != SocketDir+"/workload.sock" {
+		t.Fatalf("defaults: %+v, %v; want identity off, 4h TTL, %s/workload.sock", c, err, SocketDir)
+	}
+	c, err = ParseFlags(append(base, "--ca-cert", cert, "--ca-key", key, "--svid-ttl", "1h"), &bytes.Buffer{})
+	if err != nil || c.CA == nil || c.SVIDTTL != time.Hour {
+		t.Fatalf("good CA: %+v, %v", c, err)
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"cert without key", []string{"--ca-cert", cert}, "give both"},
+		{"key without cert", []string{"--ca-key", key}, "give both"},
+		{"missing file", []string{"--ca-cert", dir + "/nope.crt", "--ca-key", key}, `failed to read --ca-cert "` + dir + `/nope.crt"`},
+		{"key of another CA", []string{"--ca-cert", cert, "--ca-key", otherKey}, "key does not match certificate"},
+		{"expired", []string{"--ca-cert", oldCert, "--ca-key", oldKey}, "expired at"},
+		{"other trust domain", []string{"--ca-cert", otherCert, "--ca-key", otherKey}, `trust domain "other.example", want "cluster.local"`},
+		{"cert and key swapped", []string{"--ca-cert", key, "--ca-key", cert}, "no PEM CERTIFICATE block"},
+		{"ttl too short", []string{"--ca-cert", cert, "--ca-key", key, "--svid-ttl", "1s"}, "invalid --svid-ttl 1s"},
+		{"no socket", []string{"--ca-cert", cert, "--ca-key", key, "--workload-api-socket", ""}, "invalid --workload-api-socket"},
+		{"bad trust domain", []string{"--ca-cert", cert, "--ca-key", key, "--trust-domain", "Bad Domain"}, `invalid --trust-domain "Bad Domain"`},
+	} {
+		if _, err := ParseFlags(append(base, tc.args...), &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: ParseFlags = %v, want %q", tc.name, err, tc.want)
+		}
+	}
+}
+
+func mkdir(t *testing.T, parent, name string) string {
+	t.Helper()
+	d := filepath.Join(parent, name)
+	if err := os.Mkdir(d, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	return d
 }

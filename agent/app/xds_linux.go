@@ -142,16 +142,21 @@ func (w *localWorkloads) RecordStored(_ *store.Record, ep registry.Endpoint) {
 func (w *localWorkloads) RecordRemoved(key string) { w.local.Remove(key) }
 
 // nodeXDS is the pods.Observer that keeps the node's xDS resources: per-pod
-// listeners and, when workload discovery is served, local workloads.
+// listeners and, when workload discovery is served, local workloads; with
+// identity on, it also keeps the accounts the node's SVIDs are minted for.
 type nodeXDS struct {
 	listeners *listenerSync
 	workloads *localWorkloads // nil when workload discovery is off
+	accounts  *podAccounts    // nil when identity is off
 }
 
 func (n *nodeXDS) RecordStored(rec *store.Record, ep registry.Endpoint) {
 	n.listeners.RecordStored(rec)
 	if n.workloads != nil {
 		n.workloads.RecordStored(rec, ep)
+	}
+	if n.accounts != nil {
+		n.accounts.RecordStored(rec, ep)
 	}
 }
 
@@ -160,10 +165,16 @@ func (n *nodeXDS) RecordRemoved(key string) {
 	if n.workloads != nil {
 		n.workloads.RecordRemoved(key)
 	}
+	if n.accounts != nil {
+		n.accounts.RecordRemoved(key)
+	}
 }
 
 func newNodeXDS(c *Config, log *slog.Logger) *nodeXDS {
 	n := &nodeXDS{listeners: newListenerSync(listener.Ports{}, c.UDSRoot, log.With("component", "lds"))}
+	if c.CA != nil {
+		n.accounts = newPodAccounts()
+	}
 	if c.XDSSocket != "" || c.XDSAddress != "" {
 		idx := workload.NewIndex()
 		n.workloads = &localWorkloads{

@@ -21,8 +21,16 @@ import (
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 )
 
-// backdate is how far NotBefore is set before the mint time to tolerate clock skew.
+// backdate is how far NotBefore is set before the mint time to tolerate
+// clock skew; a TTL shorter than 4×backdate is backdated by a quarter of
+// itself instead, so its half-life (the rotation point) stays after the
+// mint time.
 const backdate = 5 * time.Minute
+
+// backdateFor is the NotBefore backdate of an SVID with lifetime ttl.
+func backdateFor(ttl time.Duration) time.Duration {
+	return min(backdate, ttl/4)
+}
 
 // CA is a validated signing CA for one trust domain.
 type CA struct {
@@ -120,11 +128,15 @@ func WorkloadID(td spiffeid.TrustDomain, ns, sa string) (spiffeid.ID, error) {
 	return id, nil
 }
 
-// Mint issues an X.509-SVID for id valid from now-backdate for ttl, clamped
-// to the CA's expiry, with a fresh ECDSA P-256 key.
+// Mint issues an X.509-SVID for id valid from now-backdate (5m, or ttl/4
+// when shorter) until now+ttl, clamped to the CA's expiry, with a fresh
+// ECDSA P-256 key. It fails once the CA has expired.
 func (c *CA) Mint(id spiffeid.ID, now time.Time, ttl time.Duration) (*x509svid.SVID, error) {
 	if !id.MemberOf(c.td) {
 		return nil, fmt.Errorf("failed to mint SVID %q: not in trust domain %q", id, c.td)
+	}
+	if !now.Before(c.cert.NotAfter) {
+		return nil, fmt.Errorf("failed to mint SVID %q: the CA expired at %s", id, c.cert.NotAfter.UTC().Format(time.RFC3339))
 	}
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
@@ -142,7 +154,7 @@ func (c *CA) Mint(id spiffeid.ID, now time.Time, ttl time.Duration) (*x509svid.S
 		SerialNumber:          serial,
 		Subject:               pkix.Name{},
 		URIs:                  []*url.URL{id.URL()},
-		NotBefore:             now.Add(-backdate),
+		NotBefore:             now.Add(-backdateFor(ttl)),
 		NotAfter:              notAfter,
 		KeyUsage:              x509.KeyUsageDigitalSignature,
 		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},

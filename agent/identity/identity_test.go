@@ -4,18 +4,16 @@ import (
 	"crypto"
 	"crypto/ecdsa"
 	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"math/big"
-	"net/url"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
+
+	"aether.io/node/agent/identity/identitytest"
 )
 
 var (
@@ -23,46 +21,15 @@ var (
 	t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 )
 
-type caSpec struct {
-	isCA      bool
-	notBefore time.Time
-	notAfter  time.Time
-	uri       string
-}
+type caSpec = identitytest.Spec
 
 func genCA(t testing.TB, s caSpec) (certPEM, keyPEM []byte, key crypto.Signer) {
 	t.Helper()
-	k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test ca"},
-		NotBefore: s.notBefore, NotAfter: s.notAfter,
-		IsCA: s.isCA, BasicConstraintsValid: true,
-		KeyUsage: x509.KeyUsageCertSign | x509.KeyUsageCRLSign,
-	}
-	if s.uri != "" {
-		u, err := url.Parse(s.uri)
-		if err != nil {
-			t.Fatal(err)
-		}
-		tmpl.URIs = []*url.URL{u}
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, k.Public(), k)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kd, err := x509.MarshalPKCS8PrivateKey(k)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: kd}), k
+	return identitytest.CA(t, s)
 }
 
 func goodSpec() caSpec {
-	return caSpec{isCA: true, notBefore: t0.Add(-time.Hour), notAfter: t0.Add(365 * 24 * time.Hour), uri: "spiffe://cluster.local"}
+	return caSpec{IsCA: true, NotBefore: t0.Add(-time.Hour), NotAfter: t0.Add(365 * 24 * time.Hour), URI: "spiffe://cluster.local"}
 }
 
 func testCA(t testing.TB) *CA {
@@ -78,15 +45,15 @@ func testCA(t testing.TB) *CA {
 func TestParseCA(t *testing.T) {
 	good := goodSpec()
 	notCA := good
-	notCA.isCA = false
+	notCA.IsCA = false
 	expired := good
-	expired.notAfter = t0.Add(-time.Minute)
+	expired.NotAfter = t0.Add(-time.Minute)
 	future := good
-	future.notBefore = t0.Add(time.Hour)
+	future.NotBefore = t0.Add(time.Hour)
 	otherTD := good
-	otherTD.uri = "spiffe://other.example"
+	otherTD.URI = "spiffe://other.example"
 	noURI := good
-	noURI.uri = ""
+	noURI.URI = ""
 	_, otherKey, _ := genCA(t, good)
 	tests := []struct {
 		name    string
@@ -177,7 +144,7 @@ func TestMint(t *testing.T) {
 
 func TestMintClampsToCAExpiry(t *testing.T) {
 	s := goodSpec()
-	s.notAfter = t0.Add(time.Hour)
+	s.NotAfter = t0.Add(time.Hour)
 	c, k, _ := genCA(t, s)
 	ca, err := ParseCA(c, k, td, t0)
 	if err != nil {
@@ -308,5 +275,82 @@ func BenchmarkStoreSync100(b *testing.B) {
 		if svids, _ := st.Snapshot(); len(svids) != 100 {
 			b.Fatalf("got %d SVIDs", len(svids))
 		}
+	}
+}
+
+// TestShortTTLRotatesAfterMint: a TTL shorter than 4×backdate is backdated
+// by a quarter of itself, so its rotation point is after the mint time and
+// a Sync right after the mint changes nothing.
+func TestShortTTLRotatesAfterMint(t *testing.T) {
+	for _, ttl := range []time.Duration{2 * time.Second, time.Minute, 20 * time.Minute, 4 * time.Hour} {
+		t.Run(ttl.String(), func(t *testing.T) {
+			now := t0
+			st := NewStore(testCA(t), ttl, func() time.Time { return now })
+			a := []Account{{Namespace: "default", ServiceAccount: "web"}}
+			if err := st.Sync(a); err != nil {
+				t.Fatal(err)
+			}
+			svids, changed := st.Snapshot()
+			// X.509 times have a precision of one second.
+			bd := min(backdate, ttl/4)
+			if got, want := svids[0].Certificates[0].NotBefore, t0.Add(-bd).Truncate(time.Second); !got.Equal(want) {
+				t.Fatalf("NotBefore = %s, want %s", got, want)
+			}
+			next := st.NextRotation()
+			if !next.After(t0) {
+				t.Fatalf("NextRotation = %s, not after the mint time %s", next, t0)
+			}
+			if r, err := st.SyncReport(a); err != nil || r != (SyncReport{Held: 1}) {
+				t.Fatalf("SyncReport right after the mint = %+v, %v; want nothing done", r, err)
+			}
+			select {
+			case <-changed:
+				t.Fatal("change signalled before the rotation point")
+			default:
+			}
+			now = next
+			if r, err := st.SyncReport(a); err != nil || r != (SyncReport{Rotated: 1, Held: 1}) {
+				t.Fatalf("SyncReport at the rotation point = %+v, %v; want one rotation", r, err)
+			}
+		})
+	}
+}
+
+func TestSyncReportCounts(t *testing.T) {
+	now := t0
+	st := NewStore(testCA(t), time.Hour, func() time.Time { return now })
+	web, db := Account{Namespace: "a", ServiceAccount: "web"}, Account{Namespace: "a", ServiceAccount: "db"}
+	bad := Account{Namespace: "bad/ns", ServiceAccount: "x"}
+	tests := []struct {
+		name string
+		at   time.Duration
+		want []Account
+		rep  SyncReport
+		err  bool
+	}{
+		{"mint two, one duplicate", 0, []Account{web, db, web}, SyncReport{Minted: 2, Held: 2}, false},
+		{"drop one", time.Minute, []Account{web}, SyncReport{Dropped: 1, Held: 1}, false},
+		{"invalid account fails", 2 * time.Minute, []Account{web, bad}, SyncReport{Failed: 1, Held: 1}, true},
+		{"rotate at half-life", time.Hour / 2, []Account{web}, SyncReport{Rotated: 1, Held: 1}, false},
+	}
+	for _, tc := range tests {
+		now = t0.Add(tc.at)
+		r, err := st.SyncReport(tc.want)
+		if (err != nil) != tc.err || r != tc.rep {
+			t.Fatalf("%s: SyncReport = %+v, %v; want %+v (error %v)", tc.name, r, err, tc.rep, tc.err)
+		}
+	}
+}
+
+func TestMintRefusedAfterCAExpiry(t *testing.T) {
+	ca := testCA(t)
+	id := spiffeid.RequireFromString("spiffe://cluster.local/ns/default/sa/web")
+	_, err := ca.Mint(id, ca.NotAfter(), time.Hour)
+	if err == nil || !strings.Contains(err.Error(), "the CA expired") {
+		t.Fatalf("Mint at the CA's expiry = %v; want the CA expired", err)
+	}
+	st := NewStore(ca, time.Hour, func() time.Time { return ca.NotAfter().Add(time.Second) })
+	if r, err := st.SyncReport([]Account{{Namespace: "default", ServiceAccount: "web"}}); err == nil || r.Failed != 1 {
+		t.Fatalf("SyncReport with an expired CA = %+v, %v; want one failure", r, err)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 )
 
@@ -14,6 +15,19 @@ import (
 type Account struct {
 	Namespace      string
 	ServiceAccount string
+}
+
+// DefaultServiceAccount is the account of a pod whose record names none
+// (Kubernetes' own default for spec.serviceAccountName).
+const DefaultServiceAccount = "default"
+
+// AccountOf is the account of a pod in namespace ns running as service
+// account sa (DefaultServiceAccount when sa is empty).
+func AccountOf(ns, sa string) Account {
+	if sa == "" {
+		sa = DefaultServiceAccount
+	}
+	return Account{Namespace: ns, ServiceAccount: sa}
 }
 
 // Store holds the current SVIDs of the node's accounts and rotates them at
@@ -34,18 +48,44 @@ func NewStore(ca *CA, ttl time.Duration, now func() time.Time) *Store {
 	return &Store{ca: ca, ttl: ttl, now: now, svids: map[Account]*x509svid.SVID{}, changed: make(chan struct{})}
 }
 
+// SyncReport counts what one Sync did.
+type SyncReport struct {
+	// Minted counts SVIDs issued for accounts the store did not hold.
+	Minted int
+	// Rotated counts SVIDs replaced because half of their lifetime passed.
+	Rotated int
+	// Dropped counts SVIDs removed because their account is gone.
+	Dropped int
+	// Failed counts accounts whose SVID could not be minted or rotated
+	// (a held SVID stays until it is dropped).
+	Failed int
+	// Held is the number of SVIDs held after the sync.
+	Held int
+}
+
 // Sync makes the store hold exactly the SVIDs of want: it mints missing
 // ones, rotates those past half of their lifetime and drops the others.
 func (s *Store) Sync(want []Account) error {
+	_, err := s.SyncReport(want)
+	return err
+}
+
+// SyncReport is Sync that also reports what changed. The error is the first
+// mint failure; the other accounts are still synced.
+func (s *Store) SyncReport(want []Account) (SyncReport, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.now()
 	keep := make(map[Account]bool, len(want))
-	dirty := false
+	var r SyncReport
 	var firstErr error
 	for _, a := range want {
+		if keep[a] {
+			continue
+		}
 		keep[a] = true
-		if cur, ok := s.svids[a]; ok && !dueForRotation(cur, now) {
+		cur, held := s.svids[a]
+		if held && !dueForRotation(cur, now) {
 			continue
 		}
 		id, err := WorkloadID(s.ca.td, a.Namespace, a.ServiceAccount)
@@ -53,10 +93,15 @@ func (s *Store) Sync(want []Account) error {
 			var sv *x509svid.SVID
 			if sv, err = s.ca.Mint(id, now, s.ttl); err == nil {
 				s.svids[a] = sv
-				dirty = true
+				if held {
+					r.Rotated++
+				} else {
+					r.Minted++
+				}
 				continue
 			}
 		}
+		r.Failed++
 		if firstErr == nil {
 			firstErr = err
 		}
@@ -64,16 +109,20 @@ func (s *Store) Sync(want []Account) error {
 	for a := range s.svids {
 		if !keep[a] {
 			delete(s.svids, a)
-			dirty = true
+			r.Dropped++
 		}
 	}
-	if dirty {
+	if r.Minted+r.Rotated+r.Dropped > 0 {
 		s.version++
 		close(s.changed)
 		s.changed = make(chan struct{})
 	}
-	return firstErr
+	r.Held = len(s.svids)
+	return r, firstErr
 }
+
+// Bundle is the trust bundle of the store's CA.
+func (s *Store) Bundle() *x509bundle.Bundle { return s.ca.Bundle() }
 
 // dueForRotation reports whether half of sv's lifetime has passed at now.
 func dueForRotation(sv *x509svid.SVID, now time.Time) bool {

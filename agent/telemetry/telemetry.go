@@ -53,6 +53,13 @@ type Metrics struct {
 	// RegistryReregistered counts live records registered again because
 	// their key was missing from the registry.
 	RegistryReregistered prometheus.Counter
+	// SVIDs gauges the X.509-SVIDs the embedded SPIFFE provider holds (one
+	// per namespace/service account of the node's managed pods).
+	SVIDs prometheus.Gauge
+	// SVIDRotations counts SVIDs replaced at half of their lifetime.
+	SVIDRotations prometheus.Counter
+	// SVIDMintFailures counts SVIDs that could not be minted or rotated.
+	SVIDMintFailures prometheus.Counter
 }
 
 // NewMetrics registers every metric (with zero values for known labels) on
@@ -96,9 +103,22 @@ func NewMetrics() *Metrics {
 			Name: "aether_agent_registry_reregistered_total",
 			Help: "Live records registered again by the liveness loop because their key was missing from the registry.",
 		}),
+		SVIDs: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "aether_agent_identity_svids",
+			Help: "X.509-SVIDs held by the embedded SPIFFE provider (one per namespace/service account of this node's managed pods).",
+		}),
+		SVIDRotations: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "aether_agent_identity_svid_rotations_total",
+			Help: "X.509-SVIDs replaced at half of their lifetime.",
+		}),
+		SVIDMintFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "aether_agent_identity_svid_mint_failures_total",
+			Help: "X.509-SVIDs that could not be minted or rotated (retried with backoff).",
+		}),
 	}
 	m.Registry.MustRegister(m.Operations, m.Quarantined, m.PeerRejected, m.UDSRefusals, m.PodLookupRetry, m.Pods,
 		m.PendingDeregistrations, m.RegistryGhostsDeleted, m.RegistryReregistered,
+		m.SVIDs, m.SVIDRotations, m.SVIDMintFailures,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for _, op := range []string{OpAddPod, OpRemovePod, OpReadinessProbe, OpCaptureDivert} {
 		for _, r := range []string{ResultSuccess, ResultError} {

@@ -10,9 +10,11 @@ import (
 	"slices"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
 	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/cniserver"
+	"aether.io/node/agent/identity"
 	"aether.io/node/agent/pods"
 )
 
@@ -32,6 +34,8 @@ type Options struct {
 	Rejected prometheus.Counter
 	// Logger logs refused peers; nil discards.
 	Logger *slog.Logger
+	// TrustDomain, when set (identity on), adds each pod's SPIFFE ID.
+	TrustDomain spiffeid.TrustDomain
 }
 
 type peerKey struct{}
@@ -52,13 +56,23 @@ func New(l Lister, o Options) http.Handler {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	view := func(s pods.PodState) adminapi.Pod {
+		v := View(s)
+		if !o.TrustDomain.IsZero() {
+			a := identity.AccountOf(v.Namespace, v.ServiceAccount)
+			if id, err := identity.WorkloadID(o.TrustDomain, a.Namespace, a.ServiceAccount); err == nil {
+				v.SPIFFEID = id.String()
+			}
+		}
+		return v
+	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /v1/pods", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		states := l.List()
 		out := make([]adminapi.Pod, 0, len(states))
 		for _, s := range states {
-			out = append(out, View(s))
+			out = append(out, view(s))
 		}
 		writeJSON(w, out)
 	})
@@ -68,7 +82,7 @@ func New(l Lister, o Options) http.Handler {
 		var out []adminapi.Pod
 		for _, s := range l.List() {
 			if s.Record.Pod.GetNamespace() == ns && s.Record.Pod.GetName() == name {
-				out = append(out, View(s))
+				out = append(out, view(s))
 			}
 		}
 		if len(out) == 0 {

@@ -2,9 +2,11 @@ package handler
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -14,10 +16,12 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"aether.io/node/agent/adminapi"
+	"aether.io/node/agent/cniserver"
 	"aether.io/node/agent/pods"
 	"aether.io/node/agent/store"
 	cniv1 "aether.io/node/api/aether/cni/v1"
@@ -212,5 +216,40 @@ func TestView(t *testing.T) {
 	want := &adminapi.Removal{ContainerID: "c0", At: delAt, Timings: map[string]string{"started": "2026-11-30T09:00:00Z", "pre_call": "2ms"}}
 	if !reflect.DeepEqual(v.LastDel, want) {
 		t.Fatalf("last DEL = %+v, want %+v", v.LastDel, want)
+	}
+}
+
+// TestHandlerSPIFFEID: with a trust domain (identity on) every pod carries
+// its SPIFFE ID, a pod without a service account as "default"; without one
+// none does.
+func TestHandlerSPIFFEID(t *testing.T) {
+	web := state("shop", "web", "c1")
+	web.Record.Pod.ServiceAccount = "web-sa"
+	bare := state("shop", "bare", "c2")
+	states := fakePods{states: []pods.PodState{web, bare}}
+	for _, tc := range []struct {
+		name string
+		td   spiffeid.TrustDomain
+		want []string
+	}{
+		{"identity on", spiffeid.RequireTrustDomainFromString("mesh.example"), []string{"spiffe://mesh.example/ns/shop/sa/web-sa", "spiffe://mesh.example/ns/shop/sa/default"}},
+		{"identity off", spiffeid.TrustDomain{}, []string{"", ""}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := New(states, Options{AllowedUIDs: []uint32{0}, TrustDomain: tc.td})
+			req := httptest.NewRequest(http.MethodGet, "/v1/pods", nil)
+			req = req.WithContext(context.WithValue(req.Context(), peerKey{}, cniserver.PeerInfo{UID: 0}))
+			rec := httptest.NewRecorder()
+			h.ServeHTTP(rec, req)
+			var got []adminapi.Pod
+			if err := json.Unmarshal(rec.Body.Bytes(), &got); err != nil || len(got) != 2 {
+				t.Fatalf("GET /v1/pods = %d %s (%v)", rec.Code, rec.Body.String(), err)
+			}
+			for i, p := range got {
+				if p.SPIFFEID != tc.want[i] {
+					t.Errorf("pod %s SPIFFE ID %q, want %q", p.Name, p.SPIFFEID, tc.want[i])
+				}
+			}
+		})
 	}
 }

@@ -35,6 +35,11 @@ refuses as a socket directory); aether-cni pins network namespaces in netns/.
 {{- define "aether-node.socketDir" -}}/run/aether/agent{{- end -}}
 {{- define "aether-node.stateDir" -}}/var/lib/aether{{- end -}}
 {{- define "aether-node.etcdTLSDir" -}}/etc/aether/etcd{{- end -}}
+{{- define "aether-node.identityDir" -}}/etc/aether/identity{{- end -}}
+{{/* The Secret of the identity CA: the one given, or the generated one. */}}
+{{- define "aether-node.identityCASecret" -}}
+{{- .Values.identity.caSecret | default (printf "%s-identity-ca" (include "aether-node.fullname" .)) -}}
+{{- end -}}
 
 {{/* Fails the render on values the binaries would reject. */}}
 {{- define "aether-node.validate" -}}
@@ -65,5 +70,11 @@ refuses as a socket directory); aether-cni pins network namespaces in netns/.
 {{- end -}}
 {{- if not .Values.clusterID -}}
 {{- fail "invalid clusterID: empty; workload uids need the cluster name" -}}
+{{- end -}}
+{{- if and .Values.identity.enabled (not .Values.identity.caSecret) (not .Values.identity.generateCA) -}}
+{{- fail "invalid identity: enabled without a CA; set identity.caSecret (a Secret with tls.crt and tls.key) or identity.generateCA" -}}
+{{- end -}}
+{{- if and .Values.identity.enabled .Values.identity.caSecret .Values.identity.generateCA -}}
+{{- fail "invalid identity: both caSecret and generateCA are set; give one" -}}
 {{- end -}}
 {{- end -}}

@@ -1,0 +1,256 @@
+// Package identity is aether-proxy's client of the SPIFFE Workload API
+// (aether-agent's --workload-api-socket, or any server of the spec): it
+// watches the X.509-SVIDs of the node's managed pods' identities and the
+// trust bundle, and gives them to the data plane through Source.
+//
+// Contract for the transport (HBONE): on every TLS handshake, ask Source
+// for the SVID of the local workload's identity
+// (spiffe://<td>/ns/<namespace>/sa/<service account>) and verify the peer
+// against Bundle(). Both rotate underneath: read them per handshake, never
+// cache them; an established connection is never touched by a rotation.
+// The Watcher also implements x509bundle.Source, so go-spiffe's tlsconfig
+// helpers can take it directly.
+//
+// Lifecycle: Run watches until its context ends. It never blocks the
+// proxy's start: when the socket is not there yet (the agent starts after
+// the proxy), the watch is retried with a doubling backoff (200 ms to 5 s)
+// and each failure is logged; until then SVID reports false and Bundle
+// returns nil. When the agent ends the SVID stream with PermissionDenied
+// (it holds no SVID any more: its last managed pod is gone), the held SVIDs
+// are dropped; on any other error (the agent restarting) they are kept
+// until they expire, so a restart of the agent does not stop new
+// handshakes.
+package identity
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
+	"github.com/spiffe/go-spiffe/v2/workloadapi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// Source gives the proxy the SVID of each local workload identity and the
+// trust bundle.
+type Source interface {
+	// SVID is the current, unexpired SVID of identity id, if the node holds
+	// one.
+	SVID(id spiffeid.ID) (*x509svid.SVID, bool)
+	// Bundle is the current trust bundle of the node's trust domain (it
+	// rotates); nil until the first one arrives.
+	Bundle() *x509bundle.Bundle
+}
+
+// Backoff bounds of the watch retries.
+const (
+	retryMin = 200 * time.Millisecond
+	retryMax = 5 * time.Second
+)
+
+// Watcher watches a Workload API socket and implements Source. Build it
+// with New; it does no I/O until Run.
+type Watcher struct {
+	addr string
+	log  *slog.Logger
+	now  func() time.Time
+
+	mu      sync.Mutex
+	svids   map[spiffeid.ID]*x509svid.SVID
+	bundles *x509bundle.Set
+	changed chan struct{}
+}
+
+var _ Source = (*Watcher)(nil)
+
+// New returns a Watcher of the Workload API on the unix socket at path
+// (e.g. /run/aether/agent/workload.sock). now is the clock SVID expiry is
+// judged by (time.Now when nil); log may be nil.
+func New(path string, now func() time.Time, log *slog.Logger) *Watcher {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	if now == nil {
+		now = time.Now
+	}
+	return &Watcher{addr: "unix://" + path, log: log, now: now, svids: map[spiffeid.ID]*x509svid.SVID{}, changed: make(chan struct{})}
+}
+
+// SVID implements Source.
+func (w *Watcher) SVID(id spiffeid.ID) (*x509svid.SVID, bool) {
+	w.mu.Lock()
+	sv, ok := w.svids[id]
+	w.mu.Unlock()
+	if !ok || !w.now().Before(sv.Certificates[0].NotAfter) {
+		return nil, false
+	}
+	return sv, true
+}
+
+// Bundle implements Source: the bundle of the trust domain of the SVIDs
+// held, or, while none is held, the one bundle the agent serves.
+func (w *Watcher) Bundle() *x509bundle.Bundle {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.bundles == nil {
+		return nil
+	}
+	for id := range w.svids {
+		if b, ok := w.bundles.Get(id.TrustDomain()); ok {
+			return b
+		}
+	}
+	if all := w.bundles.Bundles(); len(all) > 0 {
+		return all[0]
+	}
+	return nil
+}
+
+// GetX509BundleForTrustDomain implements x509bundle.Source.
+func (w *Watcher) GetX509BundleForTrustDomain(td spiffeid.TrustDomain) (*x509bundle.Bundle, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.bundles == nil {
+		return nil, fmt.Errorf("failed to find the bundle of trust domain %q: none received from the workload api yet", td)
+	}
+	return w.bundles.GetX509BundleForTrustDomain(td)
+}
+
+// IDs returns the identities whose SVIDs are held (expired ones included).
+func (w *Watcher) IDs() []spiffeid.ID {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	out := make([]spiffeid.ID, 0, len(w.svids))
+	for id := range w.svids {
+		out = append(out, id)
+	}
+	return out
+}
+
+// Changed returns a channel closed at the next change of the SVIDs or the
+// bundles.
+func (w *Watcher) Changed() <-chan struct{} {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.changed
+}
+
+// notifyLocked signals a change; w.mu is held.
+func (w *Watcher) notifyLocked() {
+	close(w.changed)
+	w.changed = make(chan struct{})
+}
+
+// Run watches the SVIDs and the bundles until ctx ends (then it returns
+// nil). It fails only when the server refuses the watch as malformed
+// (InvalidArgument), which no retry can fix.
+func (w *Watcher) Run(ctx context.Context) error {
+	client, err := workloadapi.New(ctx, workloadapi.WithAddr(w.addr),
+		workloadapi.WithLogger(debugLogger{w.log}), workloadapi.WithBackoffStrategy(backoffStrategy{}))
+	if err != nil {
+		return fmt.Errorf("failed to create the workload api client of %q: %w", w.addr, err)
+	}
+	defer func() { _ = client.Close() }()
+	w.log.Info("watching the workload api", "address", w.addr)
+	errs := make(chan error, 2)
+	go func() { errs <- client.WatchX509Context(ctx, svidWatcher{w}) }()
+	go func() { errs <- client.WatchX509Bundles(ctx, bundleWatcher{w}) }()
+	var failed error
+	for range 2 {
+		if err := <-errs; err != nil && ctx.Err() == nil && failed == nil {
+			failed = fmt.Errorf("failed to watch the workload api at %q: %w", w.addr, err)
+			_ = client.Close() // ends the other watch
+		}
+	}
+	return failed
+}
+
+// svidWatcher receives the X.509 context stream.
+type svidWatcher struct{ w *Watcher }
+
+func (s svidWatcher) OnX509ContextUpdate(c *workloadapi.X509Context) {
+	m := make(map[spiffeid.ID]*x509svid.SVID, len(c.SVIDs))
+	for _, sv := range c.SVIDs {
+		m[sv.ID] = sv
+	}
+	s.w.mu.Lock()
+	s.w.svids = m
+	if s.w.bundles == nil {
+		s.w.bundles = c.Bundles
+	}
+	s.w.notifyLocked()
+	s.w.mu.Unlock()
+	s.w.log.Debug("svids updated", "count", len(m))
+}
+
+func (s svidWatcher) OnX509ContextWatchError(err error) {
+	if status.Code(err) == codes.PermissionDenied {
+		s.w.mu.Lock()
+		n := len(s.w.svids)
+		s.w.svids = map[spiffeid.ID]*x509svid.SVID{}
+		if n > 0 {
+			s.w.notifyLocked()
+		}
+		s.w.mu.Unlock()
+		s.w.log.Info("workload api issues no identity: svids dropped", "dropped", n, "detail", err.Error())
+		return
+	}
+	if errors.Is(err, context.Canceled) || status.Code(err) == codes.Canceled {
+		return
+	}
+	s.w.log.Warn("workload api svid watch failed; retrying", "address", s.w.addr, "error", err.Error())
+}
+
+// bundleWatcher receives the X.509 bundles stream.
+type bundleWatcher struct{ w *Watcher }
+
+func (b bundleWatcher) OnX509BundlesUpdate(set *x509bundle.Set) {
+	b.w.mu.Lock()
+	b.w.bundles = set
+	b.w.notifyLocked()
+	b.w.mu.Unlock()
+	b.w.log.Debug("trust bundles updated", "count", set.Len())
+}
+
+func (b bundleWatcher) OnX509BundlesWatchError(err error) {
+	if errors.Is(err, context.Canceled) || status.Code(err) == codes.Canceled {
+		return
+	}
+	b.w.log.Warn("workload api bundle watch failed; retrying", "address", b.w.addr, "error", err.Error())
+}
+
+// backoffStrategy doubles from retryMin to retryMax (go-spiffe's default
+// grows linearly to 30 s, too slow for a proxy waiting on its node's agent).
+type backoffStrategy struct{}
+
+func (backoffStrategy) NewBackoff() workloadapi.Backoff { return &backoff{next: retryMin} }
+
+type backoff struct{ next time.Duration }
+
+func (b *backoff) Next() time.Duration {
+	d := b.next
+	b.next = min(2*b.next, retryMax)
+	return d
+}
+
+func (b *backoff) Reset() { b.next = retryMin }
+
+// debugLogger sends go-spiffe's own logs to slog at debug level; the
+// watchers above log what matters at info and warn.
+type debugLogger struct{ log *slog.Logger }
+
+func (l debugLogger) Debugf(format string, args ...any) { l.logf(format, args...) }
+func (l debugLogger) Infof(format string, args ...any)  { l.logf(format, args...) }
+func (l debugLogger) Warnf(format string, args ...any)  { l.logf(format, args...) }
+func (l debugLogger) Errorf(format string, args ...any) { l.logf(format, args...) }
+
+func (l debugLogger) logf(format string, args ...any) {
+	l.log.Debug("go-spiffe workload api client", "detail", fmt.Sprintf(format, args...))
+}
