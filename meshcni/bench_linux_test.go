@@ -190,16 +190,16 @@ func BenchmarkMeshAdd(b *testing.B) {
 
 // serveMinimalAgent serves minimalAgent on a unix socket in dir until the
 // benchmark ends and returns the socket path.
-func serveMinimalAgent(b *testing.B, dir string) string {
+func serveMinimalAgent(tb testing.TB, dir string) string {
 	sock := filepath.Join(dir, "cni.sock")
 	l, err := net.Listen("unix", sock)
 	if err != nil {
-		b.Fatal(err)
+		tb.Fatal(err)
 	}
 	srv := grpc.NewServer()
 	cniv1.RegisterCNIServiceServer(srv, minimalAgent{})
 	go func() { _ = srv.Serve(l) }()
-	b.Cleanup(srv.Stop)
+	tb.Cleanup(srv.Stop)
 	return sock
 }
 

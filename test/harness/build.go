@@ -155,10 +155,13 @@ var (
 // carry no symbol table and no DWARF.
 const ReleaseLDFLAGS = "-s -w"
 
+// ReleaseTags are the build tags of `make build` (TAGS in the Makefile).
+const ReleaseTags = "grpcnotrace"
+
 // BuildRelease builds the Go package pkg (a path relative to the module
 // root, for example "./cmd/aether-cni") the way `make build` builds the
-// release binaries (CGO_ENABLED=0, -trimpath, -ldflags ReleaseLDFLAGS),
-// with the given build tags, once per test process, and returns the
+// release binaries (CGO_ENABLED=0, -trimpath, -ldflags ReleaseLDFLAGS,
+// -tags ReleaseTags), with the given build tags added, once per test process, and returns the
 // binary's path (named after the package's last element). The binaries
 // live in the directory BuildOwn uses and are removed by CleanupOwn. When
 // AETHER_CNI_BIN_DIR is set, the binary of that name there is returned
@@ -187,10 +190,7 @@ func BuildRelease(tb testing.TB, pkg string, tags ...string) string {
 	dir := ownDir
 	ownMu.Unlock()
 	out := filepath.Join(dir, "release", fmt.Sprint(len(releaseBuilt)), name)
-	args := []string{"build", "-trimpath", "-ldflags", ReleaseLDFLAGS, "-o", out}
-	if len(tags) > 0 {
-		args = append(args, "-tags", strings.Join(tags, ","))
-	}
+	args := []string{"build", "-trimpath", "-ldflags", ReleaseLDFLAGS, "-tags", strings.Join(append([]string{ReleaseTags}, tags...), ","), "-o", out}
 	if err := runGo(append(args, pkg)...); err != nil {
 		tb.Fatalf("failed to build %s: %v", pkg, err)
 	}
