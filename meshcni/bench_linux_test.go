@@ -63,15 +63,7 @@ func BenchmarkMeshAdd(b *testing.B) {
 	dir := b.TempDir()
 
 	b.Run("ours", func(b *testing.B) {
-		sock := filepath.Join(dir, "cni.sock")
-		l, err := net.Listen("unix", sock)
-		if err != nil {
-			b.Fatal(err)
-		}
-		srv := grpc.NewServer()
-		cniv1.RegisterCNIServiceServer(srv, minimalAgent{})
-		go srv.Serve(l)
-		defer srv.Stop()
+		sock := serveMinimalAgent(b, dir)
 		pinDir := filepath.Join(dir, "pins")
 		stdin, _ := json.Marshal(map[string]any{
 			"cniVersion": "1.0.0", "name": "bench", "type": "aether-cni", "agent_socket": sock,
