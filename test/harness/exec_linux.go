@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/containernetworking/cni/pkg/invoke"
 	"github.com/containernetworking/cni/pkg/types"
@@ -22,7 +23,8 @@ const GNUTime = "/usr/bin/time"
 
 // RSSExec executes plugins as libcni's RawExec does: os/exec, the netconf
 // on stdin, stdout and stderr captured through pipes, and Run waits for
-// the process to exit and for its stdout and stderr to close.
+// the process to exit and for its stdout and stderr to close. It adds up
+// the plugins' CPU time (CPU).
 //
 // With MeasureRSS set, each plugin runs under GNU time, which forks it from
 // its own small process and records its peak resident set size (wait4's
@@ -37,6 +39,7 @@ type RSSExec struct {
 
 	mu     sync.Mutex
 	maxRSS []int64
+	cpu    time.Duration
 }
 
 // NewRSSExec returns an RSSExec with libcni's plugin lookup and VERSION
@@ -63,6 +66,11 @@ func (e *RSSExec) ExecPlugin(ctx context.Context, pluginPath string, stdinData [
 	c.Stdin = bytes.NewReader(stdinData)
 	c.Stdout, c.Stderr = &stdout, &stderr
 	err := c.Run()
+	if c.ProcessState != nil {
+		e.mu.Lock()
+		e.cpu += c.ProcessState.UserTime() + c.ProcessState.SystemTime()
+		e.mu.Unlock()
+	}
 	if rssFile != "" {
 		if rerr := e.record(rssFile); rerr != nil && err == nil {
 			return nil, rerr
@@ -99,6 +107,18 @@ func (e *RSSExec) record(path string) error {
 	e.maxRSS = append(e.maxRSS, kib*1024)
 	e.mu.Unlock()
 	return nil
+}
+
+// CPU returns the CPU time (user + system, from wait4; with the plugins'
+// waited-for children, such as an IPAM delegate) of the plugin processes
+// run since the last call, and forgets it. Under GNU time (MeasureRSS) it
+// includes GNU time's own.
+func (e *RSSExec) CPU() time.Duration {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	d := e.cpu
+	e.cpu = 0
+	return d
 }
 
 // PeakRSS returns the largest peak RSS (bytes) of the plugin processes run

@@ -27,7 +27,9 @@ const rssOps = 5
 // pod netns made and removed outside the measurement, timing verb alone.
 // pod describes the attachment for a netns path (and may prepare it, for
 // example bind it in a fake control plane). It reports p50-ns and p99-ns
-// of the timed verb, bin-bytes (the size of the binary at bin) and
+// of the timed verb, cpu-p50-ns (the median CPU time, user + system, of
+// the verb's plugin processes: the measure that a busy machine distorts
+// least), bin-bytes (the size of the binary at bin) and
 // peak-rss-bytes: the median, over rssOps more operations run after the
 // timed ones with ex.MeasureRSS, of the largest peak RSS among the plugin
 // processes of the verb.
@@ -41,32 +43,36 @@ func ExecBench(b *testing.B, rt *Runtime, ex *RSSExec, bin string, verb Verb, po
 		b.Fatalf("peak RSS needs GNU time (Debian package time; make deps): %v", err)
 	}
 	lat := make([]time.Duration, 0, b.N)
+	cpu := make([]time.Duration, 0, b.N)
 	b.ResetTimer()
 	for range b.N {
 		b.StopTimer()
-		d, _ := execOp(b, rt, ex, verb, pod, true)
+		d, c, _ := execOp(b, rt, ex, verb, pod, true)
 		lat = append(lat, d)
+		cpu = append(cpu, c)
 	}
 	b.StopTimer()
 	ex.MeasureRSS = true
 	rss := make([]int64, 0, rssOps)
 	for range rssOps {
-		_, r := execOp(b, rt, ex, verb, pod, false)
+		_, _, r := execOp(b, rt, ex, verb, pod, false)
 		rss = append(rss, r)
 	}
 	ex.MeasureRSS = false
 	slices.Sort(lat)
+	slices.Sort(cpu)
 	slices.Sort(rss)
 	b.ReportMetric(float64(lat[len(lat)/2].Nanoseconds()), "p50-ns")
 	b.ReportMetric(float64(lat[(len(lat)*99)/100].Nanoseconds()), "p99-ns")
+	b.ReportMetric(float64(cpu[len(cpu)/2].Nanoseconds()), "cpu-p50-ns")
 	b.ReportMetric(float64(fi.Size()), "bin-bytes")
 	b.ReportMetric(float64(rss[len(rss)/2]), "peak-rss-bytes")
 }
 
 // execOp runs one attachment in a fresh pod netns and returns how long
-// verb took and the peak RSS ex recorded for it. With timed, the benchmark
+// verb took, its plugins' CPU time and the peak RSS ex recorded for it. With timed, the benchmark
 // timer runs during verb only (it is stopped on entry and on return).
-func execOp(b *testing.B, rt *Runtime, ex *RSSExec, verb Verb, pod func(netns string) Pod, timed bool) (time.Duration, int64) {
+func execOp(b *testing.B, rt *Runtime, ex *RSSExec, verb Verb, pod func(netns string) Pod, timed bool) (time.Duration, time.Duration, int64) {
 	ctx := context.Background()
 	n, err := CreateNS("pod")
 	if err != nil {
@@ -80,6 +86,7 @@ func execOp(b *testing.B, rt *Runtime, ex *RSSExec, verb Verb, pod func(netns st
 		}
 	}
 	ex.PeakRSS()
+	ex.CPU()
 	if timed {
 		b.StartTimer()
 	}
@@ -93,7 +100,7 @@ func execOp(b *testing.B, rt *Runtime, ex *RSSExec, verb Verb, pod func(netns st
 	if timed {
 		b.StopTimer()
 	}
-	rss := ex.PeakRSS()
+	rss, cpu := ex.PeakRSS(), ex.CPU()
 	if err == nil && verb == VerbAdd {
 		err = rt.Del(ctx, p)
 	}
@@ -103,5 +110,5 @@ func execOp(b *testing.B, rt *Runtime, ex *RSSExec, verb Verb, pod func(netns st
 	if err != nil {
 		b.Fatal(err)
 	}
-	return d, rss
+	return d, cpu, rss
 }
