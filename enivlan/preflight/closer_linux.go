@@ -3,7 +3,6 @@ package preflight
 import (
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"sync"
@@ -15,19 +14,19 @@ import (
 )
 
 // CloserEnv marks a process started by ExecCloser: RunCloserFromEnv, called
-// first thing in main, makes it wait for the plugin to exit and then exit
-// itself.
+// first thing in main, makes it hold the sockets it is sent until the
+// plugin exits, and then exit itself.
 const CloserEnv = "ENI_VLAN_SOCKET_CLOSER"
 
 // MaxCloserLife bounds a closer's wait for the plugin to exit; it then exits
-// anyway. Either way, the kernel closes the inherited sockets as the closer
-// exits, paying their RCU grace period there.
+// anyway. Either way, the kernel closes the sockets it holds as it exits,
+// paying their RCU grace period there.
 const MaxCloserLife = 10 * time.Second
 
-// closerPipeFD is the first descriptor a closer inherits: the read end of
-// a pipe whose write end only the plugin holds (EOF = the plugin exited);
-// the sockets follow from fd 4.
-const closerPipeFD = 3
+// closerFD is the descriptor a closer inherits: its end of a unix socket
+// pair whose other end only the plugin holds. The plugin sends the sockets
+// over it (SCM_RIGHTS); EOF means the plugin exited.
+const closerFD = 3
 
 // Closer takes over duplicates of the pre-flight's open sockets and
 // releases them outside the runtime's wait (ExecCloser; a fake in tests).
@@ -41,76 +40,116 @@ type Closer interface {
 // ExecCloser hands sockets to a short-lived closer process: Path (this
 // binary) started with CloserEnv set, in its own session, with no stdin,
 // stdout or stderr of ours (a runtime waits for the plugin's exit and for
-// its stdout to close, never for the closer), inheriting the sockets. The
-// closer waits until this process exits (EOF on a pipe only this process
-// writes to, bounded by MaxCloserLife), then exits; the sockets close in
-// its exit. The closer is reparented to init (or the runtime's subreaper),
-// which reaps it. Nothing else is left behind: it lives as long as the
-// plugin plus one grace period (8-50 ms measured), at most MaxCloserLife.
+// its stdout to close, never for the closer). Start starts it early, in the
+// background, so that starting it overlaps the ADD's other steps; Take
+// sends it the sockets over a unix socket pair (SCM_RIGHTS). The closer
+// holds them until this process exits (EOF on the pair, bounded by
+// MaxCloserLife), then exits; the sockets close in its exit. The closer is
+// reparented to init (or the runtime's subreaper), which reaps it. Nothing
+// else is left behind: it lives as long as the plugin plus one grace
+// period, at most MaxCloserLife.
 type ExecCloser struct {
 	// Path is the binary to start; "/proc/self/exe" when empty.
 	Path string
 
-	mu sync.Mutex
-	// hold are the pipes' write ends: never written, closed by this
-	// process's exit (held here so no finalizer closes them earlier).
-	hold []*os.File
+	once sync.Once
+	done chan struct{}
+	// fd is this process's end of the pair (close-on-exec), -1 when the
+	// closer could not be started (err). It is closed by this process's
+	// exit, or by Close.
+	fd  int
+	err error
 }
 
-// Take starts a closer that inherits files.
-func (e *ExecCloser) Take(files []*os.File) error {
+// Start starts the closer in the background, once; Take waits for it.
+func (e *ExecCloser) Start() {
+	e.once.Do(func() {
+		e.done = make(chan struct{})
+		go func() {
+			defer close(e.done)
+			e.fd, e.err = e.spawn()
+		}()
+	})
+}
+
+func (e *ExecCloser) spawn() (int, error) {
 	path := e.Path
 	if path == "" {
 		path = "/proc/self/exe"
 	}
-	r, w, err := os.Pipe()
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
-		return fmt.Errorf("failed to create closer pipe: %w", err)
+		return -1, fmt.Errorf("failed to create closer socket pair: %w", err)
 	}
+	child := os.NewFile(uintptr(pair[1]), "closer")
 	cmd := exec.Command(path)
 	cmd.Env = []string{CloserEnv + "=1"}
-	cmd.ExtraFiles = append([]*os.File{r}, files...)
+	cmd.ExtraFiles = []*os.File{child}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	err = cmd.Start()
-	_ = r.Close()
+	_ = child.Close()
 	if err != nil {
-		_ = w.Close()
-		return fmt.Errorf("failed to start socket closer %q: %w", path, err)
+		_ = unix.Close(pair[0])
+		return -1, fmt.Errorf("failed to start socket closer %q: %w", path, err)
 	}
-	e.mu.Lock()
-	e.hold = append(e.hold, w)
-	e.mu.Unlock()
-	return cmd.Process.Release()
+	return pair[0], cmd.Process.Release()
 }
 
-// Close closes the pipes of the closers started so far: they exit now
-// rather than when this process exits (tests; a plugin just exits).
-func (e *ExecCloser) Close() error {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	var errs []error
-	for _, w := range e.hold {
-		errs = append(errs, w.Close())
+// Take sends files to the closer (starting it first if Start was not
+// called).
+func (e *ExecCloser) Take(files []*os.File) error {
+	e.Start()
+	<-e.done
+	if e.err != nil {
+		return e.err
 	}
-	e.hold = nil
-	return errors.Join(errs...)
+	fds := make([]int, len(files))
+	for i, f := range files {
+		fds[i] = int(f.Fd())
+	}
+	if err := unix.Sendmsg(e.fd, []byte{0}, unix.UnixRights(fds...), nil, 0); err != nil {
+		return fmt.Errorf("failed to send sockets to the closer: %w", err)
+	}
+	return nil
+}
+
+// Close closes this process's end of the pair: the closer exits now rather
+// than when this process exits (tests; a plugin just exits).
+func (e *ExecCloser) Close() error {
+	if e.done == nil {
+		return nil
+	}
+	<-e.done
+	if e.err != nil {
+		return nil
+	}
+	return unix.Close(e.fd)
 }
 
 // RunCloserFromEnv is called first thing in main: when the process is a
-// closer (CloserEnv set) it waits until the plugin that started it exits
-// (or MaxCloserLife) and returns true, and main then exits; otherwise it
-// returns false at once.
+// closer (CloserEnv set) it holds the sockets it receives until the plugin
+// that started it exits (or MaxCloserLife) and returns true, and main then
+// exits; otherwise it returns false at once.
 func RunCloserFromEnv() bool {
 	if os.Getenv(CloserEnv) == "" {
 		return false
 	}
-	f := os.NewFile(closerPipeFD, "closer-pipe")
 	done := make(chan struct{})
 	go func() {
-		// EOF, or an error on a descriptor that is not our pipe: either way
-		// there is nothing more to wait for.
-		_, _ = io.Copy(io.Discard, f)
-		close(done)
+		defer close(done)
+		buf := make([]byte, 1)
+		oob := make([]byte, unix.CmsgSpace(8*4))
+		for {
+			// Received descriptors are kept open: this process's exit
+			// closes them.
+			n, oobn, _, _, err := unix.Recvmsg(closerFD, buf, oob, unix.MSG_CMSG_CLOEXEC)
+			if errors.Is(err, unix.EINTR) {
+				continue
+			}
+			if err != nil || (n == 0 && oobn == 0) {
+				return // EOF: the plugin exited
+			}
+		}
 	}()
 	t := time.NewTimer(MaxCloserLife)
 	select {

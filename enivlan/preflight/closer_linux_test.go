@@ -11,6 +11,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/mdlayher/packet"
 	"golang.org/x/sys/unix"
@@ -99,8 +100,9 @@ func holders(t *testing.T, ids []string) []int {
 }
 
 // TestExecCloserTakesSockets: Close hands both sockets to a closer process
-// (this test binary) and keeps no descriptor of them; the closer holds them
-// until the plugin's pipe closes, then exits, and nothing holds them.
+// (this test binary, started early) and keeps no descriptor of them; the
+// closer holds them until the plugin's end of the pair closes, then exits,
+// and nothing holds them.
 func TestExecCloserTakesSockets(t *testing.T) {
 	self, err := os.Executable()
 	if err != nil {
@@ -108,6 +110,7 @@ func TestExecCloserTakesSockets(t *testing.T) {
 	}
 	cl := &ExecCloser{Path: self}
 	t.Cleanup(func() { _ = cl.Close() })
+	cl.Start() // as ADD does, before the pre-flight
 	c, ids := openSockets(t, cl)
 	if err := c.Close(); err != nil {
 		t.Fatalf("Close: %v", err)
@@ -115,7 +118,14 @@ func TestExecCloserTakesSockets(t *testing.T) {
 	if c.arp != nil || c.ip6 != nil {
 		t.Error("Close left sockets on the Conn")
 	}
-	h := holders(t, ids)
+	// The sockets are in flight until the closer receives them.
+	var h []int
+	for range 1000 {
+		if h = holders(t, ids); len(h) > 0 {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 	if len(h) != 1 || h[0] == os.Getpid() {
 		t.Fatalf("sockets %v held by %v, want one closer process", ids, h)
 	}
@@ -135,8 +145,9 @@ func TestExecCloserTakesSockets(t *testing.T) {
 	if sid, err := unix.Getsid(pid); err != nil || sid != pid {
 		t.Errorf("closer session = %d, %v; want its own (%d)", sid, err, pid)
 	}
-	// The plugin's exit closes the pipe; Close does the same here. The
-	// closer then exits (bounded by MaxCloserLife) and releases the sockets.
+	// The plugin's exit closes its end of the pair; Close does the same
+	// here. The closer then exits (bounded by MaxCloserLife) and releases
+	// the sockets.
 	if err := cl.Close(); err != nil {
 		t.Fatal(err)
 	}
