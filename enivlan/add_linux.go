@@ -140,6 +140,9 @@ func (c *addCall) run() error {
 	if err := c.t.time(&c.t.ipam, c.allocate); err != nil {
 		return err
 	}
+	if c.conf.ValidateIaasNetConfig && c.p.PrepareCloser != nil {
+		c.p.PrepareCloser()
+	}
 	if err := c.t.time(&c.t.endpoint, c.bind); err != nil {
 		return err
 	}

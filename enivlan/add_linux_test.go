@@ -163,8 +163,11 @@ type unit struct {
 	ep        *fakeEndpoints
 	prober    *fakeProber
 	opened    int
-	p         *enivlan.Plugin
-	out       bytes.Buffer
+	// prepared counts PrepareCloser calls; ipamAddsAtPrepare is how many
+	// IPAM ADDs had run at the first one.
+	prepared, ipamAddsAtPrepare int
+	p                           *enivlan.Plugin
+	out                         bytes.Buffer
 }
 
 func newUnit(t *testing.T) *unit {
@@ -182,9 +185,15 @@ func newUnit(t *testing.T) *unit {
 		Linker:         fakeLinker{},
 		DialSpiderpool: func(string) enivlan.Endpoints { return u.ep },
 		OpenPreflight:  func(*net.Interface) enivlan.Prober { u.opened++; return u.prober },
-		Log:            slog.New(slog.DiscardHandler),
-		Stdout:         &u.out,
-		Exec:           u.ipam,
+		PrepareCloser: func() {
+			if u.prepared == 0 {
+				u.ipamAddsAtPrepare = u.ipam.adds
+			}
+			u.prepared++
+		},
+		Log:    slog.New(slog.DiscardHandler),
+		Stdout: &u.out,
+		Exec:   u.ipam,
 	}
 	return u
 }
@@ -451,6 +460,11 @@ func TestAddSteps(t *testing.T) {
 			}
 			if len(u.prober.announced) != wantAnnounce || u.opened != wantOpen || u.prober.closed != wantOpen {
 				t.Errorf("announced %v, opened %d, closed %d; want %d announcement(s), %d open/close", u.prober.announced, u.opened, u.prober.closed, wantAnnounce, wantOpen)
+			}
+			// The closer is prepared once, after IPAM ADD, only when the
+			// pre-flight will need it.
+			if u.prepared != wantOpen || (validate && u.ipamAddsAtPrepare != 1) {
+				t.Errorf("PrepareCloser ran %d times (after %d IPAM ADDs); want %d, after the IPAM ADD", u.prepared, u.ipamAddsAtPrepare, wantOpen)
 			}
 		})
 	}

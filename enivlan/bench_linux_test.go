@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/netip"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"testing"
 	"time"
@@ -57,15 +58,7 @@ func BenchmarkEniVlanAdd(b *testing.B) {
 	b.Run("peer", func(b *testing.B) {
 		harness.RequireRoot(b)
 		c := enivlantest.NewCloud(b, enivlantest.CloudOptions{})
-		conf := map[string]any{
-			"type": "macvlan", "master": c.Master, "mode": "bridge",
-			"ipam": map[string]any{
-				"type":      "static",
-				"addresses": []map[string]any{{"address": "10.77.0.60/24", "gateway": "10.77.0.1"}},
-				"routes":    []map[string]any{{"dst": "0.0.0.0/0"}},
-			},
-		}
-		rt := harness.NewRuntime(b, c.Node, []string{harness.ReferencePlugins(b)}, harness.ConfList(b, "peer", "1.1.0", conf))
+		rt := harness.NewRuntime(b, c.Node, []string{harness.ReferencePlugins(b)}, harness.ConfList(b, "peer", "1.1.0", peerConf(c.Master)))
 		n := harness.NewNS(b, "pod")
 		var d []time.Duration
 		b.ResetTimer()
@@ -177,3 +170,67 @@ func BenchmarkPreflight(b *testing.B) {
 		report(b, d, "")
 	})
 }
+
+// benchEniVlanExec times one CNI verb of whole plugin processes exec'd
+// through libcni as containerd does, in the node netns, each pod in a fresh
+// netns, all binaries stripped as `make build` builds them:
+//
+//   - ours: eni-vlan (surrogate link on this kernel) with validation on
+//     (ARP pre-flight against the fabric), host-local IPAM, spiderpool-agent
+//     lookup over a unix socket;
+//   - peer: the reference macvlan + static on the same master.
+func benchEniVlanExec(b *testing.B, verb harness.Verb) {
+	harness.RequireRoot(b)
+	plugins := func(b *testing.B, pkgs ...string) (string, []string) {
+		var dirs []string
+		for _, p := range pkgs {
+			tags := []string(nil)
+			if p == "./cmd/eni-vlan" {
+				tags = []string{enivlantest.SurrogateTag}
+			}
+			dirs = append(dirs, filepath.Dir(harness.BuildRelease(b, p, tags...)))
+		}
+		return filepath.Join(dirs[0], filepath.Base(pkgs[0])), dirs
+	}
+	b.Run("ours", func(b *testing.B) {
+		bin, dirs := plugins(b, "./cmd/eni-vlan", harness.ReferencePluginsModule+"/plugins/ipam/host-local")
+		c := enivlantest.NewCloud(b, enivlantest.CloudOptions{})
+		ex := harness.NewRSSExec()
+		rt := harness.NewRuntimeExec(b, c.Node, dirs, harness.ConfList(b, c.Network, "1.1.0", c.PluginConf(nil)), ex)
+		mac := randomMAC()
+		harness.ExecBench(b, rt, ex, bin, verb, func(netns string) harness.Pod {
+			p := harness.Pod{ContainerID: harness.ContainerID(), NetNS: netns, Name: "bench", Namespace: "default"}
+			c.Bind(p, enivlantest.Binding{VLAN: 100, MAC: mac})
+			return p
+		})
+	})
+	b.Run("peer", func(b *testing.B) {
+		bin, dirs := plugins(b, harness.ReferencePluginsModule+"/plugins/main/macvlan", harness.ReferencePluginsModule+"/plugins/ipam/static")
+		c := enivlantest.NewCloud(b, enivlantest.CloudOptions{})
+		ex := harness.NewRSSExec()
+		rt := harness.NewRuntimeExec(b, c.Node, dirs, harness.ConfList(b, "peer", "1.1.0", peerConf(c.Master)), ex)
+		harness.ExecBench(b, rt, ex, bin, verb, func(netns string) harness.Pod {
+			return harness.Pod{ContainerID: harness.ContainerID(), NetNS: netns, Name: "bench", Namespace: "default"}
+		})
+	})
+}
+
+// peerConf is the reference macvlan + static plugin object on master.
+func peerConf(master string) map[string]any {
+	return map[string]any{
+		"type": "macvlan", "master": master, "mode": "bridge",
+		"ipam": map[string]any{
+			"type":      "static",
+			"addresses": []map[string]any{{"address": "10.77.0.60/24", "gateway": "10.77.0.1"}},
+			"routes":    []map[string]any{{"dst": "0.0.0.0/0"}},
+		},
+	}
+}
+
+// BenchmarkEniVlanExecAdd: eni-vlan's whole-process ADD vs macvlan + static
+// (see benchEniVlanExec); issue 15.
+func BenchmarkEniVlanExecAdd(b *testing.B) { benchEniVlanExec(b, harness.VerbAdd) }
+
+// BenchmarkEniVlanExecDel: eni-vlan's whole-process DEL vs macvlan + static
+// (see benchEniVlanExec); issue 15.
+func BenchmarkEniVlanExecDel(b *testing.B) { benchEniVlanExec(b, harness.VerbDel) }

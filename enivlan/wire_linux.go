@@ -12,12 +12,16 @@ import (
 
 // New returns the plugin wired to the real spiderpool-agent, kernel
 // (link.Default: 802.1Q, or the surrogate in a test build) and packet
-// sockets, logging to log. It does no I/O.
+// sockets, logging to log. The pre-flight's sockets are closed by a
+// detached closer process (preflight.ExecCloser, started after IPAM ADD),
+// so the runtime does not wait for their RCU grace period. It does no I/O.
 func New(log *slog.Logger) *Plugin {
+	closer := &preflight.ExecCloser{}
 	return &Plugin{
 		Linker:         link.Default(),
 		DialSpiderpool: DialSpiderpool,
-		OpenPreflight:  OpenPreflight,
+		OpenPreflight:  func(l *net.Interface) Prober { return preflight.OpenWithCloser(l, closer) },
+		PrepareCloser:  closer.Start,
 		Log:            log,
 		Stdout:         os.Stdout,
 	}
@@ -27,5 +31,6 @@ func New(log *slog.Logger) *Plugin {
 func DialSpiderpool(socket string) Endpoints { return spiderpool.New(socket) }
 
 // OpenPreflight opens the ARP/NDP pre-flight on l (sockets open lazily, in
-// the netns of the first call that needs them).
+// the netns of the first call that needs them), closing its sockets in
+// this process.
 func OpenPreflight(l *net.Interface) Prober { return preflight.Open(l) }

@@ -37,6 +37,10 @@ func (minimalAgent) AddPod(context.Context, *cniv1.AddPodRequest) (*cniv1.AddPod
 	return &cniv1.AddPodResponse{Result: cniv1.AddPodResponse_RESULT_SUCCESS}, nil
 }
 
+func (minimalAgent) RemovePod(context.Context, *cniv1.RemovePodRequest) (*cniv1.RemovePodResponse, error) {
+	return &cniv1.RemovePodResponse{Result: cniv1.RemovePodResponse_RESULT_SUCCESS}, nil
+}
+
 func (minimalAgent) ReportAddResult(context.Context, *cniv1.ReportAddResultRequest) (*cniv1.ReportAddResultResponse, error) {
 	return &cniv1.ReportAddResultResponse{}, nil
 }
@@ -59,15 +63,7 @@ func BenchmarkMeshAdd(b *testing.B) {
 	dir := b.TempDir()
 
 	b.Run("ours", func(b *testing.B) {
-		sock := filepath.Join(dir, "cni.sock")
-		l, err := net.Listen("unix", sock)
-		if err != nil {
-			b.Fatal(err)
-		}
-		srv := grpc.NewServer()
-		cniv1.RegisterCNIServiceServer(srv, minimalAgent{})
-		go srv.Serve(l)
-		defer srv.Stop()
+		sock := serveMinimalAgent(b, dir)
 		pinDir := filepath.Join(dir, "pins")
 		stdin, _ := json.Marshal(map[string]any{
 			"cniVersion": "1.0.0", "name": "bench", "type": "aether-cni", "agent_socket": sock,
@@ -183,3 +179,61 @@ func BenchmarkMeshAdd(b *testing.B) {
 		lat.Report(b)
 	})
 }
+
+// serveMinimalAgent serves minimalAgent on a unix socket in dir until the
+// benchmark ends and returns the socket path.
+func serveMinimalAgent(tb testing.TB, dir string) string {
+	sock := filepath.Join(dir, "cni.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	srv := grpc.NewServer()
+	cniv1.RegisterCNIServiceServer(srv, minimalAgent{})
+	go func() { _ = srv.Serve(l) }()
+	tb.Cleanup(srv.Stop)
+	return sock
+}
+
+// benchMeshExec times one CNI verb of whole plugin processes exec'd through
+// libcni as containerd does, each pod in a fresh netns:
+//
+//   - ours: the release aether-cni binary (stripped, as `make build`
+//     builds it) against a warm in-process agent on a unix socket, readiness
+//     probe and CRI lookup off, netns pin on (unpinned at once on DEL);
+//   - peer: the exec floor, a do-nothing Go plugin on skel
+//     (testdata/floor-cni, built the same way) that prints prevResult.
+//
+// Both are the only plugin of their conflist, with the primary plugin's
+// result inlined as prevResult.
+func benchMeshExec(b *testing.B, verb harness.Verb) {
+	harness.RequireRoot(b)
+	run := func(b *testing.B, bin string, conf map[string]any) {
+		conf["prevResult"] = json.RawMessage(benchPrev)
+		ex := harness.NewRSSExec()
+		rt := harness.NewRuntimeExec(b, nil, []string{filepath.Dir(bin)}, harness.ConfList(b, "bench", "1.0.0", conf), ex)
+		harness.ExecBench(b, rt, ex, bin, verb, func(netns string) harness.Pod {
+			return harness.Pod{ContainerID: harness.ContainerID(), NetNS: netns, Name: "p", Namespace: "bench", UID: "u"}
+		})
+	}
+	b.Run("ours", func(b *testing.B) {
+		dir := b.TempDir()
+		run(b, harness.BuildRelease(b, "./cmd/aether-cni"), map[string]any{
+			"type": "aether-cni", "agent_socket": serveMinimalAgent(b, dir),
+			"netns_pin_dir": filepath.Join(dir, "pins"), "netns_unpin_delay_seconds": 0, "cri_socket": "",
+			"readiness_probe_disabled": true,
+			"capture":                  map[string]any{"redirect_all": true, "exclude_ports": []int{22}},
+		})
+	})
+	b.Run("peer", func(b *testing.B) {
+		run(b, harness.BuildRelease(b, "./meshcni/testdata/floor-cni"), map[string]any{"type": "floor-cni"})
+	})
+}
+
+// BenchmarkMeshExecAdd: aether-cni's whole-process ADD vs the exec floor of
+// a Go CNI plugin (see benchMeshExec); issue 15.
+func BenchmarkMeshExecAdd(b *testing.B) { benchMeshExec(b, harness.VerbAdd) }
+
+// BenchmarkMeshExecDel: aether-cni's whole-process DEL vs the exec floor
+// (see benchMeshExec); issue 15.
+func BenchmarkMeshExecDel(b *testing.B) { benchMeshExec(b, harness.VerbDel) }

@@ -35,6 +35,9 @@ type Agent interface {
 	ReportAddResult(ctx context.Context, req *cniv1.ReportAddResultRequest) error
 	GetPod(ctx context.Context, containerID string) (*cniv1.GetPodResponse, error)
 	Ready(ctx context.Context) error
+	// Connect starts connecting in the background, so that the connection
+	// is set up while the plugin does its work before the first call.
+	Connect()
 	Close() error
 }
 
@@ -218,6 +221,15 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	}
 	ctx := context.Background()
 
+	// The agent's connection is set up while the PID and the pin are
+	// worked out.
+	agent, err := p.DialAgent(cfg)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = agent.Close() }()
+	agent.Connect()
+
 	// PID: from the path when it names one; else a short, bounded CRI call.
 	step := p.Now()
 	var pid *wrapperspb.UInt32Value
@@ -254,12 +266,6 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	}
 	log.Debug("step done", "step", "pin", "duration", p.Now().Sub(step))
 
-	agent, err := p.DialAgent(cfg)
-	if err != nil {
-		unpin()
-		return err
-	}
-	defer func() { _ = agent.Close() }()
 	sent := p.callTimings()
 	preCall := sent.GetPreCall().AsDuration()
 	step = p.Now()

@@ -76,6 +76,7 @@ func (r *recorder) GetPod(_ context.Context, cid string) (*cniv1.GetPodResponse,
 	return r.record, nil
 }
 func (r *recorder) Ready(context.Context) error { return r.removeErr }
+func (r *recorder) Connect()                    {}
 func (r *recorder) Close() error                { return nil }
 
 func (r *recorder) Install(ns string, _ capture.Ruleset) error {

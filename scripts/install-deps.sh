@@ -12,6 +12,7 @@ command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 command -v xz >/dev/null || need+=(xz-utils)
 command -v containerd >/dev/null || need+=(containerd)
 command -v runc >/dev/null || need+=(runc)
+[ -x /usr/bin/time ] || need+=(time)
 lists_ok=true
 apt-cache show linux-image-amd64 >/dev/null 2>&1 || lists_ok=false
 if [ ${#need[@]} -eq 0 ] && $lists_ok; then

@@ -56,19 +56,25 @@ func (e *NoReplyError) Error() string {
 
 // Conn holds the packet sockets of one link: ARP (IPv4) and IPv6, opened
 // on demand. A probe and the announcement after it share them. Closing an
-// AF_PACKET socket waits for an RCU grace period in the kernel (measured
-// 8-16 ms on the CI machines), so each socket is opened once per ADD and
-// Close releases them in parallel.
+// AF_PACKET socket waits for an RCU grace period in the kernel
+// (synchronize_net in packet_release, unconditional; measured 8-16 ms on
+// the CI machines, up to ~50 ms under load), so each socket is opened once
+// per ADD, and Close hands them to a Closer (another process pays the wait)
+// or, without one, closes them in parallel.
 type Conn struct {
-	link *net.Interface
-	arp  *packet.Conn
-	ip6  *packet.Conn
+	link   *net.Interface
+	closer Closer
+	arp    *packet.Conn
+	ip6    *packet.Conn
 }
 
 // Open prepares a Conn on link. It must be called with the thread inside the
 // link's netns: sockets are created on first use, by Probe or Announce, so
 // call those from inside the netns too (reads afterwards are poller-driven).
 func Open(link *net.Interface) *Conn { return &Conn{link: link} }
+
+// OpenWithCloser is Open with Close handing the sockets to cl.
+func OpenWithCloser(link *net.Interface, cl Closer) *Conn { return &Conn{link: link, closer: cl} }
 
 func (c *Conn) sock(v4 bool) (*packet.Conn, error) {
 	p, proto, name := &c.arp, unix.ETH_P_ARP, "arp"
@@ -86,8 +92,21 @@ func (c *Conn) sock(v4 bool) (*packet.Conn, error) {
 	return pc, nil
 }
 
-// Close closes the sockets, in parallel.
+// Close releases the sockets: with a Closer, by handing them to it; without
+// one, or when the hand-off fails, by closing them here, in parallel.
 func (c *Conn) Close() error {
+	var herr error
+	if c.closer != nil {
+		if herr = c.handOff(c.closer); herr == nil {
+			return nil
+		}
+		herr = fmt.Errorf("failed to hand packet sockets to a closer (closing them here): %w", herr)
+	}
+	return errors.Join(herr, c.closeParallel())
+}
+
+// closeParallel closes the sockets here, in parallel.
+func (c *Conn) closeParallel() error {
 	var errs [2]error
 	done := make(chan struct{})
 	go func() {
@@ -100,6 +119,7 @@ func (c *Conn) Close() error {
 		errs[0] = c.arp.Close()
 	}
 	<-done
+	c.arp, c.ip6 = nil, nil
 	return errors.Join(errs[:]...)
 }
 

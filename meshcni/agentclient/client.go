@@ -63,6 +63,10 @@ func New(socket string, opts Options) (*Client, error) {
 	return &Client{socket: socket, conn: conn, api: cniv1.NewCNIServiceClient(conn), opts: opts}, nil
 }
 
+// Connect starts connecting in the background (the first call would
+// otherwise connect); it returns at once.
+func (c *Client) Connect() { c.conn.Connect() }
+
 // Close releases the connection.
 func (c *Client) Close() error { return c.conn.Close() }
 

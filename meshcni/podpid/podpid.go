@@ -18,7 +18,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+	"google.golang.org/protobuf/encoding/protowire"
 )
 
 var procNetns = regexp.MustCompile(`^/proc/([0-9]+)/(?:task/[0-9]+/)?ns/net$`)
@@ -62,11 +62,107 @@ func (c CRI) Lookup(ctx context.Context, endpoint, sandboxID string) (uint32, er
 		return 0, fmt.Errorf("failed to create CRI client for %q: %w", endpoint, err)
 	}
 	defer func() { _ = conn.Close() }()
-	resp, err := runtimeapi.NewRuntimeServiceClient(conn).PodSandboxStatus(ctx, &runtimeapi.PodSandboxStatusRequest{PodSandboxId: sandboxID, Verbose: true})
-	if err != nil {
+	req := statusRequest{sandboxID: sandboxID, verbose: true}
+	var resp statusResponse
+	if err := conn.Invoke(ctx, podSandboxStatusMethod, &req, &resp, grpc.ForceCodec(wireCodec{})); err != nil {
 		return 0, fmt.Errorf("failed to get sandbox status of %q: %w", sandboxID, err)
 	}
-	return pidFromInfo(resp.GetInfo())
+	return pidFromInfo(resp.info)
+}
+
+// The one CRI call the plugin makes, encoded by hand: linking
+// k8s.io/cri-api would register its whole descriptor at every plugin start
+// (see meshcni/README.md, "Start-up"). Field numbers are those of
+// k8s.io/cri-api/pkg/apis/runtime/v1/api.proto; the tests serve the real
+// generated RuntimeService.
+const podSandboxStatusMethod = "/runtime.v1.RuntimeService/PodSandboxStatus"
+
+// statusRequest is PodSandboxStatusRequest{pod_sandbox_id = 1, verbose = 2}.
+type statusRequest struct {
+	sandboxID string
+	verbose   bool
+}
+
+// statusResponse keeps PodSandboxStatusResponse's info map (field 2).
+type statusResponse struct {
+	info map[string]string
+}
+
+// wireCodec marshals statusRequest and unmarshals statusResponse in the
+// protobuf wire format.
+type wireCodec struct{}
+
+func (wireCodec) Name() string { return "proto" }
+
+func (wireCodec) Marshal(v any) ([]byte, error) {
+	r, ok := v.(*statusRequest)
+	if !ok {
+		return nil, fmt.Errorf("failed to marshal CRI request: unexpected type %T", v)
+	}
+	var b []byte
+	b = protowire.AppendTag(b, 1, protowire.BytesType)
+	b = protowire.AppendString(b, r.sandboxID)
+	if r.verbose {
+		b = protowire.AppendTag(b, 2, protowire.VarintType)
+		b = protowire.AppendVarint(b, 1)
+	}
+	return b, nil
+}
+
+func (wireCodec) Unmarshal(data []byte, v any) error {
+	r, ok := v.(*statusResponse)
+	if !ok {
+		return fmt.Errorf("failed to unmarshal CRI response: unexpected type %T", v)
+	}
+	r.info = map[string]string{}
+	return eachField(data, func(num protowire.Number, val []byte) error {
+		if num != 2 {
+			return nil
+		}
+		var k, e string
+		if err := eachField(val, func(num protowire.Number, val []byte) error {
+			switch num {
+			case 1:
+				k = string(val)
+			case 2:
+				e = string(val)
+			}
+			return nil
+		}); err != nil {
+			return err
+		}
+		r.info[k] = e
+		return nil
+	})
+}
+
+// eachField calls fn with the number and payload of every length-delimited
+// field of the message in b, skipping the other wire types.
+func eachField(b []byte, fn func(protowire.Number, []byte) error) error {
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			return fmt.Errorf("failed to decode CRI response: %w", protowire.ParseError(n))
+		}
+		b = b[n:]
+		if typ == protowire.BytesType {
+			val, m := protowire.ConsumeBytes(b)
+			if m < 0 {
+				return fmt.Errorf("failed to decode CRI response: %w", protowire.ParseError(m))
+			}
+			if err := fn(num, val); err != nil {
+				return err
+			}
+			b = b[m:]
+			continue
+		}
+		m := protowire.ConsumeFieldValue(num, typ, b)
+		if m < 0 {
+			return fmt.Errorf("failed to decode CRI response: %w", protowire.ParseError(m))
+		}
+		b = b[m:]
+	}
+	return nil
 }
 
 // pidFromInfo reads the pid from the verbose info: containerd puts a JSON

@@ -3,12 +3,14 @@ package podpid
 import (
 	"context"
 	"errors"
+	"maps"
 	"net"
 	"path/filepath"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/protobuf/proto"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 )
 
@@ -79,5 +81,52 @@ func TestCRILookup(t *testing.T) {
 	}
 	if _, err := c.Lookup(context.Background(), "unix://"+filepath.Join(t.TempDir(), "none.sock"), "sb"); err == nil {
 		t.Fatal("Lookup on a missing socket succeeded")
+	}
+}
+
+// TestWireCodec checks the hand encoding against k8s.io/cri-api's
+// generated messages: the request decodes to the same fields, and every
+// shape of response (other fields around info, empty values) yields info.
+func TestWireCodec(t *testing.T) {
+	b, err := wireCodec{}.Marshal(&statusRequest{sandboxID: "sb-1", verbose: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var req runtimeapi.PodSandboxStatusRequest
+	if err := proto.Unmarshal(b, &req); err != nil || req.GetPodSandboxId() != "sb-1" || !req.GetVerbose() {
+		t.Fatalf("request decodes to %v, %v", &req, err)
+	}
+	for name, tc := range map[string]struct {
+		resp *runtimeapi.PodSandboxStatusResponse
+		want map[string]string
+	}{
+		"empty": {&runtimeapi.PodSandboxStatusResponse{}, map[string]string{}},
+		"info only": {
+			&runtimeapi.PodSandboxStatusResponse{Info: map[string]string{"info": `{"pid":1}`, "pid": "7"}},
+			map[string]string{"info": `{"pid":1}`, "pid": "7"},
+		},
+		"all fields": {&runtimeapi.PodSandboxStatusResponse{
+			Status:             &runtimeapi.PodSandboxStatus{Id: "sb", State: runtimeapi.PodSandboxState_SANDBOX_READY, CreatedAt: 42, Labels: map[string]string{"a": "b"}},
+			Info:               map[string]string{"info": "{}", "": "empty key", "k": ""},
+			ContainersStatuses: []*runtimeapi.ContainerStatus{{Id: "c", ExitCode: 3}},
+			Timestamp:          99,
+		}, map[string]string{"info": "{}", "": "empty key", "k": ""}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			b, err := proto.Marshal(tc.resp)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got statusResponse
+			if err := (wireCodec{}).Unmarshal(b, &got); err != nil {
+				t.Fatal(err)
+			}
+			if !maps.Equal(got.info, tc.want) {
+				t.Errorf("info = %v, want %v", got.info, tc.want)
+			}
+		})
+	}
+	if err := (wireCodec{}).Unmarshal([]byte{0x12, 0x05, 0x0a}, &statusResponse{}); err == nil {
+		t.Error("truncated response decoded without error")
 	}
 }

@@ -209,6 +209,9 @@ var heavy = append([]string{
 	"k8s.io/client-go",
 	"k8s.io/apimachinery",
 	"k8s.io/api",
+	// the CRI API's descriptor costs every plugin start; aether-cni's one
+	// CRI call (meshcni/podpid) is encoded by hand.
+	"k8s.io/cri-api",
 	"go.etcd.io", // etcd client and bbolt
 	"gopkg.in/yaml.v2",
 	"gopkg.in/yaml.v3",

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/containernetworking/cni/libcni"
+	"github.com/containernetworking/cni/pkg/invoke"
 	"github.com/containernetworking/cni/pkg/types"
 )
 
@@ -79,12 +80,19 @@ type Runtime struct {
 // up in binDirs and executed inside node.
 func NewRuntime(tb testing.TB, node *NS, binDirs []string, conflist []byte) *Runtime {
 	tb.Helper()
+	return NewRuntimeExec(tb, node, binDirs, conflist, nil)
+}
+
+// NewRuntimeExec is NewRuntime with the plugin executor exec (libcni's own
+// when nil), for example a RusageExec.
+func NewRuntimeExec(tb testing.TB, node *NS, binDirs []string, conflist []byte, exec invoke.Exec) *Runtime {
+	tb.Helper()
 	list, err := libcni.NetworkConfFromBytes(conflist)
 	if err != nil {
 		tb.Fatalf("invalid conflist: %v\n%s", err, conflist)
 	}
 	return &Runtime{
-		CNI:  libcni.NewCNIConfigWithCacheDir(binDirs, tb.TempDir(), nil),
+		CNI:  libcni.NewCNIConfigWithCacheDir(binDirs, tb.TempDir(), exec),
 		List: list,
 		Node: node,
 	}
