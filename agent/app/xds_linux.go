@@ -7,11 +7,9 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
+	"strings"
 	"sync"
 	"time"
-
-	"github.com/cespare/xxhash/v2"
-	"google.golang.org/protobuf/proto"
 
 	cachev3 "github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	linearcache "github.com/envoyproxy/go-control-plane/pkg/cache/v3"
@@ -21,6 +19,7 @@ import (
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 
 	"aether.io/node/agent/store"
+	cniv1 "aether.io/node/api/aether/cni/v1"
 	"aether.io/node/pkg/lifecycle"
 	"aether.io/node/registry"
 	"aether.io/node/xds/listener"
@@ -38,17 +37,42 @@ type listenerSync struct {
 	log   *slog.Logger
 
 	mu   sync.Mutex
-	sent map[string]uint64 // container ID -> hash of the published listeners
+	sent map[string]string // container ID -> listenerInput of the published listeners
 }
 
 func newListenerSync(ports listener.Ports, log *slog.Logger) *listenerSync {
-	return &listenerSync{cache: linearcache.NewLinearCache(resource.ListenerType), ports: ports, log: log, sent: map[string]uint64{}}
+	return &listenerSync{cache: linearcache.NewLinearCache(resource.ListenerType), ports: ports, log: log, sent: map[string]string{}}
 }
 
-// RecordStored builds the pod's listeners and publishes them when they
-// differ from what was published (health changes do not touch listeners).
+// listenerInput is every record field listener.Build reads (the ports are
+// the listenerSync's own), NUL-separated: equal inputs build equal
+// listeners, so a record stored again with the same input (a health or
+// registration change, a ReportAddResult) publishes nothing and builds
+// nothing.
+func listenerInput(p *cniv1.CNIPod) string {
+	var b strings.Builder
+	for _, s := range []string{p.GetContainerId(), p.GetNamespace(), p.GetName(), p.GetUid(), p.GetNetworkNamespace()} {
+		b.WriteString(s)
+		b.WriteByte(0)
+	}
+	for _, s := range p.GetIps() {
+		b.WriteString(s)
+		b.WriteByte(0)
+	}
+	return b.String()
+}
+
+// RecordStored builds the pod's listeners and publishes them when their
+// input differs from what was published (health changes do not touch
+// listeners).
 func (l *listenerSync) RecordStored(rec *store.Record) {
 	p := rec.Pod
+	in := listenerInput(p)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if prev, ok := l.sent[p.GetContainerId()]; ok && prev == in {
+		return
+	}
 	ips := make([]netip.Addr, 0, len(p.GetIps()))
 	for _, s := range p.GetIps() {
 		if a, err := netip.ParseAddr(s); err == nil {
@@ -65,26 +89,14 @@ func (l *listenerSync) RecordStored(rec *store.Record) {
 		return
 	}
 	update := make(map[string]cachev3.Resource, len(ls))
-	h := xxhash.New()
 	for _, x := range ls {
 		update[x.GetName()] = x
-		b, err := proto.MarshalOptions{Deterministic: true}.Marshal(x)
-		if err != nil {
-			l.log.Error("failed to marshal pod listener", "container_id", p.GetContainerId(), "error", err.Error())
-			return
-		}
-		_, _ = h.Write(b)
 	}
-	sum := h.Sum64()
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if prev, ok := l.sent[p.GetContainerId()]; ok && prev == sum {
-		return
-	}
-	l.sent[p.GetContainerId()] = sum
 	if err := l.cache.UpdateResources(update, nil); err != nil {
 		l.log.Error("failed to publish pod listeners", "container_id", p.GetContainerId(), "error", err.Error())
+		return
 	}
+	l.sent[p.GetContainerId()] = in
 }
 
 // RecordRemoved withdraws the pod's listeners (the proxy drains them).
