@@ -175,10 +175,11 @@ func (c *Client) Run(ctx context.Context) error {
 	c.mu.Lock()
 	c.initLocked()
 	c.mu.Unlock()
-	opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
+	callOpts := []grpc.CallOption{grpc.ForceCodecV2(Codec())}
 	if c.MaxMessageBytes > 0 {
-		opts = append(opts, grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(c.MaxMessageBytes), grpc.MaxCallSendMsgSize(c.MaxMessageBytes)))
+		callOpts = append(callOpts, grpc.MaxCallRecvMsgSize(c.MaxMessageBytes), grpc.MaxCallSendMsgSize(c.MaxMessageBytes))
 	}
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithDefaultCallOptions(callOpts...)}
 	conn, err := grpc.NewClient(c.Target, opts...)
 	if err != nil {
 		return fmt.Errorf("failed to create xds client for %q: %w", c.Target, err)
@@ -222,18 +223,24 @@ func (c *Client) stream(ctx context.Context, conn *grpc.ClientConn) error {
 		return fmt.Errorf("failed to open delta ADS stream: %w", err)
 	}
 	// Subscriptions and the stream are published together, so a concurrent
-	// Subscribe is either in the first request or sent after it.
+	// Subscribe is either in the first request or sent after it. The
+	// versions are encoded straight from the client's map under mu (no copy
+	// of the map: on a reconnect it holds every resource).
 	c.sendMu.Lock()
 	c.mu.Lock()
-	reqs := make([]*discovery.DeltaDiscoveryRequest, 0, len(c.TypeURLs))
+	reqs := make([]encodedRequest, 0, len(c.TypeURLs))
 	for _, t := range c.TypeURLs {
 		names, named := c.Names[t]
 		if !named {
 			names = []string{Wildcard}
 		}
-		reqs = append(reqs, &discovery.DeltaDiscoveryRequest{
-			Node: c.Node, TypeUrl: t, ResourceNamesSubscribe: slices.Clone(names), InitialResourceVersions: maps.Clone(c.versions[t]),
-		})
+		b, err := marshalDeltaRequest(&discovery.DeltaDiscoveryRequest{Node: c.Node, TypeUrl: t, ResourceNamesSubscribe: names}, c.versions[t])
+		if err != nil {
+			c.mu.Unlock()
+			c.sendMu.Unlock()
+			return err
+		}
+		reqs = append(reqs, b)
 	}
 	c.cur = s
 	c.mu.Unlock()
@@ -242,10 +249,10 @@ func (c *Client) stream(ctx context.Context, conn *grpc.ClientConn) error {
 		c.cur = nil
 		c.mu.Unlock()
 	}()
-	for _, req := range reqs {
-		if err := s.Send(req); err != nil {
+	for i, req := range reqs {
+		if err := s.SendMsg(req); err != nil {
 			c.sendMu.Unlock()
-			return fmt.Errorf("failed to subscribe to %s: %w", req.GetTypeUrl(), err)
+			return fmt.Errorf("failed to subscribe to %s: %w", c.TypeURLs[i], err)
 		}
 	}
 	c.sendMu.Unlock()

@@ -44,9 +44,9 @@ func TestDecodeDeltaRequestMatchesProto(t *testing.T) {
 	// Truncated input is an error, not a panic.
 	b, _ := proto.Marshal(reqs[2])
 	for i := 1; i < len(b); i += 7 {
-		_ = decodeDeltaRequest(b[:i], &discovery.DeltaDiscoveryRequest{})
+		_ = decodeDeltaRequest(string(b[:i]), &discovery.DeltaDiscoveryRequest{})
 	}
-	if err := decodeDeltaRequest(b[:len(b)-1], &discovery.DeltaDiscoveryRequest{}); err == nil {
+	if err := decodeDeltaRequest(string(b[:len(b)-1]), &discovery.DeltaDiscoveryRequest{}); err == nil {
 		t.Error("truncated request decoded without error")
 	}
 }
