@@ -228,7 +228,7 @@ func (c *Client) stream(ctx context.Context, conn *grpc.ClientConn) error {
 	// of the map: on a reconnect it holds every resource).
 	c.sendMu.Lock()
 	c.mu.Lock()
-	reqs := make([]encodedRequest, 0, len(c.TypeURLs))
+	reqs := make([]*encodedRequest, 0, len(c.TypeURLs))
 	for _, t := range c.TypeURLs {
 		names, named := c.Names[t]
 		if !named {
