@@ -16,6 +16,7 @@ import (
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
 	"google.golang.org/grpc"
 
+	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 
 	"aether.io/node/agent/store"
@@ -36,12 +37,26 @@ type listenerSync struct {
 	ports listener.Ports
 	log   *slog.Logger
 
-	mu   sync.Mutex
-	sent map[string]string // container ID -> listenerInput of the published listeners
+	mu       sync.Mutex
+	sent     map[string]string            // container ID -> listenerInput of the published listeners
+	prepared map[string]preparedListeners // container ID -> built by Prepare, not published yet
 }
 
+// preparedListeners are a pod's listeners built ahead of RecordStored.
+type preparedListeners struct {
+	in string
+	ls []*listenerv3.Listener
+}
+
+// maxPrepared bounds the prepared builds kept: one per AddPod in flight,
+// left behind only by a write that failed (its pod is not stored).
+const maxPrepared = 1024
+
 func newListenerSync(ports listener.Ports, log *slog.Logger) *listenerSync {
-	return &listenerSync{cache: linearcache.NewLinearCache(resource.ListenerType), ports: ports, log: log, sent: map[string]string{}}
+	return &listenerSync{
+		cache: linearcache.NewLinearCache(resource.ListenerType), ports: ports, log: log,
+		sent: map[string]string{}, prepared: map[string]preparedListeners{},
+	}
 }
 
 // listenerInput is every record field listener.Build reads (the ports are
@@ -62,31 +77,64 @@ func listenerInput(p *cniv1.CNIPod) string {
 	return b.String()
 }
 
-// RecordStored builds the pod's listeners and publishes them when their
-// input differs from what was published (health changes do not touch
-// listeners).
-func (l *listenerSync) RecordStored(rec *store.Record) {
-	p := rec.Pod
-	in := listenerInput(p)
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if prev, ok := l.sent[p.GetContainerId()]; ok && prev == in {
-		return
-	}
+func (l *listenerSync) build(p *cniv1.CNIPod) ([]*listenerv3.Listener, error) {
 	ips := make([]netip.Addr, 0, len(p.GetIps()))
 	for _, s := range p.GetIps() {
 		if a, err := netip.ParseAddr(s); err == nil {
 			ips = append(ips, a)
 		}
 	}
-	ls, err := listener.Build(listener.Pod{
+	return listener.Build(listener.Pod{
 		ContainerID: p.GetContainerId(), Namespace: p.GetNamespace(), Name: p.GetName(), UID: p.GetUid(),
 		NetNSPath: p.GetNetworkNamespace(), IPs: ips, Ports: l.ports,
 	})
-	if err != nil {
-		l.log.Error("failed to build pod listeners", "namespace", p.GetNamespace(), "name", p.GetName(),
-			"container_id", p.GetContainerId(), "error", err.Error())
+}
+
+// Prepare builds the listeners of a record whose write is syncing
+// (pods.Preparer), unless they are published already; RecordStored
+// publishes them once the record is durable.
+func (l *listenerSync) Prepare(rec *store.Record) {
+	p := rec.Pod
+	in := listenerInput(p)
+	l.mu.Lock()
+	published := l.sent[p.GetContainerId()] == in
+	l.mu.Unlock()
+	if published {
 		return
+	}
+	ls, err := l.build(p)
+	if err != nil {
+		return // RecordStored builds again and logs
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(l.prepared) >= maxPrepared {
+		clear(l.prepared)
+	}
+	l.prepared[p.GetContainerId()] = preparedListeners{in: in, ls: ls}
+}
+
+// RecordStored publishes the pod's listeners when their input differs from
+// what was published (health changes do not touch listeners): the ones
+// Prepare built for this input, or built now.
+func (l *listenerSync) RecordStored(rec *store.Record) {
+	p := rec.Pod
+	in := listenerInput(p)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	pre, ok := l.prepared[p.GetContainerId()]
+	delete(l.prepared, p.GetContainerId())
+	if prev, ok := l.sent[p.GetContainerId()]; ok && prev == in {
+		return
+	}
+	ls := pre.ls
+	if !ok || pre.in != in {
+		var err error
+		if ls, err = l.build(p); err != nil {
+			l.log.Error("failed to build pod listeners", "namespace", p.GetNamespace(), "name", p.GetName(),
+				"container_id", p.GetContainerId(), "error", err.Error())
+			return
+		}
 	}
 	update := make(map[string]cachev3.Resource, len(ls))
 	for _, x := range ls {
@@ -108,6 +156,7 @@ func (l *listenerSync) RecordRemoved(key string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	delete(l.sent, key)
+	delete(l.prepared, key)
 	if err := l.cache.UpdateResources(nil, names); err != nil {
 		l.log.Error("failed to withdraw pod listeners", "container_id", key, "error", err.Error())
 	}
@@ -156,6 +205,9 @@ func (n *nodeXDS) RecordStored(rec *store.Record, ep registry.Endpoint) {
 		n.workloads.RecordStored(rec, ep)
 	}
 }
+
+// Prepare builds the pod's listeners while its record syncs (pods.Preparer).
+func (n *nodeXDS) Prepare(rec *store.Record) { n.listeners.Prepare(rec) }
 
 func (n *nodeXDS) RecordRemoved(key string) {
 	n.listeners.RecordRemoved(key)
