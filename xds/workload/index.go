@@ -34,6 +34,11 @@ type Resource struct {
 	Any *anypb.Any
 	// Delta is the resource entry of a delta response.
 	Delta *discovery.Resource
+	// slot is the served name's dense number in its Index (set on the
+	// Index's own copy before it is served, never changed after): a
+	// reconnect's comparison marks the names a client holds in a slice
+	// indexed by it instead of a map.
+	slot int
 }
 
 // NewResource marshals w once (deterministically) and computes its version.
@@ -78,6 +83,8 @@ type Index struct {
 	claims   map[string][]string  // name → endpoint keys claiming it
 	seq      uint64               // last keyEntry.seq handed out
 	rev      uint64
+	slots    int   // slots handed out: every served Resource.slot is below
+	free     []int // slots of deleted names, handed out again first
 	watchers map[*Subscription]struct{}
 	onSize   func(int)
 
@@ -178,10 +185,22 @@ func (x *Index) upsertResource(source, key string, r *Resource) (bool, error) {
 // version is not pushed. It reports whether anything changed.
 func (x *Index) serveLocked(name, key string, r *Resource, now time.Time) bool {
 	x.nameKey[name] = key
-	if cur, ok := x.byName[name]; ok && cur.Version == r.Version {
+	cur, ok := x.byName[name]
+	if ok && cur.Version == r.Version {
 		return false
 	}
-	x.byName[name] = r
+	served := *r // the index's own copy: slot is the index's
+	switch {
+	case ok:
+		served.slot = cur.slot
+	case len(x.free) > 0:
+		served.slot = x.free[len(x.free)-1]
+		x.free = x.free[:len(x.free)-1]
+	default:
+		served.slot = x.slots
+		x.slots++
+	}
+	x.byName[name] = &served
 	x.rev++
 	x.notifyLocked(name, now)
 	x.sizeLocked()
@@ -248,9 +267,11 @@ func (w *Writer) Keys() []string {
 
 func (x *Index) deleteLocked(name string, now time.Time) {
 	delete(x.nameKey, name)
-	if _, ok := x.byName[name]; !ok {
+	cur, ok := x.byName[name]
+	if !ok {
 		return
 	}
+	x.free = append(x.free, cur.slot)
 	delete(x.byName, name)
 	x.rev++
 	x.notifyLocked(name, now)
