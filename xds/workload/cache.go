@@ -263,10 +263,10 @@ func (x *Index) DeltaResponse(sub *Subscription, added []string, addedWildcard b
 			return
 		}
 		seen[name] = struct{}{}
-		r, ok := x.byName[name]
+		e, ok := x.byName[name]
 		switch {
-		case ok && knownMap[name] != r.Version:
-			d.Resources = append(d.Resources, r)
+		case ok && knownMap[name] != e.r.Version:
+			d.Resources = append(d.Resources, e.r)
 		case !ok:
 			d.Removed = append(d.Removed, name) // gone, or never existed
 		}
@@ -280,8 +280,8 @@ func (x *Index) DeltaResponse(sub *Subscription, added []string, addedWildcard b
 		x.selectKnown(&d, known, seen)
 	case addedWildcard:
 		d.Resources = make([]*Resource, 0, len(x.byName))
-		for _, r := range x.byName {
-			d.Resources = append(d.Resources, r)
+		for _, e := range x.byName {
+			d.Resources = append(d.Resources, e.r)
 		}
 	default:
 		for _, name := range added {
@@ -321,7 +321,7 @@ func (x *Index) selectKnown(d *Delta, known Known, seen map[string]struct{}) {
 	marks := make([]uint8, x.slots)
 	named := 0 // distinct served names the client named
 	known.each(func(name, version string) {
-		r, ok := x.byName[name]
+		e, ok := x.byName[name]
 		if !ok {
 			if _, dup := seen[name]; !dup {
 				seen[name] = struct{}{}
@@ -329,35 +329,57 @@ func (x *Index) selectKnown(d *Delta, known Known, seen map[string]struct{}) {
 			}
 			return
 		}
-		m := held
-		if version != r.Version {
-			m = stale
+		m := stale
+		if h, ok := parseVersion(version); ok && h == e.hash {
+			m = held
 		}
-		switch marks[r.slot] {
+		switch marks[e.slot] {
 		case unknown:
 			named++
 			if m == stale {
-				d.Resources = append(d.Resources, r)
+				d.Resources = append(d.Resources, e.r)
 			}
 		case held:
 			if m == stale {
-				d.Resources = append(d.Resources, r) // a repeated name: the last entry counts
+				d.Resources = append(d.Resources, e.r) // a repeated name: the last entry counts
 			}
 		case stale:
 			if m == held {
-				d.Resources = slices.DeleteFunc(d.Resources, func(s *Resource) bool { return s == r })
+				d.Resources = slices.DeleteFunc(d.Resources, func(s *Resource) bool { return s == e.r })
 			}
 		}
-		marks[r.slot] = m
+		marks[e.slot] = m
 	})
 	if named == len(x.byName) {
 		return
 	}
-	for _, r := range x.byName {
-		if marks[r.slot] == unknown {
-			d.Resources = append(d.Resources, r)
+	for _, e := range x.byName {
+		if marks[e.slot] == unknown {
+			d.Resources = append(d.Resources, e.r)
 		}
 	}
+}
+
+// parseVersion reads a version as the index spells them (Resource.Version:
+// lowercase hex, no leading zeros, at most 16 digits); anything else is
+// not a version the index issued (false), so it equals none.
+func parseVersion(v string) (uint64, bool) {
+	if len(v) == 0 || len(v) > 16 || (v[0] == '0' && len(v) > 1) {
+		return 0, false
+	}
+	var h uint64
+	for i := 0; i < len(v); i++ {
+		c := v[i]
+		switch {
+		case c >= '0' && c <= '9':
+			h = h<<4 | uint64(c-'0')
+		case c >= 'a' && c <= 'f':
+			h = h<<4 | uint64(c-'a'+10)
+		default:
+			return 0, false
+		}
+	}
+	return h, true
 }
 
 // SotWResponse selects every resource sub subscribes to. Wildcard
@@ -370,8 +392,8 @@ func (x *Index) SotWResponse(sub *Subscription) SotW {
 	defer x.mu.RUnlock()
 	out := SotW{Revision: x.rev}
 	for name := range sub.names {
-		if r, ok := x.byName[name]; ok {
-			out.Resources = append(out.Resources, r)
+		if e, ok := x.byName[name]; ok {
+			out.Resources = append(out.Resources, e.r)
 		}
 	}
 	return out
@@ -389,8 +411,8 @@ func (x *Index) sotwAll() SotW {
 		return SotW{Resources: x.sotwList, Revision: rev}
 	}
 	list := make([]*Resource, 0, len(x.byName))
-	for _, r := range x.byName {
-		list = append(list, r)
+	for _, e := range x.byName {
+		list = append(list, e.r)
 	}
 	x.mu.RUnlock()
 	x.sotwRev, x.sotwList = rev, list

@@ -2,6 +2,7 @@ package workload
 
 import (
 	"slices"
+	"strings"
 	"testing"
 
 	workloadpb "aether.io/node/api/istio/workload"
@@ -94,6 +95,7 @@ func TestDeltaResponseKnownEntries(t *testing.T) {
 			wantSent: []string{"c"},
 		},
 		{name: "repeated: last stale", entries: []knownEntry{{"a", v["a"]}, {"a", "stale"}, {"b", v["b"]}, {"c", v["c"]}}, wantSent: []string{"a"}},
+		{name: "not a version the index issues", entries: []knownEntry{{"a", "0" + v["a"]}, {"b", strings.ToUpper(v["b"])}, {"c", v["c"]}}, wantSent: []string{"a", "b"}},
 		{name: "repeated: last held", entries: []knownEntry{{"a", "stale"}, {"a", v["a"]}, {"b", v["b"]}, {"c", v["c"]}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
