@@ -5,7 +5,9 @@
 // with the handler's error. The client remembers the version of every
 // resource it ACKed; a new stream (a reconnect, or a first stream seeded
 // with InitialVersions) sends them as initial_resource_versions, so the
-// server only sends what changed.
+// server only sends what changed. The first request of a stream is
+// encoded straight from the client's versions (Codec: no copy of the map,
+// no reflection), since on a reconnect it holds every resource.
 //
 // aether-proxy runs it reconnecting forever; aetherctl and the tests run it
 // Once (one stream, its error returned) through xds/workload/client.
