@@ -7,22 +7,23 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
+	"strings"
 	"sync"
 	"time"
 
-	"github.com/cespare/xxhash/v2"
 	"golang.org/x/net/netutil"
-	"google.golang.org/protobuf/proto"
 
 	cachev3 "github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	linearcache "github.com/envoyproxy/go-control-plane/pkg/cache/v3"
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
 	"google.golang.org/grpc"
 
+	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 
 	"aether.io/node/agent/store"
 	"aether.io/node/agent/uds"
+	cniv1 "aether.io/node/api/aether/cni/v1"
 	"aether.io/node/pkg/lifecycle"
 	"aether.io/node/registry"
 	"aether.io/node/xds/listener"
@@ -41,60 +42,125 @@ type listenerSync struct {
 	udsRoot string
 	log     *slog.Logger
 
-	mu   sync.Mutex
-	sent map[string]uint64 // container ID -> hash of the published listeners
+	mu       sync.Mutex
+	sent     map[string]string            // container ID -> listenerInput of the published listeners
+	prepared map[string]preparedListeners // container ID -> built by Prepare, not published yet
 }
+
+// preparedListeners are a pod's listeners built ahead of RecordStored.
+type preparedListeners struct {
+	in string
+	ls []*listenerv3.Listener
+}
+
+// maxPrepared bounds the prepared builds kept: one per AddPod in flight,
+// left behind only by a write that failed (its pod is not stored).
+const maxPrepared = 1024
 
 func newListenerSync(ports listener.Ports, udsRoot string, log *slog.Logger) *listenerSync {
-	return &listenerSync{cache: linearcache.NewLinearCache(resource.ListenerType), ports: ports, udsRoot: udsRoot, log: log, sent: map[string]uint64{}}
+	return &listenerSync{
+		cache: linearcache.NewLinearCache(resource.ListenerType), ports: ports, udsRoot: udsRoot, log: log,
+		sent: map[string]string{}, prepared: map[string]preparedListeners{},
+	}
 }
 
-// RecordStored builds the pod's listeners and publishes them when they
-// differ from what was published (health changes do not touch listeners).
-func (l *listenerSync) RecordStored(rec *store.Record) {
-	p := rec.Pod
+// listenerInput is every record field listener.Build reads (the ports are
+// the listenerSync's own), NUL-separated: equal inputs build equal
+// listeners, so a record stored again with the same input (a health or
+// registration change, a ReportAddResult) publishes nothing and builds
+// nothing.
+func (l *listenerSync) listenerInput(p *cniv1.CNIPod) string {
+	var b strings.Builder
+	for _, s := range []string{p.GetContainerId(), p.GetNamespace(), p.GetName(), p.GetUid(), p.GetNetworkNamespace(), l.udsSocket(p)} {
+		b.WriteString(s)
+		b.WriteByte(0)
+	}
+	for _, s := range p.GetIps() {
+		b.WriteString(s)
+		b.WriteByte(0)
+	}
+	return b.String()
+}
+
+// udsSocket is the pod's resolved UDS socket, or "" (none asked, or
+// refused: no or several csi.aether.io volumes, which the pod manager and
+// aetherctl report); its inbound then goes over TCP.
+func (l *listenerSync) udsSocket(p *cniv1.CNIPod) string {
+	sock, _, err := uds.Resolve(l.udsRoot, p)
+	if err != nil {
+		return ""
+	}
+	return sock
+}
+
+func (l *listenerSync) build(p *cniv1.CNIPod) ([]*listenerv3.Listener, error) {
 	ips := make([]netip.Addr, 0, len(p.GetIps()))
 	for _, s := range p.GetIps() {
 		if a, err := netip.ParseAddr(s); err == nil {
 			ips = append(ips, a)
 		}
 	}
-	// A refused UDS socket (no, or several, csi.aether.io volumes) is
-	// reported by the pod manager and aetherctl; its inbound goes over TCP.
-	sock, _, err := uds.Resolve(l.udsRoot, p)
-	if err != nil {
-		sock = ""
-	}
-	ls, err := listener.Build(listener.Pod{
+	return listener.Build(listener.Pod{
 		ContainerID: p.GetContainerId(), Namespace: p.GetNamespace(), Name: p.GetName(), UID: p.GetUid(),
-		NetNSPath: p.GetNetworkNamespace(), IPs: ips, Ports: l.ports, UDSSocket: sock,
+		NetNSPath: p.GetNetworkNamespace(), IPs: ips, Ports: l.ports, UDSSocket: l.udsSocket(p),
 	})
-	if err != nil {
-		l.log.Error("failed to build pod listeners", "namespace", p.GetNamespace(), "name", p.GetName(),
-			"container_id", p.GetContainerId(), "error", err.Error())
+}
+
+// Prepare builds the listeners of a record whose write is syncing
+// (pods.Preparer), unless they are published already; RecordStored
+// publishes them once the record is durable.
+func (l *listenerSync) Prepare(rec *store.Record) {
+	p := rec.Pod
+	in := l.listenerInput(p)
+	l.mu.Lock()
+	published := l.sent[p.GetContainerId()] == in
+	l.mu.Unlock()
+	if published {
 		return
 	}
-	update := make(map[string]cachev3.Resource, len(ls))
-	h := xxhash.New()
-	for _, x := range ls {
-		update[x.GetName()] = x
-		b, err := proto.MarshalOptions{Deterministic: true}.Marshal(x)
-		if err != nil {
-			l.log.Error("failed to marshal pod listener", "container_id", p.GetContainerId(), "error", err.Error())
-			return
-		}
-		_, _ = h.Write(b)
+	ls, err := l.build(p)
+	if err != nil {
+		return // RecordStored builds again and logs
 	}
-	sum := h.Sum64()
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if prev, ok := l.sent[p.GetContainerId()]; ok && prev == sum {
+	if len(l.prepared) >= maxPrepared {
+		clear(l.prepared)
+	}
+	l.prepared[p.GetContainerId()] = preparedListeners{in: in, ls: ls}
+}
+
+// RecordStored publishes the pod's listeners when their input differs from
+// what was published (health changes do not touch listeners): the ones
+// Prepare built for this input, or built now.
+func (l *listenerSync) RecordStored(rec *store.Record) {
+	p := rec.Pod
+	in := l.listenerInput(p)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	pre, ok := l.prepared[p.GetContainerId()]
+	delete(l.prepared, p.GetContainerId())
+	if prev, ok := l.sent[p.GetContainerId()]; ok && prev == in {
 		return
 	}
-	l.sent[p.GetContainerId()] = sum
+	ls := pre.ls
+	if !ok || pre.in != in {
+		var err error
+		if ls, err = l.build(p); err != nil {
+			l.log.Error("failed to build pod listeners", "namespace", p.GetNamespace(), "name", p.GetName(),
+				"container_id", p.GetContainerId(), "error", err.Error())
+			return
+		}
+	}
+	update := make(map[string]cachev3.Resource, len(ls))
+	for _, x := range ls {
+		update[x.GetName()] = x
+	}
 	if err := l.cache.UpdateResources(update, nil); err != nil {
 		l.log.Error("failed to publish pod listeners", "container_id", p.GetContainerId(), "error", err.Error())
+		return
 	}
+	l.sent[p.GetContainerId()] = in
 }
 
 // RecordRemoved withdraws the pod's listeners (the proxy drains them).
@@ -106,6 +172,7 @@ func (l *listenerSync) RecordRemoved(key string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	delete(l.sent, key)
+	delete(l.prepared, key)
 	if err := l.cache.UpdateResources(nil, names); err != nil {
 		l.log.Error("failed to withdraw pod listeners", "container_id", key, "error", err.Error())
 	}
@@ -159,6 +226,9 @@ func (n *nodeXDS) RecordStored(rec *store.Record, ep registry.Endpoint) {
 		n.accounts.RecordStored(rec, ep)
 	}
 }
+
+// Prepare builds the pod's listeners while its record syncs (pods.Preparer).
+func (n *nodeXDS) Prepare(rec *store.Record) { n.listeners.Prepare(rec) }
 
 func (n *nodeXDS) RecordRemoved(key string) {
 	n.listeners.RecordRemoved(key)

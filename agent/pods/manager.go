@@ -87,6 +87,16 @@ type Observer interface {
 	RecordRemoved(key string)
 }
 
+// Preparer is an Observer that can do RecordStored's work ahead of time:
+// AddPod calls Prepare with the record it has just queued for its commit,
+// outside every lock, while the commit syncs, so building the pod's
+// resources overlaps the disk write instead of following it. Prepare must
+// publish nothing: the record is not durable yet (its write may still
+// fail), and RecordStored, called once it is, publishes.
+type Preparer interface {
+	Prepare(rec *store.Record)
+}
+
 // Prober says whether a stored pod is alive.
 type Prober interface {
 	Healthy(rec *store.Record) bool
@@ -390,7 +400,11 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 	e.rec = rec
 	m.mu.Unlock()
 
-	if err := m.persist(ctx, e); err != nil {
+	var prepare func(*store.Record)
+	if p, ok := m.cfg.Observer.(Preparer); ok {
+		prepare = p.Prepare
+	}
+	if err := m.persist(ctx, e, prepare); err != nil {
 		m.mu.Lock()
 		if !had && m.entries[key] == e {
 			delete(m.entries, key)
@@ -418,8 +432,9 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 
 // persist writes e's current record; writes of one record are ordered by
 // e.wmu, and each takes its snapshot under mu, so the last write carries
-// the latest state.
-func (m *Manager) persist(ctx context.Context, e *entry) error {
+// the latest state. While the commit syncs, prepare (if any) gets the
+// snapshot (see Preparer).
+func (m *Manager) persist(ctx context.Context, e *entry, prepare func(*store.Record)) error {
 	e.wmu.Lock()
 	defer e.wmu.Unlock()
 	m.mu.Lock()
@@ -429,7 +444,11 @@ func (m *Manager) persist(ctx context.Context, e *entry) error {
 	}
 	snap := e.rec.Clone()
 	m.mu.Unlock()
-	if err := m.store.Put(context.WithoutCancel(ctx), snap); err != nil {
+	wait := m.store.PutAsync(context.WithoutCancel(ctx), snap)
+	if prepare != nil {
+		prepare(snap)
+	}
+	if err := wait(); err != nil {
 		return err
 	}
 	m.mu.Lock()
@@ -549,7 +568,7 @@ func (m *Manager) ReportAddResult(ctx context.Context, req *cniv1.ReportAddResul
 		m.log.Warn("pod running UNCAPTURED", "namespace", rec.Pod.GetNamespace(), "name", rec.Pod.GetName(),
 			"container_id", key, "uid", rec.Pod.GetUid(), "error", rec.UncapturedError)
 	}
-	if err := m.persist(ctx, e); err != nil {
+	if err := m.persist(ctx, e, nil); err != nil {
 		return true, fmt.Errorf("failed to persist add result of %q: %w", key, err)
 	}
 	if rec.Uncaptured != wasUncaptured {

@@ -52,7 +52,7 @@ func (m *Manager) MarkTerminating(ctx context.Context, ns, name, uid, reason str
 	}
 	m.mu.Unlock()
 	for _, e := range marked {
-		if err := m.persist(ctx, e); err != nil {
+		if err := m.persist(ctx, e, nil); err != nil {
 			m.log.Error("failed to persist terminating pod", "container_id", e.rec.Key(), "error", err.Error())
 		}
 		m.deregister(ctx, e)
@@ -88,7 +88,7 @@ func (m *Manager) updatePod(ctx context.Context, p *podsource.Pod) {
 	}
 	m.mu.Unlock()
 	for _, e := range changed {
-		if err := m.persist(ctx, e); err != nil {
+		if err := m.persist(ctx, e, nil); err != nil {
 			m.log.Error("failed to persist pod update", "container_id", e.key, "error", err.Error())
 			continue
 		}

@@ -354,31 +354,51 @@ func (s *Store) commit(batch []*writeReq) {
 }
 
 func (s *Store) submit(ctx context.Context, r *writeReq) error {
-	s.closeMu.RLock()
-	if s.closed {
-		s.closeMu.RUnlock()
-		return ErrClosed
+	if err := s.enqueue(ctx, r); err != nil {
+		return err
 	}
-	r.err = make(chan error, 1)
-	select {
-	case s.reqs <- r:
-	case <-ctx.Done():
-		s.closeMu.RUnlock()
-		return ctx.Err()
-	}
-	s.closeMu.RUnlock()
 	// Once queued the write will commit; wait for it even if ctx ends so a
 	// caller never reports failure for a write that became durable.
 	return <-r.err
 }
 
+// enqueue hands r to the committer.
+func (s *Store) enqueue(ctx context.Context, r *writeReq) error {
+	s.closeMu.RLock()
+	defer s.closeMu.RUnlock()
+	if s.closed {
+		return ErrClosed
+	}
+	r.err = make(chan error, 1)
+	select {
+	case s.reqs <- r:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
 // Put durably stores r (replacing any record with the same key). It returns
 // after the commit holding it has been synced to disk.
 func (s *Store) Put(ctx context.Context, r *Record) error {
+	return s.PutAsync(ctx, r)()
+}
+
+// PutAsync is Put in two halves: it queues r for the next commit and
+// returns at once; the returned wait blocks until that commit is on disk
+// and returns what Put would. The caller can work while the commit syncs,
+// but only wait's nil says r is durable. Call wait once.
+func (s *Store) PutAsync(ctx context.Context, r *Record) (wait func() error) {
 	if r == nil || r.Pod == nil || r.Pod.GetContainerId() == "" {
-		return errors.New("failed to put record: a record needs a pod with a container_id")
+		return func() error { return errors.New("failed to put record: a record needs a pod with a container_id") }
 	}
-	return s.submit(ctx, &writeReq{put: r.Clone()})
+	req := &writeReq{put: r.Clone()}
+	if err := s.enqueue(ctx, req); err != nil {
+		return func() error { return err }
+	}
+	// Once queued the write will commit; wait for it even if ctx ends so a
+	// caller never reports failure for a write that became durable.
+	return func() error { return <-req.err }
 }
 
 // Delete durably removes the record with key; an unknown key is not an error.

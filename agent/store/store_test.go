@@ -145,3 +145,49 @@ func mustFrame(body string) []byte {
 	copy(out[4:], b)
 	return out
 }
+
+// TestPutAsync: wait answers as Put would, and a record is readable (and
+// survives a reopen) once wait returned nil; a caller's later change to the
+// record does not reach the store.
+func TestPutAsync(t *testing.T) {
+	dir := t.TempDir()
+	s, err := Open(dir, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	tests := []struct {
+		name    string
+		rec     *Record
+		wantErr bool
+	}{
+		{name: "record", rec: rec(1)},
+		{name: "no pod", rec: &Record{}, wantErr: true},
+		{name: "no container id", rec: &Record{Pod: &cniv1.CNIPod{Name: "p"}}, wantErr: true},
+	}
+	for _, tt := range tests {
+		wait := s.PutAsync(ctx, tt.rec)
+		if tt.rec.Pod != nil {
+			tt.rec.Pod.Name = "changed after PutAsync"
+		}
+		if err := wait(); (err != nil) != tt.wantErr {
+			t.Fatalf("%s: wait() = %v, want error %v", tt.name, err, tt.wantErr)
+		}
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.PutAsync(ctx, rec(2))(); !errors.Is(err, ErrClosed) {
+		t.Fatalf("PutAsync after Close: %v, want ErrClosed", err)
+	}
+	s, err = Open(dir, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	got, err := s.Get(rec(1).Key())
+	if err != nil || got == nil {
+		t.Fatalf("Get after reopen = %v, %v", got, err)
+	}
+	equal(t, got, rec(1))
+}

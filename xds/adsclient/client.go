@@ -5,7 +5,9 @@
 // with the handler's error. The client remembers the version of every
 // resource it ACKed; a new stream (a reconnect, or a first stream seeded
 // with InitialVersions) sends them as initial_resource_versions, so the
-// server only sends what changed.
+// server only sends what changed. The first request of a stream is
+// encoded straight from the client's versions (Codec: no copy of the map,
+// no reflection), since on a reconnect it holds every resource.
 //
 // aether-proxy runs it reconnecting forever; aetherctl and the tests run it
 // Once (one stream, its error returned) through xds/workload/client.
@@ -184,10 +186,11 @@ func (c *Client) Run(ctx context.Context) error {
 	if c.TLS != nil {
 		creds = credentials.NewTLS(c.TLS)
 	}
-	opts := []grpc.DialOption{grpc.WithTransportCredentials(creds)}
+	callOpts := []grpc.CallOption{grpc.ForceCodecV2(Codec())}
 	if c.MaxMessageBytes > 0 {
-		opts = append(opts, grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(c.MaxMessageBytes), grpc.MaxCallSendMsgSize(c.MaxMessageBytes)))
+		callOpts = append(callOpts, grpc.MaxCallRecvMsgSize(c.MaxMessageBytes), grpc.MaxCallSendMsgSize(c.MaxMessageBytes))
 	}
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(creds), grpc.WithDefaultCallOptions(callOpts...)}
 	conn, err := grpc.NewClient(c.Target, opts...)
 	if err != nil {
 		return fmt.Errorf("failed to create xds client for %q: %w", c.Target, err)
@@ -231,18 +234,24 @@ func (c *Client) stream(ctx context.Context, conn *grpc.ClientConn) error {
 		return fmt.Errorf("failed to open delta ADS stream: %w", err)
 	}
 	// Subscriptions and the stream are published together, so a concurrent
-	// Subscribe is either in the first request or sent after it.
+	// Subscribe is either in the first request or sent after it. The
+	// versions are encoded straight from the client's map under mu (no copy
+	// of the map: on a reconnect it holds every resource).
 	c.sendMu.Lock()
 	c.mu.Lock()
-	reqs := make([]*discovery.DeltaDiscoveryRequest, 0, len(c.TypeURLs))
+	reqs := make([]*encodedRequest, 0, len(c.TypeURLs))
 	for _, t := range c.TypeURLs {
 		names, named := c.Names[t]
 		if !named {
 			names = []string{Wildcard}
 		}
-		reqs = append(reqs, &discovery.DeltaDiscoveryRequest{
-			Node: c.Node, TypeUrl: t, ResourceNamesSubscribe: slices.Clone(names), InitialResourceVersions: maps.Clone(c.versions[t]),
-		})
+		b, err := marshalDeltaRequest(&discovery.DeltaDiscoveryRequest{Node: c.Node, TypeUrl: t, ResourceNamesSubscribe: names}, c.versions[t])
+		if err != nil {
+			c.mu.Unlock()
+			c.sendMu.Unlock()
+			return err
+		}
+		reqs = append(reqs, b)
 	}
 	c.cur = s
 	c.mu.Unlock()
@@ -251,10 +260,10 @@ func (c *Client) stream(ctx context.Context, conn *grpc.ClientConn) error {
 		c.cur = nil
 		c.mu.Unlock()
 	}()
-	for _, req := range reqs {
-		if err := s.Send(req); err != nil {
+	for i, req := range reqs {
+		if err := s.SendMsg(req); err != nil {
 			c.sendMu.Unlock()
-			return fmt.Errorf("failed to subscribe to %s: %w", req.GetTypeUrl(), err)
+			return fmt.Errorf("failed to subscribe to %s: %w", c.TypeURLs[i], err)
 		}
 	}
 	c.sendMu.Unlock()

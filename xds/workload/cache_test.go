@@ -2,6 +2,7 @@ package workload
 
 import (
 	"slices"
+	"strings"
 	"testing"
 
 	workloadpb "aether.io/node/api/istio/workload"
@@ -56,7 +57,7 @@ func TestDeltaResponseSelection(t *testing.T) {
 			sub, cancel := x.Watch()
 			t.Cleanup(cancel)
 			added, wild := sub.ApplyDelta(true, tc.subscribe, nil)
-			d := x.DeltaResponse(sub, added, wild, tc.known)
+			d := x.DeltaResponse(sub, added, wild, KnownMap(tc.known))
 			if got := resourceNames(d.Resources); !slices.Equal(got, tc.wantSent) && len(got)+len(tc.wantSent) > 0 {
 				t.Errorf("sent %v, want %v", got, tc.wantSent)
 			}
@@ -71,6 +72,49 @@ func TestDeltaResponseSelection(t *testing.T) {
 	}
 }
 
+// TestDeltaResponseKnownEntries: a new wildcard whose versions come as
+// wire entries (the server codec's form, no map) selects what the map form
+// selects, and for a name the wire repeats the last entry counts.
+func TestDeltaResponseKnownEntries(t *testing.T) {
+	_, v := cacheIndex(t)
+	for _, tc := range []struct {
+		name        string
+		entries     []knownEntry
+		wantSent    []string
+		wantRemoved []string
+	}{
+		{name: "all held", entries: []knownEntry{{"a", v["a"]}, {"b", v["b"]}, {"c", v["c"]}}},
+		{name: "one stale", entries: []knownEntry{{"a", v["a"]}, {"b", "stale"}, {"c", v["c"]}}, wantSent: []string{"b"}},
+		{name: "one missing", entries: []knownEntry{{"a", v["a"]}, {"c", v["c"]}}, wantSent: []string{"b"}},
+		{
+			name: "gone and stale", entries: []knownEntry{{"gone", "x"}, {"a", "stale"}, {"gone", "y"}},
+			wantSent: []string{"a", "b", "c"}, wantRemoved: []string{"gone"},
+		},
+		{
+			name: "repeated names cover nothing more", entries: []knownEntry{{"a", v["a"]}, {"a", v["a"]}, {"b", v["b"]}},
+			wantSent: []string{"c"},
+		},
+		{name: "repeated: last stale", entries: []knownEntry{{"a", v["a"]}, {"a", "stale"}, {"b", v["b"]}, {"c", v["c"]}}, wantSent: []string{"a"}},
+		{name: "not a version the index issues", entries: []knownEntry{{"a", "0" + v["a"]}, {"b", strings.ToUpper(v["b"])}, {"c", v["c"]}}, wantSent: []string{"a", "b"}},
+		{name: "repeated: last held", entries: []knownEntry{{"a", "stale"}, {"a", v["a"]}, {"b", v["b"]}, {"c", v["c"]}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			x, _ := cacheIndex(t)
+			sub, cancel := x.Watch()
+			t.Cleanup(cancel)
+			added, wild := sub.ApplyDelta(true, []string{"*"}, nil)
+			d := x.DeltaResponse(sub, added, wild, Known{entries: tc.entries})
+			if got := resourceNames(d.Resources); !slices.Equal(got, tc.wantSent) && len(got)+len(tc.wantSent) > 0 {
+				t.Errorf("sent %v, want %v", got, tc.wantSent)
+			}
+			slices.Sort(d.Removed)
+			if !slices.Equal(d.Removed, tc.wantRemoved) && len(d.Removed)+len(tc.wantRemoved) > 0 {
+				t.Errorf("removed %v, want %v", d.Removed, tc.wantRemoved)
+			}
+		})
+	}
+}
+
 // TestDeltaResponsePending: changes after the first response are sent to
 // the subscriptions that cover them, once, with removals by name.
 func TestDeltaResponsePending(t *testing.T) {
@@ -80,9 +124,9 @@ func TestDeltaResponsePending(t *testing.T) {
 	named, cancelNamed := x.Watch()
 	t.Cleanup(cancelNamed)
 	added, w := wild.ApplyDelta(true, []string{"*"}, nil)
-	x.DeltaResponse(wild, added, w, nil)
+	x.DeltaResponse(wild, added, w, Known{})
 	added, w = named.ApplyDelta(true, []string{"b"}, nil)
-	x.DeltaResponse(named, added, w, nil)
+	x.DeltaResponse(named, added, w, Known{})
 
 	if _, err := x.Upsert("kd", &workloadpb.Workload{Uid: "d", Addresses: [][]byte{{10, 0, 0, 4}}}); err != nil {
 		t.Fatal(err)
@@ -95,15 +139,15 @@ func TestDeltaResponsePending(t *testing.T) {
 			t.Fatal("Changed did not fire")
 		}
 	}
-	d := x.DeltaResponse(wild, nil, false, nil)
+	d := x.DeltaResponse(wild, nil, false, Known{})
 	if got := resourceNames(d.Resources); !slices.Equal(got, []string{"d"}) || !slices.Equal(d.Removed, []string{"b"}) || d.Since.IsZero() {
 		t.Errorf("wildcard got %v removed %v since %v, want [d] removed [b]", got, d.Removed, d.Since)
 	}
-	d = x.DeltaResponse(named, nil, false, nil)
+	d = x.DeltaResponse(named, nil, false, Known{})
 	if len(d.Resources) != 0 || !slices.Equal(d.Removed, []string{"b"}) {
 		t.Errorf("named got %v removed %v, want removed [b] only", resourceNames(d.Resources), d.Removed)
 	}
-	if d := x.DeltaResponse(wild, nil, false, nil); len(d.Resources)+len(d.Removed) != 0 {
+	if d := x.DeltaResponse(wild, nil, false, Known{}); len(d.Resources)+len(d.Removed) != 0 {
 		t.Errorf("pending changes sent twice: %v %v", resourceNames(d.Resources), d.Removed)
 	}
 	// Unsubscribing drops the name from later changes.

@@ -2,6 +2,7 @@ package workload
 
 import (
 	"fmt"
+	"strings"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc/encoding"
@@ -23,8 +24,11 @@ import (
 //     per-client marshalling, no copy of the workloads;
 //   - it decodes a DeltaDiscoveryRequest's initial_resource_versions (tens of
 //     thousands of entries on a large reconnect) with one string copy of the
-//     message and substrings for keys and values, instead of two allocations
-//     per entry; the other fields go through proto.Unmarshal.
+//     message (straight from gRPC's buffers) and substrings for keys and
+//     values, into a slice of entries the index compares in wire order (the
+//     server receives a deltaRequest), instead of two allocations per entry
+//     and a map grown through every power of two; the other fields go
+//     through proto.Unmarshal.
 //
 // Without the codec (a grpc.Server built without ServerGRPCOptions) the same
 // typed messages are marshalled normally: correct, only slower.
@@ -60,10 +64,35 @@ func (c xdsCodec) Marshal(v any) (mem.BufferSlice, error) {
 }
 
 func (c xdsCodec) Unmarshal(data mem.BufferSlice, v any) error {
-	if req, ok := v.(*discovery.DeltaDiscoveryRequest); ok {
-		return decodeDeltaRequest(data.Materialize(), req)
+	switch req := v.(type) {
+	case *deltaRequest:
+		entries, err := decodeDelta(oneString(data), req.DeltaDiscoveryRequest)
+		req.known = entries
+		return err
+	case *discovery.DeltaDiscoveryRequest:
+		return decodeDeltaRequest(oneString(data), req)
 	}
 	return c.fallback.Unmarshal(data, v)
+}
+
+// oneString copies a received message once, into the string its versions
+// are cut from.
+func oneString(data mem.BufferSlice) string {
+	var b strings.Builder
+	b.Grow(data.Len())
+	for _, buf := range data {
+		b.Write(buf.ReadOnlyData())
+	}
+	return b.String()
+}
+
+// deltaRequest is a DeltaDiscoveryRequest as the server receives it: this
+// codec leaves initial_resource_versions out of the map and hands them over
+// as entries (known) for Index.DeltaResponse; any other codec unmarshals the
+// embedded message, map included.
+type deltaRequest struct {
+	*discovery.DeltaDiscoveryRequest
+	known []knownEntry
 }
 
 // Field numbers of envoy.service.discovery.v3 messages used on the wire.
@@ -77,87 +106,188 @@ const (
 	fieldAnyValue                protowire.Number = 2
 )
 
-// decodeDeltaRequest decodes b into req, initial_resource_versions by hand.
-// Keys and values are substrings of one copy of b (not validated as UTF-8:
-// an invalid name matches no workload and is treated as unknown).
-func decodeDeltaRequest(b []byte, req *discovery.DeltaDiscoveryRequest) error {
+// decodeDeltaRequest decodes s into req, initial_resource_versions by
+// hand (decodeDelta) into a map made at its size.
+func decodeDeltaRequest(s string, req *discovery.DeltaDiscoveryRequest) error {
+	entries, err := decodeDelta(s, req)
+	if err != nil || entries == nil {
+		return err
+	}
+	req.InitialResourceVersions = Known{entries: entries}.asMap()
+	return nil
+}
+
+// decodeDelta decodes s into req except for initial_resource_versions,
+// which it returns as entries in wire order: keys and values are
+// substrings of s (not validated as UTF-8: an invalid name matches no
+// workload and is treated as unknown), in a slice made at its size; the
+// other fields go through proto.Unmarshal. A field of the deprecated group
+// wire type (never in a DeltaDiscoveryRequest) sends the whole message
+// through proto.Unmarshal, versions included.
+func decodeDelta(s string, req *discovery.DeltaDiscoveryRequest) ([]knownEntry, error) {
 	var rest []byte
-	var versions map[string]string
-	var s string // one copy of b, made on the first map entry
+	var entries []knownEntry
 	off := 0
-	for off < len(b) {
-		num, typ, n := protowire.ConsumeTag(b[off:])
-		if n < 0 {
-			return fmt.Errorf("failed to decode delta request: %w", protowire.ParseError(n))
-		}
+	for off < len(s) {
 		start := off
+		num, typ, n := consumeTag(s[off:])
+		if n < 0 {
+			return nil, fmt.Errorf("failed to decode delta request: %w", protowire.ParseError(n))
+		}
 		off += n
+		m := consumeFieldValue(typ, s[off:])
+		if m == errGroup {
+			return nil, decodeDeltaRequestSlow(s, req)
+		}
+		if m < 0 {
+			return nil, fmt.Errorf("failed to decode delta request field %d: %w", num, protowire.ParseError(m))
+		}
 		if num == fieldDeltaReqInitialVersions && typ == protowire.BytesType {
-			entry, m := protowire.ConsumeBytes(b[off:])
-			if m < 0 {
-				return fmt.Errorf("failed to decode initial_resource_versions: %w", protowire.ParseError(m))
+			l, ln := consumeVarint(s[off:])
+			if entries == nil {
+				entries = make([]knownEntry, 0, countVersions(s[start:]))
 			}
-			if s == "" {
-				s = string(b)
-				versions = make(map[string]string, 1024)
-			}
-			entryOff := off + m - len(entry)
-			k, v, err := mapEntry(s, entry, entryOff)
+			k, v, err := mapEntry(s[off+ln : off+ln+int(l)])
 			if err != nil {
-				return err
+				return nil, err
 			}
-			versions[k] = v
+			entries = append(entries, knownEntry{name: k, version: v})
 			off += m
 			continue
 		}
-		m := protowire.ConsumeFieldValue(num, typ, b[off:])
-		if m < 0 {
-			return fmt.Errorf("failed to decode delta request field %d: %w", num, protowire.ParseError(m))
-		}
 		off += m
-		rest = append(rest, b[start:off]...)
+		rest = append(rest, s[start:off]...)
 	}
 	if err := proto.Unmarshal(rest, req); err != nil {
-		return fmt.Errorf("failed to decode delta request: %w", err)
+		return nil, fmt.Errorf("failed to decode delta request: %w", err)
 	}
-	if versions != nil {
-		req.InitialResourceVersions = versions
+	return entries, nil
+}
+
+func decodeDeltaRequestSlow(s string, req *discovery.DeltaDiscoveryRequest) error {
+	if err := proto.Unmarshal([]byte(s), req); err != nil {
+		return fmt.Errorf("failed to decode delta request: %w", err)
 	}
 	return nil
 }
 
-// mapEntry decodes a map<string,string> entry found at base in s.
-func mapEntry(s string, entry []byte, base int) (string, string, error) {
+// countVersions counts the initial_resource_versions entries of s (a
+// request's fields, from the first such entry on), so the map is made at
+// its size once instead of growing through every power of two. A malformed
+// field ends the count; decoding reports it.
+func countVersions(s string) int {
+	n := 0
+	for len(s) > 0 {
+		num, typ, m := consumeTag(s)
+		if m < 0 {
+			break
+		}
+		s = s[m:]
+		if m = consumeFieldValue(typ, s); m < 0 {
+			break
+		}
+		s = s[m:]
+		if num == fieldDeltaReqInitialVersions {
+			n++
+		}
+	}
+	return n
+}
+
+// mapEntry decodes a map<string,string> entry.
+func mapEntry(entry string) (string, string, error) {
 	var k, v string
 	off := 0
 	for off < len(entry) {
-		num, typ, n := protowire.ConsumeTag(entry[off:])
+		num, typ, n := consumeTag(entry[off:])
 		if n < 0 {
 			return "", "", fmt.Errorf("failed to decode initial_resource_versions entry: %w", protowire.ParseError(n))
 		}
 		off += n
-		if typ == protowire.BytesType && (num == 1 || num == 2) {
-			val, m := protowire.ConsumeBytes(entry[off:])
-			if m < 0 {
-				return "", "", fmt.Errorf("failed to decode initial_resource_versions entry: %w", protowire.ParseError(m))
-			}
-			from := base + off + m - len(val)
-			str := s[from : from+len(val)]
-			if num == 1 {
-				k = str
-			} else {
-				v = str
-			}
-			off += m
-			continue
-		}
-		m := protowire.ConsumeFieldValue(num, typ, entry[off:])
+		m := consumeFieldValue(typ, entry[off:])
 		if m < 0 {
 			return "", "", fmt.Errorf("failed to decode initial_resource_versions entry: %w", protowire.ParseError(m))
+		}
+		if typ == protowire.BytesType && (num == 1 || num == 2) {
+			l, ln := consumeVarint(entry[off:])
+			if num == 1 {
+				k = entry[off+ln : off+ln+int(l)]
+			} else {
+				v = entry[off+ln : off+ln+int(l)]
+			}
 		}
 		off += m
 	}
 	return k, v, nil
+}
+
+// errGroup is consumeFieldValue's answer for the group wire types, which
+// the string decoder leaves to proto.Unmarshal.
+const errGroup = -100
+
+// consumeVarint is protowire.ConsumeVarint on a string.
+func consumeVarint(s string) (uint64, int) {
+	var v uint64
+	for i := 0; i < len(s) && i < 10; i++ {
+		c := s[i]
+		if i == 9 && c > 1 {
+			return 0, -3 // protowire's errCodeOverflow
+		}
+		v |= uint64(c&0x7f) << (7 * i)
+		if c < 0x80 {
+			return v, i + 1
+		}
+	}
+	if len(s) < 10 {
+		return 0, -1 // protowire's errCodeTruncated
+	}
+	return 0, -3
+}
+
+// consumeTag is protowire.ConsumeTag on a string.
+func consumeTag(s string) (protowire.Number, protowire.Type, int) {
+	v, n := consumeVarint(s)
+	if n < 0 {
+		return 0, 0, n
+	}
+	num, typ := protowire.DecodeTag(v)
+	if num < protowire.MinValidNumber {
+		return 0, 0, -5 // protowire's errCodeFieldNumber
+	}
+	return num, typ, n
+}
+
+// consumeFieldValue is the length of the value of a field of wire type
+// typ at the start of s (protowire.ConsumeFieldValue on a string), or a
+// negative protowire error code; errGroup for the group types.
+func consumeFieldValue(typ protowire.Type, s string) int {
+	switch typ {
+	case protowire.VarintType:
+		_, n := consumeVarint(s)
+		return n
+	case protowire.Fixed32Type:
+		if len(s) < 4 {
+			return -1
+		}
+		return 4
+	case protowire.Fixed64Type:
+		if len(s) < 8 {
+			return -1
+		}
+		return 8
+	case protowire.BytesType:
+		l, n := consumeVarint(s)
+		if n < 0 {
+			return n
+		}
+		if l > uint64(len(s)-n) {
+			return -1
+		}
+		return n + int(l)
+	case protowire.StartGroupType, protowire.EndGroupType:
+		return errGroup
+	}
+	return -4 // protowire's errCodeReserved
 }
 
 // encodeResource lays out one resource's wire bytes once:

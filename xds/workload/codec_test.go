@@ -1,11 +1,13 @@
 package workload
 
 import (
+	"maps"
 	"testing"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/genproto/googleapis/rpc/status"
+	"google.golang.org/grpc/encoding"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
@@ -40,13 +42,29 @@ func TestDecodeDeltaRequestMatchesProto(t *testing.T) {
 		if !proto.Equal(got, want) {
 			t.Errorf("decoded\n %v\nwant\n %v", got, want)
 		}
+		// As the server receives it: versions as entries with our codec,
+		// in the embedded message's map with the stock one.
+		for name, c := range map[string]encoding.CodecV2{"ours": newCodec(), "stock": encoding.GetCodecV2("proto")} {
+			dr := &deltaRequest{DeltaDiscoveryRequest: &discovery.DeltaDiscoveryRequest{}}
+			if err := c.Unmarshal(mem.BufferSlice{mem.SliceBuffer(b)}, dr); err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			k := Known{m: dr.GetInitialResourceVersions(), entries: dr.known}
+			if len(want.GetInitialResourceVersions()) > 0 && !maps.Equal(k.asMap(), want.GetInitialResourceVersions()) {
+				t.Errorf("%s: versions %v, want %v", name, k.asMap(), want.GetInitialResourceVersions())
+			}
+			dr.InitialResourceVersions = want.GetInitialResourceVersions()
+			if !proto.Equal(dr.DeltaDiscoveryRequest, want) {
+				t.Errorf("%s: decoded\n %v\nwant\n %v", name, dr.DeltaDiscoveryRequest, want)
+			}
+		}
 	}
 	// Truncated input is an error, not a panic.
 	b, _ := proto.Marshal(reqs[2])
 	for i := 1; i < len(b); i += 7 {
-		_ = decodeDeltaRequest(b[:i], &discovery.DeltaDiscoveryRequest{})
+		_ = decodeDeltaRequest(string(b[:i]), &discovery.DeltaDiscoveryRequest{})
 	}
-	if err := decodeDeltaRequest(b[:len(b)-1], &discovery.DeltaDiscoveryRequest{}); err == nil {
+	if err := decodeDeltaRequest(string(b[:len(b)-1]), &discovery.DeltaDiscoveryRequest{}); err == nil {
 		t.Error("truncated request decoded without error")
 	}
 }

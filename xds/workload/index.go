@@ -23,7 +23,8 @@ import (
 type Resource struct {
 	// Name is the resource name, the workload uid.
 	Name string
-	// Version is the content hash of Body (16 hex digits).
+	// Version is the content hash of Body in lowercase hex (up to 16
+	// digits, no leading zeros).
 	Version string
 	// Body is the deterministic wire encoding of the workload.
 	Body []byte
@@ -34,6 +35,18 @@ type Resource struct {
 	Any *anypb.Any
 	// Delta is the resource entry of a delta response.
 	Delta *discovery.Resource
+	// hash is the content hash Version spells.
+	hash uint64
+}
+
+// served is a name's entry in the index: its resource, with the version
+// hash inline (a reconnect compares tens of thousands of client versions
+// without touching the resources) and the name's dense slot (a reconnect
+// marks the names a client holds in a slice indexed by it, not a map).
+type served struct {
+	r    *Resource
+	hash uint64
+	slot int
 }
 
 // NewResource marshals w once (deterministically) and computes its version.
@@ -42,7 +55,8 @@ func NewResource(w *workloadpb.Workload) (*Resource, error) {
 	if err != nil {
 		return nil, fmt.Errorf("failed to marshal workload %q: %w", w.GetUid(), err)
 	}
-	version := strconv.FormatUint(xxhash.Sum64(body), 16)
+	hash := xxhash.Sum64(body)
+	version := strconv.FormatUint(hash, 16)
 	wd, ws, value := encodeResource(w.GetUid(), version, body)
 	a := &anypb.Any{TypeUrl: resource.WorkloadType, Value: value}
 	return &Resource{
@@ -53,6 +67,7 @@ func NewResource(w *workloadpb.Workload) (*Resource, error) {
 		wireSotW:  ws,
 		Any:       a,
 		Delta:     &discovery.Resource{Name: w.GetUid(), Version: version, Resource: a},
+		hash:      hash,
 	}, nil
 }
 
@@ -72,12 +87,14 @@ func NewResource(w *workloadpb.Workload) (*Resource, error) {
 // is rebuilt per change.
 type Index struct {
 	mu       sync.RWMutex
-	byName   map[string]*Resource
+	byName   map[string]served
 	nameKey  map[string]string    // name → endpoint key whose resource is served
 	keys     map[string]*keyEntry // endpoint key → its source and resource
 	claims   map[string][]string  // name → endpoint keys claiming it
 	seq      uint64               // last keyEntry.seq handed out
 	rev      uint64
+	slots    int   // slots handed out: every served Resource.slot is below
+	free     []int // slots of deleted names, handed out again first
 	watchers map[*Subscription]struct{}
 	onSize   func(int)
 
@@ -101,7 +118,7 @@ var ErrNotOwner = errors.New("endpoint key belongs to another source")
 // NewIndex returns an empty index.
 func NewIndex() *Index {
 	return &Index{
-		byName:   make(map[string]*Resource),
+		byName:   make(map[string]served),
 		nameKey:  make(map[string]string),
 		keys:     make(map[string]*keyEntry),
 		claims:   make(map[string][]string),
@@ -178,10 +195,21 @@ func (x *Index) upsertResource(source, key string, r *Resource) (bool, error) {
 // version is not pushed. It reports whether anything changed.
 func (x *Index) serveLocked(name, key string, r *Resource, now time.Time) bool {
 	x.nameKey[name] = key
-	if cur, ok := x.byName[name]; ok && cur.Version == r.Version {
+	cur, ok := x.byName[name]
+	if ok && cur.r.Version == r.Version {
 		return false
 	}
-	x.byName[name] = r
+	e := served{r: r, hash: r.hash, slot: cur.slot}
+	switch {
+	case ok:
+	case len(x.free) > 0:
+		e.slot = x.free[len(x.free)-1]
+		x.free = x.free[:len(x.free)-1]
+	default:
+		e.slot = x.slots
+		x.slots++
+	}
+	x.byName[name] = e
 	x.rev++
 	x.notifyLocked(name, now)
 	x.sizeLocked()
@@ -248,9 +276,11 @@ func (w *Writer) Keys() []string {
 
 func (x *Index) deleteLocked(name string, now time.Time) {
 	delete(x.nameKey, name)
-	if _, ok := x.byName[name]; !ok {
+	cur, ok := x.byName[name]
+	if !ok {
 		return
 	}
+	x.free = append(x.free, cur.slot)
 	delete(x.byName, name)
 	x.rev++
 	x.notifyLocked(name, now)
@@ -267,7 +297,7 @@ func (x *Index) sizeLocked() {
 func (x *Index) Get(name string) *Resource {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	return x.byName[name]
+	return x.byName[name].r
 }
 
 // Len returns the number of workloads.

@@ -182,12 +182,19 @@ func (s *Server) DeltaAggregatedResources(stream discovery.AggregatedDiscoverySe
 	sub, cancel := s.cache.Watch()
 	defer cancel()
 	st := &deltaStream{s: s, stream: stream, id: s.streams.Add(1), sub: sub}
-	return serveStream(s, stream.Context(), protoDelta, st.id, func() string { return st.node }, stream.Recv, sub,
+	recv := func() (*deltaRequest, error) {
+		req := &deltaRequest{DeltaDiscoveryRequest: &discovery.DeltaDiscoveryRequest{}}
+		if err := stream.RecvMsg(req); err != nil {
+			return nil, err
+		}
+		return req, nil
+	}
+	return serveStream(s, stream.Context(), protoDelta, st.id, func() string { return st.node }, recv, sub,
 		st.handle, func() error {
 			if !st.started {
 				return nil
 			}
-			return st.flush(nil, false, nil, time.Time{})
+			return st.flush(nil, false, Known{}, time.Time{})
 		})
 }
 
@@ -211,7 +218,7 @@ func (s *Server) accept(node *string, req request) bool {
 	return true
 }
 
-func (st *deltaStream) handle(req *discovery.DeltaDiscoveryRequest) error {
+func (st *deltaStream) handle(req *deltaRequest) error {
 	if !st.s.accept(&st.node, req) {
 		return nil
 	}
@@ -226,9 +233,9 @@ func (st *deltaStream) handle(req *discovery.DeltaDiscoveryRequest) error {
 	first := !st.started
 	st.started = true
 	added, addedWildcard := st.sub.ApplyDelta(first, req.GetResourceNamesSubscribe(), req.GetResourceNamesUnsubscribe())
-	var known map[string]string
+	var known Known
 	if first {
-		known = req.GetInitialResourceVersions()
+		known = Known{m: req.GetInitialResourceVersions(), entries: req.known}
 	}
 	if addedWildcard || len(added) > 0 {
 		return st.flush(added, addedWildcard, known, received)
@@ -240,7 +247,7 @@ func (st *deltaStream) handle(req *discovery.DeltaDiscoveryRequest) error {
 // pending changes it subscribes to plus the newly subscribed names. A new
 // subscription always gets a response, even empty, so a client sees it is
 // synced.
-func (st *deltaStream) flush(added []string, addedWildcard bool, known map[string]string, since time.Time) error {
+func (st *deltaStream) flush(added []string, addedWildcard bool, known Known, since time.Time) error {
 	d := st.s.cache.DeltaResponse(st.sub, added, addedWildcard, known)
 	if since.IsZero() || (!d.Since.IsZero() && d.Since.Before(since)) {
 		since = d.Since

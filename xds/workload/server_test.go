@@ -477,8 +477,8 @@ func currentVersions(x *Index) map[string]string {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
 	out := map[string]string{}
-	for n, r := range x.byName {
-		out[n] = r.Version
+	for n, e := range x.byName {
+		out[n] = e.r.Version
 	}
 	return out
 }
