@@ -49,3 +49,35 @@ func TestListenersCarryTheUDSSocket(t *testing.T) {
 		})
 	}
 }
+
+// TestListenersFollowTheUDSSocket: a record stored again with a UDS socket
+// it did not resolve before (the same container, ips and netns) publishes
+// listeners naming it: the socket is part of what the listeners are built
+// from.
+func TestListenersFollowTheUDSSocket(t *testing.T) {
+	l := newListenerSync(listener.Ports{}, "/run/aether/uds", slog.New(slog.DiscardHandler))
+	p := &cniv1.CNIPod{
+		Namespace: "ns", Name: "web", Uid: "uid-1", ContainerId: "c1", NetworkNamespace: "/run/netns/p",
+		Ips: []string{"10.0.0.2"}, UdsCsiVolume: "mesh", UdsCsiVolumes: 1, Volumes: []string{"mesh"},
+	}
+	sockets := func() map[string]bool {
+		out := map[string]bool{}
+		for _, r := range l.cache.GetResources() {
+			s, err := listener.Parse(r.(*listenerv3.Listener))
+			if err != nil {
+				t.Fatal(err)
+			}
+			out[s.UDSSocket] = true
+		}
+		return out
+	}
+	l.RecordStored(&store.Record{Pod: p})
+	if got := sockets(); len(got) != 1 || !got[""] {
+		t.Fatalf("before the annotation: UDS sockets %v, want none", got)
+	}
+	p.Annotations = map[string]string{uds.Annotation: "mesh/app.sock"}
+	l.RecordStored(&store.Record{Pod: p})
+	if got := sockets(); len(got) != 1 || !got["/run/aether/uds/uid-1/app.sock"] {
+		t.Fatalf("after the annotation: UDS sockets %v, want the resolved one", got)
+	}
+}
