@@ -172,9 +172,11 @@ func (d *Dialer) Dial(ctx context.Context, req Request) (*Stream, error) {
 			d.stat.streamsOpened.Add(1)
 			return st, nil
 		}
-		// A connection that broke between the pool check and the request
-		// is evicted and the stream retried once on a new one.
-		if cc.Err() != nil && !fresh && attempt == 0 {
+		// A reused connection that failed the request without an answer
+		// (it broke or got GOAWAY since the pool check) is evicted and the
+		// stream retried once on a new one.
+		var se *StatusError
+		if !fresh && attempt == 0 && !errors.As(err, &se) {
 			d.evict(key, cc)
 			continue
 		}
@@ -278,7 +280,11 @@ func (d *Dialer) evict(key poolKey, cc *http.ClientConn) {
 			e.conns = append(e.conns[:i], e.conns[i+1:]...)
 			d.stat.connsEvicted.Add(1)
 			d.stat.connsPooled.Add(-1)
-			_ = cc.Close()
+			if cc.Err() != nil {
+				_ = cc.Close()
+			}
+			// Otherwise it is closing (GOAWAY): its streams finish and it
+			// closes itself.
 			return
 		}
 	}

@@ -392,32 +392,46 @@ func TestStreamLimit(t *testing.T) {
 	}
 }
 
-// TestEvictBrokenConn: a pooled connection the server closed is evicted and
-// the next stream gets a new one.
+// TestEvictBrokenConn: a pooled connection whose TCP connection broke is
+// evicted and the next stream gets a new one.
 func TestEvictBrokenConn(t *testing.T) {
-	e := newEnv(t, func(c *hbone.ServerConfig) { c.IdleTimeout = time.Millisecond })
-	d := newDialer(t, e.certs)
+	e := newEnv(t, nil)
+	var mu sync.Mutex
+	var raw []net.Conn
+	d, err := hbone.NewDialer(hbone.DialerConfig{
+		Certs: e.certs,
+		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			var nd net.Dialer
+			c, err := nd.DialContext(ctx, network, addr)
+			if err == nil {
+				mu.Lock()
+				raw = append(raw, c)
+				mu.Unlock()
+			}
+			return c, err
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
 	s, err := d.Dial(context.Background(), e.request())
 	if err != nil {
 		t.Fatal(err)
 	}
 	roundTrip(t, s, []byte("one"))
 	_ = s.Close()
-	// The idle connection is closed by the server (GOAWAY then close).
-	waitFor(t, func() bool { return e.srv.Stats().StreamsActive == 0 })
-	for {
-		s, err = d.Dial(context.Background(), e.request())
-		if err != nil {
-			t.Fatal(err)
-		}
-		roundTrip(t, s, []byte("two"))
-		_ = s.Close()
-		if d.Stats().ConnsEvicted >= 1 {
-			break
-		}
+	mu.Lock()
+	_ = raw[0].Close() // the network breaks under the pooled connection
+	mu.Unlock()
+	s, err = d.Dial(context.Background(), e.request())
+	if err != nil {
+		t.Fatal(err)
 	}
-	if st := d.Stats(); st.ConnsOpened < 2 || st.ConnsPooled > 1 {
-		t.Errorf("dialer stats = %+v, want a second connection and at most one pooled", st)
+	roundTrip(t, s, []byte("two"))
+	_ = s.Close()
+	if st := d.Stats(); st.ConnsOpened != 2 || st.ConnsEvicted != 1 || st.ConnsPooled != 1 {
+		t.Errorf("dialer stats = %+v, want 2 opened, 1 evicted, 1 pooled", st)
 	}
 }
 

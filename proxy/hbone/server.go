@@ -5,7 +5,6 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -23,7 +22,7 @@ const (
 	DefaultMaxConcurrentStreams = 100
 	DefaultStreamWindow         = 4 << 20
 	DefaultConnWindow           = 16 << 20
-	DefaultMaxFrameSize         = 1 << 20
+	DefaultMaxFrameSize         = 16 << 10
 	DefaultPingInterval         = time.Minute
 	DefaultPingTimeout          = 15 * time.Second
 )
@@ -289,8 +288,7 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	inDone := make(chan struct{})
 	go func() {
 		defer close(inDone)
-		_, err := io.Copy(up, r.Body)
-		if err != nil {
+		if err := copyAdaptive(up, r.Body, nil); err != nil {
 			_ = up.Close()
 			return
 		}
@@ -299,32 +297,9 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	// Upstream → client. When the upstream ends, the response ends too
 	// (END_STREAM): Go's HTTP/2 server cannot half-close the response
 	// while the request body is still open (see README.md).
-	_ = copyFlush(w, rc, up)
+	_ = copyAdaptive(w, up, rc.Flush)
 	_ = r.Body.Close()
 	<-inDone
-}
-
-// copyFlush copies src to w, flushing every read so the stream is not delayed
-// by the response writer's buffer.
-func copyFlush(w io.Writer, rc *http.ResponseController, src io.Reader) error {
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := src.Read(buf)
-		if n > 0 {
-			if _, werr := w.Write(buf[:n]); werr != nil {
-				return werr
-			}
-			if ferr := rc.Flush(); ferr != nil {
-				return ferr
-			}
-		}
-		if err != nil {
-			if errors.Is(err, io.EOF) {
-				return nil
-			}
-			return err
-		}
-	}
 }
 
 type closeWriter interface{ CloseWrite() error }
