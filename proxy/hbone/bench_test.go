@@ -43,14 +43,7 @@ func BenchmarkHBONEThroughput(b *testing.B) {
 		b.Run(mode, func(b *testing.B) {
 			c := benchDial(b, mode, d, e.proxy, dst)
 			defer c.Close()
-			b.ResetTimer()
-			start := time.Now()
-			if err := hbonetest.SendCounted(c, chunk, b.N); err != nil {
-				b.Fatal(err)
-			}
-			el := time.Since(start)
-			b.StopTimer()
-			b.ReportMetric(float64(b.N*len(chunk))/el.Seconds()/1e6, "MB/s")
+			hbonetest.Throughput(b, c, chunk)
 		})
 	}
 }

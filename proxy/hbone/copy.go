@@ -7,8 +7,9 @@ import (
 )
 
 // Copy buffers: an idle tunnel holds only a small buffer per direction; a
-// busy one borrows a large pooled buffer while reads keep filling the small
-// one, and gives it back when the flow pauses (a short read).
+// busy one borrows a large pooled buffer once a read fills the small one,
+// and gives it back when the flow slows to a trickle (a read shorter than
+// the small buffer), so bulk transfers are not cut into small writes.
 const (
 	smallBuf = 2 << 10
 	largeBuf = 32 << 10
@@ -49,7 +50,7 @@ func copyAdaptive(dst io.Writer, src io.Reader, flush func() error) error {
 		case n == len(buf) && large == nil:
 			large = largeBufs.Get().(*[]byte)
 			buf = *large
-		case n < len(buf) && large != nil:
+		case n < smallBuf && large != nil:
 			largeBufs.Put(large)
 			large = nil
 			buf = small[:]

@@ -8,7 +8,9 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"syscall"
 	"testing"
+	"time"
 )
 
 // Sink serves on loopback until the test ends: each connection sends an
@@ -101,4 +103,30 @@ func serveLoopback(tb testing.TB, handle func(net.Conn)) netip.AddrPort {
 		wg.Wait()
 	})
 	return l.Addr().(*net.TCPAddr).AddrPort()
+}
+
+// CPUTime returns the user + system CPU time this process has used, for
+// CPU-per-byte metrics that hold on a machine shared with other loads.
+func CPUTime() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// Throughput runs SendCounted of n chunks over c and reports MB/s and
+// cpu-ns/B (this process's CPU: client, proxies and app together).
+func Throughput(b *testing.B, c io.ReadWriter, chunk []byte) {
+	b.Helper()
+	b.ResetTimer()
+	start, cpu := time.Now(), CPUTime()
+	if err := SendCounted(c, chunk, b.N); err != nil {
+		b.Fatal(err)
+	}
+	el, used := time.Since(start), CPUTime()-cpu
+	b.StopTimer()
+	bytes := float64(b.N) * float64(len(chunk))
+	b.ReportMetric(bytes/el.Seconds()/1e6, "MB/s")
+	b.ReportMetric(float64(used.Nanoseconds())/bytes, "cpu-ns/B")
 }
