@@ -31,7 +31,7 @@ func tunnelCount(b *testing.B) int {
 func BenchmarkHBONEIdleTunnels(b *testing.B) {
 	tunnels := tunnelCount(b)
 	e := newEnv(b, func(c *hbone.ServerConfig) { c.MaxConcurrentStreams = tunnels })
-	d := newDialer(b, e.certs)
+	d := hbonetest.NewDialer(b, e.certs)
 	dst := hbonetest.Echo(b)
 	for _, mode := range []string{"ours", "peer"} {
 		b.Run(mode, func(b *testing.B) {

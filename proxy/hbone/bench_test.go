@@ -36,7 +36,7 @@ func benchDial(b *testing.B, mode string, d *hbone.Dialer, proxy, dst netip.Addr
 // same app.
 func BenchmarkHBONEThroughput(b *testing.B) {
 	e := newEnv(b, nil)
-	d := newDialer(b, e.certs)
+	d := hbonetest.NewDialer(b, e.certs)
 	dst := hbonetest.Sink(b)
 	chunk := make([]byte, 256<<10)
 	for _, mode := range []string{"ours", "peer"} {
@@ -53,7 +53,7 @@ func BenchmarkHBONEThroughput(b *testing.B) {
 // round trip (peer); p50/p99. Issue 13 asks the added p50 ≤ 0.3 ms.
 func BenchmarkHBONEConnect(b *testing.B) {
 	e := newEnv(b, nil)
-	d := newDialer(b, e.certs)
+	d := hbonetest.NewDialer(b, e.certs)
 	dst := hbonetest.Echo(b)
 	warm := benchDial(b, "ours", d, e.proxy, dst) // the pooled connection
 	defer warm.Close()

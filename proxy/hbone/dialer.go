@@ -88,24 +88,12 @@ func NewDialer(cfg DialerConfig) (*Dialer, error) {
 	if cfg.Certs == nil {
 		return nil, errors.New("failed to create hbone dialer: Certs is required")
 	}
-	if cfg.HandshakeTimeout <= 0 {
-		cfg.HandshakeTimeout = DefaultHandshakeTimeout
-	}
-	if cfg.PingInterval <= 0 {
-		cfg.PingInterval = DefaultPingInterval
-	}
-	if cfg.PingTimeout <= 0 {
-		cfg.PingTimeout = DefaultPingTimeout
-	}
-	if cfg.StreamWindow <= 0 {
-		cfg.StreamWindow = DefaultStreamWindow
-	}
-	if cfg.ConnWindow <= 0 {
-		cfg.ConnWindow = DefaultConnWindow
-	}
-	if cfg.MaxFrameSize <= 0 {
-		cfg.MaxFrameSize = DefaultMaxFrameSize
-	}
+	orDefault(&cfg.HandshakeTimeout, DefaultHandshakeTimeout)
+	orDefault(&cfg.PingInterval, DefaultPingInterval)
+	orDefault(&cfg.PingTimeout, DefaultPingTimeout)
+	orDefault(&cfg.StreamWindow, DefaultStreamWindow)
+	orDefault(&cfg.ConnWindow, DefaultConnWindow)
+	orDefault(&cfg.MaxFrameSize, DefaultMaxFrameSize)
 	if cfg.DialContext == nil {
 		cfg.DialContext = (&net.Dialer{}).DialContext
 	}
@@ -119,13 +107,7 @@ func NewDialer(cfg DialerConfig) (*Dialer, error) {
 	d.tr = &http.Transport{
 		Protocols:      &protos,
 		DialTLSContext: d.dialTLS,
-		HTTP2: &http.HTTP2Config{
-			MaxReadFrameSize:              cfg.MaxFrameSize,
-			MaxReceiveBufferPerConnection: cfg.ConnWindow,
-			MaxReceiveBufferPerStream:     cfg.StreamWindow,
-			SendPingTimeout:               cfg.PingInterval,
-			PingTimeout:                   cfg.PingTimeout,
-		},
+		HTTP2:          h2Config(0, cfg.MaxFrameSize, cfg.ConnWindow, cfg.StreamWindow, cfg.PingInterval, cfg.PingTimeout),
 	}
 	return d, nil
 }

@@ -55,7 +55,7 @@ func newEnv(t testing.TB, tune func(*hbone.ServerConfig)) *env {
 		}
 		e.certs.SetSVID(svid)
 	}
-	e.target = echoServer(t)
+	e.target = hbonetest.Echo(t)
 	cfg := hbone.ServerConfig{
 		Identity: serverID,
 		Certs:    e.certs,
@@ -70,75 +70,8 @@ func newEnv(t testing.TB, tune func(*hbone.ServerConfig)) *env {
 	if tune != nil {
 		tune(&cfg)
 	}
-	e.srv, e.proxy = serve(t, cfg)
+	e.srv, e.proxy = hbonetest.RunServer(t, cfg)
 	return e
-}
-
-// serve runs a Server for cfg on a loopback listener until the test ends.
-func serve(t testing.TB, cfg hbone.ServerConfig) (*hbone.Server, netip.AddrPort) {
-	t.Helper()
-	srv, err := hbone.NewServer(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(l) }()
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		// Canceled: a test already shut the server down with a canceled
-		// context (TestShutdownDrain) and checked that itself.
-		if err := srv.Shutdown(ctx); err != nil && !errors.Is(err, context.Canceled) {
-			t.Errorf("shutdown: %v", err)
-		}
-		if err := <-done; err != nil {
-			t.Errorf("serve: %v", err)
-		}
-	})
-	return srv, l.Addr().(*net.TCPAddr).AddrPort()
-}
-
-// echoServer echoes every connection until EOF, then half-closes.
-func echoServer(t testing.TB) netip.AddrPort {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer c.Close()
-				_, _ = io.Copy(c, c)
-				_ = c.(*net.TCPConn).CloseWrite()
-			}()
-		}
-	}()
-	t.Cleanup(func() { _ = l.Close(); wg.Wait() })
-	return l.Addr().(*net.TCPAddr).AddrPort()
-}
-
-func newDialer(t testing.TB, certs hbone.Certs) *hbone.Dialer {
-	t.Helper()
-	d, err := hbone.NewDialer(hbone.DialerConfig{Certs: certs})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = d.Close() })
-	return d
 }
 
 func (e *env) request() hbone.Request {
@@ -165,7 +98,7 @@ func roundTrip(t testing.TB, s *hbone.Stream, msg []byte) {
 
 func TestEchoAndPrincipal(t *testing.T) {
 	e := newEnv(t, nil)
-	d := newDialer(t, e.certs)
+	d := hbonetest.NewDialer(t, e.certs)
 	s, err := d.Dial(context.Background(), e.request())
 	if err != nil {
 		t.Fatal(err)
@@ -256,7 +189,7 @@ func TestServerAuth(t *testing.T) {
 		t.Fatal(err)
 	}
 	rogueCerts.SetSVID(rogue)
-	_, rogueProxy := serve(t, hbone.ServerConfig{Identity: serverID, Certs: rogueCerts, Deliver: refuse})
+	_, rogueProxy := hbonetest.RunServer(t, hbone.ServerConfig{Identity: serverID, Certs: rogueCerts, Deliver: refuse})
 
 	tests := []struct {
 		name    string
@@ -269,7 +202,7 @@ func TestServerAuth(t *testing.T) {
 		{"other id expected", e.proxy, spiffeid.RequireFromPath(td, "/ns/dst/sa/else"), true},
 		{"untrusted server", rogueProxy, spiffeid.ID{}, true},
 	}
-	d := newDialer(t, e.certs)
+	d := hbonetest.NewDialer(t, e.certs)
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			req := e.request()
@@ -292,14 +225,14 @@ func refuse(context.Context, spiffeid.ID, netip.AddrPort) (net.Conn, error) {
 
 func TestStatusCodes(t *testing.T) {
 	e := newEnv(t, nil)
-	_, gone := serve(t, hbone.ServerConfig{Identity: serverID, Certs: e.certs, Deliver: refuse})
-	_, teapot := serve(t, hbone.ServerConfig{
+	_, gone := hbonetest.RunServer(t, hbone.ServerConfig{Identity: serverID, Certs: e.certs, Deliver: refuse})
+	_, teapot := hbonetest.RunServer(t, hbone.ServerConfig{
 		Identity: serverID, Certs: e.certs,
 		Deliver: func(context.Context, spiffeid.ID, netip.AddrPort) (net.Conn, error) {
 			return nil, &hbone.StatusError{Code: http.StatusBadGateway, Err: errors.New("no such workload")}
 		},
 	})
-	d := newDialer(t, e.certs)
+	d := hbonetest.NewDialer(t, e.certs)
 	for _, tt := range []struct {
 		name  string
 		proxy netip.AddrPort
@@ -325,7 +258,7 @@ func TestStatusCodes(t *testing.T) {
 
 func TestManyStreamsOnePooledConn(t *testing.T) {
 	e := newEnv(t, nil)
-	d := newDialer(t, e.certs)
+	d := hbonetest.NewDialer(t, e.certs)
 	const n = 50
 	var wg sync.WaitGroup
 	errs := make(chan error, n)
@@ -369,7 +302,7 @@ func TestManyStreamsOnePooledConn(t *testing.T) {
 // not go on the full connection: the pool opens a second one.
 func TestStreamLimit(t *testing.T) {
 	e := newEnv(t, func(c *hbone.ServerConfig) { c.MaxConcurrentStreams = 2 })
-	d := newDialer(t, e.certs)
+	d := hbonetest.NewDialer(t, e.certs)
 	// The first stream learns the server's SETTINGS.
 	first, err := d.Dial(context.Background(), e.request())
 	if err != nil {
@@ -439,7 +372,7 @@ func TestEvictBrokenConn(t *testing.T) {
 // established connection and its stream keep working.
 func TestRotation(t *testing.T) {
 	e := newEnv(t, nil)
-	d := newDialer(t, e.certs)
+	d := hbonetest.NewDialer(t, e.certs)
 	live, err := d.Dial(context.Background(), e.request())
 	if err != nil {
 		t.Fatal(err)
@@ -470,10 +403,10 @@ func TestRotation(t *testing.T) {
 		}
 		e.certs.SetSVID(svid)
 	}
-	if _, err := newDialer(t, oldCerts).Dial(context.Background(), e.request()); err == nil {
+	if _, err := hbonetest.NewDialer(t, oldCerts).Dial(context.Background(), e.request()); err == nil {
 		t.Error("old-CA client accepted after rotation")
 	}
-	fresh, err := newDialer(t, e.certs).Dial(context.Background(), e.request())
+	fresh, err := hbonetest.NewDialer(t, e.certs).Dial(context.Background(), e.request())
 	if err != nil {
 		t.Fatalf("new-CA client: %v", err)
 	}
@@ -512,7 +445,7 @@ func TestShutdownDrain(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			e := newEnv(t, nil)
-			d := newDialer(t, e.certs)
+			d := hbonetest.NewDialer(t, e.certs)
 			s, err := d.Dial(context.Background(), e.request())
 			if err != nil {
 				t.Fatal(err)

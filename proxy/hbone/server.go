@@ -72,6 +72,13 @@ type ServerConfig struct {
 	PingInterval, PingTimeout time.Duration
 }
 
+// orDefault sets a zero or negative limit to its default.
+func orDefault[T int | time.Duration](v *T, def T) {
+	if *v <= 0 {
+		*v = def
+	}
+}
+
 // Server serves HBONE for one identity on listeners it is given.
 type Server struct {
 	cfg  ServerConfig
@@ -98,24 +105,14 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	if cfg.Identity.IsZero() || cfg.Certs == nil || cfg.Deliver == nil {
 		return nil, errors.New("failed to create hbone server: Identity, Certs and Deliver are required")
 	}
-	def := func(v *time.Duration, d time.Duration) {
-		if *v <= 0 {
-			*v = d
-		}
-	}
-	defInt := func(v *int, d int) {
-		if *v <= 0 {
-			*v = d
-		}
-	}
-	def(&cfg.HandshakeTimeout, DefaultHandshakeTimeout)
-	def(&cfg.IdleTimeout, DefaultIdleTimeout)
-	def(&cfg.PingInterval, DefaultPingInterval)
-	def(&cfg.PingTimeout, DefaultPingTimeout)
-	defInt(&cfg.MaxConcurrentStreams, DefaultMaxConcurrentStreams)
-	defInt(&cfg.StreamWindow, DefaultStreamWindow)
-	defInt(&cfg.ConnWindow, DefaultConnWindow)
-	defInt(&cfg.MaxFrameSize, DefaultMaxFrameSize)
+	orDefault(&cfg.HandshakeTimeout, DefaultHandshakeTimeout)
+	orDefault(&cfg.IdleTimeout, DefaultIdleTimeout)
+	orDefault(&cfg.PingInterval, DefaultPingInterval)
+	orDefault(&cfg.PingTimeout, DefaultPingTimeout)
+	orDefault(&cfg.MaxConcurrentStreams, DefaultMaxConcurrentStreams)
+	orDefault(&cfg.StreamWindow, DefaultStreamWindow)
+	orDefault(&cfg.ConnWindow, DefaultConnWindow)
+	orDefault(&cfg.MaxFrameSize, DefaultMaxFrameSize)
 	log := cfg.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -136,16 +133,23 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		Protocols:   &protos,
 		IdleTimeout: cfg.IdleTimeout,
 		ErrorLog:    slog.NewLogLogger(log.Handler(), slog.LevelDebug),
-		HTTP2: &http.HTTP2Config{
-			MaxConcurrentStreams:          cfg.MaxConcurrentStreams,
-			MaxReadFrameSize:              cfg.MaxFrameSize,
-			MaxReceiveBufferPerConnection: cfg.ConnWindow,
-			MaxReceiveBufferPerStream:     cfg.StreamWindow,
-			SendPingTimeout:               cfg.PingInterval,
-			PingTimeout:                   cfg.PingTimeout,
-		},
+		HTTP2: h2Config(cfg.MaxConcurrentStreams, cfg.MaxFrameSize, cfg.ConnWindow, cfg.StreamWindow,
+			cfg.PingInterval, cfg.PingTimeout),
 	}
 	return s, nil
+}
+
+// h2Config is the HTTP/2 configuration both sides share (maxStreams is the
+// server's SETTINGS_MAX_CONCURRENT_STREAMS; zero on the client).
+func h2Config(maxStreams, frame, connWindow, streamWindow int, ping, pingTimeout time.Duration) *http.HTTP2Config {
+	return &http.HTTP2Config{
+		MaxConcurrentStreams:          maxStreams,
+		MaxReadFrameSize:              frame,
+		MaxReceiveBufferPerConnection: connWindow,
+		MaxReceiveBufferPerStream:     streamWindow,
+		SendPingTimeout:               ping,
+		PingTimeout:                   pingTimeout,
+	}
 }
 
 // Stats returns a snapshot of the counters.

@@ -19,7 +19,7 @@ import (
 // CloseWrite (Istio's dialer returns a net.Pipe) wait for the count.
 func Sink(tb testing.TB) netip.AddrPort {
 	tb.Helper()
-	return serveLoopback(tb, func(c net.Conn) {
+	return Serve(tb, func(c net.Conn) {
 		var n int64
 		if err := binary.Read(c, binary.BigEndian, &n); err != nil {
 			return
@@ -33,7 +33,7 @@ func Sink(tb testing.TB) netip.AddrPort {
 // EOF.
 func Echo(tb testing.TB) netip.AddrPort {
 	tb.Helper()
-	return serveLoopback(tb, func(c net.Conn) { _, _ = io.Copy(c, c) })
+	return Serve(tb, func(c net.Conn) { _, _ = io.Copy(c, c) })
 }
 
 // SendCounted writes the length prefix and n copies of chunk to c, then
@@ -58,7 +58,10 @@ func SendCounted(c io.ReadWriter, chunk []byte, n int) error {
 	return nil
 }
 
-func serveLoopback(tb testing.TB, handle func(net.Conn)) netip.AddrPort {
+// Serve runs handle for every connection to a loopback listener until the
+// test ends; the connection is closed when handle returns, and at the end.
+func Serve(tb testing.TB, handle func(net.Conn)) netip.AddrPort {
+	tb.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		tb.Fatal(err)

@@ -10,9 +10,7 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"sync"
 	"testing"
-	"time"
 
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -102,7 +100,7 @@ func (p *pki) istioServer(t testing.TB) netip.AddrPort {
 // recording the verified source of each stream.
 func (p *pki) ourServer(t testing.TB, sources chan<- spiffeid.ID) netip.AddrPort {
 	t.Helper()
-	srv, err := hbone.NewServer(hbone.ServerConfig{
+	_, addr := hbonetest.RunServer(t, hbone.ServerConfig{
 		Identity: serverID,
 		Certs:    p.certs,
 		Deliver: func(ctx context.Context, src spiffeid.ID, target netip.AddrPort) (net.Conn, error) {
@@ -113,67 +111,23 @@ func (p *pki) ourServer(t testing.TB, sources chan<- spiffeid.ID) netip.AddrPort
 			return d.DialContext(ctx, "tcp", target.String())
 		},
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(l) }()
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		if err := srv.Shutdown(ctx); err != nil {
-			t.Errorf("shutdown: %v", err)
-		}
-		if err := <-done; err != nil {
-			t.Errorf("serve: %v", err)
-		}
-	})
-	return l.Addr().(*net.TCPAddr).AddrPort()
+	return addr
 }
 
 func (p *pki) ourDialer(t testing.TB) *hbone.Dialer {
 	t.Helper()
-	d, err := hbone.NewDialer(hbone.DialerConfig{Certs: p.certs})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = d.Close() })
-	return d
+	return hbonetest.NewDialer(t, p.certs)
 }
 
 // app is the application behind the destination proxy: it answers each
 // connection's first line with "hello <line>" and closes.
 func app(t testing.TB) netip.AddrPort {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer c.Close()
-				buf := make([]byte, 64)
-				n, _ := c.Read(buf)
-				_, _ = c.Write(append([]byte("hello "), buf[:n]...))
-			}()
-		}
-	}()
-	t.Cleanup(func() { _ = l.Close(); wg.Wait() })
-	return l.Addr().(*net.TCPAddr).AddrPort()
+	return hbonetest.Serve(t, func(c net.Conn) {
+		buf := make([]byte, 64)
+		n, _ := c.Read(buf)
+		_, _ = c.Write(append([]byte("hello "), buf[:n]...))
+	})
 }
 
 func expectHello(t *testing.T, c net.Conn) {
