@@ -95,6 +95,8 @@ type Server struct {
 	wg        sync.WaitGroup        // accept loops, handshakes, handlers
 	serving   bool                  // hs.Serve runs (on the first Serve)
 	served    chan error            // hs.Serve's result
+	handlers  int                   // stream handlers running
+	drained   chan struct{}         // closed when handlers drops to 0 (during shutdown)
 
 	shutdownOnce sync.Once
 	shutdownErr  error
@@ -208,11 +210,13 @@ func (s *Server) track(c net.Conn) bool {
 // connection to the HTTP/2 server.
 func (s *Server) handshake(c net.Conn) {
 	defer s.wg.Done()
-	defer func() {
+	// The connection leaves pending before it is handed to the HTTP/2
+	// server: from then on Shutdown drains it instead of closing it.
+	untrack := func() {
 		s.mu.Lock()
 		delete(s.pending, c)
 		s.mu.Unlock()
-	}()
+	}
 	_ = c.SetDeadline(time.Now().Add(s.cfg.HandshakeTimeout))
 	tc := tls.Server(c, s.tls)
 	err := tc.Handshake()
@@ -227,11 +231,13 @@ func (s *Server) handshake(c net.Conn) {
 			s.stat.handshakeFailures.Add(1)
 		}
 		s.log.Debug("hbone handshake failed", "remote", c.RemoteAddr().String(), "error", err)
+		untrack()
 		_ = c.Close()
 		return
 	}
 	_ = c.SetDeadline(time.Time{})
 	s.stat.handshakes.Add(1)
+	untrack()
 	if !s.conn.push(tc) {
 		_ = tc.Close()
 	}
@@ -241,6 +247,18 @@ func (s *Server) handshake(c net.Conn) {
 func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	s.wg.Add(1)
 	defer s.wg.Done()
+	s.mu.Lock()
+	s.handlers++
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		s.handlers--
+		if s.handlers == 0 && s.drained != nil {
+			close(s.drained)
+			s.drained = nil
+		}
+		s.mu.Unlock()
+	}()
 	if r.Method != http.MethodConnect {
 		s.stat.streamsBadRequest.Add(1)
 		w.WriteHeader(http.StatusMethodNotAllowed)
@@ -338,7 +356,13 @@ func (s *Server) shutdown(ctx context.Context) error {
 	if serving {
 		// Shutdown closes s.conn, sends GOAWAY and waits for the
 		// connections to go idle; at the deadline Close cuts them.
-		if err = s.hs.Shutdown(ctx); err != nil {
+		err = s.hs.Shutdown(ctx)
+		if err == nil {
+			// hs.Shutdown returns once the connections are done; their
+			// stream handlers may still be finishing: wait for them too.
+			err = s.awaitHandlers(ctx)
+		}
+		if err != nil {
 			_ = s.hs.Close()
 		}
 		if serr := <-s.served; !errors.Is(serr, http.ErrServerClosed) {
@@ -348,6 +372,24 @@ func (s *Server) shutdown(ctx context.Context) error {
 	_ = s.conn.Close()
 	s.wg.Wait()
 	return err
+}
+
+// awaitHandlers waits until no stream handler runs, or ctx is done.
+func (s *Server) awaitHandlers(ctx context.Context) error {
+	s.mu.Lock()
+	if s.handlers == 0 {
+		s.mu.Unlock()
+		return nil
+	}
+	drained := make(chan struct{})
+	s.drained = drained
+	s.mu.Unlock()
+	select {
+	case <-drained:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // connListener is the net.Listener the HTTP/2 server serves: it yields
