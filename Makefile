@@ -16,7 +16,7 @@ SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
 BENCH ?= .
 BENCHTIME ?= 1s
 
-.PHONY: all build build-debug image test bench demo generate lint tools deps clean
+.PHONY: all build build-debug image test test-interop bench demo generate lint tools deps clean
 
 # LDFLAGS for `build`: release binaries carry no symbol table or DWARF.
 # `make build-debug` (or `make build LDFLAGS=`) keeps them for dlv and pprof.
@@ -75,11 +75,18 @@ test: deps
 	@if [ "$$(id -u)" != 0 ]; then echo "make test needs root (network namespaces, mounts, qemu lane)"; exit 1; fi
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) -tags $(SURROGATE_TAG) $(addprefix ./,$(SURROGATE_PKGS))
+	$(MAKE) test-interop
+
+## test-interop: proxy/hbone against Istio's Go pkg/hbone, both ways (own module: test/interop/istio;
+## cold: ~10-20 s of module downloads + ~1.6 min build on 2 quiet cores (2.5 min CPU), warm: ~5 s)
+test-interop:
+	cd test/interop/istio && $(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...
 
 ## bench: every comparison benchmark, one table (bench/out/results.json)
 bench: deps
 	@mkdir -p bench/out
 	$(GO) test -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -timeout 60m ./... | tee bench/out/raw.txt
+	cd test/interop/istio && $(GO) test -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -timeout 60m ./... | tee -a ../../../bench/out/raw.txt
 	$(GO) run ./tools/benchreport -in bench/out/raw.txt -goals bench/goals -out bench/out
 
 ## demo: the whole-node demo

@@ -33,6 +33,11 @@ type Config struct {
 	// Network is the network the pods' addresses belong to; empty for the
 	// default network.
 	Network string
+	// HBONE marks every workload that is not host-network tunnel_protocol:
+	// HBONE (its proxy serves HBONE on the pod's :15008, proxy/hbone). Off
+	// until the data plane serves that listener: a consumer such as ztunnel
+	// would otherwise tunnel to pods that cannot accept it.
+	HBONE bool
 }
 
 // UID returns the workload uid of the pod namespace/name in cluster:
@@ -77,6 +82,9 @@ func Build(cfg Config, ep registry.Endpoint) (*workloadpb.Workload, error) {
 	}
 	if ep.HostNetwork {
 		w.NetworkMode = workloadpb.NetworkMode_HOST_NETWORK
+	} else if cfg.HBONE {
+		// Host-network pods share the node's netns: no per-pod :15008.
+		w.TunnelProtocol = workloadpb.TunnelProtocol_HBONE
 	}
 	if l := ep.Locality; l != (registry.Locality{}) {
 		w.Locality = &workloadpb.Locality{Region: l.Region, Zone: l.Zone, Subzone: l.Subzone}

@@ -143,6 +143,37 @@ func TestBuildFields(t *testing.T) {
 	}
 }
 
+// TestBuildTunnelProtocol: with Config.HBONE a managed pod is marked HBONE,
+// a host-network pod (no netns of its own, no :15008) is not; without it
+// nothing is.
+func TestBuildTunnelProtocol(t *testing.T) {
+	hbone := testConfig
+	hbone.HBONE = true
+	tests := []struct {
+		name        string
+		cfg         Config
+		hostNetwork bool
+		want        workloadpb.TunnelProtocol
+	}{
+		{"hbone off", testConfig, false, workloadpb.TunnelProtocol_NONE},
+		{"hbone on", hbone, false, workloadpb.TunnelProtocol_HBONE},
+		{"hbone on, host network", hbone, true, workloadpb.TunnelProtocol_NONE},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ep := testEndpoint()
+			ep.HostNetwork = tt.hostNetwork
+			w, err := Build(tt.cfg, ep)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := w.GetTunnelProtocol(); got != tt.want {
+				t.Errorf("tunnel_protocol = %v, want %v", got, tt.want)
+			}
+		})
+	}
+}
+
 // TestWorkloadTypeAndNameAsIstiod: the workload type and name of a pod
 // are what istiod sends for it. Each case follows istio.io/istio
 // pilot/pkg/serviceregistry/kube/controller/ambient/workloads.go

@@ -1,0 +1,59 @@
+package hbone
+
+import (
+	"errors"
+	"io"
+	"sync"
+)
+
+// Copy buffers: an idle tunnel holds only a small buffer per direction; a
+// busy one borrows a large pooled buffer once a read fills the small one,
+// and gives it back when the flow slows to a trickle (a read shorter than
+// the small buffer), so bulk transfers are not cut into small writes.
+const (
+	smallBuf = 2 << 10
+	largeBuf = 32 << 10
+)
+
+var largeBufs = sync.Pool{New: func() any { b := make([]byte, largeBuf); return &b }}
+
+// copyAdaptive copies src to dst until src's EOF (nil) or an error, calling
+// flush after every write when it is not nil.
+func copyAdaptive(dst io.Writer, src io.Reader, flush func() error) error {
+	var small [smallBuf]byte
+	buf := small[:]
+	var large *[]byte
+	defer func() {
+		if large != nil {
+			largeBufs.Put(large)
+		}
+	}()
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return werr
+			}
+			if flush != nil {
+				if ferr := flush(); ferr != nil {
+					return ferr
+				}
+			}
+		}
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			return err
+		}
+		switch {
+		case n == len(buf) && large == nil:
+			large = largeBufs.Get().(*[]byte)
+			buf = *large
+		case n < smallBuf && large != nil:
+			largeBufs.Put(large)
+			large = nil
+			buf = small[:]
+		}
+	}
+}

@@ -1,0 +1,10 @@
+// Package hbone is the HBONE transport of aether-proxy: HTTP/2 CONNECT over
+// mutual TLS with SPIFFE X.509-SVIDs on port 15008, wire-compatible with
+// Istio ambient (ztunnel and istio.io/istio/pkg/hbone).
+//
+// Server terminates HBONE for one pod identity and hands each CONNECT stream
+// to a Deliver callback with the verified source SPIFFE ID; Dialer opens
+// CONNECT streams from a source identity over pooled HTTP/2 connections.
+// Certificates come from a Certs source (the SPIFFE Workload API watcher in
+// production). See README.md for the wire format, the pool key and limits.
+package hbone
