@@ -86,12 +86,15 @@ type Registry struct {
 	ctx    context.Context // ends at Close; owns the keepalive loop
 	cancel context.CancelFunc
 
-	// grantMu lets one lease grant run at a time, without mu: a grant
-	// waiting on an unreachable etcd never blocks Deregister, List or the
-	// bookkeeping of Register.
-	grantMu sync.Mutex
-	mu      sync.Mutex       // never held across a call to etcd
-	lease   clientv3.LeaseID // 0 = none yet
+	// grant is the grant lock (a one-slot semaphore, so that waiting for
+	// it honours the caller's context): one lease grant runs at a time,
+	// without mu. A grant waiting on an unreachable etcd never blocks
+	// Deregister, List or the bookkeeping of Register, and a Register that
+	// needs the lease while another grant is in flight gives up at its own
+	// deadline.
+	grant chan struct{}
+	mu    sync.Mutex       // never held across a call to etcd
+	lease clientv3.LeaseID // 0 = none yet
 	// local holds the endpoints a lease re-grant writes again: those whose
 	// Register succeeded (or is in flight) and that were not deregistered.
 	local map[string]localEntry
@@ -220,7 +223,7 @@ func newRegistry(cli *clientv3.Client, opts Options) *Registry {
 	ctx, cancel := context.WithCancel(context.Background())
 	return &Registry{
 		cli: cli, node: opts.Node, prefix: opts.Prefix, ttl: ttl, log: log,
-		ctx: ctx, cancel: cancel, local: make(map[string]localEntry), warned: make(map[string]struct{}),
+		ctx: ctx, cancel: cancel, grant: make(chan struct{}, 1), local: make(map[string]localEntry), warned: make(map[string]struct{}),
 	}
 }
 
@@ -393,8 +396,11 @@ func (r *Registry) decode(kv *mvccpb.KeyValue) (registry.Endpoint, bool) {
 
 // Revoke revokes this node's lease, deleting all its endpoints at once.
 func (r *Registry) Revoke(ctx context.Context) error {
-	r.grantMu.Lock() // a grant in flight would install a lease after this
-	defer r.grantMu.Unlock()
+	// A grant in flight would install a lease after this.
+	if err := r.lockGrant(ctx); err != nil {
+		return fmt.Errorf("failed to revoke the lease of node %q: %w", r.node, err)
+	}
+	defer r.unlockGrant()
 	r.mu.Lock()
 	lease := r.lease
 	r.lease = 0
@@ -421,6 +427,18 @@ func (r *Registry) Close() error {
 	return nil
 }
 
+// lockGrant takes the grant lock, or returns ctx's error if ctx ends first.
+func (r *Registry) lockGrant(ctx context.Context) error {
+	select {
+	case r.grant <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (r *Registry) unlockGrant() { <-r.grant }
+
 // currentLease returns the node's lease, 0 if there is none.
 func (r *Registry) currentLease() clientv3.LeaseID {
 	r.mu.Lock()
@@ -429,14 +447,17 @@ func (r *Registry) currentLease() clientv3.LeaseID {
 }
 
 // ensureLease returns the node's lease, granting it and starting its
-// keepalive if there is none. Grants run one at a time under grantMu, never
+// keepalive if there is none. Grants run one at a time under the grant lock
+// (waited for no longer than ctx allows), never
 // under mu (see Registry).
 func (r *Registry) ensureLease(ctx context.Context) (clientv3.LeaseID, error) {
 	if lease := r.currentLease(); lease != 0 {
 		return lease, nil
 	}
-	r.grantMu.Lock()
-	defer r.grantMu.Unlock()
+	if err := r.lockGrant(ctx); err != nil {
+		return 0, fmt.Errorf("failed to grant etcd lease (TTL %ds): waiting for the grant in flight: %w", r.ttl, err)
+	}
+	defer r.unlockGrant()
 	if lease := r.currentLease(); lease != 0 {
 		return lease, nil // granted while this call waited
 	}
