@@ -18,6 +18,7 @@ import (
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 
 	"aether.io/node/test/harness"
 )
@@ -160,7 +161,12 @@ func (c *cluster) newClient(except *member) *clientv3.Client {
 		DialTimeout: 2 * time.Second,
 		// Retries against a killed or partitioned member are expected here.
 		Logger:      zap.NewNop(),
-		DialOptions: []grpc.DialOption{grpc.WithContextDialer(c.dial)},
+		DialOptions: []grpc.DialOption{
+			grpc.WithContextDialer(c.dial),
+			// Reconnect within a second of a member's restart: the test
+			// polls for recovery and should see it when it happens.
+			grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second}, MinConnectTimeout: time.Second}),
+		},
 	})
 	if err != nil {
 		c.t.Fatalf("failed to create etcd client: %v", err)

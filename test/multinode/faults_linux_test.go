@@ -149,13 +149,18 @@ var faults = []fault{
 		for _, m := range c.members {
 			c.stop(m, syscall.SIGKILL)
 		}
-		k.check(t, c.put("/fault/all_down/during", "v") != nil, "write accepted with every member down")
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		_, err := c.client.Put(ctx, "/fault/all_down/during", "v")
+		cancel()
+		k.check(t, err != nil, "write accepted with every member down")
 		l.churn(t, k)
 		time.Sleep(time.Until(l.outageStart.Add(leaseTTL + time.Second)))
+		t.Logf("all down for %v; starting the members", time.Since(l.outageStart).Round(time.Millisecond))
 		for _, m := range c.members {
 			c.start(m)
 		}
 		c.writable(t, k, "/fault/all_down/after")
+		t.Logf("writable %v after the outage began", time.Since(l.outageStart).Round(time.Millisecond))
 		l.up()
 		for _, m := range c.members {
 			c.caughtUp(t, k, m)
@@ -300,8 +305,10 @@ func TestEtcdFaults(t *testing.T) {
 			}
 			start := time.Now()
 			l := newLane(t)
+			t.Logf("lane up in %v", time.Since(start).Round(time.Millisecond))
 			var k checks
 			f.run(t, l, &k)
+			t.Logf("fault injected and healed in %v", time.Since(start).Round(time.Millisecond))
 			l.settle(t, &k)
 			checkAddBound(t, &k)
 			rows = append(rows, faultRow{f.name, 1, k})

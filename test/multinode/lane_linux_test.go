@@ -131,11 +131,13 @@ func (l *lane) settle(t *testing.T, k *checks) {
 	bound := settleBound(l.outage)
 
 	l.outage = 0
-	deadline := time.Now().Add(bound)
+	start := time.Now()
+	deadline := start.Add(bound)
 	for {
 		miss, pairs := l.chk.unmet()
 		if len(miss) == 0 {
 			k.run += pairs
+			t.Logf("settled in %v (bound %v)", time.Since(start).Round(time.Millisecond), bound)
 			break
 		}
 		if time.Now().After(deadline) {
