@@ -144,12 +144,17 @@ func (m *Manager) registerWith(wctx context.Context, e *entry, healthy bool) boo
 
 	m.mu.Lock()
 	if err != nil {
-		e.registered = false
+		e.registered, e.unsure = false, true
+		live := liveLocked(e)
 		m.mu.Unlock()
 		m.log.Error("failed to register endpoint", "container_id", e.key, "error", err.Error())
+		if !live {
+			// The failed write may still land: correct it as below.
+			m.deregisterHeld(context.WithoutCancel(wctx), e)
+		}
 		return false
 	}
-	e.registered, e.healthy = true, healthy
+	e.registered, e.unsure, e.healthy = true, false, healthy
 	if liveLocked(e) {
 		m.observeLocked(e)
 		m.mu.Unlock()
@@ -187,11 +192,11 @@ func (m *Manager) deregister(ctx context.Context, e *entry) {
 }
 
 // deregistrationDueLocked reports whether e's key is to be deleted: e is
-// registered, and no newer record of the same container has registered
+// registered (or a Register of it failed), and no newer record of the same container has registered
 // the key since. mu is held.
 func (m *Manager) deregistrationDueLocked(e *entry) bool {
 	cur := m.entries[e.key]
-	return e.registered && (cur == nil || cur == e || !cur.registered)
+	return (e.registered || e.unsure) && (cur == nil || cur == e || !cur.registered)
 }
 
 // deregisterHeld is deregister with e's key write lock held. Nothing is
@@ -226,7 +231,7 @@ func (m *Manager) dropKeyHeld(ctx context.Context, key, reason string, still fun
 	}
 	m.cancelRetryLocked(key)
 	if e := m.entries[key]; e != nil && !liveLocked(e) {
-		e.registered = false
+		e.registered, e.unsure = false, false
 		m.observeLocked(e)
 	}
 	return true

@@ -508,3 +508,33 @@ func TestRemovePodDoesNotWaitBehindKeyWrite(t *testing.T) {
 		t.Errorf("retry set %v after the key was deleted, want empty", m.retries)
 	}
 }
+
+// TestTerminatingAfterFailedReRegister: a registered pod whose
+// re-registration fails (a health change during an etcd brownout) still
+// has its key in the registry; when it turns terminating, the key is
+// deleted (regression: the failed Register marked it unregistered, so no
+// Deregister ran and the etcd backend wrote the key back after its next
+// lease loss: found by test/multinode TestEtcdFaultsRandomized, seed
+// 1796068602677676051).
+func TestTerminatingAfterFailedReRegister(t *testing.T) {
+	ctx := context.Background()
+	reg := &deadlineRegistry{Registry: local.New()}
+	m, _ := testManager(t, reg, "a")
+	if err := addPod(ctx, m, "a"); err != nil {
+		t.Fatal(err)
+	}
+	reg.hang.Store(true)
+	m.mu.Lock()
+	e := m.entries["sb-a"]
+	m.mu.Unlock()
+	wctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	if m.registerWith(wctx, e, false) {
+		t.Fatal("a Register with the registry hanging succeeded")
+	}
+	cancel()
+	reg.hang.Store(false)
+	m.MarkTerminating(ctx, "ns", "a", "uid-a", "deletion_timestamp")
+	if got := keys(t, reg.Registry); len(got) != 0 {
+		t.Errorf("registered keys after the pod turned terminating = %v, want none", got)
+	}
+}
