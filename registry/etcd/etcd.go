@@ -99,7 +99,13 @@ type Registry struct {
 	// Register succeeded (or is in flight) and that were not deregistered.
 	local map[string]localEntry
 	gen   uint64 // last localEntry.gen handed out
-	wg    sync.WaitGroup
+	// writing holds a channel per key with a write in flight (Register,
+	// Deregister or the re-registration after a lease loss), closed when
+	// it ends: writes of one key reach etcd one at a time, so a Put the
+	// client keeps retrying across a partition cannot land after the
+	// Delete that followed it (see lockKey).
+	writing map[string]chan struct{}
+	wg      sync.WaitGroup
 
 	rejected atomic.Uint64
 	warnMu   sync.Mutex
@@ -223,7 +229,7 @@ func newRegistry(cli *clientv3.Client, opts Options) *Registry {
 	ctx, cancel := context.WithCancel(context.Background())
 	return &Registry{
 		cli: cli, node: opts.Node, prefix: opts.Prefix, ttl: ttl, log: log,
-		ctx: ctx, cancel: cancel, grant: make(chan struct{}, 1), local: make(map[string]localEntry), warned: make(map[string]struct{}),
+		ctx: ctx, cancel: cancel, grant: make(chan struct{}, 1), local: make(map[string]localEntry), writing: make(map[string]chan struct{}), warned: make(map[string]struct{}),
 	}
 }
 
@@ -273,6 +279,32 @@ func (r *Registry) forget(etcdKey string) {
 	r.warnMu.Unlock()
 }
 
+// lockKey waits until no other write of key is in flight, or ctx ends,
+// and marks one; the returned func ends it. mu is not held.
+func (r *Registry) lockKey(ctx context.Context, key string) (unlock func(), err error) {
+	for {
+		r.mu.Lock()
+		busy, ok := r.writing[key]
+		if !ok {
+			done := make(chan struct{})
+			r.writing[key] = done
+			r.mu.Unlock()
+			return func() {
+				r.mu.Lock()
+				delete(r.writing, key)
+				r.mu.Unlock()
+				close(done)
+			}, nil
+		}
+		r.mu.Unlock()
+		select {
+		case <-busy:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("failed to write endpoint %q: another write of it is in flight: %w", key, ctx.Err())
+		}
+	}
+}
+
 // Register writes ep under this node with the node's lease.
 func (r *Registry) Register(ctx context.Context, ep registry.Endpoint) error {
 	if ep.Key == "" || strings.Contains(ep.Key, "/") {
@@ -282,6 +314,11 @@ func (r *Registry) Register(ctx context.Context, ep registry.Endpoint) error {
 	if err != nil {
 		return fmt.Errorf("failed to encode endpoint %q: %w", ep.Key, err)
 	}
+	unlock, err := r.lockKey(ctx, ep.Key)
+	if err != nil {
+		return err
+	}
+	defer unlock()
 	// The entry goes in before the Put so that a lease lost meanwhile is
 	// re-granted with it; a failed Register takes it out again.
 	r.mu.Lock()
@@ -333,11 +370,17 @@ func (r *Registry) put(ctx context.Context, ep registry.Endpoint, val []byte) er
 }
 
 // Deregister deletes the endpoint at once. It is forgotten locally even if
-// the delete fails, so no lease re-grant writes it back.
+// the delete fails, so no lease re-grant writes it back; a write of the key
+// in flight (which etcd may still apply) ends before the delete is sent.
 func (r *Registry) Deregister(ctx context.Context, key string) error {
 	r.mu.Lock()
 	delete(r.local, key)
 	r.mu.Unlock()
+	unlock, err := r.lockKey(ctx, key)
+	if err != nil {
+		return fmt.Errorf("failed to deregister endpoint %q from etcd: %w", key, err)
+	}
+	defer unlock()
 	if _, err := r.cli.Delete(ctx, r.key(key)); err != nil {
 		return fmt.Errorf("failed to deregister endpoint %q from etcd: %w", key, err)
 	}
@@ -527,26 +570,39 @@ func (r *Registry) reRegister() error {
 		return err
 	}
 	r.mu.Lock()
-	eps := make([]registry.Endpoint, 0, len(r.local))
-	for _, e := range r.local {
-		eps = append(eps, e.ep)
+	keys := make([]string, 0, len(r.local))
+	for k := range r.local {
+		keys = append(keys, k)
 	}
 	r.mu.Unlock()
-	for _, ep := range eps {
-		val, err := json.Marshal(ep)
-		if err != nil {
-			return fmt.Errorf("failed to encode endpoint %q: %w", ep.Key, err)
+	for _, k := range keys {
+		if err := r.reRegisterKey(ctx, k, lease); err != nil {
+			return err
 		}
-		// Skip endpoints deregistered meanwhile.
-		r.mu.Lock()
-		_, still := r.local[ep.Key]
-		r.mu.Unlock()
-		if !still {
-			continue
-		}
-		if _, err := r.cli.Put(ctx, r.key(ep.Key), string(val), clientv3.WithLease(lease)); err != nil {
-			return fmt.Errorf("failed to register endpoint %q again: %w", ep.Key, err)
-		}
+	}
+	return nil
+}
+
+// reRegisterKey puts key's local endpoint with lease, its write lock held,
+// unless it was deregistered meanwhile.
+func (r *Registry) reRegisterKey(ctx context.Context, key string, lease clientv3.LeaseID) error {
+	unlock, err := r.lockKey(ctx, key)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	r.mu.Lock()
+	e, still := r.local[key]
+	r.mu.Unlock()
+	if !still {
+		return nil
+	}
+	val, err := json.Marshal(e.ep)
+	if err != nil {
+		return fmt.Errorf("failed to encode endpoint %q: %w", key, err)
+	}
+	if _, err := r.cli.Put(ctx, r.key(key), string(val), clientv3.WithLease(lease)); err != nil {
+		return fmt.Errorf("failed to register endpoint %q again: %w", key, err)
 	}
 	return nil
 }
