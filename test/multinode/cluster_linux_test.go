@@ -160,7 +160,7 @@ func (c *cluster) newClient(except *member) *clientv3.Client {
 		Endpoints:   eps,
 		DialTimeout: 2 * time.Second,
 		// Retries against a killed or partitioned member are expected here.
-		Logger:      zap.NewNop(),
+		Logger: zap.NewNop(),
 		DialOptions: []grpc.DialOption{
 			grpc.WithContextDialer(c.dial),
 			// Reconnect within a second of a member's restart: the test

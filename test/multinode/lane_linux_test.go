@@ -16,6 +16,7 @@ const agentCount = 3
 // (each through its own etcd proxy), the pods the test added and the xDS
 // checker.
 type lane struct {
+	t     *testing.T // owns the lane's resources (pods outlive a fault's subtest)
 	c     *cluster
 	nodes []*node
 	chk   *checker
@@ -33,7 +34,7 @@ type lane struct {
 // checker, adds two pods per node and waits until every agent serves them.
 func newLane(t *testing.T) *lane {
 	t.Helper()
-	l := &lane{c: newCluster(t, 3), live: map[*node][]*pod{}, term: map[*node][]*pod{}}
+	l := &lane{t: t, c: newCluster(t, 3), live: map[*node][]*pod{}, term: map[*node][]*pod{}}
 	for i := range agentCount {
 		l.nodes = append(l.nodes, newNode(t, l.c, i))
 	}
@@ -78,7 +79,7 @@ func (l *lane) addPods(t *testing.T, k *checks) {
 		}
 		l.seq++
 		name := fmt.Sprintf("web-%s-%d", n.name, l.seq)
-		p := n.newPod(t, name)
+		p := n.newPod(l.t, name)
 		// Known before ADD: the agent may serve it before ADD returns.
 		l.chk.setPhase(p, phaseAdding)
 		took, err := n.add(p)
