@@ -197,19 +197,11 @@ func BenchmarkRegistryScale(b *testing.B) {
 		go func() {
 			defer liveWG.Done()
 			// Staggered like independent agents.
-			t := time.NewTimer(time.Duration(i) * scaleLiveness / scaleNodes)
-			defer t.Stop()
-			for {
-				select {
-				case <-livenessCtx.Done():
-					return
-				case <-t.C:
-				}
+			every(livenessCtx, time.Duration(i)*scaleLiveness/scaleNodes, func() {
 				lctx, c := context.WithTimeout(livenessCtx, scaleLiveness)
+				defer c()
 				_, _ = n.reg.ListNode(lctx)
-				c()
-				t.Reset(scaleLiveness)
-			}
+			})
 		}()
 	}
 	b.Cleanup(func() { stopLiveness(); liveWG.Wait() })
@@ -245,19 +237,7 @@ func BenchmarkRegistryScale(b *testing.B) {
 			}
 			poll()
 			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				t := time.NewTicker(scaleLiveness)
-				defer t.Stop()
-				for {
-					select {
-					case <-ctx.Done():
-						return
-					case <-t.C:
-						poll()
-					}
-				}
-			}()
+			go func() { defer wg.Done(); every(ctx, scaleLiveness, poll) }()
 			return o
 		}},
 	}
@@ -304,6 +284,26 @@ func BenchmarkRegistryScale(b *testing.B) {
 		})
 		if stop != nil {
 			stop()
+		}
+	}
+}
+
+// every runs fn after first, then on a scaleLiveness ticker, until ctx
+// ends.
+func every(ctx context.Context, first time.Duration, fn func()) {
+	select {
+	case <-ctx.Done():
+		return
+	case <-time.After(first):
+	}
+	t := time.NewTicker(scaleLiveness)
+	defer t.Stop()
+	for {
+		fn()
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
 		}
 	}
 }

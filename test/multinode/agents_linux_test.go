@@ -160,13 +160,7 @@ func (n *node) stop(sig syscall.Signal) {
 	if n.cmd == nil {
 		return
 	}
-	_ = n.cmd.Process.Signal(sig)
-	select {
-	case <-n.done:
-	case <-time.After(30 * time.Second):
-		_ = n.cmd.Process.Kill()
-		<-n.done
-	}
+	stopProcess(n.cmd, n.done, sig, 30*time.Second)
 	n.cmd = nil
 }
 

@@ -209,14 +209,20 @@ func (c *cluster) stop(m *member, sig syscall.Signal) {
 	if m.cmd == nil {
 		return
 	}
-	_ = m.cmd.Process.Signal(sig)
-	select {
-	case <-m.done:
-	case <-time.After(10 * time.Second):
-		_ = m.cmd.Process.Kill()
-		<-m.done
-	}
+	stopProcess(m.cmd, m.done, sig, 10*time.Second)
 	m.cmd = nil
+}
+
+// stopProcess signals cmd's process and waits until done closes (its Wait
+// returned), killing it after grace.
+func stopProcess(cmd *exec.Cmd, done <-chan struct{}, sig syscall.Signal, grace time.Duration) {
+	_ = cmd.Process.Signal(sig)
+	select {
+	case <-done:
+	case <-time.After(grace):
+		_ = cmd.Process.Kill()
+		<-done
+	}
 }
 
 // put writes key=val with a bounded context.
