@@ -154,8 +154,13 @@ type entry struct {
 	rec        *store.Record
 	persisted  bool
 	registered bool
-	healthy    bool
-	removed    bool
+	// unsure: a Register of the key failed, so the registry may still hold
+	// it (the previous value, which the etcd backend keeps and re-writes
+	// after a lease loss, or a write etcd applies late); a terminating or
+	// removed record deregisters it all the same.
+	unsure  bool
+	healthy bool
+	removed bool
 }
 
 // New builds a Manager; it does no I/O.

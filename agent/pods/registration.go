@@ -24,38 +24,53 @@ const (
 // keyLocks orders the registry writes of one endpoint key: every Register
 // and Deregister of a key runs holding its lock (and never mu), so writes
 // of one key reach the registry in the order they were decided, while
-// writes of other keys, AddPod, RemovePod and the admin API go on.
+// writes of other keys, AddPod, RemovePod and the admin API go on. Waiting
+// for a key's lock honours the waiter's context: a CNI call never waits out
+// a background write of its key (up to writeTimeout while etcd is away)
+// past its own deadline.
 type keyLocks struct {
 	mu    sync.Mutex
 	locks map[string]*keyLock
 }
 
 type keyLock struct {
-	mu   sync.Mutex
+	held chan struct{} // one slot: the lock
 	refs int
 }
 
-// lock takes key's write lock and returns its release.
-func (k *keyLocks) lock(key string) (unlock func()) {
+// lock takes key's write lock and returns its release, or ctx's error if
+// ctx ends first.
+func (k *keyLocks) lock(ctx context.Context, key string) (unlock func(), err error) {
 	k.mu.Lock()
 	if k.locks == nil {
 		k.locks = map[string]*keyLock{}
 	}
 	l := k.locks[key]
 	if l == nil {
-		l = &keyLock{}
+		l = &keyLock{held: make(chan struct{}, 1)}
 		k.locks[key] = l
 	}
 	l.refs++
 	k.mu.Unlock()
-	l.mu.Lock()
-	return func() {
-		l.mu.Unlock()
+	release := func() {
 		k.mu.Lock()
 		if l.refs--; l.refs == 0 {
 			delete(k.locks, key)
 		}
 		k.mu.Unlock()
+	}
+	unlock = func() { <-l.held; release() }
+	select { // a free lock is taken even with ctx done: the write decides
+	case l.held <- struct{}{}:
+		return unlock, nil
+	default:
+	}
+	select {
+	case l.held <- struct{}{}:
+		return unlock, nil
+	case <-ctx.Done():
+		release()
+		return nil, ctx.Err()
 	}
 }
 
@@ -105,7 +120,14 @@ func (m *Manager) register(ctx context.Context, e *entry, healthy bool) bool {
 //     removed while the write was in flight gets a corrective Deregister
 //     (its own deregistration may have run before this write landed).
 func (m *Manager) registerWith(wctx context.Context, e *entry, healthy bool) bool {
-	unlock := m.writes.lock(e.key)
+	unlock, err := m.writes.lock(wctx, e.key)
+	if err != nil {
+		// Another write of the key outlived this one's budget; the
+		// liveness loop registers what is still missing.
+		m.log.Warn("registration deferred to the liveness loop: another write of the key is in flight",
+			"container_id", e.key, "error", err.Error())
+		return false
+	}
 	defer unlock()
 	m.mu.Lock()
 	if !liveLocked(e) {
@@ -118,16 +140,21 @@ func (m *Manager) registerWith(wctx context.Context, e *entry, healthy bool) boo
 	m.cancelRetryLocked(e.key)
 	m.mu.Unlock()
 
-	err := m.reg.Register(wctx, ep)
+	err = m.reg.Register(wctx, ep)
 
 	m.mu.Lock()
 	if err != nil {
-		e.registered = false
+		e.registered, e.unsure = false, true
+		live := liveLocked(e)
 		m.mu.Unlock()
 		m.log.Error("failed to register endpoint", "container_id", e.key, "error", err.Error())
+		if !live {
+			// The failed write may still land: correct it as below.
+			m.deregisterHeld(context.WithoutCancel(wctx), e)
+		}
 		return false
 	}
-	e.registered, e.healthy = true, healthy
+	e.registered, e.unsure, e.healthy = true, false, healthy
 	if liveLocked(e) {
 		m.observeLocked(e)
 		m.mu.Unlock()
@@ -142,20 +169,41 @@ func (m *Manager) registerWith(wctx context.Context, e *entry, healthy bool) boo
 // deregister removes the endpoint of e (terminating or removed) from the
 // registry. A failure is retried with backoff (LivenessTick) until it
 // succeeds.
+//
+// The wait for the key's write lock is bounded like the write itself
+// (writeContext): when another write of the key holds it longer, the key
+// joins the retry set instead.
 func (m *Manager) deregister(ctx context.Context, e *entry) {
-	unlock := m.writes.lock(e.key)
+	lctx, cancel := writeContext(ctx)
+	defer cancel()
+	unlock, err := m.writes.lock(lctx, e.key)
+	if err != nil {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		if m.deregistrationDueLocked(e) {
+			next := m.scheduleRetryLocked(e.key)
+			m.log.Error("failed to deregister endpoint; retrying", "container_id", e.key, "reason", "deregister",
+				"retry_in", next.String(), "error", "another write of the key is in flight: "+err.Error())
+		}
+		return
+	}
 	defer unlock()
 	m.deregisterHeld(ctx, e)
+}
+
+// deregistrationDueLocked reports whether e's key is to be deleted: e is
+// registered (or a Register of it failed), and no newer record of the same container has registered
+// the key since. mu is held.
+func (m *Manager) deregistrationDueLocked(e *entry) bool {
+	cur := m.entries[e.key]
+	return (e.registered || e.unsure) && (cur == nil || cur == e || !cur.registered)
 }
 
 // deregisterHeld is deregister with e's key write lock held. Nothing is
 // written when e is not registered, or when a newer record of the same
 // container has registered the key since.
 func (m *Manager) deregisterHeld(ctx context.Context, e *entry) {
-	m.dropKeyHeld(ctx, e.key, "deregister", func() bool {
-		cur := m.entries[e.key]
-		return e.registered && (cur == nil || cur == e || !cur.registered)
-	})
+	m.dropKeyHeld(ctx, e.key, "deregister", func() bool { return m.deregistrationDueLocked(e) })
 }
 
 // dropKeyHeld deregisters key, its write lock held, if still() (called
@@ -183,7 +231,7 @@ func (m *Manager) dropKeyHeld(ctx context.Context, key, reason string, still fun
 	}
 	m.cancelRetryLocked(key)
 	if e := m.entries[key]; e != nil && !liveLocked(e) {
-		e.registered = false
+		e.registered, e.unsure = false, false
 		m.observeLocked(e)
 	}
 	return true
@@ -226,7 +274,10 @@ func (m *Manager) retryDeregistrations(ctx context.Context) {
 	}
 	m.mu.Unlock()
 	for _, key := range due {
-		unlock := m.writes.lock(key)
+		unlock, err := m.writes.lock(ctx, key)
+		if err != nil {
+			return // stopping
+		}
 		if m.dropKeyHeld(ctx, key, "retry", func() bool { _, ok := m.retries[key]; return ok }) {
 			m.log.Info("deregistered endpoint after a failed attempt", "container_id", key)
 		}
@@ -251,7 +302,10 @@ func (m *Manager) sweepGhosts(ctx context.Context, eps []registry.Endpoint) int 
 		if !ghost {
 			continue
 		}
-		unlock := m.writes.lock(ep.Key)
+		unlock, err := m.writes.lock(ctx, ep.Key)
+		if err != nil {
+			return n // stopping
+		}
 		// Re-check under the key's lock: the key may have been registered
 		// by a live record since the listing.
 		if m.dropKeyHeld(ctx, ep.Key, "ghost", func() bool { return !liveLocked(m.entries[ep.Key]) }) {

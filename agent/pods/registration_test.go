@@ -456,3 +456,85 @@ func TestAddPodWithinItsDeadline(t *testing.T) {
 		t.Errorf("registered keys after the registry came back = %v, want [sb-a]", got)
 	}
 }
+
+// TestRemovePodDoesNotWaitBehindKeyWrite: while a background write of a
+// pod's key hangs (the liveness loop re-registering it during an etcd
+// brownout), RemovePod of that pod answers within its own deadline instead
+// of waiting for the key's write lock, and the key's deregistration joins
+// the retry set (regression: DEL outlived aether-cni's deadline in
+// test/multinode no_quorum). Once the write returns, the key ends deleted.
+func TestRemovePodDoesNotWaitBehindKeyWrite(t *testing.T) {
+	ctx := context.Background()
+	reg := newGateRegistry()
+	m, _ := testManager(t, reg, "a")
+	now := time.Unix(1_700_000_000, 0)
+	m.now = func() time.Time { return now }
+	if err := addPod(ctx, m, "a"); err != nil {
+		t.Fatal(err)
+	}
+	gate := make(chan struct{})
+	reg.mu.Lock()
+	reg.gates["sb-a"] = gate
+	reg.mu.Unlock()
+	m.mu.Lock()
+	e := m.entries["sb-a"]
+	m.mu.Unlock()
+	bg := make(chan struct{})
+	go func() { defer close(bg); m.register(ctx, e, false) }() // a health change, written in the background
+	<-reg.entered
+
+	within(t, "RemovePod with a write of its key in flight", func() error {
+		dctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+		defer cancel()
+		_, err := m.RemovePod(dctx, "ns", "a", "sb-a", nil)
+		return err
+	})
+	m.mu.Lock()
+	_, pending := m.retries["sb-a"]
+	m.mu.Unlock()
+	if !pending {
+		t.Error("the deregistration RemovePod could not run is not in the retry set")
+	}
+	close(gate)
+	<-bg
+	now = now.Add(time.Minute)
+	m.LivenessTick(ctx)
+	if got := keys(t, reg.Registry); len(got) != 0 {
+		t.Errorf("registered keys after the write returned and a liveness tick = %v, want none", got)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.retries) != 0 {
+		t.Errorf("retry set %v after the key was deleted, want empty", m.retries)
+	}
+}
+
+// TestTerminatingAfterFailedReRegister: a registered pod whose
+// re-registration fails (a health change during an etcd brownout) still
+// has its key in the registry; when it turns terminating, the key is
+// deleted (regression: the failed Register marked it unregistered, so no
+// Deregister ran and the etcd backend wrote the key back after its next
+// lease loss: found by test/multinode TestEtcdFaultsRandomized, seed
+// 1796068602677676051).
+func TestTerminatingAfterFailedReRegister(t *testing.T) {
+	ctx := context.Background()
+	reg := &deadlineRegistry{Registry: local.New()}
+	m, _ := testManager(t, reg, "a")
+	if err := addPod(ctx, m, "a"); err != nil {
+		t.Fatal(err)
+	}
+	reg.hang.Store(true)
+	m.mu.Lock()
+	e := m.entries["sb-a"]
+	m.mu.Unlock()
+	wctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	if m.registerWith(wctx, e, false) {
+		t.Fatal("a Register with the registry hanging succeeded")
+	}
+	cancel()
+	reg.hang.Store(false)
+	m.MarkTerminating(ctx, "ns", "a", "uid-a", "deletion_timestamp")
+	if got := keys(t, reg.Registry); len(got) != 0 {
+		t.Errorf("registered keys after the pod turned terminating = %v, want none", got)
+	}
+}

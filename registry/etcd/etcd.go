@@ -86,17 +86,26 @@ type Registry struct {
 	ctx    context.Context // ends at Close; owns the keepalive loop
 	cancel context.CancelFunc
 
-	// grantMu lets one lease grant run at a time, without mu: a grant
-	// waiting on an unreachable etcd never blocks Deregister, List or the
-	// bookkeeping of Register.
-	grantMu sync.Mutex
-	mu      sync.Mutex       // never held across a call to etcd
-	lease   clientv3.LeaseID // 0 = none yet
+	// grant is the grant lock (a one-slot semaphore, so that waiting for
+	// it honours the caller's context): one lease grant runs at a time,
+	// without mu. A grant waiting on an unreachable etcd never blocks
+	// Deregister, List or the bookkeeping of Register, and a Register that
+	// needs the lease while another grant is in flight gives up at its own
+	// deadline.
+	grant chan struct{}
+	mu    sync.Mutex       // never held across a call to etcd
+	lease clientv3.LeaseID // 0 = none yet
 	// local holds the endpoints a lease re-grant writes again: those whose
 	// Register succeeded (or is in flight) and that were not deregistered.
 	local map[string]localEntry
 	gen   uint64 // last localEntry.gen handed out
-	wg    sync.WaitGroup
+	// writing holds a channel per key with a write in flight (Register,
+	// Deregister or the re-registration after a lease loss), closed when
+	// it ends: writes of one key reach etcd one at a time, so a Put the
+	// client keeps retrying across a partition cannot land after the
+	// Delete that followed it (see lockKey).
+	writing map[string]chan struct{}
+	wg      sync.WaitGroup
 
 	rejected atomic.Uint64
 	warnMu   sync.Mutex
@@ -220,7 +229,7 @@ func newRegistry(cli *clientv3.Client, opts Options) *Registry {
 	ctx, cancel := context.WithCancel(context.Background())
 	return &Registry{
 		cli: cli, node: opts.Node, prefix: opts.Prefix, ttl: ttl, log: log,
-		ctx: ctx, cancel: cancel, local: make(map[string]localEntry), warned: make(map[string]struct{}),
+		ctx: ctx, cancel: cancel, grant: make(chan struct{}, 1), local: make(map[string]localEntry), writing: make(map[string]chan struct{}), warned: make(map[string]struct{}),
 	}
 }
 
@@ -270,6 +279,32 @@ func (r *Registry) forget(etcdKey string) {
 	r.warnMu.Unlock()
 }
 
+// lockKey waits until no other write of key is in flight, or ctx ends,
+// and marks one; the returned func ends it. mu is not held.
+func (r *Registry) lockKey(ctx context.Context, key string) (unlock func(), err error) {
+	for {
+		r.mu.Lock()
+		busy, ok := r.writing[key]
+		if !ok {
+			done := make(chan struct{})
+			r.writing[key] = done
+			r.mu.Unlock()
+			return func() {
+				r.mu.Lock()
+				delete(r.writing, key)
+				r.mu.Unlock()
+				close(done)
+			}, nil
+		}
+		r.mu.Unlock()
+		select {
+		case <-busy:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("failed to write endpoint %q: another write of it is in flight: %w", key, ctx.Err())
+		}
+	}
+}
+
 // Register writes ep under this node with the node's lease.
 func (r *Registry) Register(ctx context.Context, ep registry.Endpoint) error {
 	if ep.Key == "" || strings.Contains(ep.Key, "/") {
@@ -279,6 +314,11 @@ func (r *Registry) Register(ctx context.Context, ep registry.Endpoint) error {
 	if err != nil {
 		return fmt.Errorf("failed to encode endpoint %q: %w", ep.Key, err)
 	}
+	unlock, err := r.lockKey(ctx, ep.Key)
+	if err != nil {
+		return err
+	}
+	defer unlock()
 	// The entry goes in before the Put so that a lease lost meanwhile is
 	// re-granted with it; a failed Register takes it out again.
 	r.mu.Lock()
@@ -330,11 +370,17 @@ func (r *Registry) put(ctx context.Context, ep registry.Endpoint, val []byte) er
 }
 
 // Deregister deletes the endpoint at once. It is forgotten locally even if
-// the delete fails, so no lease re-grant writes it back.
+// the delete fails, so no lease re-grant writes it back; a write of the key
+// in flight (which etcd may still apply) ends before the delete is sent.
 func (r *Registry) Deregister(ctx context.Context, key string) error {
 	r.mu.Lock()
 	delete(r.local, key)
 	r.mu.Unlock()
+	unlock, err := r.lockKey(ctx, key)
+	if err != nil {
+		return fmt.Errorf("failed to deregister endpoint %q from etcd: %w", key, err)
+	}
+	defer unlock()
 	if _, err := r.cli.Delete(ctx, r.key(key)); err != nil {
 		return fmt.Errorf("failed to deregister endpoint %q from etcd: %w", key, err)
 	}
@@ -393,8 +439,11 @@ func (r *Registry) decode(kv *mvccpb.KeyValue) (registry.Endpoint, bool) {
 
 // Revoke revokes this node's lease, deleting all its endpoints at once.
 func (r *Registry) Revoke(ctx context.Context) error {
-	r.grantMu.Lock() // a grant in flight would install a lease after this
-	defer r.grantMu.Unlock()
+	// A grant in flight would install a lease after this.
+	if err := r.lockGrant(ctx); err != nil {
+		return fmt.Errorf("failed to revoke the lease of node %q: %w", r.node, err)
+	}
+	defer r.unlockGrant()
 	r.mu.Lock()
 	lease := r.lease
 	r.lease = 0
@@ -421,6 +470,18 @@ func (r *Registry) Close() error {
 	return nil
 }
 
+// lockGrant takes the grant lock, or returns ctx's error if ctx ends first.
+func (r *Registry) lockGrant(ctx context.Context) error {
+	select {
+	case r.grant <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (r *Registry) unlockGrant() { <-r.grant }
+
 // currentLease returns the node's lease, 0 if there is none.
 func (r *Registry) currentLease() clientv3.LeaseID {
 	r.mu.Lock()
@@ -429,14 +490,17 @@ func (r *Registry) currentLease() clientv3.LeaseID {
 }
 
 // ensureLease returns the node's lease, granting it and starting its
-// keepalive if there is none. Grants run one at a time under grantMu, never
+// keepalive if there is none. Grants run one at a time under the grant lock
+// (waited for no longer than ctx allows), never
 // under mu (see Registry).
 func (r *Registry) ensureLease(ctx context.Context) (clientv3.LeaseID, error) {
 	if lease := r.currentLease(); lease != 0 {
 		return lease, nil
 	}
-	r.grantMu.Lock()
-	defer r.grantMu.Unlock()
+	if err := r.lockGrant(ctx); err != nil {
+		return 0, fmt.Errorf("failed to grant etcd lease (TTL %ds): waiting for the grant in flight: %w", r.ttl, err)
+	}
+	defer r.unlockGrant()
 	if lease := r.currentLease(); lease != 0 {
 		return lease, nil // granted while this call waited
 	}
@@ -506,26 +570,39 @@ func (r *Registry) reRegister() error {
 		return err
 	}
 	r.mu.Lock()
-	eps := make([]registry.Endpoint, 0, len(r.local))
-	for _, e := range r.local {
-		eps = append(eps, e.ep)
+	keys := make([]string, 0, len(r.local))
+	for k := range r.local {
+		keys = append(keys, k)
 	}
 	r.mu.Unlock()
-	for _, ep := range eps {
-		val, err := json.Marshal(ep)
-		if err != nil {
-			return fmt.Errorf("failed to encode endpoint %q: %w", ep.Key, err)
+	for _, k := range keys {
+		if err := r.reRegisterKey(ctx, k, lease); err != nil {
+			return err
 		}
-		// Skip endpoints deregistered meanwhile.
-		r.mu.Lock()
-		_, still := r.local[ep.Key]
-		r.mu.Unlock()
-		if !still {
-			continue
-		}
-		if _, err := r.cli.Put(ctx, r.key(ep.Key), string(val), clientv3.WithLease(lease)); err != nil {
-			return fmt.Errorf("failed to register endpoint %q again: %w", ep.Key, err)
-		}
+	}
+	return nil
+}
+
+// reRegisterKey puts key's local endpoint with lease, its write lock held,
+// unless it was deregistered meanwhile.
+func (r *Registry) reRegisterKey(ctx context.Context, key string, lease clientv3.LeaseID) error {
+	unlock, err := r.lockKey(ctx, key)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	r.mu.Lock()
+	e, still := r.local[key]
+	r.mu.Unlock()
+	if !still {
+		return nil
+	}
+	val, err := json.Marshal(e.ep)
+	if err != nil {
+		return fmt.Errorf("failed to encode endpoint %q: %w", key, err)
+	}
+	if _, err := r.cli.Put(ctx, r.key(key), string(val), clientv3.WithLease(lease)); err != nil {
+		return fmt.Errorf("failed to register endpoint %q again: %w", key, err)
 	}
 	return nil
 }

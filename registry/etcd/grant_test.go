@@ -2,6 +2,7 @@ package etcd
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -42,5 +43,46 @@ func TestLeaseGrantDoesNotBlockDeregister(t *testing.T) {
 	case err := <-regDone:
 		t.Fatalf("Register returned (%v) while etcd is away, before its deadline", err)
 	default:
+	}
+}
+
+// TestRegisterDoesNotWaitBehindGrant: with etcd away, a lease grant in
+// flight (the keepalive's re-grant after the client gave the lease up, on
+// its own long deadline) holds the grant lock; a Register that needs the
+// lease gives up at its own, shorter deadline instead of waiting behind
+// that grant (regression: AddPod outlived aether-cni's deadline while etcd
+// was down for longer than the lease TTL, found by test/multinode all_down).
+func TestRegisterDoesNotWaitBehindGrant(t *testing.T) {
+	e := etcdtest.Start(t)
+	r := newReg(t, e, "node-a", 0)
+	e.Stop()
+	grantCtx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	grantDone := make(chan error, 1)
+	go func() { _, err := r.ensureLease(grantCtx); grantDone <- err }()
+	// Give the goroutine time to take the grant lock and reach Grant.
+	time.Sleep(300 * time.Millisecond)
+
+	ctx, cancelReg := context.WithTimeout(context.Background(), time.Second)
+	defer cancelReg()
+	done := make(chan error, 1)
+	go func() { done <- r.Register(ctx, ep("node-a", 1)) }()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("Register with etcd away = %v, want its deadline exceeded", err)
+		}
+	case err := <-grantDone:
+		t.Fatalf("the grant returned (%v) before Register: it was not in flight", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("Register blocked behind the lease grant in flight")
+	}
+	select {
+	case err := <-grantDone:
+		t.Fatalf("the grant returned (%v) while etcd is away, before its deadline", err)
+	default:
+	}
+	if _, ok := r.local[ep("node-a", 1).Key]; ok {
+		t.Error("a failed Register left its endpoint for a re-grant to write")
 	}
 }

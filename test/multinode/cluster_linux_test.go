@@ -18,6 +18,7 @@ import (
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 
 	"aether.io/node/test/harness"
 )
@@ -159,8 +160,13 @@ func (c *cluster) newClient(except *member) *clientv3.Client {
 		Endpoints:   eps,
 		DialTimeout: 2 * time.Second,
 		// Retries against a killed or partitioned member are expected here.
-		Logger:      zap.NewNop(),
-		DialOptions: []grpc.DialOption{grpc.WithContextDialer(c.dial)},
+		Logger: zap.NewNop(),
+		DialOptions: []grpc.DialOption{
+			grpc.WithContextDialer(c.dial),
+			// Reconnect within a second of a member's restart: the test
+			// polls for recovery and should see it when it happens.
+			grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second}, MinConnectTimeout: time.Second}),
+		},
 	})
 	if err != nil {
 		c.t.Fatalf("failed to create etcd client: %v", err)
@@ -203,14 +209,20 @@ func (c *cluster) stop(m *member, sig syscall.Signal) {
 	if m.cmd == nil {
 		return
 	}
-	_ = m.cmd.Process.Signal(sig)
-	select {
-	case <-m.done:
-	case <-time.After(10 * time.Second):
-		_ = m.cmd.Process.Kill()
-		<-m.done
-	}
+	stopProcess(m.cmd, m.done, sig, 10*time.Second)
 	m.cmd = nil
+}
+
+// stopProcess signals cmd's process and waits until done closes (its Wait
+// returned), killing it after grace.
+func stopProcess(cmd *exec.Cmd, done <-chan struct{}, sig syscall.Signal, grace time.Duration) {
+	_ = cmd.Process.Signal(sig)
+	select {
+	case <-done:
+	case <-time.After(grace):
+		_ = cmd.Process.Kill()
+		<-done
+	}
 }
 
 // put writes key=val with a bounded context.

@@ -74,6 +74,17 @@ type Source struct {
 	synced chan struct{}
 	h      podsource.Handler
 	scanMu sync.Mutex
+	// pending are the changes scans found, in order, for Run to deliver:
+	// a scan never calls the handler, so a slow handler (a registry write
+	// while etcd is away) never holds up Get's rescan on a miss.
+	pending []change
+	kick    chan struct{} // one slot: pending has changes
+}
+
+// change is one pod change a scan found.
+type change struct {
+	pod     *podsource.Pod
+	deleted bool
 }
 
 type fileStamp struct {
@@ -95,7 +106,7 @@ func New(dir, node string, interval time.Duration, log *slog.Logger) *Source {
 	}
 	return &Source{
 		dir: dir, node: node, interval: interval, log: log, pods: map[string]*podsource.Pod{},
-		files: map[string]fileStamp{}, synced: make(chan struct{}),
+		files: map[string]fileStamp{}, synced: make(chan struct{}), kick: make(chan struct{}, 1),
 	}
 }
 
@@ -138,7 +149,9 @@ func (s *Source) List() []*podsource.Pod {
 // Synced is closed after the first scan.
 func (s *Source) Synced() <-chan struct{} { return s.synced }
 
-// Run scans the directory every interval until ctx ends.
+// Run scans the directory every interval until ctx ends, and delivers to h,
+// in order, the changes its own scans and Get's rescans find (Synced
+// closes once the first scan's are delivered).
 func (s *Source) Run(ctx context.Context, h podsource.Handler) error {
 	if st, err := os.Stat(s.dir); err != nil {
 		return fmt.Errorf("failed to open pod manifest dir %q: %w", s.dir, err)
@@ -149,6 +162,7 @@ func (s *Source) Run(ctx context.Context, h podsource.Handler) error {
 	s.h = h
 	s.mu.Unlock()
 	s.scan()
+	s.deliver(h)
 	close(s.synced)
 	t := time.NewTicker(s.interval)
 	defer t.Stop()
@@ -158,6 +172,23 @@ func (s *Source) Run(ctx context.Context, h podsource.Handler) error {
 			return nil
 		case <-t.C:
 			s.scan()
+		case <-s.kick:
+		}
+		s.deliver(h)
+	}
+}
+
+// deliver hands the pending changes to h, in the order scans found them.
+func (s *Source) deliver(h podsource.Handler) {
+	s.mu.Lock()
+	changes := s.pending
+	s.pending = nil
+	s.mu.Unlock()
+	for _, c := range changes {
+		if c.deleted {
+			h.OnDelete(c.pod)
+		} else {
+			h.OnPod(c.pod)
 		}
 	}
 }
@@ -173,7 +204,7 @@ func isManifest(name string) bool {
 	return false
 }
 
-// scan re-reads changed files and delivers the differences.
+// scan re-reads changed files and queues the differences for Run.
 func (s *Source) scan() {
 	s.scanMu.Lock()
 	defer s.scanMu.Unlock()
@@ -181,10 +212,6 @@ func (s *Source) scan() {
 	if err != nil {
 		s.log.Error("failed to read pod manifest dir", "dir", s.dir, "error", err.Error())
 		return
-	}
-	type change struct {
-		pod     *podsource.Pod
-		deleted bool
 	}
 	var changes []change
 	seen := map[string]bool{}
@@ -252,18 +279,14 @@ func (s *Source) scan() {
 		}
 		delete(s.files, path)
 	}
-	h := s.h
-	s.mu.Unlock()
-	if h == nil {
-		return
-	}
-	for _, c := range changes {
-		if c.deleted {
-			h.OnDelete(c.pod)
-		} else {
-			h.OnPod(c.pod)
+	if s.h != nil && len(changes) > 0 {
+		s.pending = append(s.pending, changes...)
+		select {
+		case s.kick <- struct{}{}:
+		default:
 		}
 	}
+	s.mu.Unlock()
 }
 
 // logOtherNode says why a manifest's pod is not served here. YAML 1.1 reads

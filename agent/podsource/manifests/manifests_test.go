@@ -131,3 +131,70 @@ func TestUnquotedNodeNameWarns(t *testing.T) {
 		t.Fatalf("Fetch with a quoted nodeName = %v", err)
 	}
 }
+
+// blockingHandler blocks OnPod of the pod named slow until release closes,
+// telling entered first.
+type blockingHandler struct {
+	slow    string
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (h blockingHandler) OnPod(p *podsource.Pod) {
+	if p.Name == h.slow {
+		close(h.entered)
+		<-h.release
+	}
+}
+
+func (h blockingHandler) OnDelete(*podsource.Pod) {}
+
+// TestGetDoesNotWaitForHandler: while the handler is busy with one pod (the
+// agent deregistering a terminating pod while etcd is away, up to seconds),
+// Get of a pod whose manifest just appeared finds it by its rescan instead
+// of waiting for the handler (regression: AddPod outlived aether-cni's
+// deadline in test/multinode no_quorum).
+func TestGetDoesNotWaitForHandler(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name string) {
+		t.Helper()
+		m := "apiVersion: v1\nkind: Pod\nmetadata: {name: " + name + ", namespace: ns}\nspec:\n  containers: [{name: c, image: i}]\n"
+		if err := os.WriteFile(filepath.Join(dir, name+".yaml"), []byte(m), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("slow")
+	s := New(dir, "n", time.Hour, nil)
+	h := blockingHandler{slow: "slow", entered: make(chan struct{}), release: make(chan struct{})}
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan error, 1)
+	go func() { ran <- s.Run(ctx, h) }()
+	released := false
+	t.Cleanup(func() {
+		if !released {
+			close(h.release)
+		}
+		cancel()
+		<-ran
+	})
+	<-h.entered
+
+	write("fast")
+	got := make(chan error, 1)
+	go func() { _, err := s.Get(ctx, "ns", "fast"); got <- err }()
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Fatalf("Get of the new pod = %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Get waited for the handler busy with another pod")
+	}
+	close(h.release)
+	released = true
+	select {
+	case <-s.Synced():
+	case <-time.After(30 * time.Second):
+		t.Fatal("not synced after the handler returned")
+	}
+}
