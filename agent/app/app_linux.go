@@ -252,7 +252,7 @@ func (a *agent) listenAdmin() (net.Listener, lifecycle.Server, error) {
 	if err != nil {
 		return nil, lifecycle.Server{}, err
 	}
-	opts := adminhandler.Options{AllowedUIDs: a.c.AllowedUIDs, Rejected: a.metrics.PeerRejected, Logger: a.log}
+	opts := adminhandler.Options{AllowedUIDs: a.c.AllowedUIDs, Rejected: a.metrics.PeerRejected.WithLabelValues(telemetry.SocketAdmin), Logger: a.log}
 	if a.c.CA != nil {
 		opts.TrustDomain = a.c.CA.Bundle().TrustDomain()
 	}

@@ -114,7 +114,7 @@ func (a *agent) appendIdentity() {
 			return nil, lifecycle.Server{}, err
 		}
 		srv := workloadapi.New(a.svids, log)
-		g := workloadapi.NewGRPCServer(srv, workloadapi.GRPCOptions{AllowedUIDs: c.AllowedUIDs, Rejected: a.metrics.PeerRejected, Logger: log})
+		g := workloadapi.NewGRPCServer(srv, workloadapi.GRPCOptions{AllowedUIDs: c.AllowedUIDs, Rejected: a.metrics.PeerRejected.WithLabelValues(telemetry.SocketWorkloadAPI), Logger: log})
 		s := lifecycle.GRPC(g)
 		drain := s.Shutdown
 		s.Shutdown = func(ctx context.Context) {

@@ -157,7 +157,7 @@ func (ic *interceptor) unary(ctx context.Context, req any, info *grpc.UnaryServe
 	uid, ok := PeerUID(ctx)
 	if !ok || !slices.Contains(ic.o.AllowedUIDs, uid) {
 		if ic.o.Metrics != nil {
-			ic.o.Metrics.PeerRejected.Inc()
+			ic.o.Metrics.PeerRejected.WithLabelValues(telemetry.SocketCNI).Inc()
 		}
 		pid := int32(-1)
 		if p, ok := peer.FromContext(ctx); ok {

@@ -117,8 +117,14 @@ func TestNonRootPeerRejected(t *testing.T) {
 	if l := a.logs.find("cni peer rejected"); l == nil || l["peer_uid"] != float64(65534) {
 		t.Fatalf("no rejection log with peer_uid 65534: %v", l)
 	}
-	if v := a.metric(t, "aether_agent_cni_peer_rejected_total"); v != 1 {
+	if v := a.metric(t, `aether_agent_peer_rejected_total{socket="cni"}`); v != 1 {
 		t.Fatalf("peer rejected count = %v, want 1", v)
+	}
+	// Each socket counts its own refusals.
+	for _, sock := range []string{"admin", "workload_api"} {
+		if v := a.metric(t, `aether_agent_peer_rejected_total{socket="`+sock+`"}`); v != 0 {
+			t.Fatalf("peer rejected count on %s = %v, want 0 (the refusal was on the cni socket)", sock, v)
+		}
 	}
 	// Root still gets through (NotFound for an unknown container).
 	c := a.client(t)

@@ -17,6 +17,13 @@ const (
 	OpCaptureDivert  = "capture_divert"
 )
 
+// Values of the socket label of PeerRejected.
+const (
+	SocketCNI         = "cni"
+	SocketAdmin       = "admin"
+	SocketWorkloadAPI = "workload_api"
+)
+
 // Result label values.
 const (
 	ResultSuccess = "success"
@@ -36,8 +43,9 @@ type Metrics struct {
 	Operations *prometheus.CounterVec
 	// Quarantined counts corrupt records moved aside on start.
 	Quarantined prometheus.Counter
-	// PeerRejected counts calls refused by the SO_PEERCRED uid check.
-	PeerRejected prometheus.Counter
+	// PeerRejected counts connections refused by the SO_PEERCRED uid check,
+	// by socket (SocketCNI, SocketAdmin, SocketWorkloadAPI).
+	PeerRejected *prometheus.CounterVec
 	// UDSRefusals counts refused UDS socket requests by reason.
 	UDSRefusals *prometheus.CounterVec
 	// PodLookupRetry counts pod-source lookups retried on a miss.
@@ -75,10 +83,10 @@ func NewMetrics() *Metrics {
 			Name: "aether_agent_store_quarantined_records_total",
 			Help: "Corrupt pod records moved to quarantine on start.",
 		}),
-		PeerRejected: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "aether_agent_cni_peer_rejected_total",
-			Help: "Connections to the CNI socket refused because the peer uid is not allowed.",
-		}),
+		PeerRejected: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "aether_agent_peer_rejected_total",
+			Help: "Connections to an agent unix socket (cni, admin, workload_api) refused because the peer uid is not allowed.",
+		}, []string{"socket"}),
 		UDSRefusals: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "aether_agent_uds_refusals_total",
 			Help: "UDS socket requests refused, by reason.",
@@ -126,6 +134,9 @@ func NewMetrics() *Metrics {
 		}
 	}
 	m.Operations.WithLabelValues(OpAddPod, ResultIgnored)
+	for _, s := range []string{SocketCNI, SocketAdmin, SocketWorkloadAPI} {
+		m.PeerRejected.WithLabelValues(s)
+	}
 	for _, r := range uds.Reasons {
 		m.UDSRefusals.WithLabelValues(r)
 	}
