@@ -72,6 +72,15 @@ func withTestCA(t *testing.T, args []string) []string {
 	for i, a := range args {
 		out[i] = a
 		flag, _, ok := strings.Cut(a, "=")
+		if ok && flag == "--ca-trust-bundle" {
+			other, _, _ := identitytest.CA(t, identitytest.Valid(td))
+			f := filepath.Join(t.TempDir(), "bundle.pem")
+			if err := os.WriteFile(f, other, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			out[i] = "--ca-trust-bundle=" + f
+			continue
+		}
 		if !ok || (flag != "--ca-cert" && flag != "--ca-key") {
 			continue
 		}
@@ -205,6 +214,19 @@ func TestIdentityValues(t *testing.T) {
 		cfg := agentConfig(t, r)
 		if cfg.CA == nil || cfg.SVIDTTL != 2*time.Hour || filepath.Dir(cfg.WorkloadAPISocket) != app.SocketDir || cfg.TrustDomain != "mesh.example.com" {
 			t.Errorf("agent config %+v: want the CA loaded, 2h SVIDs, the socket in %s, trust domain mesh.example.com", cfg, app.SocketDir)
+		}
+		if len(cfg.CAAnchors) != 1 {
+			t.Errorf("agent trust anchors = %d, want the one of trustBundleConfigMap", len(cfg.CAAnchors))
+		}
+		for _, a := range agent.Args {
+			if file, ok := strings.CutPrefix(a, "--ca-trust-bundle="); ok {
+				m, v := mountOf(t, r, agent, file)
+				rel, _ := filepath.Rel(m.MountPath, file)
+				if v.ConfigMap == nil || v.ConfigMap.Name != "aether-identity-bundle" || !m.ReadOnly ||
+					!slices.ContainsFunc(v.ConfigMap.Items, func(i corev1.KeyToPath) bool { return i.Key == "bundle.pem" && i.Path == rel }) {
+					t.Errorf("%s: want a read-only mount of ConfigMap aether-identity-bundle key bundle.pem, got %+v", file, v)
+				}
+			}
 		}
 		if !slices.Contains(proxy.Args, "-workload-api-socket="+cfg.WorkloadAPISocket) {
 			t.Errorf("aether-proxy args %q lack -workload-api-socket=%s", proxy.Args, cfg.WorkloadAPISocket)

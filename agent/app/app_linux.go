@@ -97,6 +97,7 @@ func newAgent(c *Config, log *slog.Logger) *agent {
 	a.nodeRes = newNodeXDS(c, log)
 	if c.CA != nil {
 		a.svids = identity.NewStore(c.CA, c.SVIDTTL, time.Now)
+		a.svids.SetCA(c.CA, c.CAAnchors)
 	}
 	a.lc.Append(lifecycle.Hook{Name: "tracing", Start: a.startTracing, Stop: func(context.Context) error {
 		a.stopTracing()

@@ -3,6 +3,7 @@
 package app
 
 import (
+	"crypto/x509"
 	"errors"
 	"flag"
 	"fmt"
@@ -77,6 +78,14 @@ type Config struct {
 	// CA is the parsed and validated CA of CACertFile and CAKeyFile for
 	// TrustDomain (ParseFlags loads it); nil when identity is off.
 	CA *identity.CA
+	// CATrustBundleFile holds extra PEM CA certificates the served trust
+	// bundle carries besides CA (the other CA of a rotation); "" = none.
+	CATrustBundleFile string
+	// CAAnchors are the parsed certificates of CATrustBundleFile.
+	CAAnchors []*x509.Certificate
+	// CAReloadInterval is how often the CA files are read again; a change
+	// is applied without a restart. 0 disables reloading.
+	CAReloadInterval time.Duration
 	// SVIDTTL is the lifetime of every minted X.509-SVID; SVIDs rotate at
 	// half of it.
 	SVIDTTL time.Duration
@@ -137,6 +146,8 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.BoolVar(&c.EtcdInsecure, "etcd-insecure", false, "allow plaintext etcd: http:// endpoints, or none of --etcd-ca, --etcd-cert, --etcd-key (never TLS files with http://)")
 	fs.StringVar(&c.CACertFile, "ca-cert", "", "PEM certificate of the CA that signs the pods' X.509-SVIDs (embedded SPIFFE provider); with --ca-key turns identity on")
 	fs.StringVar(&c.CAKeyFile, "ca-key", "", "PEM private key (PKCS#8, SEC 1 or PKCS#1) of --ca-cert")
+	fs.StringVar(&c.CATrustBundleFile, "ca-trust-bundle", "", "PEM file of extra CA certificates the trust bundle carries besides --ca-cert (the next or the previous CA during a CA rotation, docs/identity.md)")
+	fs.DurationVar(&c.CAReloadInterval, "ca-reload-interval", 10*time.Second, "how often --ca-cert, --ca-key and --ca-trust-bundle are read again; a changed CA re-mints every SVID, a changed bundle is pushed at once (0 = never)")
 	fs.DurationVar(&c.SVIDTTL, "svid-ttl", 4*time.Hour, "lifetime of each X.509-SVID; SVIDs rotate at half of it (at least "+MinSVIDTTL.String()+")")
 	fs.StringVar(&c.WorkloadAPISocket, "workload-api-socket", SocketDir+"/workload.sock", "unix socket serving the SPIFFE Workload API (X.509-SVIDs of this node's managed pods) to aether-proxy, mode 0600, --allowed-uids; served only with --ca-cert")
 	fs.StringVar(&locality, "locality", "", "node locality region/zone/subzone; empty reads the Node's topology labels (Kubernetes source only)")
@@ -223,6 +234,9 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 // ParseCA refuses is a configuration error.
 func (c *Config) loadCA(now time.Time) error {
 	if c.CACertFile == "" && c.CAKeyFile == "" {
+		if c.CATrustBundleFile != "" {
+			return errors.New("invalid --ca-trust-bundle: it extends the bundle of --ca-cert; give --ca-cert and --ca-key too")
+		}
 		return nil
 	}
 	if c.CACertFile == "" || c.CAKeyFile == "" {
@@ -238,20 +252,44 @@ func (c *Config) loadCA(now time.Time) error {
 	if err != nil {
 		return fmt.Errorf("invalid --trust-domain %q: %w", c.TrustDomain, err)
 	}
+	if c.CAReloadInterval < 0 {
+		return fmt.Errorf("invalid --ca-reload-interval %s: want 0 (never) or more", c.CAReloadInterval)
+	}
+	ca, anchors, err := c.readCA(td, now)
+	if err != nil {
+		return err
+	}
+	c.CA, c.CAAnchors = ca, anchors
+	return nil
+}
+
+// readCA reads and validates --ca-cert, --ca-key and --ca-trust-bundle for
+// td at now (at start, and at every reload).
+func (c *Config) readCA(td spiffeid.TrustDomain, now time.Time) (*identity.CA, []*x509.Certificate, error) {
 	certPEM, err := os.ReadFile(c.CACertFile)
 	if err != nil {
-		return fmt.Errorf("failed to read --ca-cert %q: %w", c.CACertFile, err)
+		return nil, nil, fmt.Errorf("failed to read --ca-cert %q: %w", c.CACertFile, err)
 	}
 	keyPEM, err := os.ReadFile(c.CAKeyFile)
 	if err != nil {
-		return fmt.Errorf("failed to read --ca-key %q: %w", c.CAKeyFile, err)
+		return nil, nil, fmt.Errorf("failed to read --ca-key %q: %w", c.CAKeyFile, err)
 	}
 	ca, err := identity.ParseCA(certPEM, keyPEM, td, now)
 	if err != nil {
-		return fmt.Errorf("invalid --ca-cert %q / --ca-key %q: %w", c.CACertFile, c.CAKeyFile, err)
+		return nil, nil, fmt.Errorf("invalid --ca-cert %q / --ca-key %q: %w", c.CACertFile, c.CAKeyFile, err)
 	}
-	c.CA = ca
-	return nil
+	if c.CATrustBundleFile == "" {
+		return ca, nil, nil
+	}
+	bundlePEM, err := os.ReadFile(c.CATrustBundleFile)
+	if err != nil {
+		return nil, nil, fmt.Errorf("failed to read --ca-trust-bundle %q: %w", c.CATrustBundleFile, err)
+	}
+	anchors, err := identity.ParseTrustAnchors(bundlePEM, td, now)
+	if err != nil {
+		return nil, nil, fmt.Errorf("invalid --ca-trust-bundle %q: %w", c.CATrustBundleFile, err)
+	}
+	return ca, anchors, nil
 }
 
 // etcdOptions are the etcd registry options the flags give (without the

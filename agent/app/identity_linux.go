@@ -2,8 +2,11 @@ package app
 
 import (
 	"context"
+	"crypto/sha256"
+	"fmt"
 	"log/slog"
 	"net"
+	"os"
 	"sort"
 	"sync"
 	"time"
@@ -108,6 +111,14 @@ func (a *agent) appendIdentity() {
 		runIdentity(ctx, a.svids, a.nodeRes.accounts, a.metrics, log)
 		return nil
 	})
+	if c.CAReloadInterval > 0 {
+		r := &caReloader{c: c, st: a.svids, kick: a.nodeRes.accounts.signal, m: a.metrics, log: log}
+		r.last, _ = r.read()
+		a.lc.Go("identity_ca_reload", func(ctx context.Context) error {
+			r.run(ctx)
+			return nil
+		})
+	}
 	a.lc.Serve("workload_api_socket", func() (net.Listener, lifecycle.Server, error) {
 		ln, err := listenSocket("workload-api-socket", c.WorkloadAPISocket)
 		if err != nil {
@@ -171,4 +182,79 @@ func runIdentity(ctx context.Context, st *identity.Store, pa *podAccounts, m *te
 			return
 		}
 	}
+}
+
+// caReloader reads --ca-cert, --ca-key and --ca-trust-bundle every
+// --ca-reload-interval and applies a change without a restart: a new CA
+// re-mints every SVID (the identity loop is kicked), a new bundle is pushed
+// to every Workload API stream. Files that fail to parse keep the CA in use
+// (logged at ERROR and counted once per change of the files), so a
+// half-written Secret update never stops issuance.
+type caReloader struct {
+	c    *Config
+	st   *identity.Store
+	kick func()
+	m    *telemetry.Metrics
+	log  *slog.Logger
+	// last is the digest of the files' contents last looked at.
+	last [sha256.Size]byte
+}
+
+// read digests the files' current contents.
+func (r *caReloader) read() ([sha256.Size]byte, error) {
+	h := sha256.New()
+	for _, f := range []string{r.c.CACertFile, r.c.CAKeyFile, r.c.CATrustBundleFile} {
+		if f == "" {
+			continue
+		}
+		b, err := os.ReadFile(f)
+		if err != nil {
+			return [sha256.Size]byte{}, fmt.Errorf("failed to read %q: %w", f, err)
+		}
+		h.Write(b)
+		h.Write([]byte{0})
+	}
+	var sum [sha256.Size]byte
+	h.Sum(sum[:0])
+	return sum, nil
+}
+
+func (r *caReloader) run(ctx context.Context) {
+	t := time.NewTicker(r.c.CAReloadInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		r.reload(time.Now())
+	}
+}
+
+// reload applies the files if their contents changed since the last look.
+func (r *caReloader) reload(now time.Time) {
+	sum, err := r.read()
+	if err != nil {
+		// A Secret update swaps a symlink; a file briefly missing is
+		// retried at the next tick without counting a failure.
+		r.log.Warn("ca files not readable; keeping the ca in use", "error", err.Error())
+		return
+	}
+	if sum == r.last {
+		return
+	}
+	r.last = sum
+	ca, anchors, err := r.c.readCA(r.c.CA.TrustDomain(), now)
+	if err != nil {
+		r.m.CAReloadFailures.Inc()
+		r.log.Error("failed to reload the ca; keeping the ca in use", "error", err.Error())
+		return
+	}
+	if !r.st.SetCA(ca, anchors) {
+		return
+	}
+	r.m.CAReloads.Inc()
+	r.log.Info("ca reloaded", "ca_subject", ca.Subject(), "trust_anchors", len(anchors)+1)
+	r.kick()
 }

@@ -3,6 +3,7 @@
 package identity
 
 import (
+	"bytes"
 	"crypto"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -99,17 +100,78 @@ func (c *CA) validate(now time.Time) error {
 	if now.Before(c.cert.NotBefore) {
 		return fmt.Errorf("failed to validate CA %q: not valid before %s", c.cert.Subject, c.cert.NotBefore.UTC().Format(time.RFC3339))
 	}
-	for _, u := range c.cert.URIs {
+	if err := checkTrustDomain(c.cert, c.td); err != nil {
+		return fmt.Errorf("failed to validate CA: %w", err)
+	}
+	return nil
+}
+
+// ParseTrustAnchors parses the extra CA certificates a trust bundle holds
+// besides the signing CA (the previous CA while a rotation completes, or the
+// next one before it signs), all PEM CERTIFICATE blocks of pemData. Each must
+// be a CA certificate, unexpired at now, and a SPIFFE URI SAN, when present,
+// must name td. Empty input is no anchors.
+func ParseTrustAnchors(pemData []byte, td spiffeid.TrustDomain, now time.Time) ([]*x509.Certificate, error) {
+	var out []*x509.Certificate
+	for n := 1; ; n++ {
+		var block *pem.Block
+		block, pemData = pem.Decode(pemData)
+		if block == nil {
+			break
+		}
+		if block.Type != "CERTIFICATE" {
+			return nil, fmt.Errorf("failed to parse trust anchor %d: PEM block %q, want CERTIFICATE", n, block.Type)
+		}
+		cert, err := x509.ParseCertificate(block.Bytes)
+		if err != nil {
+			return nil, fmt.Errorf("failed to parse trust anchor %d: %w", n, err)
+		}
+		if !cert.IsCA || !cert.BasicConstraintsValid {
+			return nil, fmt.Errorf("failed to validate trust anchor %d %q: not a CA certificate", n, cert.Subject)
+		}
+		if now.After(cert.NotAfter) {
+			return nil, fmt.Errorf("failed to validate trust anchor %d %q: expired at %s", n, cert.Subject, cert.NotAfter.UTC().Format(time.RFC3339))
+		}
+		if err := checkTrustDomain(cert, td); err != nil {
+			return nil, fmt.Errorf("failed to validate trust anchor %d: %w", n, err)
+		}
+		out = append(out, cert)
+	}
+	if len(bytes.TrimSpace(pemData)) > 0 {
+		return nil, errors.New("failed to parse trust anchors: data after the last PEM block")
+	}
+	return out, nil
+}
+
+// checkTrustDomain refuses a certificate whose SPIFFE URI SAN names another
+// trust domain than td.
+func checkTrustDomain(cert *x509.Certificate, td spiffeid.TrustDomain) error {
+	for _, u := range cert.URIs {
 		id, err := spiffeid.FromURI(u)
 		if err != nil {
 			continue
 		}
-		if id.TrustDomain() != c.td {
-			return fmt.Errorf("failed to validate CA %q: trust domain %q, want %q", c.cert.Subject, id.TrustDomain(), c.td)
+		if id.TrustDomain() != td {
+			return fmt.Errorf("certificate %q: trust domain %q, want %q", cert.Subject, id.TrustDomain(), td)
 		}
 	}
 	return nil
 }
+
+// Equal reports whether c and o are the same certificate and key.
+func (c *CA) Equal(o *CA) bool {
+	if c == nil || o == nil {
+		return c == o
+	}
+	pub, ok := c.key.Public().(interface{ Equal(crypto.PublicKey) bool })
+	return c.td == o.td && c.cert.Equal(o.cert) && ok && pub.Equal(o.key.Public())
+}
+
+// TrustDomain is the trust domain the CA signs for.
+func (c *CA) TrustDomain() spiffeid.TrustDomain { return c.td }
+
+// Subject is the CA certificate's subject, for logs.
+func (c *CA) Subject() string { return c.cert.Subject.String() }
 
 // NotAfter is the CA's expiry; SVIDs never outlive it.
 func (c *CA) NotAfter() time.Time { return c.cert.NotAfter }

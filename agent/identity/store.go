@@ -1,6 +1,7 @@
 package identity
 
 import (
+	"crypto/x509"
 	"sort"
 	"sync"
 	"time"
@@ -33,11 +34,18 @@ func AccountOf(ns, sa string) Account {
 // Store holds the current SVIDs of the node's accounts and rotates them at
 // half of their lifetime. It is safe for concurrent use.
 type Store struct {
-	ca  *CA
 	ttl time.Duration
 	now func() time.Time
 
-	mu      sync.Mutex
+	mu sync.Mutex
+	ca *CA
+	// anchors are the extra trust anchors of the bundle (SetCA).
+	anchors []*x509.Certificate
+	bundle  *x509bundle.Bundle
+	// caGen counts signing CAs; gens is the generation that signed each
+	// held SVID, so a new CA re-mints every SVID the old one signed.
+	caGen   uint64
+	gens    map[Account]uint64
 	svids   map[Account]*x509svid.SVID
 	version uint64
 	changed chan struct{}
@@ -45,7 +53,50 @@ type Store struct {
 
 // NewStore returns a Store minting from ca with lifetime ttl; now is the clock.
 func NewStore(ca *CA, ttl time.Duration, now func() time.Time) *Store {
-	return &Store{ca: ca, ttl: ttl, now: now, svids: map[Account]*x509svid.SVID{}, changed: make(chan struct{})}
+	return &Store{
+		ca: ca, bundle: ca.Bundle(), ttl: ttl, now: now,
+		gens: map[Account]uint64{}, svids: map[Account]*x509svid.SVID{}, changed: make(chan struct{}),
+	}
+}
+
+// SetCA replaces the signing CA and the extra trust anchors of the bundle
+// (the bundle is ca plus anchors, each certificate once). A different CA
+// makes every held SVID due at the next Sync, which re-mints it from ca; a
+// changed bundle is signalled at once. It reports whether the signing CA or
+// the bundle changed.
+//
+// A CA rotation without a gap: first every node trusts both CAs (anchors
+// hold the new one), then each signs with the new CA (anchors hold the old
+// one), and once every SVID of the old CA has expired the old anchor goes.
+func (s *Store) SetCA(ca *CA, anchors []*x509.Certificate) bool {
+	b := ca.Bundle()
+	for _, c := range anchors {
+		if !b.HasX509Authority(c) {
+			b.AddX509Authority(c)
+		}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	newCA := !s.ca.Equal(ca)
+	newBundle := !b.Equal(s.bundle)
+	if !newCA && !newBundle {
+		return false
+	}
+	if newCA {
+		s.ca = ca
+		s.caGen++
+	}
+	s.anchors, s.bundle = anchors, b
+	if newBundle {
+		s.signalLocked()
+	}
+	return true
+}
+
+func (s *Store) signalLocked() {
+	s.version++
+	close(s.changed)
+	s.changed = make(chan struct{})
 }
 
 // SyncReport counts what one Sync did.
@@ -85,14 +136,14 @@ func (s *Store) SyncReport(want []Account) (SyncReport, error) {
 		}
 		keep[a] = true
 		cur, held := s.svids[a]
-		if held && !dueForRotation(cur, now) {
+		if held && !dueForRotation(cur, now) && s.gens[a] == s.caGen {
 			continue
 		}
 		id, err := WorkloadID(s.ca.td, a.Namespace, a.ServiceAccount)
 		if err == nil {
 			var sv *x509svid.SVID
 			if sv, err = s.ca.Mint(id, now, s.ttl); err == nil {
-				s.svids[a] = sv
+				s.svids[a], s.gens[a] = sv, s.caGen
 				if held {
 					r.Rotated++
 				} else {
@@ -109,20 +160,25 @@ func (s *Store) SyncReport(want []Account) (SyncReport, error) {
 	for a := range s.svids {
 		if !keep[a] {
 			delete(s.svids, a)
+			delete(s.gens, a)
 			r.Dropped++
 		}
 	}
 	if r.Minted+r.Rotated+r.Dropped > 0 {
-		s.version++
-		close(s.changed)
-		s.changed = make(chan struct{})
+		s.signalLocked()
 	}
 	r.Held = len(s.svids)
 	return r, firstErr
 }
 
-// Bundle is the trust bundle of the store's CA.
-func (s *Store) Bundle() *x509bundle.Bundle { return s.ca.Bundle() }
+// Bundle is the trust bundle: the signing CA and the extra anchors of
+// SetCA. The same value is returned until the bundle changes; callers must
+// not modify it.
+func (s *Store) Bundle() *x509bundle.Bundle {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.bundle
+}
 
 // dueForRotation reports whether half of sv's lifetime has passed at now.
 func dueForRotation(sv *x509svid.SVID, now time.Time) bool {
@@ -144,13 +200,16 @@ func (s *Store) Snapshot() ([]*x509svid.SVID, <-chan struct{}) {
 	return out, s.changed
 }
 
-// NextRotation is the earliest time an SVID becomes due for rotation, or the
-// zero time if the store is empty.
+// NextRotation is the earliest time an SVID becomes due for rotation (now
+// for one signed by a replaced CA), or the zero time if the store is empty.
 func (s *Store) NextRotation() time.Time {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var next time.Time
-	for _, sv := range s.svids {
+	for a, sv := range s.svids {
+		if s.gens[a] != s.caGen {
+			return s.now()
+		}
 		c := sv.Certificates[0]
 		half := c.NotBefore.Add(c.NotAfter.Sub(c.NotBefore) / 2)
 		if next.IsZero() || half.Before(next) {

@@ -68,6 +68,10 @@ type Metrics struct {
 	SVIDRotations prometheus.Counter
 	// SVIDMintFailures counts SVIDs that could not be minted or rotated.
 	SVIDMintFailures prometheus.Counter
+	// CAReloads counts CA or trust bundle changes applied from the files.
+	CAReloads prometheus.Counter
+	// CAReloadFailures counts changed CA files that did not validate.
+	CAReloadFailures prometheus.Counter
 }
 
 // NewMetrics registers every metric (with zero values for known labels) on
@@ -123,10 +127,18 @@ func NewMetrics() *Metrics {
 			Name: "aether_agent_identity_svid_mint_failures_total",
 			Help: "X.509-SVIDs that could not be minted or rotated (retried with backoff).",
 		}),
+		CAReloads: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "aether_agent_identity_ca_reloads_total",
+			Help: "Changes of the signing CA or the trust bundle applied from --ca-cert, --ca-key and --ca-trust-bundle without a restart.",
+		}),
+		CAReloadFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "aether_agent_identity_ca_reload_failures_total",
+			Help: "Changed CA files that did not validate (the CA in use is kept).",
+		}),
 	}
 	m.Registry.MustRegister(m.Operations, m.Quarantined, m.PeerRejected, m.UDSRefusals, m.PodLookupRetry, m.Pods,
 		m.PendingDeregistrations, m.RegistryGhostsDeleted, m.RegistryReregistered,
-		m.SVIDs, m.SVIDRotations, m.SVIDMintFailures,
+		m.SVIDs, m.SVIDRotations, m.SVIDMintFailures, m.CAReloads, m.CAReloadFailures,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for _, op := range []string{OpAddPod, OpRemovePod, OpReadinessProbe, OpCaptureDivert} {
 		for _, r := range []string{ResultSuccess, ResultError} {

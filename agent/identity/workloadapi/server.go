@@ -21,6 +21,7 @@
 package workloadapi
 
 import (
+	"bytes"
 	"context"
 	"crypto/x509"
 	"fmt"
@@ -30,6 +31,7 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
 	workloadpb "github.com/spiffe/go-spiffe/v2/proto/spiffe/workload"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -67,11 +69,12 @@ type Server struct {
 	stopped  chan struct{}
 	stopOnce sync.Once
 
-	mu      sync.Mutex
-	builtAt <-chan struct{}              // the change channel resp was built for
-	resp    *workloadpb.X509SVIDResponse // nil: not built yet, or no SVIDs
-	entries map[*x509svid.SVID]*workloadpb.X509SVID
-	bundle  []byte // DER of the bundle's authorities, concatenated
+	mu       sync.Mutex
+	builtAt  <-chan struct{}              // the change channel resp was built for
+	resp     *workloadpb.X509SVIDResponse // nil: not built yet, or no SVIDs
+	entries  map[*x509svid.SVID]*workloadpb.X509SVID
+	bundle   []byte             // DER of the bundle's authorities, concatenated
+	bundleOf *x509bundle.Bundle // the source's bundle that bundle encodes
 }
 
 // New returns a server of src; log may be nil.
@@ -139,18 +142,26 @@ func (s *Server) FetchX509Bundles(_ *workloadpb.X509BundlesRequest, stream grpc.
 	if err := checkHeader(ctx); err != nil {
 		return err
 	}
-	b := s.src.Bundle()
-	resp := &workloadpb.X509BundlesResponse{Bundles: map[string][]byte{b.TrustDomain().IDString(): s.bundleDER()}}
-	if err := stream.Send(resp); err != nil {
-		return err
-	}
-	// The bundle is the CA's, fixed for the agent's lifetime: a new CA
-	// means a restart, and clients get the new bundle when they reconnect.
-	select {
-	case <-ctx.Done():
-		return nil
-	case <-s.stopped:
-		return status.Error(codes.Unavailable, "the agent is shutting down")
+	var sent []byte
+	for {
+		_, changed := s.src.Snapshot()
+		td, der := s.bundleDER()
+		if !bytes.Equal(der, sent) {
+			resp := &workloadpb.X509BundlesResponse{Bundles: map[string][]byte{td.IDString(): der}}
+			if err := stream.Send(resp); err != nil {
+				return err
+			}
+			sent = der
+		}
+		// A CA rotation changes the bundle (agent/identity Store.SetCA):
+		// every stream gets the new one.
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return nil
+		case <-s.stopped:
+			return status.Error(codes.Unavailable, "the agent is shutting down")
+		}
 	}
 }
 
@@ -180,15 +191,24 @@ func (s *Server) ValidateJWTSVID(ctx context.Context, _ *workloadpb.ValidateJWTS
 
 var errNoJWT = status.Error(codes.Unimplemented, "JWT-SVIDs are not issued by aether-agent's embedded provider: it serves X.509-SVIDs only (FetchX509SVID, FetchX509Bundles)")
 
-// bundleDER is the bundle's authorities, DER concatenated (the wire form of
-// X509SVID.bundle and X509BundlesResponse.bundles).
-func (s *Server) bundleDER() []byte {
+// bundleDER is the trust domain and the bundle's authorities, DER
+// concatenated (the wire form of X509SVID.bundle and
+// X509BundlesResponse.bundles).
+func (s *Server) bundleDER() (spiffeid.TrustDomain, []byte) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.bundle == nil {
-		s.bundle = concatDER(s.src.Bundle().X509Authorities())
+	return s.bundleDERLocked()
+}
+
+// bundleDERLocked is bundleDER with s.mu held. A new bundle drops the
+// encoded SVID entries, which carry it.
+func (s *Server) bundleDERLocked() (spiffeid.TrustDomain, []byte) {
+	b := s.src.Bundle()
+	if b != s.bundleOf {
+		s.bundle, s.bundleOf = concatDER(b.X509Authorities()), b
+		clear(s.entries)
 	}
-	return s.bundle
+	return b.TrustDomain(), s.bundle
 }
 
 func concatDER(certs []*x509.Certificate) []byte {
@@ -204,12 +224,12 @@ func concatDER(certs []*x509.Certificate) []byte {
 // built once per change and shared by every stream.
 func (s *Server) x509Response() (*workloadpb.X509SVIDResponse, <-chan struct{}, error) {
 	svids, changed := s.src.Snapshot()
-	bundle := s.bundleDER()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.builtAt == changed {
 		return s.resp, changed, nil
 	}
+	_, bundle := s.bundleDERLocked()
 	entries := make(map[*x509svid.SVID]*workloadpb.X509SVID, len(svids))
 	var resp *workloadpb.X509SVIDResponse
 	if len(svids) > 0 {

@@ -279,3 +279,66 @@ func TestResponseBuiltOncePerChange(t *testing.T) {
 		t.Fatal("the unchanged SVID of web was encoded again")
 	}
 }
+
+// TestCARotationStreams: a new CA with the old one kept as an anchor reaches
+// open streams at once: the bundle stream gets both CAs, the SVID stream the
+// held SVIDs with the new bundle, then the SVIDs the new CA re-minted.
+func TestCARotationStreams(t *testing.T) {
+	st, _ := newStore(t, 4*time.Hour)
+	srv := New(st, nil)
+	c := serve(t, srv)
+	web := identity.Account{Namespace: "shop", ServiceAccount: "web"}
+	if err := st.Sync([]identity.Account{web}); err != nil {
+		t.Fatal(err)
+	}
+	ctx := withHeader(testCtx(t))
+	svids, err := c.FetchX509SVID(ctx, &workloadpb.X509SVIDRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bundles, err := c.FetchX509Bundles(ctx, &workloadpb.X509BundlesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldCA := st.Bundle().X509Authorities()[0]
+	_, first := recvIDs(t, svids, oldCA.Raw)
+	if resp, err := bundles.Recv(); err != nil || string(resp.GetBundles()[td.IDString()]) != string(oldCA.Raw) {
+		t.Fatalf("first bundle = %v, %v", resp, err)
+	}
+
+	spec := identitytest.Spec{IsCA: true, NotBefore: t0.Add(-time.Hour), NotAfter: t0.Add(365 * 24 * time.Hour), URI: "spiffe://cluster.local"}
+	cp, kp, _ := identitytest.CA(t, spec)
+	ca2, err := identity.ParseCA(cp, kp, td, t0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !st.SetCA(ca2, []*x509.Certificate{oldCA}) {
+		t.Fatal("SetCA reported no change")
+	}
+	var both []byte
+	for _, a := range st.Bundle().X509Authorities() {
+		both = append(both, a.Raw...)
+	}
+	if resp, err := bundles.Recv(); err != nil || string(resp.GetBundles()[td.IDString()]) != string(both) {
+		t.Fatalf("bundle after the rotation = %v, %v; want both CAs", resp, err)
+	}
+	// The held SVID, now with the two-CA bundle.
+	if _, serials := recvIDs(t, svids, both); serials["spiffe://cluster.local/ns/shop/sa/web"] != first["spiffe://cluster.local/ns/shop/sa/web"] {
+		t.Fatal("the bundle change re-minted before the sync")
+	}
+	if err := st.Sync([]identity.Account{web}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := svids.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := x509.ParseCertificate(resp.GetSvids()[0].GetX509Svid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	newCA := st.Bundle().X509Authorities()[0]
+	if err := cert.CheckSignatureFrom(newCA); err != nil || string(resp.GetSvids()[0].GetBundle()) != string(both) {
+		t.Fatalf("re-minted SVID: signature by the new CA: %v; bundle holds both: %v", err, string(resp.GetSvids()[0].GetBundle()) == string(both))
+	}
+}
