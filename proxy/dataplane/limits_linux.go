@@ -2,6 +2,7 @@ package dataplane
 
 import (
 	"fmt"
+	"log/slog"
 	"net"
 	"time"
 
@@ -33,6 +34,56 @@ func (c Config) validate() error {
 		}
 	}
 	return nil
+}
+
+// File descriptors the caps cost: a proxied TCP connection holds its two
+// sockets and, while spliced, one pipe (two descriptors) per direction; a
+// UDP flow holds its upstream socket. fdReserve is kept for everything
+// else (listeners, netns handles, the xDS and admin connections).
+const (
+	fdsPerConn = 6
+	fdsPerFlow = 1
+	fdReserve  = 1024
+)
+
+// fitFDLimit lowers the node caps when the descriptors they need exceed
+// the process's limit (cfg.FDLimit, or RLIMIT_NOFILE): MaxUDPFlows to a
+// quarter of the budget if it needs more, MaxConns to what is left, and the
+// per-pod caps to at most the node's, logging the change at WARN. A limit
+// too small even for the reserve is an error.
+func fitFDLimit(cfg Config, log *slog.Logger) (Config, error) {
+	limit := cfg.FDLimit
+	if limit == 0 {
+		var rl unix.Rlimit
+		if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &rl); err != nil {
+			return cfg, fmt.Errorf("failed to read RLIMIT_NOFILE: %w", err)
+		}
+		limit = rl.Cur
+	}
+	need := uint64(cfg.MaxConns)*fdsPerConn + uint64(cfg.MaxUDPFlows)*fdsPerFlow + fdReserve
+	if need <= limit {
+		return cfg, nil
+	}
+	if limit < 2*fdReserve {
+		return cfg, fmt.Errorf("open file limit %d is too small for the proxy: want at least %d (%d at the configured caps); raise LimitNOFILE / the container's nofile ulimit", limit, 2*fdReserve, need)
+	}
+	// UDP flows keep their cap while it fits in a quarter of the budget;
+	// TCP connections, the larger cost, get the rest.
+	budget := limit - fdReserve
+	wantConns, wantFlows := cfg.MaxConns, cfg.MaxUDPFlows
+	if flows := uint64(cfg.MaxUDPFlows) * fdsPerFlow; flows > budget/4 {
+		cfg.MaxUDPFlows = int(budget / 4 / fdsPerFlow)
+	}
+	cfg.MaxConns = min(cfg.MaxConns, int((budget-uint64(cfg.MaxUDPFlows)*fdsPerFlow)/fdsPerConn))
+	cfg.MaxConnsPerPod = min(cfg.MaxConnsPerPod, cfg.MaxConns)
+	cfg.MaxUDPFlowsPerPod = min(cfg.MaxUDPFlowsPerPod, cfg.MaxUDPFlows)
+	log.Warn("open file limit too small for the connection caps; caps lowered",
+		"nofile_limit", limit, "fds_needed", need,
+		"max_conns", cfg.MaxConns, "max_conns_wanted", wantConns,
+		"max_udp_flows", cfg.MaxUDPFlows, "max_udp_flows_wanted", wantFlows,
+		"max_conns_per_pod", cfg.MaxConnsPerPod, "max_udp_flows_per_pod", cfg.MaxUDPFlowsPerPod,
+		"fix", "raise LimitNOFILE or the container's nofile ulimit")
+	return cfg, nil
 }
 
 // admitTCP takes a slot for one accepted connection under the pod's and

@@ -79,6 +79,11 @@ type Config struct {
 	// flow, or is dropped when the pod has none: one pod never evicts
 	// another's flows).
 	MaxUDPFlowsPerPod, MaxUDPFlows int
+	// FDLimit is the number of file descriptors the process may hold; 0
+	// reads RLIMIT_NOFILE. Node-wide caps that would need more are
+	// lowered at New (see fitFDLimit), so a flood meets a cap, never
+	// EMFILE, which would fail every other pod's connections too.
+	FDLimit uint64
 }
 
 func (c Config) withDefaults() Config {
@@ -186,6 +191,10 @@ func New(cfg Config, lookup PeerLookup, m *telemetry.Metrics, log *slog.Logger) 
 	}
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	cfg, err := fitFDLimit(cfg, log)
+	if err != nil {
 		return nil, err
 	}
 	home, err := openHome()
