@@ -235,7 +235,59 @@ func installRouting(fd int, c Config) error {
 			return fmt.Errorf("failed to add fwmark rule %#x lookup %d: %w", c.DivertMark, c.RouteTable, err)
 		}
 	}
-	return nil
+	return removeStale(*h, c, false)
+}
+
+// removeStale deletes the divert's fwmark rules left by an earlier
+// configuration (another divert mark or route table at this rule
+// priority), with the local default route of a table that only such a rule
+// used; all includes the rule of c itself (Remove). A rule is the divert's
+// when it sits at c.RulePriority, matches a full-mask fwmark and looks a
+// table up.
+func removeStale(h netlinksafe.Handle, c Config, all bool) error {
+	var errs []error
+	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
+		have, err := h.RuleListFiltered(fam, &netlink.Rule{Priority: c.RulePriority}, netlink.RT_FILTER_PRIORITY)
+		if err != nil {
+			if errors.Is(err, unix.EAFNOSUPPORT) {
+				continue
+			}
+			errs = append(errs, fmt.Errorf("failed to list ip rules: %w", err))
+			continue
+		}
+		for i := range have {
+			r := &have[i]
+			divert := r.Priority == c.RulePriority && r.Mark != 0 && r.Mask != nil && *r.Mask == 0xffffffff && r.Table > 0 &&
+				r.Table != unix.RT_TABLE_MAIN && r.Table != unix.RT_TABLE_LOCAL && r.Table != unix.RT_TABLE_DEFAULT
+			if !divert || (!all && r.Mark == c.DivertMark && r.Table == c.RouteTable) {
+				continue
+			}
+			r.Family = fam
+			if err := h.RuleDel(r); err != nil && !errors.Is(err, unix.ENOENT) {
+				errs = append(errs, fmt.Errorf("failed to delete stale fwmark rule %#x lookup %d: %w", r.Mark, r.Table, err))
+				continue
+			}
+			if r.Table == c.RouteTable {
+				continue
+			}
+			old := c
+			old.RouteTable = r.Table
+			routes, _, err := localRoutes(h, old)
+			if err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			for _, rt := range routes {
+				if rt.Family != fam {
+					continue
+				}
+				if err := h.RouteDel(rt); err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
+					errs = append(errs, fmt.Errorf("failed to delete the local route of stale table %d: %w", r.Table, err))
+				}
+			}
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // ErrNotInstalled is returned by Verify when the namespace holds no divert.
@@ -430,6 +482,11 @@ func removeRouting(fd int, c Config) error {
 		if err := h.RouteDel(routes[i]); !gone(err) {
 			errs = append(errs, fmt.Errorf("failed to delete local route of table %d: %w", c.RouteTable, err))
 		}
+	}
+	// Rules an earlier configuration left (a DEL with another netconf
+	// than its ADD) go too.
+	if err := removeStale(*h, c, true); err != nil {
+		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
 }
