@@ -15,8 +15,10 @@ func routingState(t *testing.T, pod *harness.NS) string {
 	t.Helper()
 	var b strings.Builder
 	for _, args := range [][]string{
-		{"ip", "-4", "rule"}, {"ip", "-6", "rule"},
-		{"ip", "-4", "route", "show", "table", "all"}, {"ip", "-6", "route", "show", "table", "all"},
+		{"ip", "-4", "rule"},
+		{"ip", "-6", "rule"},
+		{"ip", "-4", "route", "show", "table", "all"},
+		{"ip", "-6", "route", "show", "table", "all"},
 	} {
 		pod.MustDo(t, func() error {
 			out, err := exec.Command(args[0], args[1:]...).CombinedOutput()
