@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -21,6 +23,7 @@ import (
 	"aether.io/node/agent/identity/identitytest"
 	"aether.io/node/agent/store"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/xds/resource"
 )
 
 // testConfig is a config whose every socket, the store and the pod
@@ -132,11 +135,35 @@ func TestRunCleanStop(t *testing.T) {
 		}
 		_ = conn.Close()
 	}
+	// A workload discovery client stays connected through the stop: the
+	// agent ends its stream (it does not wait for the client to leave).
+	wcc, err := grpc.NewClient("unix://"+c.XDSSocket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer wcc.Close()
+	wctx, wcancel := context.WithCancel(context.Background())
+	defer wcancel()
+	ws, err := discovery.NewAggregatedDiscoveryServiceClient(wcc).DeltaAggregatedResources(wctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ws.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.WorkloadType, Node: &core.Node{Id: "n1"}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ws.Recv(); err != nil {
+		t.Fatalf("first workload response: %v", err)
+	}
 
 	cancel()
+	if _, err := ws.Recv(); status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "shutting down") {
+		t.Errorf("workload stream at the agent's stop: %v; want Unavailable, shutting down", err)
+	}
 	if err := <-done; err != nil {
 		t.Fatalf("Run after a clean stop = %v", err)
 	}
+	wcancel()
+	_ = wcc.Close()
 	goleak.VerifyNone(t, leak)
 	assertNoSockets(t, c.CNISocket, c.AdminSocket, c.XDSSocket, c.LDSSocket)
 	assertStoreFree(t, c.StateDir)

@@ -305,9 +305,9 @@ func (r remoteOnly) Watch(ctx context.Context) (<-chan registry.Event, error) {
 	return out, nil
 }
 
-// wdsDrain bounds the graceful stop of workload discovery: its streams end
-// only when clients leave, so they are cut after this (as
-// workload.Server.Serve does).
+// wdsDrain bounds the graceful stop of workload discovery. Its streams are
+// ended at once (workload.Server.Stop; clients reconnect with
+// initial_resource_versions), so this only bounds responses being sent.
 const wdsDrain = 5 * time.Second
 
 // appendXDS adds the agent's discovery endpoints to its lifecycle: workload
@@ -348,6 +348,7 @@ func (a *agent) appendXDS() {
 			s.Shutdown = func(ctx context.Context) {
 				ctx, cancel := context.WithTimeout(ctx, wdsDrain)
 				defer cancel()
+				srv.Stop()
 				drain(ctx)
 			}
 			log.Info("workload discovery serving", "address", ln.Addr().String())

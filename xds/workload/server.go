@@ -13,6 +13,8 @@ import (
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
 
@@ -51,6 +53,9 @@ type Server struct {
 	log     *slog.Logger
 	m       *metrics
 	streams atomic.Int64
+	// stopped is closed by Stop: every stream ends with Unavailable.
+	stopped  chan struct{}
+	stopOnce sync.Once
 
 	mu       sync.Mutex
 	lastNACK *NACK
@@ -70,8 +75,14 @@ func NewServer(idx *Index, opts ServerOptions) (*Server, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	idx.ObserveSize(func(n int) { m.workloads.Set(float64(n)) })
-	return &Server{cache: idx, log: log, m: m}, nil
+	return &Server{cache: idx, log: log, m: m, stopped: make(chan struct{})}, nil
 }
+
+// Stop ends every open stream, and every stream opened later, with
+// Unavailable (clients reconnect, with initial_resource_versions, to the
+// next server), so a graceful gRPC stop need not wait for clients to
+// leave.
+func (s *Server) Stop() { s.stopOnce.Do(func() { close(s.stopped) }) }
 
 // Register registers the ADS service on g.
 func (s *Server) Register(g *grpc.Server) {
@@ -125,6 +136,11 @@ func transportOptions(maxMessageBytes int) []grpc.ServerOption {
 func serveStream[T any](s *Server, ctx context.Context, protocol string, id int64, node func() string,
 	recv func() (T, error), sub *Subscription, handle func(T) error, changed func() error,
 ) error {
+	select {
+	case <-s.stopped:
+		return status.Error(codes.Unavailable, "the server is shutting down")
+	default:
+	}
 	s.m.clients.WithLabelValues(protocol).Inc()
 	defer s.m.clients.WithLabelValues(protocol).Dec()
 	reqs := make(chan T)
@@ -134,6 +150,8 @@ func serveStream[T any](s *Server, ctx context.Context, protocol string, id int6
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
+		case <-s.stopped:
+			return status.Error(codes.Unavailable, "the server is shutting down")
 		case err := <-errc:
 			s.log.Debug("xds stream closed", "protocol", protocol, "stream", id, "node", node(), "error", err)
 			return nil
