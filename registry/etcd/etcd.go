@@ -684,7 +684,10 @@ func (r *Registry) watchLoop(ctx context.Context, w *watchState) {
 	backoff := 100 * time.Millisecond
 	for ctx.Err() == nil {
 		relist := false
-		wctx, cancel := context.WithCancel(ctx)
+		// RequireLeader: a member cut off from its cluster's leader ends
+		// the watch (ErrNoLeader) instead of keeping it open and silent;
+		// the loop resumes, and the client can reach another member.
+		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 		wch := r.cli.Watch(wctx, r.prefix, clientv3.WithPrefix(), clientv3.WithRev(w.rev+1))
 		for wr := range wch {
 			if wr.CompactRevision != 0 {
