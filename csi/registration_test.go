@@ -9,7 +9,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"sync"
 	"testing"
 	"time"
 
@@ -18,29 +17,19 @@ import (
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 )
 
-// syncBuffer is a bytes.Buffer safe for the server's goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-// records decodes the JSON log lines written so far.
-func (s *syncBuffer) records(t *testing.T) []map[string]any {
+// logRecords decodes the JSON log lines in the file at path.
+func logRecords(t *testing.T, path string) []map[string]any {
 	t.Helper()
-	s.mu.Lock()
-	defer s.mu.Unlock()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var recs []map[string]any
-	dec := json.NewDecoder(bytes.NewReader(s.b.Bytes()))
+	dec := json.NewDecoder(bytes.NewReader(b))
 	for dec.More() {
 		var r map[string]any
 		if err := dec.Decode(&r); err != nil {
-			t.Fatalf("log does not decode: %v\n%s", err, s.b.String())
+			t.Fatalf("log does not decode: %v\n%s", err, b)
 		}
 		recs = append(recs, r)
 	}
@@ -59,8 +48,14 @@ func TestRegistrationOverUnixSocket(t *testing.T) {
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "plugins_registry", RegistrationSocket)
 	const endpoint = "/var/lib/kubelet/plugins/csi.aether.io/csi.sock"
-	var logs syncBuffer
-	reg := NewRegistration(endpoint, slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})))
+	// The server logs to a file (safe for its goroutines); read between calls.
+	logPath := filepath.Join(dir, "log.json")
+	logFile, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = logFile.Close() })
+	reg := NewRegistration(endpoint, slog.New(slog.NewJSONHandler(logFile, &slog.HandlerOptions{Level: slog.LevelDebug})))
 	l, err := Listen(sock)
 	if err != nil {
 		t.Fatal(err)
@@ -104,7 +99,7 @@ func TestRegistrationOverUnixSocket(t *testing.T) {
 			t.Fatalf("NotifyRegistrationStatus(%v): %v", tt.status, err)
 		}
 		var found bool
-		for _, r := range logs.records(t) {
+		for _, r := range logRecords(t, logPath) {
 			if r["msg"] == tt.wantMsg {
 				found = true
 				if r["level"] != tt.wantLevel || r["endpoint"] != endpoint || r["driver"] != "csi.aether.io" {

@@ -69,11 +69,7 @@ func TestServesUntilSIGTERM(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
 	defer cancel()
-	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = conn.Close() })
+	conn := dial(t, sock)
 	id := csipb.NewIdentityClient(conn)
 	// WaitForReady rides out the start-up: the first call waits for the socket.
 	info, err := id.GetPluginInfo(ctx, &csipb.GetPluginInfoRequest{}, grpc.WaitForReady(true))
@@ -97,12 +93,7 @@ func TestServesUntilSIGTERM(t *testing.T) {
 	}
 
 	// kubelet's plugin watcher: GetInfo, then the verdict.
-	regConn, err := grpc.NewClient("unix://"+regSock, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = regConn.Close() })
-	reg := registerapi.NewRegistrationClient(regConn)
+	reg := registerapi.NewRegistrationClient(dial(t, regSock))
 	pi, err := reg.GetInfo(ctx, &registerapi.InfoRequest{}, grpc.WaitForReady(true))
 	if err != nil {
 		t.Fatalf("GetInfo on %s: %v", regSock, err)
@@ -133,6 +124,18 @@ func TestServesUntilSIGTERM(t *testing.T) {
 			t.Errorf("socket %s left after exit: %v", s, err)
 		}
 	}
+}
+
+// dial returns a gRPC client of the unix socket at path, closed in
+// t.Cleanup.
+func dial(t *testing.T, path string) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient("unix://"+path, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
 }
 
 func TestBadFlagsExit2(t *testing.T) {
