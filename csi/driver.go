@@ -81,6 +81,14 @@ type Config struct {
 	// KubeletDir is kubelet's root directory; every target path must lie
 	// under it.
 	KubeletDir string
+	// RegistrationDir is kubelet's plugins_registry directory, where the
+	// driver serves kubelet's plugin registration; empty turns it off (an
+	// external node-driver-registrar registers the driver instead).
+	RegistrationDir string
+	// KubeletEndpoint is the CSI socket's path as kubelet sees it, announced
+	// by the registration; empty means Endpoint (the same path in the
+	// driver's container and on the host).
+	KubeletEndpoint string
 	// Version is reported by GetPluginInfo.
 	Version string
 	// LogLevel is the lowest level logged.
@@ -105,6 +113,11 @@ func New(cfg Config, mount Mounter, log *slog.Logger) (*Driver, error) {
 	for name, p := range map[string]string{"--" + meshcontract.UDSCSIRootFlag: cfg.Root, "--kubelet-dir": cfg.KubeletDir} {
 		if !filepath.IsAbs(p) || filepath.Clean(p) != p || p == "/" {
 			return nil, fmt.Errorf("failed to configure %s %q: it must be a clean absolute path other than /", name, p)
+		}
+	}
+	for name, p := range map[string]string{"--registration-dir": cfg.RegistrationDir, "--kubelet-registration-path": cfg.KubeletEndpoint} {
+		if p != "" && (!filepath.IsAbs(p) || filepath.Clean(p) != p || p == "/") {
+			return nil, fmt.Errorf("failed to configure %s %q: it must be empty or a clean absolute path other than /", name, p)
 		}
 	}
 	if cfg.NodeName == "" {

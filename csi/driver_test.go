@@ -192,6 +192,8 @@ func TestNewRefusesBadConfig(t *testing.T) {
 		{"root /", func(c *Config) { c.Root = "/" }, "--uds-csi-root"},
 		{"unclean kubelet dir", func(c *Config) { c.KubeletDir = "/var/lib/kubelet/" }, "--kubelet-dir"},
 		{"no node name", func(c *Config) { c.NodeName = "" }, "--node-name"},
+		{"relative registration dir", func(c *Config) { c.RegistrationDir = "plugins_registry" }, "--registration-dir"},
+		{"unclean kubelet endpoint", func(c *Config) { c.KubeletEndpoint = "/k//csi.sock" }, "--kubelet-registration-path"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := ok
@@ -247,5 +249,32 @@ func TestFlagsShareTheAgentsRoot(t *testing.T) {
 	}
 	if _, err := ParseFlags([]string{"extra"}, io.Discard); err == nil {
 		t.Error("a positional argument was accepted")
+	}
+}
+
+// TestRegistrationFlags checks where the built-in registration goes:
+// <kubelet-dir>/plugins_registry unless --registration-dir says otherwise,
+// off when it is empty, announcing --endpoint unless
+// --kubelet-registration-path names kubelet's view of it.
+func TestRegistrationFlags(t *testing.T) {
+	for _, tt := range []struct {
+		args         []string
+		wantDir      string
+		wantEndpoint string
+	}{
+		{nil, "/var/lib/kubelet/plugins_registry", DefaultEndpoint},
+		{[]string{"--kubelet-dir", "/k"}, "/k/plugins_registry", DefaultEndpoint},
+		{[]string{"--kubelet-dir", "/k", "--registration-dir", "/reg"}, "/reg", DefaultEndpoint},
+		{[]string{"--registration-dir="}, "", DefaultEndpoint},
+		{[]string{"--endpoint", "/k/plugins/csi.aether.io/csi.sock"}, "/var/lib/kubelet/plugins_registry", "/k/plugins/csi.aether.io/csi.sock"},
+		{[]string{"--endpoint", "/csi/csi.sock", "--kubelet-registration-path", "/k/p/csi.sock"}, "/var/lib/kubelet/plugins_registry", "/k/p/csi.sock"},
+	} {
+		c, err := ParseFlags(tt.args, io.Discard)
+		if err != nil {
+			t.Fatalf("ParseFlags(%q): %v", tt.args, err)
+		}
+		if c.RegistrationDir != tt.wantDir || c.KubeletEndpoint != tt.wantEndpoint {
+			t.Errorf("ParseFlags(%q): registration dir %q, kubelet endpoint %q; want %q, %q", tt.args, c.RegistrationDir, c.KubeletEndpoint, tt.wantDir, tt.wantEndpoint)
+		}
 	}
 }

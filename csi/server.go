@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"path/filepath"
 
 	csipb "github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
@@ -33,9 +34,15 @@ func (d *Driver) Serve(ctx context.Context, l net.Listener) error {
 	srv := grpc.NewServer(grpc.UnaryInterceptor(d.logCall))
 	csipb.RegisterIdentityServer(srv, d)
 	csipb.RegisterNodeServer(srv, d)
+	d.log.Info("serving", "endpoint", l.Addr().String(), "version", d.cfg.Version, "uds_csi_root", d.cfg.Root, "node", d.cfg.NodeName)
+	return serveGRPC(ctx, srv, l)
+}
+
+// serveGRPC serves srv on l until ctx ends, then stops it gracefully (which
+// closes l).
+func serveGRPC(ctx context.Context, srv *grpc.Server, l net.Listener) error {
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(l) }()
-	d.log.Info("serving", "endpoint", l.Addr().String(), "version", d.cfg.Version, "uds_csi_root", d.cfg.Root, "node", d.cfg.NodeName)
 	select {
 	case err := <-errc:
 		return fmt.Errorf("failed to serve %q: %w", l.Addr().String(), err)
@@ -46,6 +53,37 @@ func (d *Driver) Serve(ctx context.Context, l net.Listener) error {
 		return fmt.Errorf("failed to serve %q: %w", l.Addr().String(), err)
 	}
 	return nil
+}
+
+// Run serves the driver on cfg.Endpoint and, unless cfg.RegistrationDir is
+// empty, kubelet's plugin registration on <RegistrationDir>/<driver>-reg.sock,
+// until ctx ends or one of them fails (which stops the other). Both sockets
+// are removed when Run returns; the registration socket is opened after the
+// CSI socket, so kubelet never finds the driver before its endpoint listens.
+func Run(ctx context.Context, cfg Config, d *Driver, log *slog.Logger) error {
+	l, err := Listen(cfg.Endpoint)
+	if err != nil {
+		return err
+	}
+	if cfg.RegistrationDir == "" {
+		return d.Serve(ctx, l)
+	}
+	rl, err := Listen(filepath.Join(cfg.RegistrationDir, RegistrationSocket))
+	if err != nil {
+		_ = l.Close()
+		return err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	endpoint := cfg.KubeletEndpoint
+	if endpoint == "" {
+		endpoint = cfg.Endpoint
+	}
+	reg := NewRegistration(endpoint, log)
+	errc := make(chan error, 2)
+	go func() { errc <- d.Serve(ctx, l); cancel() }()
+	go func() { errc <- reg.Serve(ctx, rl); cancel() }()
+	return errors.Join(<-errc, <-errc)
 }
 
 // logCall logs every call with its gRPC code; failures at warn.

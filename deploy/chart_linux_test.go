@@ -35,6 +35,7 @@ var valueSets = []valueSet{
 	{name: "etcd-tls", files: []string{"etcd-tls.yaml"}},
 	{name: "eni-vlan-debug", files: []string{"eni-vlan-debug.yaml"}},
 	{name: "identity", files: []string{"identity.yaml"}},
+	{name: "csi-sidecar", files: []string{"csi-sidecar.yaml"}},
 }
 
 func (v valueSet) paths() []string {

@@ -377,8 +377,10 @@ func TestNodeGating(t *testing.T) {
 }
 
 // TestCSIDriver checks the csi.aether.io wiring: the driver's args parse
-// with its own parser and name the agent's UDS root, its socket is the one
-// the registrar registers, the target dir propagates back to the host, and
+// with its own parser and name the agent's UDS root, exactly one
+// registration announces its socket to kubelet (its own, built in, or
+// csi-node-driver-registrar's with csi.registrar sidecar), the target dir
+// propagates back to the host, and
 // the CSIDriver object asks for what the driver needs (inline volumes, the
 // pod's uid); without csi.enabled none of it is rendered.
 func TestCSIDriver(t *testing.T) {
@@ -412,13 +414,25 @@ func TestCSIDriver(t *testing.T) {
 		if agent := agentConfig(t, r); cfg.Root != agent.UDSRoot {
 			t.Errorf("aether-csi --uds-csi-root=%s, aether-agent --uds-csi-root=%s: they must agree", cfg.Root, agent.UDSRoot)
 		}
-		reg, ok := findContainer(r, "csi-node-driver-registrar")
-		if !ok {
-			t.Fatal("aether-csi without csi-node-driver-registrar: kubelet never learns the driver")
-		}
 		want := filepath.Join(cfg.KubeletDir, "plugins", meshcontract.CSIDriver, filepath.Base(cfg.Endpoint))
-		if !slices.Contains(reg.Args, "--kubelet-registration-path="+want) {
-			t.Errorf("registrar args %q do not register %s (the driver's --endpoint %s)", reg.Args, want, cfg.Endpoint)
+		reg, sidecar := findContainer(r, "csi-node-driver-registrar")
+		switch {
+		case sidecar && cfg.RegistrationDir != "":
+			t.Errorf("aether-csi registers itself in %s and csi-node-driver-registrar runs too: two registrations", cfg.RegistrationDir)
+		case sidecar:
+			if !slices.Contains(reg.Args, "--kubelet-registration-path="+want) {
+				t.Errorf("registrar args %q do not register %s (the driver's --endpoint %s)", reg.Args, want, cfg.Endpoint)
+			}
+		case cfg.RegistrationDir == "":
+			t.Fatal("aether-csi neither registers itself nor has csi-node-driver-registrar: kubelet never learns the driver")
+		default:
+			// Built in: kubelet's plugin watcher reads plugins_registry and
+			// dials the announced endpoint on the host, so both sockets must
+			// sit under the kubelet dir, mounted at the host's path.
+			if cfg.RegistrationDir != filepath.Join(cfg.KubeletDir, "plugins_registry") || cfg.KubeletEndpoint != want || cfg.Endpoint != want {
+				t.Errorf("aether-csi registers in %q announcing %q (listening on %q); want %s/plugins_registry announcing %s",
+					cfg.RegistrationDir, cfg.KubeletEndpoint, cfg.Endpoint, cfg.KubeletDir, want)
+			}
 		}
 		propagates := slices.ContainsFunc(c.VolumeMounts, func(m corev1.VolumeMount) bool {
 			return m.MountPath == cfg.KubeletDir && m.MountPropagation != nil && *m.MountPropagation == corev1.MountPropagationBidirectional

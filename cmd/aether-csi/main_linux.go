@@ -32,14 +32,9 @@ func main() {
 		fmt.Fprintln(os.Stderr, "aether-csi:", err)
 		os.Exit(2)
 	}
-	l, err := csi.Listen(cfg.Endpoint)
-	if err != nil {
-		log.Error("failed to start", "error", err)
-		os.Exit(1)
-	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := d.Serve(ctx, l); err != nil {
+	if err := csi.Run(ctx, cfg, d, log); err != nil {
 		log.Error("driver stopped", "error", err)
 		os.Exit(1)
 	}

@@ -67,6 +67,11 @@ func TestDeliverInbound(t *testing.T) {
 		t.Fatalf("the server pod never delivered over its UDS socket: %v", err)
 	}
 	e.waitReady(t, e.server, 200)
+	for _, st := range e.mgr.Status() {
+		if want := map[string]string{"ctr-server": sock, "ctr-client": ""}[st.Key]; st.UDSSocket != want {
+			t.Errorf("Status of %s: UDSSocket %q, want %q", st.Key, st.UDSSocket, want)
+		}
+	}
 
 	read := func(key string, target netip.AddrPort) (string, error) {
 		t.Helper()

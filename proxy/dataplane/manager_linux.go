@@ -156,6 +156,9 @@ type PodStatus struct {
 	UDPFlows int
 	// Error is the last bind error of a failed pod.
 	Error string
+	// UDSSocket is the host path inbound traffic is delivered to (the
+	// listeners' uds_socket metadata); empty: TCP to the pod's address.
+	UDSSocket string
 }
 
 // Manager owns every pod's listeners. Construct it with New, feed it the
@@ -416,7 +419,7 @@ func (m *Manager) Status() []PodStatus {
 	for key, e := range m.failed {
 		st := PodStatus{Key: key, State: StateFailed, Error: e}
 		if specs := m.desired[key]; len(specs) > 0 {
-			st.Namespace, st.Name, st.NetNS = specs[0].Namespace, specs[0].PodName, specs[0].NetNSPath
+			st.Namespace, st.Name, st.NetNS, st.UDSSocket = specs[0].Namespace, specs[0].PodName, specs[0].NetNSPath, specs[0].UDSSocket
 		}
 		out = append(out, st)
 	}

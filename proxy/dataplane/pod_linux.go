@@ -384,6 +384,9 @@ func (p *pod) close() {
 
 func (p *pod) status() PodStatus {
 	st := PodStatus{Key: p.key, Namespace: p.namespace, Name: p.name, NetNS: p.netns.path, State: StateServing, Conns: p.openConns()}
+	if len(p.specs) > 0 {
+		st.UDSSocket = p.specs[0].UDSSocket
+	}
 	p.flowMu.Lock()
 	st.UDPFlows = len(p.flows)
 	p.flowMu.Unlock()

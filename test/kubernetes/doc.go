@@ -26,8 +26,10 @@
 // The image is built by tools/image (what `make image` runs) and imported
 // with ctr under two tags. The Helm chart (deploy/chart) is rendered with
 // the lane's values (image, pull policy Never, the lane's CNI dirs) and
-// its objects created; where the chart has no value the DaemonSet is
-// adapted: the host paths /run/aether and /var/lib/aether live in the
+// its objects created (csi.kubeletDir is the lane kubelet's root dir;
+// aether-csi registers itself, csi.registrar builtin); where the chart has
+// no value the DaemonSet is adapted: the host paths /run/aether (with the
+// UDS root /run/aether/uds) and /var/lib/aether live in the
 // lane's directory (mounted at the same path in the containers) and the
 // pods reach the API server on the node's loopback (no kube-proxy, so the
 // Service IP does not route). Then, in order:
@@ -44,6 +46,17 @@
 //     capture, never unchains the conflist (sampled every 10 ms), and a
 //     pod created meanwhile starts captured (kubelet retries aether-cni's
 //     code 11 while the agent restarts);
+//   - UDS sockets (issue 14 item 3): the CSINode lists csi.aether.io
+//     (aether-csi's built-in registration); a pod with an inline
+//     csi.aether.io volume and endpoint.aether.io/uds-socket runs (kubelet
+//     called NodePublishVolume), its app listens on that socket, aetherctl
+//     pod shows <uds-csi-root>/<uid>/app.sock, where the socket answers;
+//     the same after the agent's container is stopped through CRI and
+//     kubelet restarts it (the API server stays up: kubetest cannot
+//     restart it); pods declaring the volume twice or naming an emptyDir
+//     show multiple_csi_volumes / not_csi in aetherctl pod and in
+//     aether_agent_uds_refusals_total; deleting the pod unpublishes the
+//     volume and removes <uds-csi-root>/<uid>/;
 //   - uninstall (the chart's objects deleted) restores the conflist byte
 //     for byte, removes the binary, and new pods are not captured.
 //

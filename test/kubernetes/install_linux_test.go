@@ -20,6 +20,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -90,12 +91,12 @@ cni:
   confDir: %s
   pluginLogLevel: debug
 logLevel: debug
-# The csi.aether.io driver needs the node-driver-registrar image, which
-# nothing here can build yet (its Go module is not served to these
-# machines): the lane runs without it.
+# aether-csi registers itself with the lane's kubelet (csi.registrar
+# builtin, the default) under its root dir.
 csi:
-  enabled: false
-`, imageRepo, tag, n.cniBin, n.runtime.ConfDir())), 0o600); err != nil {
+  enabled: true
+  kubeletDir: %s
+`, imageRepo, tag, n.cniBin, n.runtime.ConfDir(), n.kubeletRoot)), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
@@ -143,6 +144,8 @@ csi:
 			_, err = cs.RbacV1().RoleBindings(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
 		case *appsv1.DaemonSet:
 			_, err = cs.AppsV1().DaemonSets(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
+		case *storagev1.CSIDriver:
+			_, err = cs.StorageV1().CSIDrivers().Create(ctx, o, metav1.CreateOptions{})
 		default:
 			t.Fatalf("the chart renders a %T the lane does not install", obj)
 		}
@@ -159,18 +162,24 @@ func adaptDaemonSet(t *testing.T, n *node, in *install, ds *appsv1.DaemonSet) {
 	t.Helper()
 	spec := &ds.Spec.Template.Spec
 	moved := map[string]string{"/run/aether": in.runDir, "/var/lib/aether": in.state}
+	// move maps a path at or under a moved host path (/run/aether/uds,
+	// aether-csi's root, too).
+	move := func(p string) string {
+		for from, to := range moved {
+			if p == from || strings.HasPrefix(p, from+"/") {
+				return to + strings.TrimPrefix(p, from)
+			}
+		}
+		return p
+	}
 	for i := range spec.Volumes {
 		if hp := spec.Volumes[i].HostPath; hp != nil {
-			if to, ok := moved[hp.Path]; ok {
-				hp.Path = to
-			}
+			hp.Path = move(hp.Path)
 		}
 	}
 	for _, c := range allContainers(spec) {
 		for k, m := range c.VolumeMounts {
-			if to, ok := moved[m.MountPath]; ok {
-				c.VolumeMounts[k].MountPath = to
-			}
+			c.VolumeMounts[k].MountPath = move(m.MountPath)
 		}
 		for j, a := range c.Args {
 			a = strings.ReplaceAll(a, "/run/aether", in.runDir)
@@ -240,6 +249,8 @@ func (in *install) uninstall(t *testing.T, n *node) {
 		switch o := in.objects[i].(type) {
 		case *appsv1.DaemonSet:
 			err = cs.AppsV1().DaemonSets(o.Namespace).Delete(ctx, o.Name, opts)
+		case *storagev1.CSIDriver:
+			err = cs.StorageV1().CSIDrivers().Delete(ctx, o.Name, opts)
 		case *rbacv1.ClusterRoleBinding:
 			err = cs.RbacV1().ClusterRoleBindings().Delete(ctx, o.Name, opts)
 		case *rbacv1.RoleBinding:

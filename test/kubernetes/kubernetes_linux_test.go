@@ -216,6 +216,14 @@ func TestKubernetes(t *testing.T) {
 		return // later scenarios build on this one
 	}
 
+	if !t.Run("UDSSocket", func(t *testing.T) {
+		udsStart := time.Now()
+		testUDSSocket(t, n, in)
+		t.Logf("UDS scenario took %s", time.Since(udsStart).Round(time.Millisecond))
+	}) {
+		return // later scenarios build on this one
+	}
+
 	if !t.Run("Uninstall", func(t *testing.T) {
 		in.uninstall(t, n)
 		b, err := os.ReadFile(n.conflist)

@@ -52,16 +52,18 @@ var kernelSettings = []string{
 // node is one Kubernetes node: control plane, containerd and kubelet, all
 // in one network namespace (the node's "host network").
 type node struct {
-	ns       *harness.NS
-	cluster  *kubetest.Cluster
-	runtime  *containerd.Runtime
-	kubelet  *kubetest.Proc
-	bins     string
-	base     string // short per-lane dir: kubelet, host paths of the DaemonSet
-	cniBin   string
-	conflist string // the primary conflist containerd reads
-	original []byte // its bytes before the installer ran
-	subnet   string
+	ns      *harness.NS
+	cluster *kubetest.Cluster
+	runtime *containerd.Runtime
+	kubelet *kubetest.Proc
+	bins    string
+	base    string // short per-lane dir: kubelet, host paths of the DaemonSet
+	cniBin  string
+	// kubeletRoot is kubelet's --root-dir (the chart's csi.kubeletDir).
+	kubeletRoot string
+	conflist    string // the primary conflist containerd reads
+	original    []byte // its bytes before the installer ran
+	subnet      string
 }
 
 // hostPath is a host path of the DaemonSet inside the lane's directory.
@@ -240,6 +242,7 @@ func startKubelet(t *testing.T, n *node) *kubetest.Proc {
 		}
 	}
 	dir := filepath.Join(n.base, "kubelet")
+	n.kubeletRoot = filepath.Join(dir, "root")
 	manifests := filepath.Join(dir, "manifests")
 	mkdir(t, manifests)
 	cfg := fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
@@ -282,7 +285,7 @@ registerWithTaints:
 	}
 	return n.cluster.Run(t, dir, filepath.Join(n.bins, kubetest.Kubelet),
 		"--config="+cfgPath, "--kubeconfig="+n.cluster.Kubeconfig,
-		"--root-dir="+filepath.Join(dir, "root"), "--cert-dir="+filepath.Join(dir, "certs"),
+		"--root-dir="+n.kubeletRoot, "--cert-dir="+filepath.Join(dir, "certs"),
 		"--hostname-override="+nodeName, "--node-ip="+nodeIP, "--v=1")
 }
 

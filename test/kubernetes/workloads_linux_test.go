@@ -223,17 +223,24 @@ func echoFrom(t *testing.T, nsPath, addr string) {
 // proxyMetrics returns aether-proxy's /metrics text (from the node netns).
 func proxyMetrics(t *testing.T, n *node) string {
 	t.Helper()
+	return string(nodeGet(t, n, "http://"+proxyAdmin+"/metrics"))
+}
+
+// nodeGet returns the body of a GET of url from the node netns (the
+// admin endpoints on the node's loopback).
+func nodeGet(t *testing.T, n *node, url string) []byte {
+	t.Helper()
 	hc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DialContext: n.cluster.Dial}}
-	resp, err := hc.Get("http://" + proxyAdmin + "/metrics")
+	resp, err := hc.Get(url)
 	if err != nil {
-		t.Fatalf("failed to get aether-proxy metrics: %v", err)
+		t.Fatalf("failed to get %s: %v", url, err)
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("failed to read %s: %v", url, err)
 	}
-	return string(b)
+	return b
 }
 
 // metricLine returns the first line of metric that has every label given.

@@ -1,8 +1,12 @@
 // Command echo is the Kubernetes lane's workload: a TCP echo server on
-// :8080 (each connection gets its bytes back) that exits on SIGTERM.
+// :8080 (each connection gets its bytes back) that exits on SIGTERM. With
+// -unix <path> it also echoes on a unix socket at path (the app of a pod
+// whose UDS socket lives in a csi.aether.io volume); the socket is made
+// 0666 so a proxy without CAP_DAC_OVERRIDE could connect too.
 package main
 
 import (
+	"flag"
 	"io"
 	"log"
 	"net"
@@ -12,9 +16,21 @@ import (
 )
 
 func main() {
+	unixPath := flag.String("unix", "", "also echo on a unix socket at this path")
+	flag.Parse()
 	l, err := net.Listen("tcp", ":8080")
 	if err != nil {
 		log.Fatalf("failed to listen on %q: %v", ":8080", err)
+	}
+	if *unixPath != "" {
+		ul, err := net.Listen("unix", *unixPath)
+		if err != nil {
+			log.Fatalf("failed to listen on %q: %v", *unixPath, err)
+		}
+		if err := os.Chmod(*unixPath, 0o666); err != nil {
+			log.Fatalf("failed to chmod socket %q: %v", *unixPath, err)
+		}
+		go serve(ul)
 	}
 	go func() {
 		sigs := make(chan os.Signal, 1)
@@ -22,10 +38,15 @@ func main() {
 		<-sigs
 		os.Exit(0)
 	}()
+	serve(l)
+}
+
+// serve echoes every connection accepted on l.
+func serve(l net.Listener) {
 	for {
 		c, err := l.Accept()
 		if err != nil {
-			log.Fatalf("failed to accept: %v", err)
+			log.Fatalf("failed to accept on %s: %v", l.Addr(), err)
 		}
 		go func() {
 			defer c.Close()

@@ -59,6 +59,9 @@ refuses as a socket directory); aether-cni pins network namespaces in netns/.
 {{- if not (has .Values.cni.uninstallOnExit (list "auto" "always" "never")) -}}
 {{- fail (printf "invalid cni.uninstallOnExit %q: must be auto, always or never" .Values.cni.uninstallOnExit) -}}
 {{- end -}}
+{{- if not (has .Values.csi.registrar (list "builtin" "sidecar")) -}}
+{{- fail (printf "invalid csi.registrar %q: must be builtin or sidecar" .Values.csi.registrar) -}}
+{{- end -}}
 {{- if not (has .Values.registry.mode (list "local" "etcd")) -}}
 {{- fail (printf "invalid registry.mode %q: must be local or etcd" .Values.registry.mode) -}}
 {{- end -}}

@@ -1,0 +1,268 @@
+package kubernetes_test
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+
+	"aether.io/node/agent/adminapi"
+	"aether.io/node/agent/uds"
+	"aether.io/node/pkg/meshcontract"
+	"aether.io/node/test/kubetest"
+)
+
+const (
+	// udsVolume is the inline csi.aether.io volume of the UDS pods,
+	// mounted at udsMount; the app's socket is udsFile in it.
+	udsVolume = "mesh"
+	udsMount  = "/mesh"
+	udsFile   = "app.sock"
+	// agentHTTP is aether-agent's /metrics (the chart's --http-addr), on
+	// the node's loopback.
+	agentHTTP = "127.0.0.1:15029"
+)
+
+// udsPod is a managed bare pod running echo, also listening on
+// udsMount/udsFile, with the annotation endpoint.aether.io/uds-socket =
+// <annotated>/app.sock and the given volumes (all mounted under /v/<name>,
+// the first at udsMount).
+func udsPod(name, annotated string, volumes ...corev1.Volume) *corev1.Pod {
+	zero := int64(0)
+	var mounts []corev1.VolumeMount
+	for i, v := range volumes {
+		path := "/v/" + v.Name
+		if i == 0 {
+			path = udsMount
+		}
+		mounts = append(mounts, corev1.VolumeMount{Name: v.Name, MountPath: path})
+	}
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{
+			Name: name, Namespace: appNamespace,
+			Labels:      map[string]string{"app": name, "aether.io/managed": "true"},
+			Annotations: map[string]string{uds.Annotation: annotated + "/" + udsFile},
+		},
+		Spec: corev1.PodSpec{
+			TerminationGracePeriodSeconds: &zero,
+			Volumes:                       volumes,
+			Containers: []corev1.Container{{
+				Name: "echo", Image: echoImage, ImagePullPolicy: corev1.PullNever,
+				Args:         []string{"-unix", udsMount + "/" + udsFile},
+				Ports:        []corev1.ContainerPort{{ContainerPort: echoPort}},
+				VolumeMounts: mounts,
+			}},
+		},
+	}
+}
+
+// csiVolume is an inline csi.aether.io volume.
+func csiVolume(name string) corev1.Volume {
+	return corev1.Volume{Name: name, VolumeSource: corev1.VolumeSource{CSI: &corev1.CSIVolumeSource{Driver: meshcontract.CSIDriver}}}
+}
+
+// testUDSSocket walks issue 14 item 3 on the real kubelet: aether-csi
+// registered itself (the CSINode lists csi.aether.io), kubelet published
+// the inline volume of a pod whose app listens on the annotated socket,
+// the agent resolves <uds-csi-root>/<uid>/app.sock (aetherctl pod) where
+// the socket is and answers, and again after the agent restarts; the two
+// refused shapes show their reason in aetherctl pod and in the agent's
+// metrics; deleting the pod unpublishes the volume and removes the pod dir.
+func testUDSSocket(t *testing.T, n *node, in *install) {
+	ctx := context.Background()
+	pods := n.cluster.Client.CoreV1().Pods(appNamespace)
+	csiNode, err := n.cluster.Client.StorageV1().CSINodes().Get(ctx, nodeName, metav1.GetOptions{})
+	if err != nil || !slices.ContainsFunc(csiNode.Spec.Drivers, func(d storagev1.CSINodeDriver) bool { return d.Name == meshcontract.CSIDriver }) {
+		t.Fatalf("CSINode %s does not list %s (aether-csi's built-in registration): %+v, %v", nodeName, meshcontract.CSIDriver, csiNode, err)
+	}
+	empty := corev1.Volume{Name: "scratch", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}}
+	want := map[string]string{ // pod -> refusal reason ("" resolves)
+		"uds":      "",
+		"twice":    uds.ReasonMultipleCSIVolumes,
+		"emptydir": uds.ReasonNotCSI,
+	}
+	for _, p := range []*corev1.Pod{
+		udsPod("uds", udsVolume, csiVolume(udsVolume)),
+		udsPod("twice", udsVolume, csiVolume(udsVolume), csiVolume("mesh2")),
+		udsPod("emptydir", empty.Name, empty),
+	} {
+		if _, err := pods.Create(ctx, p, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("failed to create pod %s: %v", p.Name, err)
+		}
+	}
+	running := map[string]corev1.Pod{}
+	for name := range want {
+		running[name] = runningPods(t, n, name, 1, 60*time.Second)[0]
+	}
+	p := running["uds"]
+	sock := filepath.Join(in.runDir, "uds", string(p.UID), udsFile)
+
+	// checkRecords checks aetherctl pod for every pod: the resolved path
+	// (the app's socket there answers) or the refusal.
+	checkRecords := func(when string) {
+		t.Helper()
+		for name, reason := range want {
+			shown := sock
+			if reason != "" {
+				shown = "refused:" + reason
+			}
+			rec := agentPod(t, in, name)
+			if rec.UID != string(running[name].UID) || rec.UDSRefusal != reason || (reason == "" && rec.UDSPath != sock) || (reason != "" && rec.UDSPath != "") {
+				t.Errorf("%s: aetherctl pod %s: uid %s, uds path %q, refusal %q; want uid %s and %s", when, name, rec.UID, rec.UDSPath, rec.UDSRefusal, running[name].UID, shown)
+			}
+			table := string(aetherctl(t, "pod", "--admin-socket", filepath.Join(in.agentSocketDir(), "admin.sock"), appNamespace+"/"+name))
+			if !strings.Contains(table, "UDS socket:") || !strings.Contains(table, shown) {
+				t.Errorf("%s: aetherctl pod %s/%s does not show %s:\n%s", when, appNamespace, name, shown, table)
+			}
+		}
+		echoUnix(t, sock)
+		// aether-proxy got the path in the pod's listener metadata
+		// (uds_socket), where inbound delivery will connect.
+		kubetest.WaitFor(t, "aether-proxy /debug/pods to show the uds pod's socket "+sock, 20*time.Second, n.kubelet, func() bool {
+			return proxyUDSSocket(t, n, "uds") == sock
+		})
+	}
+	checkRecords("after the pods started")
+	if fi, err := os.Lstat(sock); err != nil || fi.Mode().Type() != os.ModeSocket {
+		t.Fatalf("the app's socket on the host %s: %v, %v; want a socket", sock, fi, err)
+	}
+	m := agentMetrics(t, n)
+	for _, reason := range []string{uds.ReasonMultipleCSIVolumes, uds.ReasonNotCSI} {
+		line := metricLine(m, "aether_agent_uds_refusals_total", `reason="`+reason+`"`)
+		if v, err := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64); line == "" || err != nil || v < 1 {
+			t.Errorf("agent metrics: %q, want aether_agent_uds_refusals_total{reason=%q} >= 1", line, reason)
+		}
+	}
+
+	// The agent restarts (its container stopped through CRI; kubelet
+	// starts it again) and resolves the same path from its stored records.
+	restartAgent(t, n, in)
+	checkRecords("after the agent restarted")
+
+	// Deleting the pod: kubelet calls NodeUnpublishVolume, the driver
+	// removes <uds-csi-root>/<uid>/.
+	for name := range want {
+		if err := pods.Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	podDir := filepath.Dir(sock)
+	kubetest.WaitFor(t, "pods deleted and "+podDir+" removed", 60*time.Second, n.kubelet, func() bool {
+		for name := range want {
+			if _, err := pods.Get(ctx, name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+				return false
+			}
+		}
+		_, err := os.Lstat(podDir)
+		return os.IsNotExist(err)
+	})
+	for name := range want {
+		if rec := findAgentPod(agentPods(t, in), name); rec != nil {
+			t.Errorf("agent record of deleted pod %s left: %+v", name, rec)
+		}
+	}
+}
+
+// agentPod is `aetherctl pod <namespace>/<name> -o json` for a pod with
+// one record.
+func agentPod(t *testing.T, in *install, name string) adminapi.Pod {
+	t.Helper()
+	var recs []adminapi.Pod
+	out := aetherctl(t, "pod", "--admin-socket", filepath.Join(in.agentSocketDir(), "admin.sock"), "-o", "json", appNamespace+"/"+name)
+	if err := json.Unmarshal(out, &recs); err != nil {
+		t.Fatalf("aetherctl pod %s/%s -o json printed %q: %v", appNamespace, name, out, err)
+	}
+	if len(recs) != 1 {
+		t.Fatalf("aetherctl pod %s/%s: %d records, want 1: %+v", appNamespace, name, len(recs), recs)
+	}
+	return recs[0]
+}
+
+// echoUnix dials the unix socket at path, sends a line and checks it
+// comes back (the app answers through the published volume).
+func echoUnix(t *testing.T, path string) {
+	t.Helper()
+	c, err := net.DialTimeout("unix", path, 5*time.Second)
+	if err != nil {
+		t.Fatalf("failed to dial the app's socket %s: %v", path, err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	const msg = "hello over the uds volume\n"
+	if _, err := io.WriteString(c, msg); err != nil {
+		t.Fatalf("failed to write to %s: %v", path, err)
+	}
+	if got, err := bufio.NewReader(c).ReadString('\n'); err != nil || got != msg {
+		t.Fatalf("echo over %s = %q, %v; want %q", path, got, err, msg)
+	}
+}
+
+// agentMetrics returns aether-agent's /metrics text (from the node netns).
+func agentMetrics(t *testing.T, n *node) string {
+	t.Helper()
+	return string(nodeGet(t, n, "http://"+agentHTTP+"/metrics"))
+}
+
+// proxyUDSSocket is the UDSSocket aether-proxy's /debug/pods shows for
+// the pod name (empty when it shows none or does not serve the pod).
+func proxyUDSSocket(t *testing.T, n *node, name string) string {
+	t.Helper()
+	var pods []struct{ Namespace, Name, UDSSocket string }
+	if b := nodeGet(t, n, "http://"+proxyAdmin+"/debug/pods"); json.Unmarshal(b, &pods) != nil {
+		t.Fatalf("aether-proxy /debug/pods does not decode: %s", b)
+	}
+	for _, p := range pods {
+		if p.Namespace == appNamespace && p.Name == name {
+			return p.UDSSocket
+		}
+	}
+	return ""
+}
+
+// restartAgent stops the running aether-agent container through CRI and
+// waits until kubelet runs a new one that answers aetherctl.
+func restartAgent(t *testing.T, n *node, in *install) {
+	t.Helper()
+	ctx := context.Background()
+	running := func() []*runtimeapi.Container {
+		l, err := n.runtime.CRI.ListContainers(ctx, &runtimeapi.ListContainersRequest{Filter: &runtimeapi.ContainerFilter{
+			State:         &runtimeapi.ContainerStateValue{State: runtimeapi.ContainerState_CONTAINER_RUNNING},
+			LabelSelector: map[string]string{"io.kubernetes.container.name": "aether-agent"},
+		}})
+		if err != nil {
+			t.Fatalf("failed to list the agent's containers: %v", err)
+		}
+		return l.GetContainers()
+	}
+	before := running()
+	if len(before) != 1 {
+		t.Fatalf("running aether-agent containers: %d, want 1", len(before))
+	}
+	if _, err := n.runtime.CRI.StopContainer(ctx, &runtimeapi.StopContainerRequest{ContainerId: before[0].GetId(), Timeout: 10}); err != nil {
+		t.Fatalf("failed to stop the agent's container: %v", err)
+	}
+	start := time.Now()
+	kubetest.WaitFor(t, "a new aether-agent container answering", 60*time.Second, n.kubelet, func() bool {
+		now := running()
+		if len(now) != 1 || now[0].GetId() == before[0].GetId() {
+			return false
+		}
+		_, err := adminapi.NewClient(filepath.Join(in.agentSocketDir(), "admin.sock")).Pod(ctx, appNamespace, "uds")
+		return err == nil
+	})
+	t.Logf("agent restarted and answering in %s", time.Since(start).Round(time.Millisecond))
+}
