@@ -22,8 +22,10 @@ func (a *adminFlags) register(fs *flag.FlagSet) {
 }
 
 // parseAdminFlags parses a subcommand's flags (the shared admin flags plus
-// whatever extra registers) and checks them.
-func parseAdminFlags(name string, args []string, stdout io.Writer, extra func(*flag.FlagSet)) (adminFlags, *flag.FlagSet, error) {
+// whatever extra registers) and checks them. Flags may come before or after
+// the positional arguments (`aetherctl pod ns/name -o json`), which it
+// returns; everything after "--" is positional.
+func parseAdminFlags(name string, args []string, stdout io.Writer, extra func(*flag.FlagSet)) (adminFlags, []string, error) {
 	var f adminFlags
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	f.register(fs)
@@ -31,10 +33,33 @@ func parseAdminFlags(name string, args []string, stdout io.Writer, extra func(*f
 		extra(fs)
 	}
 	fs.SetOutput(stdout)
-	if err := fs.Parse(args); err != nil {
-		return f, fs, err
+	pos, err := parseInterspersed(fs, args)
+	if err != nil {
+		return f, nil, err
 	}
-	return f, fs, f.check()
+	return f, pos, f.check()
+}
+
+// parseInterspersed parses fs from args with positional arguments allowed
+// between flags, and returns the positional ones in order.
+func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
+	var pos []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return nil, err
+		}
+		rest := fs.Args()
+		if len(rest) == 0 {
+			return pos, nil
+		}
+		// flag stops at "--" (dropped) or at the first non-flag: after
+		// "--" everything is positional.
+		if consumed := len(args) - len(rest); consumed > 0 && args[consumed-1] == "--" {
+			return append(pos, rest...), nil
+		}
+		pos = append(pos, rest[0])
+		args = rest[1:]
+	}
 }
 
 func (a *adminFlags) check() error {

@@ -18,16 +18,16 @@ import (
 // agent kept one, of its last DEL (also named when no record is left). Flags: --admin-socket,
 // -o table|json.
 func RunPod(ctx context.Context, args []string, stdout io.Writer) error {
-	f, fs, err := parseAdminFlags("aetherctl pod", args, stdout, nil)
+	f, pos, err := parseAdminFlags("aetherctl pod", args, stdout, nil)
 	if err != nil {
 		return err
 	}
-	if fs.NArg() != 1 {
+	if len(pos) != 1 {
 		return errors.New("usage: aetherctl pod [flags] <namespace>/<name>")
 	}
-	ns, name, ok := strings.Cut(fs.Arg(0), "/")
+	ns, name, ok := strings.Cut(pos[0], "/")
 	if !ok || ns == "" || name == "" || strings.Contains(name, "/") {
-		return fmt.Errorf("invalid pod %q: want <namespace>/<name>", fs.Arg(0))
+		return fmt.Errorf("invalid pod %q: want <namespace>/<name>", pos[0])
 	}
 	pods, err := adminapi.NewClient(f.socket).Pod(ctx, ns, name)
 	if errors.Is(err, adminapi.ErrNotFound) {

@@ -5,10 +5,13 @@ import (
 	"context"
 	"encoding/json"
 	"flag"
+	"io"
 	"net"
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -101,6 +104,37 @@ func TestRunPod(t *testing.T) {
 			}
 			if !bytes.Equal(out.Bytes(), want) {
 				t.Fatalf("aetherctl pod:\n%s\nwant:\n%s", out.Bytes(), want)
+			}
+		})
+	}
+}
+
+func TestParseAdminFlagsInterspersed(t *testing.T) {
+	tests := []struct {
+		args    []string
+		pos     []string
+		output  string
+		wantErr string
+	}{
+		{args: []string{"-o", "json", "shop/web"}, pos: []string{"shop/web"}, output: "json"},
+		{args: []string{"shop/web", "-o", "json"}, pos: []string{"shop/web"}, output: "json"},
+		{args: []string{"shop/web", "--admin-socket", "/x.sock", "-o=json", "extra"}, pos: []string{"shop/web", "extra"}, output: "json"},
+		{args: []string{"-o", "table", "--", "-o"}, pos: []string{"-o"}, output: "table"},
+		{args: []string{"shop/web"}, pos: []string{"shop/web"}, output: "table"},
+		{args: []string{"shop/web", "-o", "yaml"}, wantErr: `invalid -o "yaml": want table or json`},
+		{args: []string{"shop/web", "-nope"}, wantErr: "flag provided but not defined: -nope"},
+	}
+	for _, tt := range tests {
+		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
+			f, pos, err := parseAdminFlags("aetherctl pod", tt.args, io.Discard, nil)
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("err = %v, want %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil || !slices.Equal(pos, tt.pos) || f.output != tt.output {
+				t.Fatalf("got %q, -o %q, %v; want %q, -o %q", pos, f.output, err, tt.pos, tt.output)
 			}
 		})
 	}

@@ -14,12 +14,12 @@ import (
 // state (managed, terminating, registered, uncaptured, UDS socket).
 // Flags: --admin-socket, -o table|json.
 func RunPods(ctx context.Context, args []string, stdout io.Writer) error {
-	f, fs, err := parseAdminFlags("aetherctl pods", args, stdout, nil)
+	f, pos, err := parseAdminFlags("aetherctl pods", args, stdout, nil)
 	if err != nil {
 		return err
 	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %q: aetherctl pods takes flags only", fs.Args())
+	if len(pos) > 0 {
+		return fmt.Errorf("unexpected arguments %q: aetherctl pods takes flags only", pos)
 	}
 	pods, err := adminapi.NewClient(f.socket).Pods(ctx)
 	if err != nil {
