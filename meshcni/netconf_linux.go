@@ -61,6 +61,14 @@ const (
 	// AnnotationExcludeCIDRs is a comma-separated list of IPv4/IPv6 CIDRs
 	// (a bare address means /32 or /128).
 	AnnotationExcludeCIDRs = "capture.aether.io/exclude-outbound-ip-ranges"
+	// AnnotationExcludeInboundPorts is a comma-separated list of
+	// destination ports the inbound redirect leaves alone.
+	AnnotationExcludeInboundPorts = "capture.aether.io/exclude-inbound-ports"
+	// AnnotationInboundPolicy is the pod's inbound policy (the agent
+	// enforces it); any value but "permissive" turns the inbound redirect
+	// on for the pod, because strict (and an invalid value, which the
+	// agent serves as strict) cannot be enforced without it.
+	AnnotationInboundPolicy = meshcontract.InboundPolicyAnnotation
 )
 
 // CaptureConf is the "capture" section of the netconf.
@@ -89,6 +97,20 @@ type CaptureConf struct {
 	RouteTable *int `json:"route_table,omitempty"`
 	// RulePriority is the ip rule priority (133).
 	RulePriority *int `json:"rule_priority,omitempty"`
+	// InboundCapture turns on the inbound redirect for every pod: TCP
+	// arriving from outside the pod goes to the proxy's inbound listener,
+	// which enforces the pod's inbound policy (off by default; a pod
+	// annotated with a strict policy gets it anyway).
+	InboundCapture bool `json:"inbound_capture,omitempty"`
+	// InboundPort is the proxy's transparent inbound listener (18008).
+	InboundPort *int `json:"inbound_port,omitempty"`
+	// ExcludeInboundPorts are destination ports the inbound redirect
+	// leaves alone (they reach the app in plaintext whatever the policy).
+	ExcludeInboundPorts []int `json:"exclude_inbound_ports,omitempty"`
+	// InboundPlaintextAllowCIDRs are source ranges the inbound redirect
+	// leaves alone: the node's address, so the kubelet's probes reach the
+	// app under a strict policy.
+	InboundPlaintextAllowCIDRs []string `json:"inbound_plaintext_allow_cidrs,omitempty"`
 }
 
 // NetConf is aether-cni's network configuration.
@@ -270,6 +292,7 @@ func ParseConfig(data []byte, requirePrev bool) (*Config, error) {
 		// falls back to the outbound port.
 		c.Capture.Ports = []uint16{out}
 	}
+	c.Capture.OutboundPort = out
 	if err := c.Capture.Normalize().Validate(); err != nil {
 		return nil, cniutil.InvalidConfigf("invalid capture section: %w", err)
 	}
@@ -314,6 +337,24 @@ func parseCapture(cc CaptureConf) (capture.Config, error) {
 			return c, cniutil.InvalidConfigf("invalid capture.exclude_cidrs entry %q: must be an IPv4 or IPv6 CIDR such as 10.96.0.0/12 or fd00::/8", s)
 		}
 		c.ExcludeCIDRs = append(c.ExcludeCIDRs, p)
+	}
+	c.InboundCapture = cc.InboundCapture
+	if c.InboundPort, err = port("capture.inbound_port", intOr(cc.InboundPort, capture.DefaultInboundPort)); err != nil {
+		return c, err
+	}
+	for _, p := range cc.ExcludeInboundPorts {
+		v, err := port("capture.exclude_inbound_ports entry", p)
+		if err != nil {
+			return c, err
+		}
+		c.ExcludeInboundPorts = append(c.ExcludeInboundPorts, v)
+	}
+	for _, s := range cc.InboundPlaintextAllowCIDRs {
+		p, err := parseCIDR(s)
+		if err != nil {
+			return c, cniutil.InvalidConfigf("invalid capture.inbound_plaintext_allow_cidrs entry %q: must be an IPv4 or IPv6 CIDR or address, such as the node's 192.0.2.10", s)
+		}
+		c.InboundAllowCIDRs = append(c.InboundAllowCIDRs, p)
 	}
 	c.RedirectAll = cc.RedirectAll
 	if cc.BypassMark != nil {
@@ -360,7 +401,11 @@ func (c *Config) PodCapture(annotations map[string]string) (capture.Config, []st
 	pc.Ports = append([]uint16(nil), c.Capture.Ports...)
 	pc.ExcludePorts = append([]uint16(nil), c.Capture.ExcludePorts...)
 	pc.ExcludeCIDRs = append([]netip.Prefix(nil), c.Capture.ExcludeCIDRs...)
+	pc.ExcludeInboundPorts = append([]uint16(nil), c.Capture.ExcludeInboundPorts...)
 	var warn []string
+	if v, ok := annotations[AnnotationInboundPolicy]; ok && v != meshcontract.InboundPolicyPermissive {
+		pc.InboundCapture = true
+	}
 	switch v := annotations[AnnotationRedirectAll]; v {
 	case "true":
 		pc.RedirectAll = true
@@ -370,14 +415,8 @@ func (c *Config) PodCapture(annotations map[string]string) (capture.Config, []st
 	default:
 		warn = append(warn, fmt.Sprintf("annotation %s=%q ignored: want true or false", AnnotationRedirectAll, v))
 	}
-	for _, f := range splitList(annotations[AnnotationExcludePorts]) {
-		v, err := strconv.Atoi(f)
-		if err != nil || v < 1 || v > 65535 {
-			warn = append(warn, fmt.Sprintf("annotation %s entry %q ignored: want a port 1-65535", AnnotationExcludePorts, f))
-			continue
-		}
-		pc.ExcludePorts = append(pc.ExcludePorts, uint16(v))
-	}
+	pc.ExcludePorts = annotationPorts(pc.ExcludePorts, annotations, AnnotationExcludePorts, &warn)
+	pc.ExcludeInboundPorts = annotationPorts(pc.ExcludeInboundPorts, annotations, AnnotationExcludeInboundPorts, &warn)
 	for _, f := range splitList(annotations[AnnotationExcludeCIDRs]) {
 		p, err := parseCIDR(f)
 		if err != nil {
@@ -387,6 +426,20 @@ func (c *Config) PodCapture(annotations map[string]string) (capture.Config, []st
 		pc.ExcludeCIDRs = append(pc.ExcludeCIDRs, p)
 	}
 	return pc.Normalize(), warn
+}
+
+// annotationPorts appends to ports the ports listed in annotation key; a
+// malformed entry is skipped with a warning.
+func annotationPorts(ports []uint16, annotations map[string]string, key string, warn *[]string) []uint16 {
+	for _, f := range splitList(annotations[key]) {
+		v, err := strconv.Atoi(f)
+		if err != nil || v < 1 || v > 65535 {
+			*warn = append(*warn, fmt.Sprintf("annotation %s entry %q ignored: want a port 1-65535", key, f))
+			continue
+		}
+		ports = append(ports, uint16(v))
+	}
+	return ports
 }
 
 func splitList(s string) []string {

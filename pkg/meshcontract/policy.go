@@ -1,0 +1,22 @@
+package meshcontract
+
+// The inbound policy contract between aether-agent (which decides each pod's
+// policy), aether-cni (which turns on the inbound redirect for a pod
+// annotated strict) and aether-proxy (which enforces it on the inbound
+// listener).
+const (
+	// InboundPolicyAnnotation is the pod annotation that sets the pod's
+	// inbound policy; absent, the agent's --inbound-policy applies.
+	InboundPolicyAnnotation = "aether.io/inbound-policy"
+	// InboundPolicyPermissive accepts plaintext inbound connections (and
+	// HBONE): the proxy delivers them to the app.
+	InboundPolicyPermissive = "permissive"
+	// InboundPolicyStrict accepts only HBONE from the trust domain: the
+	// proxy resets every plaintext inbound connection.
+	InboundPolicyStrict = "strict"
+)
+
+// ValidInboundPolicy reports whether v is one of the inbound policies.
+func ValidInboundPolicy(v string) bool {
+	return v == InboundPolicyPermissive || v == InboundPolicyStrict
+}
