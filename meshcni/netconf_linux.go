@@ -403,7 +403,9 @@ func (c *Config) PodCapture(annotations map[string]string) (capture.Config, []st
 	pc.ExcludeCIDRs = append([]netip.Prefix(nil), c.Capture.ExcludeCIDRs...)
 	pc.ExcludeInboundPorts = append([]uint16(nil), c.Capture.ExcludeInboundPorts...)
 	var warn []string
-	if v, ok := annotations[AnnotationInboundPolicy]; ok && v != meshcontract.InboundPolicyPermissive {
+	// Strict (or an invalid value, served strict) needs the redirect; the
+	// agent's default policy is not known here (see README).
+	if p, _ := meshcontract.InboundPolicyOf(annotations, meshcontract.InboundPolicyPermissive); p == meshcontract.InboundPolicyStrict {
 		pc.InboundCapture = true
 	}
 	switch v := annotations[AnnotationRedirectAll]; v {

@@ -60,6 +60,9 @@ type Metrics struct {
 	SVIDRotations prometheus.Counter
 	// SVIDMintFailures counts SVIDs that could not be minted or rotated.
 	SVIDMintFailures prometheus.Counter
+	// InboundPolicyInvalid counts pod listener builds whose inbound policy
+	// annotation was invalid (the pod is served strict).
+	InboundPolicyInvalid prometheus.Counter
 }
 
 // NewMetrics registers every metric (with zero values for known labels) on
@@ -115,10 +118,14 @@ func NewMetrics() *Metrics {
 			Name: "aether_agent_identity_svid_mint_failures_total",
 			Help: "X.509-SVIDs that could not be minted or rotated (retried with backoff).",
 		}),
+		InboundPolicyInvalid: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "aether_agent_inbound_policy_invalid_total",
+			Help: "Pod listener builds whose aether.io/inbound-policy annotation is neither permissive nor strict: the pod is served strict.",
+		}),
 	}
 	m.Registry.MustRegister(m.Operations, m.Quarantined, m.PeerRejected, m.UDSRefusals, m.PodLookupRetry, m.Pods,
 		m.PendingDeregistrations, m.RegistryGhostsDeleted, m.RegistryReregistered,
-		m.SVIDs, m.SVIDRotations, m.SVIDMintFailures,
+		m.SVIDs, m.SVIDRotations, m.SVIDMintFailures, m.InboundPolicyInvalid,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for _, op := range []string{OpAddPod, OpRemovePod, OpReadinessProbe, OpCaptureDivert} {
 		for _, r := range []string{ResultSuccess, ResultError} {

@@ -20,3 +20,19 @@ const (
 func ValidInboundPolicy(v string) bool {
 	return v == InboundPolicyPermissive || v == InboundPolicyStrict
 }
+
+// InboundPolicyOf is the inbound policy of a pod with annotations when the
+// agent's default is def: the InboundPolicyAnnotation when it is valid, def
+// when it is absent. Any other value is served strict (fail safe: a typo
+// never opens a pod to plaintext) and reported invalid.
+func InboundPolicyOf(annotations map[string]string, def string) (policy string, invalid bool) {
+	v, ok := annotations[InboundPolicyAnnotation]
+	switch {
+	case !ok:
+		return def, false
+	case ValidInboundPolicy(v):
+		return v, false
+	default:
+		return InboundPolicyStrict, true
+	}
+}
