@@ -317,44 +317,25 @@ func parseCapture(cc CaptureConf) (capture.Config, error) {
 	if c.CapturePort, err = port("capture.capture_port", intOr(cc.CapturePort, capture.DefaultCapturePort)); err != nil {
 		return c, err
 	}
-	for _, p := range cc.Ports {
-		v, err := port("capture.ports entry", p)
-		if err != nil {
-			return c, err
-		}
-		c.Ports = append(c.Ports, v)
+	if c.Ports, err = ports("capture.ports", cc.Ports); err != nil {
+		return c, err
 	}
-	for _, p := range cc.ExcludePorts {
-		v, err := port("capture.exclude_ports entry", p)
-		if err != nil {
-			return c, err
-		}
-		c.ExcludePorts = append(c.ExcludePorts, v)
+	if c.ExcludePorts, err = ports("capture.exclude_ports", cc.ExcludePorts); err != nil {
+		return c, err
 	}
-	for _, s := range cc.ExcludeCIDRs {
-		p, err := parseCIDR(s)
-		if err != nil {
-			return c, cniutil.InvalidConfigf("invalid capture.exclude_cidrs entry %q: must be an IPv4 or IPv6 CIDR such as 10.96.0.0/12 or fd00::/8", s)
-		}
-		c.ExcludeCIDRs = append(c.ExcludeCIDRs, p)
+	if c.ExcludeCIDRs, err = cidrs("capture.exclude_cidrs", cc.ExcludeCIDRs, "an IPv4 or IPv6 CIDR such as 10.96.0.0/12 or fd00::/8"); err != nil {
+		return c, err
 	}
 	c.InboundCapture = cc.InboundCapture
 	if c.InboundPort, err = port("capture.inbound_port", intOr(cc.InboundPort, capture.DefaultInboundPort)); err != nil {
 		return c, err
 	}
-	for _, p := range cc.ExcludeInboundPorts {
-		v, err := port("capture.exclude_inbound_ports entry", p)
-		if err != nil {
-			return c, err
-		}
-		c.ExcludeInboundPorts = append(c.ExcludeInboundPorts, v)
+	if c.ExcludeInboundPorts, err = ports("capture.exclude_inbound_ports", cc.ExcludeInboundPorts); err != nil {
+		return c, err
 	}
-	for _, s := range cc.InboundPlaintextAllowCIDRs {
-		p, err := parseCIDR(s)
-		if err != nil {
-			return c, cniutil.InvalidConfigf("invalid capture.inbound_plaintext_allow_cidrs entry %q: must be an IPv4 or IPv6 CIDR or address, such as the node's 192.0.2.10", s)
-		}
-		c.InboundAllowCIDRs = append(c.InboundAllowCIDRs, p)
+	if c.InboundAllowCIDRs, err = cidrs("capture.inbound_plaintext_allow_cidrs", cc.InboundPlaintextAllowCIDRs,
+		"an IPv4 or IPv6 CIDR or address, such as the node's 192.0.2.10"); err != nil {
+		return c, err
 	}
 	c.RedirectAll = cc.RedirectAll
 	if cc.BypassMark != nil {
@@ -375,6 +356,33 @@ func parseCapture(cc CaptureConf) (capture.Config, error) {
 		return c, cniutil.InvalidConfigf("invalid capture.bypass_mark/divert_mark 0: marks must be non-zero")
 	}
 	return c, nil
+}
+
+// ports validates the entries of the netconf list field.
+func ports(field string, in []int) ([]uint16, error) {
+	var out []uint16
+	for _, p := range in {
+		v, err := port(field+" entry", p)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+// cidrs parses the entries of the netconf list field; want says what an
+// entry must be.
+func cidrs(field string, in []string, want string) ([]netip.Prefix, error) {
+	var out []netip.Prefix
+	for _, s := range in {
+		p, err := parseCIDR(s)
+		if err != nil {
+			return nil, cniutil.InvalidConfigf("invalid %s entry %q: must be %s", field, s, want)
+		}
+		out = append(out, p)
+	}
+	return out, nil
 }
 
 func parseCIDR(s string) (netip.Prefix, error) {

@@ -61,23 +61,10 @@ func TestBuildParse(t *testing.T) {
 			},
 		},
 		{
-			name: "ipv4-uds",
+			name: "ipv4-uds-strict",
 			pod: func() listener.Pod {
 				p := pod("10.0.0.2")
 				p.UDSSocket = "/var/run/aether/uds/uid-1/app.sock"
-				return p
-			}(),
-			binds: map[listener.Role][]listener.Bind{
-				listener.RoleOutbound:   {{Addr: netip.MustParseAddrPort("127.0.0.1:18081")}},
-				listener.RoleCapture:    {{Addr: netip.MustParseAddrPort("0.0.0.0:18001")}},
-				listener.RoleCaptureUDP: {{Addr: netip.MustParseAddrPort("0.0.0.0:18001"), UDP: true}},
-				listener.RoleInbound:    {{Addr: netip.MustParseAddrPort("0.0.0.0:18008")}},
-			},
-		},
-		{
-			name: "ipv4-strict",
-			pod: func() listener.Pod {
-				p := pod("10.0.0.2")
 				p.InboundPolicy = meshcontract.InboundPolicyStrict
 				return p
 			}(),
