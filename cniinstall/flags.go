@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -38,6 +39,13 @@ type EntryOptions struct {
 	// CaptureFailure is capture_failure: "fail", "open" or "" (the
 	// plugin's default, fail).
 	CaptureFailure string
+	// InboundCapture is capture.inbound_capture: the inbound redirect
+	// every pod needs for a strict inbound policy.
+	InboundCapture bool
+	// InboundPlaintextAllowCIDRs is capture.inbound_plaintext_allow_cidrs:
+	// sources (the node's address: the kubelet's probes) the inbound
+	// redirect leaves alone.
+	InboundPlaintextAllowCIDRs []string
 }
 
 // Entry renders the aether-cni plugin object (one line of JSON, keys in a
@@ -45,7 +53,9 @@ type EntryOptions struct {
 // annotations need.
 func (o EntryOptions) Entry() ([]byte, error) {
 	type capture struct {
-		RedirectAll bool `json:"redirect_all,omitempty"`
+		RedirectAll                bool     `json:"redirect_all,omitempty"`
+		InboundCapture             bool     `json:"inbound_capture,omitempty"`
+		InboundPlaintextAllowCIDRs []string `json:"inbound_plaintext_allow_cidrs,omitempty"`
 	}
 	e := struct {
 		Type         string          `json:"type"`
@@ -56,10 +66,12 @@ func (o EntryOptions) Entry() ([]byte, error) {
 		LogLevel     string          `json:"log_level,omitempty"`
 		Capabilities map[string]bool `json:"capabilities"`
 	}{
-		Type:         PluginType,
-		AgentSocket:  o.AgentSocket,
-		PinDir:       o.PinDir,
-		Capture:      capture{RedirectAll: o.RedirectAll},
+		Type:        PluginType,
+		AgentSocket: o.AgentSocket,
+		PinDir:      o.PinDir,
+		Capture: capture{
+			RedirectAll: o.RedirectAll, InboundCapture: o.InboundCapture, InboundPlaintextAllowCIDRs: o.InboundPlaintextAllowCIDRs,
+		},
 		Failure:      o.CaptureFailure,
 		LogLevel:     o.LogLevel,
 		Capabilities: map[string]bool{"io.kubernetes.cri.pod-annotations": true},
@@ -73,6 +85,13 @@ func (o EntryOptions) Entry() ([]byte, error) {
 	case "", "debug", "info", "warn", "error":
 	default:
 		return nil, fmt.Errorf("invalid plugin log level %q: must be debug, info, warn or error", o.LogLevel)
+	}
+	for _, c := range o.InboundPlaintextAllowCIDRs {
+		if _, err := netip.ParsePrefix(c); err != nil {
+			if _, err := netip.ParseAddr(c); err != nil {
+				return nil, fmt.Errorf("invalid inbound plaintext allow CIDR %q: must be an IPv4 or IPv6 CIDR or address, such as the node's 192.0.2.10", c)
+			}
+		}
 	}
 	switch o.CaptureFailure {
 	case "", "fail", "open":
@@ -112,6 +131,9 @@ func ParseFlags(args []string, out io.Writer) (*Options, error) {
 	fs.StringVar(&entry.PinDir, "netns-pin-dir", DefaultPinDir, "netns_pin_dir of the chained aether-cni entry")
 	fs.BoolVar(&entry.RedirectAll, "redirect-all", true, "capture.redirect_all of the chained aether-cni entry")
 	fs.StringVar(&entry.CaptureFailure, "capture-failure", "", "capture_failure of the chained aether-cni entry: fail (a pod whose divert or readiness probe fails does not start) or open (it starts uncaptured); empty = the plugin's default, fail")
+	fs.BoolVar(&entry.InboundCapture, "inbound-capture", false, "capture.inbound_capture of the chained aether-cni entry: redirect plaintext inbound TCP to the proxy (needed for a strict inbound policy)")
+	var allow string
+	fs.StringVar(&allow, "inbound-plaintext-allow-cidrs", "", "comma-separated capture.inbound_plaintext_allow_cidrs of the chained aether-cni entry: sources the inbound redirect leaves alone (the node's address, for the kubelet's probes)")
 	fs.StringVar(&entry.LogLevel, "plugin-log-level", "", "log_level of the chained aether-cni entry (debug, info, warn, error; empty = plugin default)")
 	fs.StringVar(&pluginConf, "plugin-config", "", "file with the whole aether-cni plugin object (JSON, \"type\": \"aether-cni\"); overrides the entry flags")
 	fs.StringVar(&o.LogLevel, "log-level", "info", "installer log level: debug, info, warn or error")
@@ -124,6 +146,11 @@ func ParseFlags(args []string, out io.Writer) (*Options, error) {
 	}
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments %q: aether-cni-install takes flags only", strings.Join(fs.Args(), " "))
+	}
+	for c := range strings.SplitSeq(allow, ",") {
+		if c = strings.TrimSpace(c); c != "" {
+			entry.InboundPlaintextAllowCIDRs = append(entry.InboundPlaintextAllowCIDRs, c)
+		}
 	}
 	o.Config.Binaries = []string{PluginType}
 	if withVlan {

@@ -31,6 +31,12 @@ func TestParseFlags(t *testing.T) {
 			`{"type":"aether-cni","agent_socket":"/a.sock","netns_pin_dir":"/pins","capture":{},"capture_failure":"open","log_level":"debug","capabilities":{"io.kubernetes.cri.pod-annotations":true}}`,
 		},
 		{
+			"inbound redirect",
+			[]string{"--inbound-capture", "--inbound-plaintext-allow-cidrs=10.88.0.1, fd00::/64"},
+			[]string{"aether-cni"},
+			`{"type":"aether-cni","agent_socket":"/run/aether/agent/cni.sock","netns_pin_dir":"/run/aether/netns","capture":{"redirect_all":true,"inbound_capture":true,"inbound_plaintext_allow_cidrs":["10.88.0.1","fd00::/64"]},"capabilities":{"io.kubernetes.cri.pod-annotations":true}}`,
+		},
+		{
 			"plugin config file, compacted",
 			[]string{"--plugin-config=" + conf},
 			[]string{"aether-cni"},
@@ -53,7 +59,7 @@ func TestParseFlags(t *testing.T) {
 			}
 		})
 	}
-	for _, bad := range [][]string{{"--plugin-log-level=loud"}, {"--netns-pin-dir=rel"}, {"--plugin-config=/nonexistent"}, {"--log-level=trace"}, {"--uninstall-on-exit=sometimes"}, {"--capture-failure=ignore"}} {
+	for _, bad := range [][]string{{"--plugin-log-level=loud"}, {"--netns-pin-dir=rel"}, {"--plugin-config=/nonexistent"}, {"--log-level=trace"}, {"--uninstall-on-exit=sometimes"}, {"--capture-failure=ignore"}, {"--inbound-plaintext-allow-cidrs=node"}} {
 		if _, err := ParseFlags(bad, io.Discard); err == nil {
 			t.Errorf("ParseFlags(%v) succeeded; want an error", bad)
 		}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"aether.io/node/agent/adminapi"
+	"aether.io/node/pkg/meshcontract"
 )
 
 // RunPod is `aetherctl pod <namespace>/<name>`: every record of one pod
@@ -63,6 +64,7 @@ func RunPod(ctx context.Context, args []string, stdout io.Writer) error {
 			{"Healthy:", yesNo(p.Healthy)},
 			{"Uncaptured:", yesNo(p.Uncaptured) + errSuffix(p.UncapturedError)},
 			{"UDS socket:", udsColumn(p)},
+			{"Inbound policy:", inboundPolicy(p)},
 			{"Volumes:", strings.Join(p.Volumes, ", ")},
 			{"Added:", p.AddedAt.Format(time.RFC3339)},
 		}
@@ -126,4 +128,16 @@ func errSuffix(e string) string {
 		return ""
 	}
 	return " (" + e + ")"
+}
+
+// inboundPolicy renders the pod's inbound policy ("-" from an agent that
+// predates it), saying when an invalid annotation made it strict.
+func inboundPolicy(p adminapi.Pod) string {
+	switch {
+	case p.InboundPolicy == "":
+		return "-"
+	case p.InboundPolicyInvalid:
+		return p.InboundPolicy + " (invalid " + meshcontract.InboundPolicyAnnotation + " annotation: served strict)"
+	}
+	return p.InboundPolicy
 }

@@ -59,9 +59,12 @@ func TestRunPod(t *testing.T) {
 			"started": "2026-11-30T09:59:59.9Z", "pre_call": "2ms", "capture_divert": "1ms", "total": "9ms",
 		},
 	}
+	pod.InboundPolicy = "permissive"
 	withID := pod
 	withID.SPIFFEID = "spiffe://cluster.local/ns/shop/sa/web"
 	withID.LastDel = nil
+	invalid := withID
+	invalid.InboundPolicy, invalid.InboundPolicyInvalid = "strict", true
 	for _, tc := range []struct {
 		name, golden string
 		pods         []adminapi.Pod
@@ -70,6 +73,7 @@ func TestRunPod(t *testing.T) {
 	}{
 		{name: "pod with the DEL of an earlier sandbox", golden: "pod.golden", pods: []adminapi.Pod{pod}},
 		{name: "pod with a SPIFFE ID (identity on)", golden: "pod-spiffe.golden", pods: []adminapi.Pod{withID}},
+		{name: "pod with an invalid inbound policy annotation", golden: "pod-policy-invalid.golden", pods: []adminapi.Pod{invalid}},
 		{
 			name: "no record, last DEL known", notFound: &adminapi.NotFound{Error: "no record", LastDel: del},
 			wantErr: "the agent has no record of pod shop/web-1; its last DEL: container cid-old at 2026-11-30T09:59:00Z, pre call 1.2ms",

@@ -36,6 +36,7 @@ var valueSets = []valueSet{
 	{name: "eni-vlan-debug", files: []string{"eni-vlan-debug.yaml"}},
 	{name: "identity", files: []string{"identity.yaml"}},
 	{name: "csi-sidecar", files: []string{"csi-sidecar.yaml"}},
+	{name: "inbound-strict", files: []string{"inbound-strict.yaml"}},
 }
 
 func (v valueSet) paths() []string {
@@ -224,6 +225,8 @@ func TestChartRejects(t *testing.T) {
 		{"plugin log level", "cni:\n  pluginLogLevel: trace\n", `invalid cni.pluginLogLevel "trace"`},
 		{"capture failure", "cni:\n  captureFailure: ignore\n", `invalid cni.captureFailure "ignore"`},
 		{"primary", "cni:\n  primary: calico\n", `invalid cni.primary "calico"`},
+		{"inbound policy", "inboundPolicy: mtls\n", `invalid inboundPolicy "mtls"`},
+		{"strict without inbound capture", "inboundPolicy: strict\n", "invalid inboundPolicy strict without cni.inboundCapture"},
 		{"registry mode", "registry:\n  mode: consul\n", `invalid registry.mode "consul"`},
 		{"etcd without endpoints", "registry:\n  mode: etcd\n  etcd:\n    insecure: true\n", "invalid registry.etcd.endpoints"},
 		{"etcd without TLS or insecure", "registry:\n  mode: etcd\n  etcd:\n    endpoints: [https://e:2379]\n", "no tlsSecret.name and insecure is false"},

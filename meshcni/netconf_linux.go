@@ -61,6 +61,14 @@ const (
 	// AnnotationExcludeCIDRs is a comma-separated list of IPv4/IPv6 CIDRs
 	// (a bare address means /32 or /128).
 	AnnotationExcludeCIDRs = "capture.aether.io/exclude-outbound-ip-ranges"
+	// AnnotationExcludeInboundPorts is a comma-separated list of
+	// destination ports the inbound redirect leaves alone.
+	AnnotationExcludeInboundPorts = "capture.aether.io/exclude-inbound-ports"
+	// AnnotationInboundPolicy is the pod's inbound policy (the agent
+	// enforces it); any value but "permissive" turns the inbound redirect
+	// on for the pod, because strict (and an invalid value, which the
+	// agent serves as strict) cannot be enforced without it.
+	AnnotationInboundPolicy = meshcontract.InboundPolicyAnnotation
 )
 
 // CaptureConf is the "capture" section of the netconf.
@@ -89,6 +97,20 @@ type CaptureConf struct {
 	RouteTable *int `json:"route_table,omitempty"`
 	// RulePriority is the ip rule priority (133).
 	RulePriority *int `json:"rule_priority,omitempty"`
+	// InboundCapture turns on the inbound redirect for every pod: TCP
+	// arriving from outside the pod goes to the proxy's inbound listener,
+	// which enforces the pod's inbound policy (off by default; a pod
+	// annotated with a strict policy gets it anyway).
+	InboundCapture bool `json:"inbound_capture,omitempty"`
+	// InboundPort is the proxy's transparent inbound listener (18008).
+	InboundPort *int `json:"inbound_port,omitempty"`
+	// ExcludeInboundPorts are destination ports the inbound redirect
+	// leaves alone (they reach the app in plaintext whatever the policy).
+	ExcludeInboundPorts []int `json:"exclude_inbound_ports,omitempty"`
+	// InboundPlaintextAllowCIDRs are source ranges the inbound redirect
+	// leaves alone: the node's address, so the kubelet's probes reach the
+	// app under a strict policy.
+	InboundPlaintextAllowCIDRs []string `json:"inbound_plaintext_allow_cidrs,omitempty"`
 }
 
 // NetConf is aether-cni's network configuration.
@@ -270,6 +292,7 @@ func ParseConfig(data []byte, requirePrev bool) (*Config, error) {
 		// falls back to the outbound port.
 		c.Capture.Ports = []uint16{out}
 	}
+	c.Capture.OutboundPort = out
 	if err := c.Capture.Normalize().Validate(); err != nil {
 		return nil, cniutil.InvalidConfigf("invalid capture section: %w", err)
 	}
@@ -294,26 +317,25 @@ func parseCapture(cc CaptureConf) (capture.Config, error) {
 	if c.CapturePort, err = port("capture.capture_port", intOr(cc.CapturePort, capture.DefaultCapturePort)); err != nil {
 		return c, err
 	}
-	for _, p := range cc.Ports {
-		v, err := port("capture.ports entry", p)
-		if err != nil {
-			return c, err
-		}
-		c.Ports = append(c.Ports, v)
+	if c.Ports, err = ports("capture.ports", cc.Ports); err != nil {
+		return c, err
 	}
-	for _, p := range cc.ExcludePorts {
-		v, err := port("capture.exclude_ports entry", p)
-		if err != nil {
-			return c, err
-		}
-		c.ExcludePorts = append(c.ExcludePorts, v)
+	if c.ExcludePorts, err = ports("capture.exclude_ports", cc.ExcludePorts); err != nil {
+		return c, err
 	}
-	for _, s := range cc.ExcludeCIDRs {
-		p, err := parseCIDR(s)
-		if err != nil {
-			return c, cniutil.InvalidConfigf("invalid capture.exclude_cidrs entry %q: must be an IPv4 or IPv6 CIDR such as 10.96.0.0/12 or fd00::/8", s)
-		}
-		c.ExcludeCIDRs = append(c.ExcludeCIDRs, p)
+	if c.ExcludeCIDRs, err = cidrs("capture.exclude_cidrs", cc.ExcludeCIDRs, "an IPv4 or IPv6 CIDR such as 10.96.0.0/12 or fd00::/8"); err != nil {
+		return c, err
+	}
+	c.InboundCapture = cc.InboundCapture
+	if c.InboundPort, err = port("capture.inbound_port", intOr(cc.InboundPort, capture.DefaultInboundPort)); err != nil {
+		return c, err
+	}
+	if c.ExcludeInboundPorts, err = ports("capture.exclude_inbound_ports", cc.ExcludeInboundPorts); err != nil {
+		return c, err
+	}
+	if c.InboundAllowCIDRs, err = cidrs("capture.inbound_plaintext_allow_cidrs", cc.InboundPlaintextAllowCIDRs,
+		"an IPv4 or IPv6 CIDR or address, such as the node's 192.0.2.10"); err != nil {
+		return c, err
 	}
 	c.RedirectAll = cc.RedirectAll
 	if cc.BypassMark != nil {
@@ -334,6 +356,33 @@ func parseCapture(cc CaptureConf) (capture.Config, error) {
 		return c, cniutil.InvalidConfigf("invalid capture.bypass_mark/divert_mark 0: marks must be non-zero")
 	}
 	return c, nil
+}
+
+// ports validates the entries of the netconf list field.
+func ports(field string, in []int) ([]uint16, error) {
+	var out []uint16
+	for _, p := range in {
+		v, err := port(field+" entry", p)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, v)
+	}
+	return out, nil
+}
+
+// cidrs parses the entries of the netconf list field; want says what an
+// entry must be.
+func cidrs(field string, in []string, want string) ([]netip.Prefix, error) {
+	var out []netip.Prefix
+	for _, s := range in {
+		p, err := parseCIDR(s)
+		if err != nil {
+			return nil, cniutil.InvalidConfigf("invalid %s entry %q: must be %s", field, s, want)
+		}
+		out = append(out, p)
+	}
+	return out, nil
 }
 
 func parseCIDR(s string) (netip.Prefix, error) {
@@ -360,7 +409,13 @@ func (c *Config) PodCapture(annotations map[string]string) (capture.Config, []st
 	pc.Ports = append([]uint16(nil), c.Capture.Ports...)
 	pc.ExcludePorts = append([]uint16(nil), c.Capture.ExcludePorts...)
 	pc.ExcludeCIDRs = append([]netip.Prefix(nil), c.Capture.ExcludeCIDRs...)
+	pc.ExcludeInboundPorts = append([]uint16(nil), c.Capture.ExcludeInboundPorts...)
 	var warn []string
+	// Strict (or an invalid value, served strict) needs the redirect; the
+	// agent's default policy is not known here (see README).
+	if p, _ := meshcontract.InboundPolicyOf(annotations, meshcontract.InboundPolicyPermissive); p == meshcontract.InboundPolicyStrict {
+		pc.InboundCapture = true
+	}
 	switch v := annotations[AnnotationRedirectAll]; v {
 	case "true":
 		pc.RedirectAll = true
@@ -370,14 +425,8 @@ func (c *Config) PodCapture(annotations map[string]string) (capture.Config, []st
 	default:
 		warn = append(warn, fmt.Sprintf("annotation %s=%q ignored: want true or false", AnnotationRedirectAll, v))
 	}
-	for _, f := range splitList(annotations[AnnotationExcludePorts]) {
-		v, err := strconv.Atoi(f)
-		if err != nil || v < 1 || v > 65535 {
-			warn = append(warn, fmt.Sprintf("annotation %s entry %q ignored: want a port 1-65535", AnnotationExcludePorts, f))
-			continue
-		}
-		pc.ExcludePorts = append(pc.ExcludePorts, uint16(v))
-	}
+	pc.ExcludePorts = annotationPorts(pc.ExcludePorts, annotations, AnnotationExcludePorts, &warn)
+	pc.ExcludeInboundPorts = annotationPorts(pc.ExcludeInboundPorts, annotations, AnnotationExcludeInboundPorts, &warn)
 	for _, f := range splitList(annotations[AnnotationExcludeCIDRs]) {
 		p, err := parseCIDR(f)
 		if err != nil {
@@ -387,6 +436,20 @@ func (c *Config) PodCapture(annotations map[string]string) (capture.Config, []st
 		pc.ExcludeCIDRs = append(pc.ExcludeCIDRs, p)
 	}
 	return pc.Normalize(), warn
+}
+
+// annotationPorts appends to ports the ports listed in annotation key; a
+// malformed entry is skipped with a warning.
+func annotationPorts(ports []uint16, annotations map[string]string, key string, warn *[]string) []uint16 {
+	for _, f := range splitList(annotations[key]) {
+		v, err := strconv.Atoi(f)
+		if err != nil || v < 1 || v > 65535 {
+			*warn = append(*warn, fmt.Sprintf("annotation %s entry %q ignored: want a port 1-65535", key, f))
+			continue
+		}
+		ports = append(ports, uint16(v))
+	}
+	return ports
 }
 
 func splitList(s string) []string {

@@ -37,6 +37,11 @@ func TestParseConfig(t *testing.T) {
 		{"bad log level", `{"log_level":"loud"}`, false, "log_level"},
 		{"capture_failure open", `{"capture_failure":"open"}`, false, ""},
 		{"bad capture_failure", `{"capture_failure":"ignore"}`, false, `invalid capture_failure "ignore": must be "fail"`},
+		{"inbound capture", `{"capture":{"inbound_capture":true,"exclude_inbound_ports":[9090],"inbound_plaintext_allow_cidrs":["192.0.2.10","fd00::/64"]}}`, false, ""},
+		{"bad inbound port", `{"capture":{"inbound_port":0}}`, false, "capture.inbound_port 0"},
+		{"inbound port is the capture port", `{"capture":{"inbound_capture":true,"inbound_port":18001}}`, false, "inbound port 18001 must differ"},
+		{"bad excluded inbound port", `{"capture":{"exclude_inbound_ports":[0]}}`, false, "capture.exclude_inbound_ports entry 0"},
+		{"bad allowed source", `{"capture":{"inbound_plaintext_allow_cidrs":["node"]}}`, false, "capture.inbound_plaintext_allow_cidrs entry \"node\""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := ParseConfig([]byte(tc.conf), tc.requirePrev)
@@ -68,6 +73,59 @@ func TestDefaults(t *testing.T) {
 	}
 	if !slices.Equal(c.Capture.Ports, []uint16{18081}) || c.Capture.RedirectAll || c.Capture.CapturePort != 18001 {
 		t.Fatalf("capture defaults: %+v", c.Capture)
+	}
+	// The inbound redirect is off by default (compatibility: see README).
+	if c.Capture.InboundCapture || c.Capture.InboundPort != 18008 || len(c.Capture.InboundAllowCIDRs) != 0 {
+		t.Fatalf("inbound defaults: %+v", c.Capture)
+	}
+}
+
+// TestPodInboundCapture: the netconf turns the inbound redirect on for
+// every pod; a pod whose policy annotation is anything but permissive gets
+// it anyway (strict, or an invalid value the agent serves as strict); the
+// exclude-inbound-ports annotation adds to the netconf's list.
+func TestPodInboundCapture(t *testing.T) {
+	off, err := ParseConfig([]byte(`{}`), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	on, err := ParseConfig([]byte(`{"capture":{"inbound_capture":true,"exclude_inbound_ports":[22],"inbound_plaintext_allow_cidrs":["192.0.2.10"]}}`), false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name   string
+		c      *Config
+		policy string // "" = no annotation
+		want   bool
+	}{
+		{"netconf off", off, "", false},
+		{"netconf off, permissive", off, "permissive", false},
+		{"netconf off, strict", off, "strict", true},
+		{"netconf off, invalid", off, "strcit", true},
+		{"netconf on", on, "", true},
+		{"netconf on, permissive", on, "permissive", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ann := map[string]string{}
+			if tc.policy != "" {
+				ann[AnnotationInboundPolicy] = tc.policy
+			}
+			pc, _ := tc.c.PodCapture(ann)
+			if pc.InboundCapture != tc.want {
+				t.Errorf("inbound capture = %v, want %v", pc.InboundCapture, tc.want)
+			}
+		})
+	}
+	pc, warns := on.PodCapture(map[string]string{AnnotationExcludeInboundPorts: "9090, x"})
+	if !slices.Equal(pc.ExcludeInboundPorts, []uint16{22, 9090}) || len(warns) != 1 {
+		t.Errorf("exclude inbound ports = %v, warnings %q; want [22 9090] and one warning", pc.ExcludeInboundPorts, warns)
+	}
+	if !slices.Equal(pc.InboundAllowCIDRs, []netip.Prefix{netip.MustParsePrefix("192.0.2.10/32")}) {
+		t.Errorf("allowed sources = %v", pc.InboundAllowCIDRs)
+	}
+	if len(on.Capture.ExcludeInboundPorts) != 1 {
+		t.Errorf("node config mutated: %+v", on.Capture)
 	}
 }
 

@@ -49,7 +49,14 @@ type Pod struct {
 	Volumes         []string          `json:"volumes,omitempty"`
 	UDSCSIVolume    string            `json:"uds_csi_volume,omitempty"`
 	UDSCSIVolumes   uint32            `json:"uds_csi_volumes,omitempty"`
-	AddedAt         time.Time         `json:"added_at"`
+	// InboundPolicy is what the pod's proxy does with plaintext inbound
+	// connections: permissive or strict (the pod's aether.io/inbound-policy
+	// annotation, else the agent's --inbound-policy); empty from an agent
+	// that predates it. InboundPolicyInvalid: the annotation is invalid
+	// and the pod is served strict.
+	InboundPolicy        string    `json:"inbound_policy,omitempty"`
+	InboundPolicyInvalid bool      `json:"inbound_policy_invalid,omitempty"`
+	AddedAt              time.Time `json:"added_at"`
 	// LastTimings are the plugin's timings of the last ADD (AddPod's,
 	// completed by ReportAddResult).
 	LastTimings map[string]string `json:"last_timings,omitempty"`

@@ -95,6 +95,7 @@ type agent struct {
 func newAgent(c *Config, log *slog.Logger) *agent {
 	a := &agent{c: c, log: log, metrics: telemetry.NewMetrics(), lc: lifecycle.New(log, c.ShutdownTimeout), synced: make(chan struct{})}
 	a.nodeRes = newNodeXDS(c, log)
+	a.nodeRes.listeners.invalidPolicy = a.metrics.InboundPolicyInvalid
 	if c.CA != nil {
 		a.svids = identity.NewStore(c.CA, c.SVIDTTL, time.Now)
 		a.svids.SetCA(c.CA, c.CAAnchors)
@@ -253,7 +254,7 @@ func (a *agent) listenAdmin() (net.Listener, lifecycle.Server, error) {
 	if err != nil {
 		return nil, lifecycle.Server{}, err
 	}
-	opts := adminhandler.Options{AllowedUIDs: a.c.AllowedUIDs, Rejected: a.metrics.PeerRejected.WithLabelValues(telemetry.SocketAdmin), Logger: a.log}
+	opts := adminhandler.Options{AllowedUIDs: a.c.AllowedUIDs, Rejected: a.metrics.PeerRejected.WithLabelValues(telemetry.SocketAdmin), Logger: a.log, InboundPolicy: a.c.InboundPolicy}
 	if a.c.CA != nil {
 		opts.TrustDomain = a.c.CA.Bundle().TrustDomain()
 	}

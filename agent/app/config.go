@@ -91,6 +91,9 @@ type Config struct {
 	SVIDTTL time.Duration
 	// WorkloadAPISocket serves the SPIFFE Workload API when identity is on.
 	WorkloadAPISocket string
+	// InboundPolicy is the inbound policy of a pod without a valid
+	// meshcontract.InboundPolicyAnnotation: permissive or strict.
+	InboundPolicy string
 }
 
 // MinSVIDTTL is the shortest --svid-ttl: X.509 validity has a precision of
@@ -150,6 +153,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.DurationVar(&c.CAReloadInterval, "ca-reload-interval", 10*time.Second, "how often --ca-cert, --ca-key and --ca-trust-bundle are read again; a changed CA re-mints every SVID, a changed bundle is pushed at once (0 = never)")
 	fs.DurationVar(&c.SVIDTTL, "svid-ttl", 4*time.Hour, "lifetime of each X.509-SVID; SVIDs rotate at half of it (at least "+MinSVIDTTL.String()+")")
 	fs.StringVar(&c.WorkloadAPISocket, "workload-api-socket", SocketDir+"/workload.sock", "unix socket serving the SPIFFE Workload API (X.509-SVIDs of this node's managed pods) to aether-proxy, mode 0600, --allowed-uids; served only with --ca-cert")
+	fs.StringVar(&c.InboundPolicy, "inbound-policy", meshcontract.InboundPolicyPermissive, "inbound policy of a pod without a valid "+meshcontract.InboundPolicyAnnotation+" annotation: permissive (plaintext delivered too) or strict (only HBONE; needs aether-cni's capture.inbound_capture); an invalid annotation is served strict")
 	fs.StringVar(&locality, "locality", "", "node locality region/zone/subzone; empty reads the Node's topology labels (Kubernetes source only)")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: aether-agent [flags]\n\nThe aether node agent: serves aether.cni.v1.CNIService, keeps durable pod records\nand registers mesh-managed pods' endpoints.\n\nFlags:\n")
@@ -199,6 +203,9 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 		}
 	default:
 		return nil, fmt.Errorf("invalid --registry %q: want local or etcd", c.Registry)
+	}
+	if !meshcontract.ValidInboundPolicy(c.InboundPolicy) {
+		return nil, fmt.Errorf("invalid --inbound-policy %q: want %s or %s", c.InboundPolicy, meshcontract.InboundPolicyPermissive, meshcontract.InboundPolicyStrict)
 	}
 	if err := c.checkXDSAddress(); err != nil {
 		return nil, err

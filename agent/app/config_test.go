@@ -23,7 +23,8 @@ func TestParseFlags(t *testing.T) {
 		t.Fatal(err)
 	}
 	if len(c.AllowedUIDs) != 2 || c.AllowedUIDs[1] != 1000 || strings.Join(c.SystemNamespaces, ",") != "a,b" ||
-		c.Locality != (registry.Locality{Region: "r", Zone: "z"}) || c.CNISocket != "/run/aether/agent/cni.sock" || c.NodeName != "n1" {
+		c.Locality != (registry.Locality{Region: "r", Zone: "z"}) || c.CNISocket != "/run/aether/agent/cni.sock" || c.NodeName != "n1" ||
+		c.InboundPolicy != "permissive" {
 		t.Fatalf("config = %+v", c)
 	}
 	for _, tc := range []struct {
@@ -35,6 +36,7 @@ func TestParseFlags(t *testing.T) {
 		{[]string{"--locality", "a/b/c/d"}, "invalid --locality"},
 		{[]string{"--node-name", ""}, "invalid --node-name"},
 		{[]string{"extra"}, "unexpected arguments"},
+		{[]string{"--inbound-policy", "mtls"}, `invalid --inbound-policy "mtls": want permissive or strict`},
 		{[]string{"--liveness-interval", "0s"}, "must be positive"},
 		{[]string{"--registry=etcd", "--etcd-endpoints", "http://10.0.0.1:2379"}, `endpoint "http://10.0.0.1:2379" is http://`},
 		{[]string{"--registry=etcd", "--etcd-endpoints", "http://10.0.0.1:2379"}, "pass --etcd-insecure"},

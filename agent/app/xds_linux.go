@@ -16,6 +16,7 @@ import (
 	cachev3 "github.com/envoyproxy/go-control-plane/pkg/cache/types"
 	linearcache "github.com/envoyproxy/go-control-plane/pkg/cache/v3"
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
@@ -25,6 +26,7 @@ import (
 	"aether.io/node/agent/uds"
 	cniv1 "aether.io/node/api/aether/cni/v1"
 	"aether.io/node/pkg/lifecycle"
+	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/registry"
 	"aether.io/node/xds/listener"
 	"aether.io/node/xds/resource"
@@ -41,6 +43,10 @@ type listenerSync struct {
 	// udsRoot resolves each pod's UDS socket (--uds-csi-root).
 	udsRoot string
 	log     *slog.Logger
+	// defaultPolicy is --inbound-policy ("" = permissive); invalidPolicy,
+	// when set, counts builds of pods with an invalid policy annotation.
+	defaultPolicy string
+	invalidPolicy prometheus.Counter
 
 	mu       sync.Mutex
 	sent     map[string]string            // container ID -> listenerInput of the published listeners
@@ -71,7 +77,8 @@ func newListenerSync(ports listener.Ports, udsRoot string, log *slog.Logger) *li
 // nothing.
 func (l *listenerSync) listenerInput(p *cniv1.CNIPod) string {
 	var b strings.Builder
-	for _, s := range []string{p.GetContainerId(), p.GetNamespace(), p.GetName(), p.GetUid(), p.GetNetworkNamespace(), l.udsSocket(p)} {
+	policy, _ := l.inboundPolicy(p)
+	for _, s := range []string{p.GetContainerId(), p.GetNamespace(), p.GetName(), p.GetUid(), p.GetNetworkNamespace(), l.udsSocket(p), policy} {
 		b.WriteString(s)
 		b.WriteByte(0)
 	}
@@ -93,7 +100,25 @@ func (l *listenerSync) udsSocket(p *cniv1.CNIPod) string {
 	return sock
 }
 
+// inboundPolicy is the pod's inbound policy: its annotation, else the
+// agent's default; invalid reports an annotation served strict.
+func (l *listenerSync) inboundPolicy(p *cniv1.CNIPod) (policy string, invalid bool) {
+	def := l.defaultPolicy
+	if def == "" {
+		def = meshcontract.InboundPolicyPermissive
+	}
+	return meshcontract.InboundPolicyOf(p.GetAnnotations(), def)
+}
+
 func (l *listenerSync) build(p *cniv1.CNIPod) ([]*listenerv3.Listener, error) {
+	policy, invalid := l.inboundPolicy(p)
+	if invalid {
+		l.log.Warn("invalid inbound policy annotation; serving the pod strict", "namespace", p.GetNamespace(), "name", p.GetName(),
+			"annotation", meshcontract.InboundPolicyAnnotation, "value", p.GetAnnotations()[meshcontract.InboundPolicyAnnotation])
+		if l.invalidPolicy != nil {
+			l.invalidPolicy.Inc()
+		}
+	}
 	ips := make([]netip.Addr, 0, len(p.GetIps()))
 	for _, s := range p.GetIps() {
 		if a, err := netip.ParseAddr(s); err == nil {
@@ -103,6 +128,7 @@ func (l *listenerSync) build(p *cniv1.CNIPod) ([]*listenerv3.Listener, error) {
 	return listener.Build(listener.Pod{
 		ContainerID: p.GetContainerId(), Namespace: p.GetNamespace(), Name: p.GetName(), UID: p.GetUid(),
 		NetNSPath: p.GetNetworkNamespace(), IPs: ips, Ports: l.ports, UDSSocket: l.udsSocket(p),
+		InboundPolicy: policy,
 	})
 }
 
@@ -242,6 +268,7 @@ func (n *nodeXDS) RecordRemoved(key string) {
 
 func newNodeXDS(c *Config, log *slog.Logger) *nodeXDS {
 	n := &nodeXDS{listeners: newListenerSync(listener.Ports{}, c.UDSRoot, log.With("component", "lds"))}
+	n.listeners.defaultPolicy = c.InboundPolicy
 	if c.CA != nil {
 		n.accounts = newPodAccounts()
 	}

@@ -72,6 +72,9 @@ type Metrics struct {
 	CAReloads prometheus.Counter
 	// CAReloadFailures counts changed CA files that did not validate.
 	CAReloadFailures prometheus.Counter
+	// InboundPolicyInvalid counts pod listener builds whose inbound policy
+	// annotation was invalid (the pod is served strict).
+	InboundPolicyInvalid prometheus.Counter
 }
 
 // NewMetrics registers every metric (with zero values for known labels) on
@@ -135,10 +138,14 @@ func NewMetrics() *Metrics {
 			Name: "aether_agent_identity_ca_reload_failures_total",
 			Help: "Changed CA files that did not validate (the CA in use is kept).",
 		}),
+		InboundPolicyInvalid: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "aether_agent_inbound_policy_invalid_total",
+			Help: "Pod listener builds whose aether.io/inbound-policy annotation is neither permissive nor strict: the pod is served strict.",
+		}),
 	}
 	m.Registry.MustRegister(m.Operations, m.Quarantined, m.PeerRejected, m.UDSRefusals, m.PodLookupRetry, m.Pods,
 		m.PendingDeregistrations, m.RegistryGhostsDeleted, m.RegistryReregistered,
-		m.SVIDs, m.SVIDRotations, m.SVIDMintFailures, m.CAReloads, m.CAReloadFailures,
+		m.SVIDs, m.SVIDRotations, m.SVIDMintFailures, m.CAReloads, m.CAReloadFailures, m.InboundPolicyInvalid,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for _, op := range []string{OpAddPod, OpRemovePod, OpReadinessProbe, OpCaptureDivert} {
 		for _, r := range []string{ResultSuccess, ResultError} {

@@ -2,6 +2,7 @@ package capture_test
 
 import (
 	"bytes"
+	"net/netip"
 	"os/exec"
 	"strings"
 	"testing"
@@ -27,6 +28,15 @@ func BenchmarkCaptureInstall(b *testing.B) {
 	}
 	b.Run("ours", func(b *testing.B) {
 		run(b, func(ns *harness.FdNS) error { return capture.InstallFd(ns.Fd, rs) })
+	})
+	// With the inbound redirect (the peer's ruleset redirects inbound
+	// plaintext too): one more chain and a dozen rules in the same batch.
+	inbound := capture.Build(capture.Config{
+		RedirectAll: true, ExcludePorts: []uint16{22, 3306}, InboundCapture: true,
+		InboundAllowCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.1/32")},
+	})
+	b.Run("ours_inbound", func(b *testing.B) {
+		run(b, func(ns *harness.FdNS) error { return capture.InstallFd(ns.Fd, inbound) })
 	})
 	// A retried ADD (issue: replacing must cost no more than a fresh
 	// install): the namespace already holds the divert of the first attempt,

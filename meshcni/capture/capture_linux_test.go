@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -104,6 +105,15 @@ var goldenConfigs = map[string]capture.Config{
 	"scoped-ports-custom-marks": {
 		CapturePort: 19001, Ports: []uint16{443, 80}, BypassMark: 0x10, DivertMark: 0x20,
 		RouteTable: 200, RulePriority: 1000,
+	},
+	"inbound-default": {Ports: []uint16{capture.DefaultOutboundPort}, InboundCapture: true},
+	"inbound-excluded": {
+		RedirectAll: true, InboundCapture: true, InboundPort: 19008,
+		ExcludeInboundPorts: []uint16{9090, 22, 22},
+		InboundAllowCIDRs: []netip.Prefix{
+			netip.MustParsePrefix("192.168.0.0/16"), netip.MustParsePrefix("10.77.0.1/32"),
+			netip.MustParsePrefix("fd77::1/128"),
+		},
 	},
 }
 
@@ -411,4 +421,107 @@ func TestRemoveLeavesNothing(t *testing.T) {
 	if after := snapshot(); after != before {
 		t.Fatalf("remove after a half install left state behind:\n--- before\n%s\n--- after\n%s", before, after)
 	}
+}
+
+// TestInboundRedirect checks where TCP arriving at a pod with the inbound
+// redirect lands: plaintext from outside on the transparent inbound listener
+// with the original destination as its local address; HBONE (15008), an
+// excluded port and an allowed source (the kubelet's) at the app directly;
+// the pod's own traffic on lo and the replies of its outbound connections
+// untouched. Without an inbound listener the connection is dropped, never
+// delivered to the app; Remove restores direct delivery.
+func TestInboundRedirect(t *testing.T) {
+	pod, remote := topology(t)
+	cfg := capture.Config{
+		Ports: []uint16{capture.DefaultOutboundPort}, InboundCapture: true,
+		ExcludeInboundPorts: []uint16{9999},
+		InboundAllowCIDRs:   []netip.Prefix{netip.MustParsePrefix("10.78.0.1/32"), netip.MustParsePrefix("fd78::1/128")},
+	}
+	rs := capture.Build(cfg)
+	if err := (capture.Installer{}).Install(pod.Path(), rs); err != nil {
+		t.Fatal(err)
+	}
+	sink := capturetest.NewSink()
+	both := []string{"tcp4", "tcp6"}
+	for _, port := range []uint16{8080, 9999} {
+		capturetest.Listen(t, pod, sink, "app", port, false, both...)
+	}
+	capturetest.Listen(t, pod, sink, "hbone", capture.DefaultHBONEPort, false, both...)
+	capturetest.Listen(t, remote, sink, "remote", 80, false, both...)
+
+	// The inbound listener is bound (and closed) by the subtest that
+	// needs it, so the drop without a listener is tested first.
+	send := func(t *testing.T, from *harness.NS, src netip.Addr, dst, want string) {
+		t.Helper()
+		payload := fmt.Sprintf("%s-%s-%s", t.Name(), src, dst)
+		d := netip.MustParseAddrPort(dst)
+		if err := capturetest.SendFrom(from, "tcp", src, d, payload, 0); err != nil {
+			t.Errorf("from %s to %s: %v", src, dst, err)
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		got, err := sink.Wait(ctx, payload)
+		if err != nil {
+			t.Errorf("from %s to %s: %v", src, dst, err)
+			return
+		}
+		if got.Listener != want {
+			t.Errorf("from %s to %s landed on %s, want %s", src, dst, got.Listener, want)
+		}
+		if got.Dst != d {
+			t.Errorf("from %s to %s: %s saw local address %s, want the original destination", src, dst, got.Listener, got.Dst)
+		}
+	}
+	t.Run("no-listener-drops", func(t *testing.T) {
+		for _, dst := range []string{"10.77.0.2:8080", "[fd77::2]:8080"} {
+			payload := "dropped-" + dst
+			var err error
+			remote.MustDo(t, func() error {
+				d := net.Dialer{Timeout: 300 * time.Millisecond}
+				var c net.Conn
+				if c, err = d.Dial("tcp", dst); err == nil {
+					_, _ = c.Write([]byte(payload))
+					c.Close()
+				}
+				return nil
+			})
+			if err == nil {
+				t.Errorf("connection to %s without an inbound listener succeeded; want it dropped", dst)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+			if got, err := sink.Wait(ctx, payload); err == nil {
+				t.Errorf("%s reached %s past the inbound redirect", dst, got.Listener)
+			}
+			cancel()
+		}
+	})
+	t.Run("redirected", func(t *testing.T) {
+		capturetest.Listen(t, pod, sink, "inbound", capture.DefaultInboundPort, true, both...)
+		none := netip.Addr{}
+		send(t, remote, none, "10.77.0.2:8080", "inbound")
+		send(t, remote, none, "[fd77::2]:8080", "inbound")
+		send(t, remote, none, "10.77.0.2:9999", "app")    // excluded port
+		send(t, remote, none, "[fd77::2]:9999", "app")    // excluded port
+		send(t, remote, none, "10.77.0.2:15008", "hbone") // HBONE
+		send(t, remote, none, "[fd77::2]:15008", "hbone")
+		send(t, remote, netip.MustParseAddr("10.78.0.1"), "10.77.0.2:8080", "app") // allowed source
+		send(t, remote, netip.MustParseAddr("fd78::1"), "[fd77::2]:8080", "app")
+		// The pod's own traffic: on lo, and the replies of its outbound
+		// connections (Send waits for the remote's answer).
+		send(t, pod, none, "10.77.0.2:8080", "app")
+		send(t, pod, none, "[fd77::2]:8080", "app")
+		send(t, pod, none, "10.77.0.1:80", "remote")
+		send(t, pod, none, "[fd77::1]:80", "remote")
+	})
+	if t.Failed() {
+		return
+	}
+	if err := (capture.Installer{}).Remove(pod.Path(), rs.Config); err != nil {
+		t.Fatal(err)
+	}
+	t.Run("removed", func(t *testing.T) {
+		send(t, remote, netip.Addr{}, "10.77.0.2:8080", "app")
+		send(t, remote, netip.Addr{}, "[fd77::2]:8080", "app")
+	})
 }

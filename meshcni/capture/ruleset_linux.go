@@ -24,8 +24,12 @@ const (
 	// DefaultOutboundPort is the proxy's outbound listener on 127.0.0.1; it
 	// serves the readiness endpoint and is the port captured in scoped mode.
 	DefaultOutboundPort = meshcontract.OutboundPort
-	// DefaultInboundPort is the proxy's inbound listener (never diverted).
+	// DefaultInboundPort is the proxy's inbound listener: never diverted
+	// outbound; with InboundCapture, plaintext inbound TCP is TPROXYed to it.
 	DefaultInboundPort = meshcontract.InboundPort
+	// DefaultHBONEPort is the proxy's HBONE listener in the pod
+	// (proxy/hbone.DefaultPort): inbound HBONE is never redirected.
+	DefaultHBONEPort = 15008
 	// DefaultBypassMark is the SO_MARK the proxy puts on its own upstream
 	// sockets; packets carrying it are never diverted.
 	DefaultBypassMark = meshcontract.BypassMark
@@ -68,6 +72,28 @@ type Config struct {
 	RouteTable int
 	// RulePriority is the priority of the fwmark ip rules.
 	RulePriority int
+
+	// InboundCapture turns the inbound redirect on: TCP arriving at the
+	// pod from outside (not on lo, not a reply, not to HBONEPort, the
+	// proxy's own ports or ExcludeInboundPorts, not from
+	// InboundAllowCIDRs) is TPROXYed to InboundPort, and dropped while no
+	// transparent listener is bound there.
+	InboundCapture bool
+	// InboundPort is the proxy's (transparent) inbound listener port.
+	InboundPort uint16
+	// OutboundPort is the proxy's outbound listener port; with
+	// CapturePort, InboundPort and HBONEPort it is never redirected
+	// inbound.
+	OutboundPort uint16
+	// HBONEPort is the proxy's HBONE port: inbound HBONE is never
+	// redirected.
+	HBONEPort uint16
+	// ExcludeInboundPorts are destination ports whose inbound TCP is never
+	// redirected (it reaches the app directly, whatever the policy).
+	ExcludeInboundPorts []uint16
+	// InboundAllowCIDRs are source ranges whose inbound TCP is never
+	// redirected (the kubelet's probes come from the node's address).
+	InboundAllowCIDRs []netip.Prefix
 }
 
 // Normalize fills defaults and sorts and de-duplicates the lists, so equal
@@ -88,11 +114,29 @@ func (c Config) Normalize() Config {
 	if c.RulePriority == 0 {
 		c.RulePriority = DefaultRulePriority
 	}
+	if c.InboundPort == 0 {
+		c.InboundPort = DefaultInboundPort
+	}
+	if c.OutboundPort == 0 {
+		c.OutboundPort = DefaultOutboundPort
+	}
+	if c.HBONEPort == 0 {
+		c.HBONEPort = DefaultHBONEPort
+	}
 	c.Ports = sortedPorts(c.Ports)
 	c.ExcludePorts = sortedPorts(c.ExcludePorts)
-	cidrs := make([]netip.Prefix, 0, len(c.ExcludeCIDRs))
-	for _, p := range c.ExcludeCIDRs {
-		cidrs = append(cidrs, p.Masked())
+	c.ExcludeInboundPorts = sortedPorts(c.ExcludeInboundPorts)
+	c.ExcludeCIDRs = sortedPrefixes(c.ExcludeCIDRs)
+	c.InboundAllowCIDRs = sortedPrefixes(c.InboundAllowCIDRs)
+	return c
+}
+
+// sortedPrefixes returns the masked prefixes of p, sorted, without
+// duplicates.
+func sortedPrefixes(p []netip.Prefix) []netip.Prefix {
+	cidrs := make([]netip.Prefix, 0, len(p))
+	for _, x := range p {
+		cidrs = append(cidrs, x.Masked())
 	}
 	slices.SortFunc(cidrs, func(a, b netip.Prefix) int {
 		if r := a.Addr().Compare(b.Addr()); r != 0 {
@@ -100,8 +144,7 @@ func (c Config) Normalize() Config {
 		}
 		return a.Bits() - b.Bits()
 	})
-	c.ExcludeCIDRs = slices.Compact(cidrs)
-	return c
+	return slices.Compact(cidrs)
 }
 
 func sortedPorts(p []uint16) []uint16 {
@@ -125,6 +168,9 @@ func (c Config) Validate() error {
 		if p == 0 {
 			return fmt.Errorf("capture port 0 is not a port: use 1-65535")
 		}
+	}
+	if c.InboundCapture && (c.InboundPort == c.CapturePort || c.InboundPort == c.HBONEPort) {
+		return fmt.Errorf("inbound port %d must differ from the capture port %d and the HBONE port %d", c.InboundPort, c.CapturePort, c.HBONEPort)
 	}
 	return nil
 }
@@ -218,11 +264,19 @@ func (b *ruleBuilder) thDport(port uint16) *ruleBuilder {
 		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: be16(port)})
 }
 
-func (b *ruleBuilder) daddrIn(p netip.Prefix) *ruleBuilder {
+func (b *ruleBuilder) daddrIn(p netip.Prefix) *ruleBuilder { return b.addrIn("daddr", p) }
+
+func (b *ruleBuilder) saddrIn(p netip.Prefix) *ruleBuilder { return b.addrIn("saddr", p) }
+
+// addrIn matches the packet's field ("saddr" or "daddr") in p.
+func (b *ruleBuilder) addrIn(field string, p netip.Prefix) *ruleBuilder {
 	family, off, ln := "ip", uint32(16), uint32(4)
 	var proto byte = unix.NFPROTO_IPV4
 	if p.Addr().Is6() {
 		family, off, ln, proto = "ip6", 24, 16, unix.NFPROTO_IPV6
+	}
+	if field == "saddr" {
+		off -= ln
 	}
 	b.add("", &expr.Meta{Key: expr.MetaKeyNFPROTO, Register: 1},
 		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{proto}})
@@ -235,15 +289,15 @@ func (b *ruleBuilder) daddrIn(p netip.Prefix) *ruleBuilder {
 		}
 		b.add("", &expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: ln, Mask: mask, Xor: make([]byte, ln)})
 	}
-	text := fmt.Sprintf("%s daddr %s", family, p.Addr())
+	text := fmt.Sprintf("%s %s %s", family, field, p.Addr())
 	if bits < int(ln)*8 {
-		text = fmt.Sprintf("%s daddr %s", family, p)
+		text = fmt.Sprintf("%s %s %s", family, field, p)
 	}
 	return b.add(text, &expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: p.Addr().AsSlice()})
 }
 
 func (b *ruleBuilder) verdict(kind expr.VerdictKind, chain string) *ruleBuilder {
-	text := map[expr.VerdictKind]string{expr.VerdictReturn: "return", expr.VerdictAccept: "accept", expr.VerdictJump: "jump " + chain}[kind]
+	text := map[expr.VerdictKind]string{expr.VerdictReturn: "return", expr.VerdictAccept: "accept", expr.VerdictDrop: "drop", expr.VerdictJump: "jump " + chain}[kind]
 	return b.add(text, &expr.Verdict{Kind: kind, Chain: chain})
 }
 
@@ -325,7 +379,60 @@ func Build(c Config) Ruleset {
 			pre.Rules = append(pre.Rules, b.verdict(expr.VerdictAccept, "").rule())
 		}
 	}
-	return Ruleset{Config: c, Chains: []Chain{output, dv, pre}}
+	chains := []Chain{output, dv, pre}
+	if c.InboundCapture {
+		pre.Rules = append(pre.Rules, new(ruleBuilder).l4proto(unix.IPPROTO_TCP, "tcp").verdict(expr.VerdictJump, inboundChain).rule())
+		chains = []Chain{output, dv, pre, inbound(c)}
+	}
+	return Ruleset{Config: c, Chains: chains}
+}
+
+// inboundChain is the regular chain of the inbound redirect.
+const inboundChain = "inbound"
+
+// inbound is the inbound redirect of c, jumped to from prerouting for TCP:
+// what arrives from outside the pod goes to the proxy's transparent inbound
+// listener, which sees the original destination as its local address.
+func inbound(c Config) Chain {
+	ch := Chain{Name: inboundChain}
+	ret := func(b *ruleBuilder) { ch.Rules = append(ch.Rules, b.verdict(expr.VerdictReturn, "").rule()) }
+	// The pod's own traffic: the proxy's connections to the app and
+	// anything else on loopback.
+	ret(new(ruleBuilder).add(`iifname "lo"`,
+		&expr.Meta{Key: expr.MetaKeyIIFNAME, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: ifname("lo")}))
+	// Replies of the pod's own outbound connections (and of the proxy's
+	// upstream sockets).
+	ret(new(ruleBuilder).add("ct direction reply",
+		&expr.Ct{Key: expr.CtKeyDIRECTION, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{1}}))
+	// HBONE (the proxy's :15008 authenticates it) and the proxy's own
+	// listeners, then the operator's exclusions.
+	for _, port := range sortedPorts([]uint16{c.HBONEPort, c.CapturePort, c.InboundPort, c.OutboundPort}) {
+		ret(new(ruleBuilder).thDport(port))
+	}
+	for _, port := range c.ExcludeInboundPorts {
+		ret(new(ruleBuilder).thDport(port))
+	}
+	for _, p := range c.InboundAllowCIDRs {
+		ret(new(ruleBuilder).saddrIn(p))
+	}
+	for _, fam := range []struct {
+		num  byte
+		name string
+	}{{unix.NFPROTO_IPV4, "ip"}, {unix.NFPROTO_IPV6, "ip6"}} {
+		nfname := map[string]string{"ip": "ipv4", "ip6": "ipv6"}[fam.name]
+		b := new(ruleBuilder).nfproto(fam.num, nfname).l4proto(unix.IPPROTO_TCP, "tcp")
+		b.add(fmt.Sprintf("tproxy %s to :%d", fam.name, c.InboundPort),
+			&expr.Immediate{Register: 1, Data: be16(c.InboundPort)},
+			&expr.TProxy{Family: fam.num, TableFamily: unix.NFPROTO_INET, RegPort: 1})
+		ch.Rules = append(ch.Rules, b.verdict(expr.VerdictAccept, "").rule())
+	}
+	// TPROXY found no transparent listener (the proxy is not serving the
+	// pod): drop rather than let plaintext reach the app past the policy.
+	// The client's SYN retransmits bridge a proxy restart.
+	ch.Rules = append(ch.Rules, new(ruleBuilder).verdict(expr.VerdictDrop, "").rule())
+	return ch
 }
 
 // Text renders the ruleset as nft syntax, followed by the policy routing as

@@ -107,17 +107,29 @@ func (p *pod) dialTCP(ctx context.Context, dst netip.AddrPort) (*net.TCPConn, er
 	return c.(*net.TCPConn), nil
 }
 
-// tcpPair is one proxied connection.
-type tcpPair struct {
-	down, up *net.TCPConn
-	once     sync.Once
+// upstream is the proxy's side towards the destination: a TCP connection,
+// or the app's unix socket (inbound delivery over UDS).
+type upstream interface {
+	net.Conn
+	CloseWrite() error
 }
 
-// abort resets both ends.
+// tcpPair is one proxied connection.
+type tcpPair struct {
+	down *net.TCPConn
+	up   upstream
+	once sync.Once
+}
+
+// abort resets both ends (a unix socket has no reset: it is closed).
 func (t *tcpPair) abort() {
 	t.once.Do(func() {
 		reset(t.down)
-		reset(t.up)
+		if up, ok := t.up.(*net.TCPConn); ok {
+			reset(up)
+		} else {
+			_ = t.up.Close()
+		}
 	})
 }
 
@@ -157,12 +169,13 @@ const accountChunk = 4 << 20
 
 // copyCounted copies src to dst until EOF or an error, reporting progress
 // every accountChunk bytes. ReadFrom of a *net.TCPConn from an
-// *io.LimitedReader over a *net.TCPConn is still splice(2) on Linux.
-func copyCounted(dst, src *net.TCPConn, add func(int64)) (int64, error) {
+// *io.LimitedReader over a *net.TCPConn or *net.UnixConn is still
+// splice(2) on Linux; a unix socket destination copies through a buffer.
+func copyCounted(dst io.Writer, src io.Reader, add func(int64)) (int64, error) {
 	var total int64
 	for {
 		lr := &io.LimitedReader{R: src, N: accountChunk}
-		n, err := dst.ReadFrom(lr)
+		n, err := io.Copy(dst, lr)
 		total += n
 		if n > 0 {
 			add(n)

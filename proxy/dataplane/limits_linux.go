@@ -188,7 +188,11 @@ func (p *pod) closeIdle(timeout time.Duration) {
 	}
 	p.mu.Unlock()
 	for _, t := range pairs {
-		if min(idleFor(t.down), idleFor(t.up)) >= timeout {
+		idle := idleFor(t.down)
+		if up, ok := t.up.(*net.TCPConn); ok { // a unix socket has no TCP_INFO: the client side tells
+			idle = min(idle, idleFor(up))
+		}
+		if idle >= timeout {
 			p.m.metrics.LimitHit(telemetry.LimitTCPIdle)
 			p.log.Debug("closing idle connection", "src", t.down.RemoteAddr().String(), "dst", t.up.RemoteAddr().String(), "timeout", timeout)
 			t.abort()

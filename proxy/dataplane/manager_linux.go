@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
-	"reflect"
 	"slices"
 	"sort"
 	"sync"
@@ -213,7 +212,9 @@ func New(cfg Config, lookup PeerLookup, m *telemetry.Metrics, log *slog.Logger) 
 
 // SetListeners replaces the desired listeners (the proxy's whole LDS state).
 // Pods whose listeners appear are bound, pods whose listeners changed are
-// drained and bound again, pods whose listeners are gone are drained.
+// drained and bound again (a change of the inbound policy alone applies in
+// place, from the next connection), pods whose listeners are gone are
+// drained.
 func (m *Manager) SetListeners(specs []listener.Spec) {
 	byPod := map[string][]listener.Spec{}
 	for _, s := range specs {
@@ -316,7 +317,7 @@ func (m *Manager) reconcile(ctx context.Context) {
 	m.mu.Lock()
 	var drain []*pod
 	for key, p := range m.pods {
-		if want, ok := m.desired[key]; !ok || !reflect.DeepEqual(want, p.specs) {
+		if want, ok := m.desired[key]; !ok || !p.adopt(want) {
 			delete(m.pods, key)
 			m.draining[p] = struct{}{}
 			drain = append(drain, p)
@@ -366,7 +367,7 @@ func (m *Manager) reconcile(ctx context.Context) {
 				m.log.Error("failed to bind pod listeners", "pod_key", s.key, "error", err)
 			}
 			m.failed[s.key] = err.Error()
-		} else if want, ok := m.desired[s.key]; ok && reflect.DeepEqual(want, s.specs) {
+		} else if want, ok := m.desired[s.key]; ok && p.adopt(want) {
 			delete(m.failed, s.key)
 			m.pods[s.key] = p
 			m.log.Info("pod listeners serving", "pod_key", s.key, "namespace", p.namespace, "pod", p.name, "netns", p.netns.path)

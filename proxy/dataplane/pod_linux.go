@@ -45,6 +45,9 @@ type pod struct {
 
 	// tcpConns counts the pod's open TCP connections (MaxConnsPerPod).
 	tcpConns atomic.Int64
+	// strict is the pod's inbound policy (policy_linux.go): true resets
+	// plaintext on the inbound listener. Changed in place by adopt.
+	strict atomic.Bool
 	// flows are the pod's open UDP flows, of both families.
 	flowMu sync.Mutex
 	flows  map[flowKey]*udpFlow
@@ -135,6 +138,7 @@ func (m *Manager) startPod(ctx context.Context, key string, specs []listener.Spe
 		log: m.log.With("pod_key", key, "namespace", specs[0].Namespace, "pod", specs[0].PodName),
 	}
 	p.dialer = net.Dialer{Timeout: m.cfg.ConnectTimeout, Control: markControl(m.cfg.BypassMark)}
+	p.setPolicy(specs)
 	p.ctx, p.cancel = context.WithCancel(ctx)
 	if err := p.bind(); err != nil {
 		p.close()
@@ -264,11 +268,7 @@ func (p *pod) acceptLoop(l *tcpListener) {
 			case listener.RoleCapture:
 				p.proxyTCP(c, l)
 			default:
-				// The inbound listener has no tunnel protocol yet: without
-				// one the intended destination of a connection to :18008 is
-				// unknown, so it is refused with a reset.
-				p.m.metrics.Failed("inbound_no_tunnel")
-				reset(c)
+				p.serveInbound(c, l)
 			}
 		}()
 	}

@@ -22,6 +22,7 @@ import (
 
 	workloadpb "aether.io/node/api/istio/workload"
 	"aether.io/node/meshcni/e2e/agentproc"
+	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/test/harness"
 	"aether.io/node/xds/listener"
 	"aether.io/node/xds/resource"
@@ -44,8 +45,8 @@ func eventually(t *testing.T, what string, cond func() bool) {
 }
 
 // writePod writes a Pod manifest into the agent's pod source; a non-empty
-// deletionTimestamp marks it terminating.
-func writePod(t *testing.T, a *agentproc.Agent, ns, name, uid, deletionTimestamp string) {
+// deletionTimestamp marks it terminating; annotations may be nil.
+func writePod(t *testing.T, a *agentproc.Agent, ns, name, uid, deletionTimestamp string, annotations map[string]string) {
 	t.Helper()
 	meta := map[string]any{
 		// A Deployment's pod as the ReplicaSet controller makes it: a
@@ -58,6 +59,9 @@ func writePod(t *testing.T, a *agentproc.Agent, ns, name, uid, deletionTimestamp
 	}
 	if deletionTimestamp != "" {
 		meta["deletionTimestamp"] = deletionTimestamp
+	}
+	if annotations != nil {
+		meta["annotations"] = annotations
 	}
 	doc := map[string]any{
 		"apiVersion": "v1", "kind": "Pod", "metadata": meta,
@@ -191,7 +195,7 @@ func TestManagedPodOverXDS(t *testing.T) {
 	ldsw := watchLDS(t, filepath.Join(agent.Dir, "run", "lds.sock"))
 
 	podNS := harness.NewNS(t, "pod")
-	writePod(t, agent, "shop", "web-7d9f8c6b5-abcde", "uid-web", "")
+	writePod(t, agent, "shop", "web-7d9f8c6b5-abcde", "uid-web", "", nil)
 	p := harness.Pod{ContainerID: harness.ContainerID(), NetNS: podNS.Path(), Name: "web-7d9f8c6b5-abcde", Namespace: "shop", UID: "uid-web"}
 	res, err := rt.Add(ctx, p)
 	if err != nil {
@@ -226,8 +230,38 @@ func TestManagedPodOverXDS(t *testing.T) {
 		}
 	}
 
+	// The inbound policy follows the pod's annotation (the agent's default
+	// is permissive; an invalid value is served strict).
+	policies := func() map[string]bool {
+		out := map[string]bool{}
+		for _, l := range ldsw.forPod(p.ContainerID) {
+			s, err := listener.Parse(l)
+			if err != nil {
+				t.Fatal(err)
+			}
+			out[s.InboundPolicy] = true
+		}
+		return out
+	}
+	for _, step := range []struct{ annotation, want string }{
+		{"", meshcontract.InboundPolicyPermissive},
+		{meshcontract.InboundPolicyStrict, meshcontract.InboundPolicyStrict},
+		{meshcontract.InboundPolicyPermissive, meshcontract.InboundPolicyPermissive},
+		{"bogus", meshcontract.InboundPolicyStrict},
+	} {
+		var ann map[string]string
+		if step.annotation != "" {
+			ann = map[string]string{meshcontract.InboundPolicyAnnotation: step.annotation}
+			writePod(t, agent, "shop", "web-7d9f8c6b5-abcde", "uid-web", "", ann)
+		}
+		eventually(t, "listeners with inbound policy "+step.want+" after annotation "+step.annotation, func() bool {
+			got := policies()
+			return len(got) == 1 && got[step.want] && len(ldsw.forPod(p.ContainerID)) == len(listener.Roles)
+		})
+	}
+
 	// deletionTimestamp: deregistered, but served UNHEALTHY until DEL.
-	writePod(t, agent, "shop", "web-7d9f8c6b5-abcde", "uid-web", time.Now().UTC().Format(time.RFC3339))
+	writePod(t, agent, "shop", "web-7d9f8c6b5-abcde", "uid-web", time.Now().UTC().Format(time.RFC3339), nil)
 	eventually(t, "terminating workload UNHEALTHY", func() bool {
 		w := find(wds, uid)
 		return w != nil && w.GetStatus() == workloadpb.WorkloadStatus_UNHEALTHY

@@ -13,11 +13,12 @@
 //	outbound    127.0.0.1:18081 (and [::1]:18081 when the pod has IPv6) TCP: readiness endpoint
 //	capture     0.0.0.0:18001 (+ [::]:18001) TCP, transparent: diverted outbound connections
 //	capture-udp 0.0.0.0:18001 (+ [::]:18001) UDP, transparent: diverted outbound datagrams
-//	inbound     0.0.0.0:18008 (+ [::]:18008) TCP: the inbound listener
+//	inbound     0.0.0.0:18008 (+ [::]:18008) TCP, transparent: the inbound listener
 //
 // The pod's identity travels in the listener metadata under the filter
 // metadata key MetadataKey, so the proxy groups listeners per pod without
-// parsing names.
+// parsing names; so do its UDS socket (uds_socket) and its inbound policy
+// (inbound_policy: permissive or strict).
 package listener
 
 import (
@@ -125,6 +126,11 @@ type Pod struct {
 	// resolved from the pod's csi.aether.io volume (seed 000), where
 	// inbound connections are delivered; "" delivers them over TCP.
 	UDSSocket string
+	// InboundPolicy is what the proxy does with a plaintext connection on
+	// the inbound listener: meshcontract.InboundPolicyPermissive delivers
+	// it to the app, meshcontract.InboundPolicyStrict resets it. The agent
+	// decides it (pod annotation, else its default); "" is permissive.
+	InboundPolicy string
 }
 
 // Validate reports a record listeners cannot be built from.
@@ -140,6 +146,9 @@ func (p Pod) Validate() error {
 		return fmt.Errorf("pod %s/%s has no IPs: an unmanaged pod gets no listeners", p.Namespace, p.Name)
 	case p.UDSSocket != "" && !strings.HasPrefix(p.UDSSocket, "/"):
 		return fmt.Errorf("pod %s/%s UDS socket %q must be an absolute path", p.Namespace, p.Name, p.UDSSocket)
+	case p.InboundPolicy != "" && !meshcontract.ValidInboundPolicy(p.InboundPolicy):
+		return fmt.Errorf("pod %s/%s inbound policy %q must be %q or %q", p.Namespace, p.Name, p.InboundPolicy,
+			meshcontract.InboundPolicyPermissive, meshcontract.InboundPolicyStrict)
 	}
 	for _, ip := range p.IPs {
 		if !ip.IsValid() {
@@ -205,6 +214,9 @@ func podMetadata(p Pod, ips []string) *core.Metadata {
 	}
 	if p.UDSSocket != "" {
 		fields["uds_socket"] = structpb.NewStringValue(p.UDSSocket)
+	}
+	if p.InboundPolicy != "" {
+		fields["inbound_policy"] = structpb.NewStringValue(p.InboundPolicy)
 	}
 	return &core.Metadata{FilterMetadata: map[string]*structpb.Struct{MetadataKey: {Fields: fields}}}
 }
@@ -319,6 +331,10 @@ func buildOne(p Pod, ports Ports, r Role, meta *core.Metadata) (*listenerv3.List
 		l.Transparent = wrapperspb.Bool(true)
 		l.FilterChains = tcpProxyChain(stat)
 	case RoleInbound:
+		// Transparent: aether-cni's inbound redirect (capture
+		// inbound_capture) TPROXYs plaintext inbound connections here,
+		// and TPROXY hands packets only to IP_TRANSPARENT sockets.
+		l.Transparent = wrapperspb.Bool(true)
 		l.FilterChains = tcpProxyChain(stat)
 	case RoleCaptureUDP:
 		l.Transparent = wrapperspb.Bool(true)
@@ -363,6 +379,11 @@ type Spec struct {
 	// UDSSocket is where inbound connections go instead of TCP ("" =
 	// TCP): see Pod.UDSSocket.
 	UDSSocket string
+	// InboundPolicy is meshcontract.InboundPolicyPermissive or
+	// meshcontract.InboundPolicyStrict: see Pod.InboundPolicy. Parse
+	// reads an absent value (an agent that predates it) as permissive,
+	// and a value it does not know as strict (fail safe).
+	InboundPolicy string
 	// NetNSPath is the network namespace every bind lives in.
 	NetNSPath string
 	// Transparent asks for IP_TRANSPARENT sockets.
@@ -387,6 +408,12 @@ func Parse(l *listenerv3.Listener) (Spec, error) {
 	s.Namespace = f["namespace"].GetStringValue()
 	s.PodName = f["name"].GetStringValue()
 	s.UDSSocket = f["uds_socket"].GetStringValue()
+	switch s.InboundPolicy = f["inbound_policy"].GetStringValue(); {
+	case s.InboundPolicy == "":
+		s.InboundPolicy = meshcontract.InboundPolicyPermissive
+	case !meshcontract.ValidInboundPolicy(s.InboundPolicy):
+		s.InboundPolicy = meshcontract.InboundPolicyStrict
+	}
 	if s.PodKey == "" {
 		return s, fmt.Errorf("failed to parse listener %q: metadata %s has no container_id", l.GetName(), MetadataKey)
 	}

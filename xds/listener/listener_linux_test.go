@@ -7,8 +7,10 @@ import (
 	"testing"
 
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+	"google.golang.org/protobuf/types/known/structpb"
 
 	"aether.io/node/meshcni/capture"
+	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/xds/listener"
 )
 
@@ -59,10 +61,11 @@ func TestBuildParse(t *testing.T) {
 			},
 		},
 		{
-			name: "ipv4-uds",
+			name: "ipv4-uds-strict",
 			pod: func() listener.Pod {
 				p := pod("10.0.0.2")
 				p.UDSSocket = "/var/run/aether/uds/uid-1/app.sock"
+				p.InboundPolicy = meshcontract.InboundPolicyStrict
 				return p
 			}(),
 			binds: map[listener.Role][]listener.Bind{
@@ -125,7 +128,12 @@ func TestBuildParse(t *testing.T) {
 						t.Errorf("%s bind %d = %v, want %v", s.Role, i, s.Binds[i], want[i])
 					}
 				}
-				wantTransparent := s.Role == listener.RoleCapture || s.Role == listener.RoleCaptureUDP
+				if want := tc.pod.InboundPolicy; s.InboundPolicy != want && (want != "" || s.InboundPolicy != meshcontract.InboundPolicyPermissive) {
+					t.Errorf("listener %s parsed inbound policy %q, want %q", l.GetName(), s.InboundPolicy, want)
+				}
+				// The inbound listener is transparent: the inbound redirect
+				// TPROXYs plaintext to it.
+				wantTransparent := s.Role == listener.RoleCapture || s.Role == listener.RoleCaptureUDP || s.Role == listener.RoleInbound
 				if s.Transparent != wantTransparent {
 					t.Errorf("%s transparent = %v, want %v", s.Role, s.Transparent, wantTransparent)
 				}
@@ -146,6 +154,7 @@ func TestBuildRejects(t *testing.T) {
 		{"relative netns", func(p *listener.Pod) { p.NetNSPath = "netns/x" }, "must be absolute"},
 		{"no ips", func(p *listener.Pod) { p.IPs = nil }, "no IPs"},
 		{"relative uds socket", func(p *listener.Pod) { p.UDSSocket = "uid/app.sock" }, "must be an absolute path"},
+		{"unknown inbound policy", func(p *listener.Pod) { p.InboundPolicy = "strcit" }, "inbound policy"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -184,5 +193,35 @@ func TestParseRejects(t *testing.T) {
 	l.GetAddress().GetSocketAddress().Address = "not-an-ip"
 	if _, err := listener.Parse(l); err == nil {
 		t.Error("Parse accepted a non-IP address")
+	}
+}
+
+// TestParseInboundPolicy: an absent policy (an agent that predates it) is
+// permissive; a value the proxy does not know is strict (fail safe).
+func TestParseInboundPolicy(t *testing.T) {
+	tests := []struct{ meta, want string }{
+		{"", meshcontract.InboundPolicyPermissive},
+		{meshcontract.InboundPolicyPermissive, meshcontract.InboundPolicyPermissive},
+		{meshcontract.InboundPolicyStrict, meshcontract.InboundPolicyStrict},
+		{"STRICT-ish", meshcontract.InboundPolicyStrict},
+	}
+	for _, tc := range tests {
+		t.Run(tc.meta, func(t *testing.T) {
+			ls, err := listener.Build(pod("10.0.0.2"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			l := ls[len(ls)-1]
+			if tc.meta != "" {
+				l.GetMetadata().GetFilterMetadata()[listener.MetadataKey].Fields["inbound_policy"] = structpb.NewStringValue(tc.meta)
+			}
+			s, err := listener.Parse(l)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if s.InboundPolicy != tc.want {
+				t.Errorf("inbound_policy %q parsed as %q, want %q", tc.meta, s.InboundPolicy, tc.want)
+			}
+		})
 	}
 }

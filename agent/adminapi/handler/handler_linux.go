@@ -16,6 +16,7 @@ import (
 	"aether.io/node/agent/cniserver"
 	"aether.io/node/agent/identity"
 	"aether.io/node/agent/pods"
+	"aether.io/node/pkg/meshcontract"
 )
 
 // Lister lists the stored pod states and the kept DELs (*pods.Manager
@@ -36,6 +37,9 @@ type Options struct {
 	Logger *slog.Logger
 	// TrustDomain, when set (identity on), adds each pod's SPIFFE ID.
 	TrustDomain spiffeid.TrustDomain
+	// InboundPolicy is the agent's --inbound-policy ("" = permissive): the
+	// policy of pods without a valid annotation.
+	InboundPolicy string
 }
 
 type peerKey struct{}
@@ -58,6 +62,11 @@ func New(l Lister, o Options) http.Handler {
 	}
 	view := func(s pods.PodState) adminapi.Pod {
 		v := View(s)
+		def := o.InboundPolicy
+		if def == "" {
+			def = meshcontract.InboundPolicyPermissive
+		}
+		v.InboundPolicy, v.InboundPolicyInvalid = meshcontract.InboundPolicyOf(s.Record.Pod.GetAnnotations(), def)
 		if !o.TrustDomain.IsZero() {
 			a := identity.AccountOf(v.Namespace, v.ServiceAccount)
 			if id, err := identity.WorkloadID(o.TrustDomain, a.Namespace, a.ServiceAccount); err == nil {

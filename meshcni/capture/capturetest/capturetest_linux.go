@@ -171,7 +171,20 @@ func serveUDP(pc *net.UDPConn, s *Sink, name string) {
 // also waits for the listener's answer, so a refused or unrouted connection
 // is an error.
 func Send(n Doer, network string, dst netip.AddrPort, payload string, mark uint32) error {
+	return SendFrom(n, network, netip.Addr{}, dst, payload, mark)
+}
+
+// SendFrom is Send from the local address src (the zero Addr lets the
+// kernel choose).
+func SendFrom(n Doer, network string, src netip.Addr, dst netip.AddrPort, payload string, mark uint32) error {
 	d := net.Dialer{Timeout: 5 * time.Second}
+	if src.IsValid() {
+		if network == "tcp" {
+			d.LocalAddr = net.TCPAddrFromAddrPort(netip.AddrPortFrom(src, 0))
+		} else {
+			d.LocalAddr = net.UDPAddrFromAddrPort(netip.AddrPortFrom(src, 0))
+		}
+	}
 	if mark != 0 {
 		d.Control = func(_, _ string, rc syscall.RawConn) error {
 			var serr error

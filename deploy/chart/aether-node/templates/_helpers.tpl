@@ -53,6 +53,12 @@ refuses as a socket directory); aether-cni pins network namespaces in netns/.
 {{- if not (has .Values.cni.captureFailure (list "fail" "open")) -}}
 {{- fail (printf "invalid cni.captureFailure %q: must be fail or open" .Values.cni.captureFailure) -}}
 {{- end -}}
+{{- if not (has .Values.inboundPolicy (list "permissive" "strict")) -}}
+{{- fail (printf "invalid inboundPolicy %q: must be permissive or strict" .Values.inboundPolicy) -}}
+{{- end -}}
+{{- if and (eq .Values.inboundPolicy "strict") (not .Values.cni.inboundCapture) -}}
+{{- fail "invalid inboundPolicy strict without cni.inboundCapture: plaintext would bypass the proxy; set cni.inboundCapture: true" -}}
+{{- end -}}
 {{- if not (has .Values.cni.primary (list "" "eni-vlan")) -}}
 {{- fail (printf "invalid cni.primary %q: must be empty or eni-vlan" .Values.cni.primary) -}}
 {{- end -}}

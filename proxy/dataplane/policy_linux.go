@@ -1,0 +1,106 @@
+package dataplane
+
+import (
+	"context"
+	"net"
+	"reflect"
+	"slices"
+
+	"aether.io/node/pkg/meshcontract"
+	"aether.io/node/proxy/telemetry"
+	"aether.io/node/xds/listener"
+)
+
+// Direction label of plaintext inbound connections.
+const directionInbound = "inbound"
+
+// Reasons of aether_tcp_connections_failed_total for the inbound listener.
+const (
+	// reasonInboundPolicyDenied: a plaintext connection to a pod whose
+	// inbound policy is strict (only HBONE is accepted).
+	reasonInboundPolicyDenied = "inbound_policy_denied"
+	// reasonInboundNotPod: the original destination is not one of the
+	// pod's addresses, or is one of the proxy's own listener ports.
+	reasonInboundNotPod = "inbound_not_pod"
+	// reasonInboundDeliver: the app could not be reached.
+	reasonInboundDeliver = "inbound_deliver"
+)
+
+// setPolicy takes the inbound policy of the pod's listeners (every listener
+// of a pod carries the same; listener.Parse makes an unknown value strict).
+func (p *pod) setPolicy(specs []listener.Spec) {
+	strict := false
+	for _, s := range specs {
+		strict = strict || s.InboundPolicy == meshcontract.InboundPolicyStrict
+	}
+	p.strict.Store(strict)
+}
+
+// adopt reports whether want are the pod's listeners, the inbound policy
+// aside; if so the pod takes want's policy at once, so an annotation change
+// applies from the next connection without rebinding (which would drain
+// the pod and, under the inbound redirect, drop new connections meanwhile).
+func (p *pod) adopt(want []listener.Spec) bool {
+	if len(want) != len(p.specs) {
+		return false
+	}
+	for i := range want {
+		w := want[i]
+		w.InboundPolicy = p.specs[i].InboundPolicy
+		if !reflect.DeepEqual(w, p.specs[i]) {
+			return false
+		}
+	}
+	p.setPolicy(want)
+	return true
+}
+
+// serveInbound handles one plaintext connection on the inbound listener.
+// aether-cni's inbound redirect TPROXYs it here, so its local address is the
+// original destination: one of the pod's addresses and the app's port. A
+// strict pod resets it (counted reason="inbound_policy_denied"); a
+// permissive pod delivers it to the app as HBONE's destination side does
+// (DeliverInbound: the pod's UDS socket, else TCP with the bypass mark) and
+// copies both ways. A destination that is not the pod's, or one of the
+// proxy's own ports (a direct connection to :18008), is reset.
+func (p *pod) serveInbound(down *net.TCPConn, l *tcpListener) {
+	dst := addrPort(down.LocalAddr())
+	src := addrPort(down.RemoteAddr())
+	if !slices.Contains(p.ips, dst.Addr()) || slices.ContainsFunc(p.tcp, func(o *tcpListener) bool { return o.port == dst.Port() }) {
+		p.m.metrics.Failed(reasonInboundNotPod)
+		p.log.Debug("inbound connection not for the pod's app", "src", src, "dst", dst, "listener", l.spec.Name)
+		reset(down)
+		return
+	}
+	if p.strict.Load() {
+		p.m.metrics.Failed(reasonInboundPolicyDenied)
+		p.log.Debug("plaintext inbound connection refused: inbound policy strict", "src", src, "dst", dst)
+		reset(down)
+		return
+	}
+	ctx, cancel := context.WithTimeout(p.ctx, p.m.cfg.ConnectTimeout)
+	up, err := p.deliverInbound(ctx, dst)
+	cancel()
+	if err != nil {
+		p.m.metrics.Failed(reasonInboundDeliver)
+		p.log.Debug("inbound delivery failed", "src", src, "dst", dst, "error", err)
+		reset(down)
+		return
+	}
+	us, ok := up.(upstream) // *net.TCPConn or *net.UnixConn
+	if !ok {
+		_ = up.Close()
+		p.m.metrics.Failed(reasonInboundDeliver)
+		reset(down)
+		return
+	}
+	pair := &tcpPair{down: down, up: us}
+	if !p.track(pair) {
+		pair.abort()
+		return
+	}
+	defer p.untrack(pair)
+	tc := p.m.metrics.Open(telemetry.Labels(directionInbound, p.lookup(src.Addr()), p.lookup(dst.Addr())))
+	pipe(pair, tc)
+	tc.Close()
+}
