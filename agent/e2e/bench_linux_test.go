@@ -83,8 +83,9 @@ func benchAddPod(b *testing.B, c cniv1.CNIServiceClient) {
 
 // BenchmarkAgentAddPod is AddPod warm (connection established) over the
 // real unix socket: the aether-agent process (pod from the manifest source,
-// bbolt group commit, registration) vs a peer CNIService that persists a
-// JSON file per pod with write+fsync+rename+dir fsync, on the same disk.
+// bbolt group commit, registration) vs a peer CNIService in its own process
+// that persists a JSON file per pod with write+fsync+rename+dir fsync, on
+// the same disk.
 func BenchmarkAgentAddPod(b *testing.B) {
 	if os.Geteuid() != 0 {
 		b.Skip("needs root")
