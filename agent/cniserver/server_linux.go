@@ -176,9 +176,14 @@ func (ic *interceptor) unary(ctx context.Context, req any, info *grpc.UnaryServe
 			return nil, status.Error(grpccodes.InvalidArgument, "invalid request: "+describe(err))
 		}
 	}
-	span.SetAttributes(requestAttributes(req)...)
+	// Attributes are built only for a span that keeps them: without a
+	// tracer, AddPod's hot path allocates nothing for tracing.
+	recording := span.IsRecording()
+	if recording {
+		span.SetAttributes(requestAttributes(req)...)
+	}
 	resp, err := h(ctx, req)
-	if err != nil {
+	if err != nil && recording {
 		span.SetStatus(codes.Error, err.Error())
 	}
 	return resp, err

@@ -22,6 +22,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv(clientModeEnv) != "" {
 		os.Exit(runClientMode())
 	}
+	if os.Getenv(peerModeEnv) != "" {
+		os.Exit(runPeerMode())
+	}
 	harness.Main(m)
 }
 

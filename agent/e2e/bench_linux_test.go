@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -82,8 +83,9 @@ func benchAddPod(b *testing.B, c cniv1.CNIServiceClient) {
 
 // BenchmarkAgentAddPod is AddPod warm (connection established) over the
 // real unix socket: the aether-agent process (pod from the manifest source,
-// bbolt group commit, registration) vs a peer CNIService that persists a
-// JSON file per pod with write+fsync+rename+dir fsync, on the same disk.
+// bbolt group commit, registration) vs a peer CNIService in its own process
+// that persists a JSON file per pod with write+fsync+rename+dir fsync, on
+// the same disk.
 func BenchmarkAgentAddPod(b *testing.B) {
 	if os.Geteuid() != 0 {
 		b.Skip("needs root")
@@ -109,16 +111,10 @@ func BenchmarkAgentAddPod(b *testing.B) {
 		benchAddPod(b, cniv1.NewCNIServiceClient(cc))
 	})
 	b.Run("peer", func(b *testing.B) {
+		// The peer answers from its own process, as the agent does: both
+		// sides pay the same cross-process wakeups on the unix socket.
 		dir := benchstat.DiskDir(b)
-		sock := filepath.Join(dir, "peer.sock")
-		l, err := net.Listen("unix", sock)
-		if err != nil {
-			b.Fatal(err)
-		}
-		gs := grpc.NewServer()
-		cniv1.RegisterCNIServiceServer(gs, &peerAgent{dir: dir})
-		go func() { _ = gs.Serve(l) }()
-		defer gs.Stop()
+		sock := startPeer(b, dir)
 		cc, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 		if err != nil {
 			b.Fatal(err)
@@ -126,6 +122,64 @@ func BenchmarkAgentAddPod(b *testing.B) {
 		defer cc.Close()
 		benchAddPod(b, cniv1.NewCNIServiceClient(cc))
 	})
+}
+
+// peerModeEnv names the directory the test binary, re-executed by
+// startPeer, serves the peer CNIService in (its socket is peer.sock there).
+const peerModeEnv = "AETHER_AGENT_E2E_PEER_DIR"
+
+// runPeerMode is the test binary re-executed as the AddPod peer's process:
+// it serves peerAgent on <dir>/peer.sock until it is killed.
+func runPeerMode() int {
+	dir := os.Getenv(peerModeEnv)
+	l, err := net.Listen("unix", filepath.Join(dir, "peer.sock"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	gs := grpc.NewServer()
+	cniv1.RegisterCNIServiceServer(gs, &peerAgent{dir: dir})
+	if err := gs.Serve(l); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	return 0
+}
+
+// startPeer runs the peer in its own process on dir and returns its socket
+// once it serves; the process is killed in tb's cleanup.
+func startPeer(tb testing.TB, dir string) string {
+	tb.Helper()
+	self, err := os.Executable()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	cmd := exec.Command(self)
+	cmd.Env = append(os.Environ(), peerModeEnv+"="+dir)
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		tb.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(exited) }()
+	tb.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		<-exited
+	})
+	sock := filepath.Join(dir, "peer.sock")
+	deadline := time.Now().Add(30 * time.Second)
+	for !dialable(sock) {
+		select {
+		case <-exited:
+			tb.Fatalf("peer exited early: %v", cmd.ProcessState)
+		default:
+		}
+		if time.Now().After(deadline) {
+			tb.Fatal("peer did not serve within 30s")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return sock
 }
 
 var benchExtra = strings.Fields(os.Getenv("AETHER_AGENT_BENCH_FLAGS"))

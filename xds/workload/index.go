@@ -185,7 +185,10 @@ func (x *Index) upsertResource(source, key string, r *Resource) (bool, error) {
 	}
 	x.seq++
 	x.keys[key] = &keyEntry{source: source, res: r, seq: x.seq}
-	if !slices.Contains(x.claims[r.Name], key) {
+	// Every key of x.keys claims its resource's name, and only that one:
+	// a key already held under this name is in its claims (no scan of
+	// them, which grows with the sandboxes of one pod).
+	if !ok || e.res.Name != r.Name {
 		x.claims[r.Name] = append(x.claims[r.Name], key)
 	}
 	return x.serveLocked(r.Name, key, r, now) || changed, nil
