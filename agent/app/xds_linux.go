@@ -21,6 +21,7 @@ import (
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 
+	"aether.io/node/agent/identity"
 	"aether.io/node/agent/store"
 	"aether.io/node/agent/uds"
 	cniv1 "aether.io/node/api/aether/cni/v1"
@@ -40,7 +41,11 @@ type listenerSync struct {
 	ports listener.Ports
 	// udsRoot resolves each pod's UDS socket (--uds-csi-root).
 	udsRoot string
-	log     *slog.Logger
+	// trustDomain, when set (the agent serves identities: --ca-cert), puts
+	// each pod's SPIFFE ID in its listeners, so the proxy serves HBONE for
+	// it.
+	trustDomain string
+	log         *slog.Logger
 
 	mu       sync.Mutex
 	sent     map[string]string            // container ID -> listenerInput of the published listeners
@@ -71,7 +76,7 @@ func newListenerSync(ports listener.Ports, udsRoot string, log *slog.Logger) *li
 // nothing.
 func (l *listenerSync) listenerInput(p *cniv1.CNIPod) string {
 	var b strings.Builder
-	for _, s := range []string{p.GetContainerId(), p.GetNamespace(), p.GetName(), p.GetUid(), p.GetNetworkNamespace(), l.udsSocket(p)} {
+	for _, s := range []string{p.GetContainerId(), p.GetNamespace(), p.GetName(), p.GetUid(), p.GetNetworkNamespace(), l.udsSocket(p), l.spiffeID(p)} {
 		b.WriteString(s)
 		b.WriteByte(0)
 	}
@@ -93,6 +98,15 @@ func (l *listenerSync) udsSocket(p *cniv1.CNIPod) string {
 	return sock
 }
 
+// spiffeID is the pod's SPIFFE ID when the agent serves identities, else "".
+func (l *listenerSync) spiffeID(p *cniv1.CNIPod) string {
+	if l.trustDomain == "" {
+		return ""
+	}
+	a := identity.AccountOf(p.GetNamespace(), p.GetServiceAccount())
+	return "spiffe://" + l.trustDomain + "/ns/" + a.Namespace + "/sa/" + a.ServiceAccount
+}
+
 func (l *listenerSync) build(p *cniv1.CNIPod) ([]*listenerv3.Listener, error) {
 	ips := make([]netip.Addr, 0, len(p.GetIps()))
 	for _, s := range p.GetIps() {
@@ -103,6 +117,7 @@ func (l *listenerSync) build(p *cniv1.CNIPod) ([]*listenerv3.Listener, error) {
 	return listener.Build(listener.Pod{
 		ContainerID: p.GetContainerId(), Namespace: p.GetNamespace(), Name: p.GetName(), UID: p.GetUid(),
 		NetNSPath: p.GetNetworkNamespace(), IPs: ips, Ports: l.ports, UDSSocket: l.udsSocket(p),
+		SPIFFEID: l.spiffeID(p),
 	})
 }
 
@@ -244,11 +259,14 @@ func newNodeXDS(c *Config, log *slog.Logger) *nodeXDS {
 	n := &nodeXDS{listeners: newListenerSync(listener.Ports{}, c.UDSRoot, log.With("component", "lds"))}
 	if c.CA != nil {
 		n.accounts = newPodAccounts()
+		n.listeners.trustDomain = c.TrustDomain
 	}
 	if c.XDSSocket != "" || c.XDSAddress != "" {
 		idx := workload.NewIndex()
 		n.workloads = &localWorkloads{
-			cfg: workload.Config{ClusterID: c.ClusterID, TrustDomain: c.TrustDomain, Network: c.Network},
+			// With identities served, every managed pod's proxy serves
+			// HBONE on its :15008 (host-network pods stay NONE).
+			cfg: workload.Config{ClusterID: c.ClusterID, TrustDomain: c.TrustDomain, Network: c.Network, HBONE: c.CA != nil},
 			idx: idx, local: idx.Writer(localSource), log: log.With("component", "wds"),
 		}
 	}

@@ -48,6 +48,9 @@ import (
 // identity of its pod.
 const MetadataKey = "aether.io/pod"
 
+// spiffeScheme starts every SPIFFE ID.
+const spiffeScheme = "spiffe://"
+
 // NamePrefix starts every listener name this package builds.
 const NamePrefix = "aether"
 
@@ -125,6 +128,11 @@ type Pod struct {
 	// resolved from the pod's csi.aether.io volume (seed 000), where
 	// inbound connections are delivered; "" delivers them over TCP.
 	UDSSocket string
+	// SPIFFEID is the pod's SPIFFE identity
+	// (spiffe://<trust-domain>/ns/<ns>/sa/<service-account>) when the agent
+	// serves identities; the proxy then serves HBONE on the pod's :15008
+	// with that identity. "" = no identity, no HBONE.
+	SPIFFEID string
 }
 
 // Validate reports a record listeners cannot be built from.
@@ -140,6 +148,8 @@ func (p Pod) Validate() error {
 		return fmt.Errorf("pod %s/%s has no IPs: an unmanaged pod gets no listeners", p.Namespace, p.Name)
 	case p.UDSSocket != "" && !strings.HasPrefix(p.UDSSocket, "/"):
 		return fmt.Errorf("pod %s/%s UDS socket %q must be an absolute path", p.Namespace, p.Name, p.UDSSocket)
+	case p.SPIFFEID != "" && !strings.HasPrefix(p.SPIFFEID, spiffeScheme):
+		return fmt.Errorf("pod %s/%s SPIFFE ID %q must start with %q", p.Namespace, p.Name, p.SPIFFEID, spiffeScheme)
 	}
 	for _, ip := range p.IPs {
 		if !ip.IsValid() {
@@ -205,6 +215,9 @@ func podMetadata(p Pod, ips []string) *core.Metadata {
 	}
 	if p.UDSSocket != "" {
 		fields["uds_socket"] = structpb.NewStringValue(p.UDSSocket)
+	}
+	if p.SPIFFEID != "" {
+		fields["spiffe_id"] = structpb.NewStringValue(p.SPIFFEID)
 	}
 	return &core.Metadata{FilterMetadata: map[string]*structpb.Struct{MetadataKey: {Fields: fields}}}
 }
@@ -363,6 +376,8 @@ type Spec struct {
 	// UDSSocket is where inbound connections go instead of TCP ("" =
 	// TCP): see Pod.UDSSocket.
 	UDSSocket string
+	// SPIFFEID is the pod's SPIFFE identity ("" = none): see Pod.SPIFFEID.
+	SPIFFEID string
 	// NetNSPath is the network namespace every bind lives in.
 	NetNSPath string
 	// Transparent asks for IP_TRANSPARENT sockets.
@@ -387,6 +402,7 @@ func Parse(l *listenerv3.Listener) (Spec, error) {
 	s.Namespace = f["namespace"].GetStringValue()
 	s.PodName = f["name"].GetStringValue()
 	s.UDSSocket = f["uds_socket"].GetStringValue()
+	s.SPIFFEID = f["spiffe_id"].GetStringValue()
 	if s.PodKey == "" {
 		return s, fmt.Errorf("failed to parse listener %q: metadata %s has no container_id", l.GetName(), MetadataKey)
 	}
@@ -399,6 +415,9 @@ func Parse(l *listenerv3.Listener) (Spec, error) {
 	}
 	if s.UDSSocket != "" && !strings.HasPrefix(s.UDSSocket, "/") {
 		return s, fmt.Errorf("failed to parse listener %q: uds_socket %q is not an absolute path", l.GetName(), s.UDSSocket)
+	}
+	if s.SPIFFEID != "" && !strings.HasPrefix(s.SPIFFEID, spiffeScheme) {
+		return s, fmt.Errorf("failed to parse listener %q: spiffe_id %q does not start with %q", l.GetName(), s.SPIFFEID, spiffeScheme)
 	}
 	role := Role(l.GetName()[strings.LastIndex(l.GetName(), "/")+1:])
 	if !slices.Contains(Roles, role) {
