@@ -51,7 +51,7 @@ func hboneWorkload(p *proxytest.Pod, tunnel bool) *workload.Workload {
 	return w
 }
 
-func setupHBONE(t *testing.T) *hboneEnv {
+func setupHBONE(t testing.TB) *hboneEnv {
 	t.Helper()
 	topo := proxytest.New(t, []string{"client", "server", "plain"}, "client", "server")
 	ca, err := hbonetest.NewCA(spiffeid.RequireTrustDomainFromString(testTrustDomain))
