@@ -63,6 +63,30 @@ func sink(b *testing.B, p *proxytest.Pod, port uint16) {
 	})
 }
 
+// upload writes b.N chunks to c, half-closes, reads the sink's count,
+// checks it and reports MB/s; it returns the bytes moved.
+func upload(b *testing.B, c *net.TCPConn, chunk []byte) int64 {
+	b.ResetTimer()
+	start := time.Now()
+	for range b.N {
+		if _, err := c.Write(chunk); err != nil {
+			b.Fatal(err)
+		}
+	}
+	_ = c.CloseWrite()
+	var n int64
+	if err := binary.Read(c, binary.BigEndian, &n); err != nil {
+		b.Fatal(err)
+	}
+	el := time.Since(start)
+	b.StopTimer()
+	if n != int64(b.N*len(chunk)) {
+		b.Fatalf("server got %d bytes, want %d", n, b.N*len(chunk))
+	}
+	b.ReportMetric(float64(n)/el.Seconds()/1e6, "MB/s")
+	return n
+}
+
 // BenchmarkProxyThroughput: bulk TCP from the client pod to the server pod,
 // proxied (ours) against direct (peer); metric MB/s.
 func BenchmarkProxyThroughput(b *testing.B) {
@@ -74,24 +98,7 @@ func BenchmarkProxyThroughput(b *testing.B) {
 		b.Run(mode, func(b *testing.B) {
 			c := benchDial(b, e, mode, dst)
 			defer c.Close()
-			b.ResetTimer()
-			start := time.Now()
-			for range b.N {
-				if _, err := c.Write(chunk); err != nil {
-					b.Fatal(err)
-				}
-			}
-			_ = c.CloseWrite()
-			var n int64
-			if err := binary.Read(c, binary.BigEndian, &n); err != nil {
-				b.Fatal(err)
-			}
-			el := time.Since(start)
-			b.StopTimer()
-			if n != int64(b.N*len(chunk)) {
-				b.Fatalf("server got %d bytes, want %d", n, b.N*len(chunk))
-			}
-			b.ReportMetric(float64(n)/el.Seconds()/1e6, "MB/s")
+			upload(b, c, chunk)
 		})
 	}
 }
@@ -114,25 +121,9 @@ func BenchmarkHBONEProxyThroughput(b *testing.B) {
 				b.Fatal(err)
 			}
 			defer c.Close()
-			b.ResetTimer()
-			start, cpu := time.Now(), hbonetest.CPUTime()
-			for range b.N {
-				if _, err := c.Write(chunk); err != nil {
-					b.Fatal(err)
-				}
-			}
-			_ = c.CloseWrite()
-			var n int64
-			if err := binary.Read(c, binary.BigEndian, &n); err != nil {
-				b.Fatal(err)
-			}
-			el, cpuUsed := time.Since(start), hbonetest.CPUTime()-cpu
-			b.StopTimer()
-			if n != int64(b.N*len(chunk)) {
-				b.Fatalf("server got %d bytes, want %d", n, b.N*len(chunk))
-			}
-			b.ReportMetric(float64(n)/el.Seconds()/1e6, "MB/s")
-			b.ReportMetric(float64(cpuUsed.Nanoseconds())/float64(n), "cpu-ns/B")
+			cpu := hbonetest.CPUTime()
+			n := upload(b, c, chunk)
+			b.ReportMetric(float64((hbonetest.CPUTime()-cpu).Nanoseconds())/float64(n), "cpu-ns/B")
 		})
 	}
 }
