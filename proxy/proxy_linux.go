@@ -83,14 +83,17 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 		cfg: cfg, log: log, Metrics: telemetry.New(), Peers: peers.NewIndex(),
 		listeners: map[string]listener.Spec{}, adminAddr: make(chan net.Addr, 1),
 	}
-	m, err := dataplane.New(cfg.Dataplane, p.Peers, p.Metrics, log)
+	dp := cfg.Dataplane
+	if cfg.WorkloadAPISocket != "" {
+		p.Identity = identity.New(cfg.WorkloadAPISocket, nil, log.With("component", "identity"))
+		// The pods' SVIDs turn HBONE on (proxy/hbone in the data plane).
+		dp.Certs = p.Identity
+	}
+	m, err := dataplane.New(dp, p.Peers, p.Metrics, log)
 	if err != nil {
 		return nil, err
 	}
 	p.Manager = m
-	if cfg.WorkloadAPISocket != "" {
-		p.Identity = identity.New(cfg.WorkloadAPISocket, nil, log.With("component", "identity"))
-	}
 	node := &core.Node{Id: cfg.NodeID, Cluster: "aether-proxy"}
 	p.XDS = &adsclient.Client{
 		Target: cfg.XDSTarget, Node: node, TypeURLs: []string{resource.ListenerType, resource.WorkloadType}, Handler: p.apply, Log: log,

@@ -210,11 +210,11 @@ func TestEndToEnd(t *testing.T) {
 	}
 	c.Close()
 	<-back.Got
-	wantBack := `aether_tcp_connections_opened_total{destination_canonical_name="client-svc",destination_workload="client",destination_workload_namespace="default",direction="outbound",source_canonical_name="server-svc",source_workload="server",source_workload_namespace="default"} 1`
+	wantBack := `aether_tcp_connections_opened_total{destination_canonical_name="client-svc",destination_principal="unknown",destination_workload="client",destination_workload_namespace="default",direction="outbound",source_canonical_name="server-svc",source_principal="unknown",source_workload="server",source_workload_namespace="default"} 1`
 	if !strings.Contains(metrics(t, admin), wantBack) {
 		t.Errorf("metrics lack %s:\n%s", wantBack, grepAether(metrics(t, admin)))
 	}
-	want := `aether_tcp_connections_closed_total{destination_canonical_name="server-svc",destination_workload="server",destination_workload_namespace="default",direction="outbound",source_canonical_name="client-svc",source_workload="client",source_workload_namespace="default"} 2`
+	want := `aether_tcp_connections_closed_total{destination_canonical_name="server-svc",destination_principal="unknown",destination_workload="server",destination_workload_namespace="default",direction="outbound",source_canonical_name="client-svc",source_principal="unknown",source_workload="client",source_workload_namespace="default"} 2`
 	if err := proxytest.WaitFor(wctx, func() bool { return strings.Contains(metrics(t, admin), want) }); err != nil {
 		t.Fatalf("metrics lack %s:\n%s", want, grepAether(metrics(t, admin)))
 	}

@@ -22,6 +22,7 @@ import (
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 
+	"aether.io/node/agent/identity"
 	"aether.io/node/agent/store"
 	"aether.io/node/agent/uds"
 	cniv1 "aether.io/node/api/aether/cni/v1"
@@ -47,6 +48,10 @@ type listenerSync struct {
 	// when set, counts builds of pods with an invalid policy annotation.
 	defaultPolicy string
 	invalidPolicy prometheus.Counter
+	// trustDomain, when set (the agent serves identities: --ca-cert), puts
+	// each pod's SPIFFE ID in its listeners, so the proxy serves HBONE for
+	// it.
+	trustDomain string
 
 	mu       sync.Mutex
 	sent     map[string]string            // container ID -> listenerInput of the published listeners
@@ -78,7 +83,7 @@ func newListenerSync(ports listener.Ports, udsRoot string, log *slog.Logger) *li
 func (l *listenerSync) listenerInput(p *cniv1.CNIPod) string {
 	var b strings.Builder
 	policy, _ := l.inboundPolicy(p)
-	for _, s := range []string{p.GetContainerId(), p.GetNamespace(), p.GetName(), p.GetUid(), p.GetNetworkNamespace(), l.udsSocket(p), policy} {
+	for _, s := range []string{p.GetContainerId(), p.GetNamespace(), p.GetName(), p.GetUid(), p.GetNetworkNamespace(), l.udsSocket(p), policy, l.spiffeID(p)} {
 		b.WriteString(s)
 		b.WriteByte(0)
 	}
@@ -110,6 +115,15 @@ func (l *listenerSync) inboundPolicy(p *cniv1.CNIPod) (policy string, invalid bo
 	return meshcontract.InboundPolicyOf(p.GetAnnotations(), def)
 }
 
+// spiffeID is the pod's SPIFFE ID when the agent serves identities, else "".
+func (l *listenerSync) spiffeID(p *cniv1.CNIPod) string {
+	if l.trustDomain == "" {
+		return ""
+	}
+	a := identity.AccountOf(p.GetNamespace(), p.GetServiceAccount())
+	return "spiffe://" + l.trustDomain + "/ns/" + a.Namespace + "/sa/" + a.ServiceAccount
+}
+
 func (l *listenerSync) build(p *cniv1.CNIPod) ([]*listenerv3.Listener, error) {
 	policy, invalid := l.inboundPolicy(p)
 	if invalid {
@@ -129,6 +143,7 @@ func (l *listenerSync) build(p *cniv1.CNIPod) ([]*listenerv3.Listener, error) {
 		ContainerID: p.GetContainerId(), Namespace: p.GetNamespace(), Name: p.GetName(), UID: p.GetUid(),
 		NetNSPath: p.GetNetworkNamespace(), IPs: ips, Ports: l.ports, UDSSocket: l.udsSocket(p),
 		InboundPolicy: policy,
+		SPIFFEID:      l.spiffeID(p),
 	})
 }
 
@@ -271,11 +286,14 @@ func newNodeXDS(c *Config, log *slog.Logger) *nodeXDS {
 	n.listeners.defaultPolicy = c.InboundPolicy
 	if c.CA != nil {
 		n.accounts = newPodAccounts()
+		n.listeners.trustDomain = c.TrustDomain
 	}
 	if c.XDSSocket != "" || c.XDSAddress != "" {
 		idx := workload.NewIndex()
 		n.workloads = &localWorkloads{
-			cfg: workload.Config{ClusterID: c.ClusterID, TrustDomain: c.TrustDomain, Network: c.Network},
+			// With identities served, every managed pod's proxy serves
+			// HBONE on its :15008 (host-network pods stay NONE).
+			cfg: workload.Config{ClusterID: c.ClusterID, TrustDomain: c.TrustDomain, Network: c.Network, HBONE: c.CA != nil},
 			idx: idx, local: idx.Writer(localSource), log: log.With("component", "wds"),
 		}
 	}

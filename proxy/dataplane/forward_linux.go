@@ -142,6 +142,9 @@ func (p *pod) proxyTCP(down *net.TCPConn, l *tcpListener) {
 		reset(down)
 		return
 	}
+	if p.tunnelTCP(down, src, dst) {
+		return
+	}
 	ctx, cancel := context.WithTimeout(p.ctx, p.m.cfg.ConnectTimeout)
 	up, err := p.dialTCP(ctx, dst)
 	cancel()

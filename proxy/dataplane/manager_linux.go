@@ -14,6 +14,7 @@ import (
 
 	"aether.io/node/pkg/meshcontract"
 
+	"aether.io/node/proxy/hbone"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"
 	"aether.io/node/xds/listener"
@@ -42,6 +43,8 @@ const (
 	// DefaultTCPIdleTimeout closes a proxied TCP connection with no data
 	// either way for this long.
 	DefaultTCPIdleTimeout = time.Hour
+	// DefaultHBONEPort is the port every HBONE pod listens on (Istio's).
+	DefaultHBONEPort = hbone.DefaultPort
 )
 
 // Config tunes the data plane. Zero fields take the defaults.
@@ -83,6 +86,12 @@ type Config struct {
 	// lowered at New (see fitFDLimit), so a flood meets a cap, never
 	// EMFILE, which would fail every other pod's connections too.
 	FDLimit uint64
+	// Certs (the proxy's identity.Watcher) turns HBONE on: pods whose
+	// listeners carry a SPIFFE ID serve HBONE on HBONEPort, and captured
+	// connections to HBONE workloads are tunnelled. nil: no HBONE.
+	Certs hbone.Certs
+	// HBONEPort is the pods' HBONE port.
+	HBONEPort uint16
 }
 
 func (c Config) withDefaults() Config {
@@ -118,6 +127,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.MaxUDPFlows == 0 {
 		c.MaxUDPFlows = DefaultMaxUDPFlows
+	}
+	if c.HBONEPort == 0 {
+		c.HBONEPort = DefaultHBONEPort
 	}
 	return c
 }
@@ -177,6 +189,11 @@ type Manager struct {
 	kick     chan struct{}
 	ctx      context.Context // set by Run
 
+	// tunnel opens the HBONE streams of every pod (nil: HBONE off); podSeq
+	// numbers pod instances for its pool.
+	tunnel *hbone.Dialer
+	podSeq atomic.Uint64
+
 	// tcpConns and udpFlows count the node's open connections and flows
 	// (the caps of Config).
 	tcpConns, udpFlows atomic.Int64
@@ -203,11 +220,18 @@ func New(cfg Config, lookup PeerLookup, m *telemetry.Metrics, log *slog.Logger) 
 	if err != nil {
 		return nil, err
 	}
-	return &Manager{
+	mg := &Manager{
 		cfg: cfg, log: log, peers: lookup, metrics: m, home: home,
 		desired: map[string][]listener.Spec{}, pods: map[string]*pod{}, draining: map[*pod]struct{}{},
 		failed: map[string]string{}, kick: make(chan struct{}, 1),
-	}, nil
+	}
+	if cfg.Certs != nil {
+		if mg.tunnel, err = mg.newTunnel(); err != nil {
+			_ = closeFd(home)
+			return nil, err
+		}
+	}
+	return mg, nil
 }
 
 // SetListeners replaces the desired listeners (the proxy's whole LDS state).
@@ -445,8 +469,12 @@ func (m *Manager) Ready(key string) bool {
 	return p != nil && p.ready()
 }
 
-// Close releases the manager's own netns fd. Call after Run returned.
+// Close releases the manager's own netns fd and the HBONE dialer's
+// connections. Call after Run returned.
 func (m *Manager) Close() error {
+	if m.tunnel != nil {
+		_ = m.tunnel.Close()
+	}
 	return closeFd(m.home)
 }
 

@@ -60,6 +60,8 @@ type pod struct {
 
 	closeOnce sync.Once
 	done      chan struct{}
+
+	hb *podHBONE // HBONE side (hbone_linux.go); nil without identity
 }
 
 type closer interface{ abort() }
@@ -140,7 +142,11 @@ func (m *Manager) startPod(ctx context.Context, key string, specs []listener.Spe
 	p.dialer = net.Dialer{Timeout: m.cfg.ConnectTimeout, Control: markControl(m.cfg.BypassMark)}
 	p.setPolicy(specs)
 	p.ctx, p.cancel = context.WithCancel(ctx)
-	if err := p.bind(); err != nil {
+	err = p.bind()
+	if err == nil {
+		err = p.bindHBONE(m.podSeq.Add(1))
+	}
+	if err != nil {
 		p.close()
 		<-p.done
 		return nil, err
@@ -179,7 +185,8 @@ func (p *pod) bind() error {
 
 // serve starts one loop per socket.
 func (p *pod) serve() {
-	p.want = int32(len(p.tcp) + len(p.udp))
+	p.want = int32(len(p.tcp) + len(p.udp) + p.hboneLoops())
+	p.serveHBONE()
 	for _, l := range p.tcp {
 		p.loops.Add(1)
 		switch l.spec.Role {
@@ -310,6 +317,7 @@ func (p *pod) stopAccepting() {
 	for _, u := range p.udp {
 		_ = u.conn.Close()
 	}
+	p.stopHBONE()
 }
 
 // drain stops accepting, lets open connections finish within timeout,
@@ -372,6 +380,7 @@ func (p *pod) close() {
 		for c := range conns {
 			c.abort()
 		}
+		p.closeHBONE()
 		go func() {
 			p.awg.Wait()
 			p.hwg.Wait()

@@ -11,7 +11,8 @@ import (
 	"aether.io/node/xds/listener"
 )
 
-// Direction label of plaintext inbound connections.
+// Direction label of inbound connections: plaintext on the inbound
+// listener and those delivered from an HBONE stream.
 const directionInbound = "inbound"
 
 // Reasons of aether_tcp_connections_failed_total for the inbound listener.

@@ -55,6 +55,11 @@ type Request struct {
 	// Expected, when set (from WDS), is the exact SPIFFE ID the server must
 	// present; when zero any SVID of Source's trust domain is accepted.
 	Expected spiffeid.ID
+	// Origin, when set, keeps streams of different origins (the data
+	// plane: the source pod, whose netns DialContext dials from) on
+	// different pooled connections even when they share a Source identity.
+	// DialContext reads it from its ctx with OriginFrom.
+	Origin string
 }
 
 // poolKey is what a pooled connection is shared by: one source identity to
@@ -62,6 +67,7 @@ type Request struct {
 type poolKey struct {
 	source, expected spiffeid.ID
 	proxy            netip.AddrPort
+	origin           string
 }
 
 type poolEntry struct {
@@ -138,11 +144,38 @@ func (d *Dialer) dialTLS(ctx context.Context, network, address string) (net.Conn
 	return tc, nil
 }
 
+// OriginFrom returns the Request.Origin of the connection DialContext is
+// called for ("" when none was set).
+func OriginFrom(ctx context.Context) string {
+	key, _ := ctx.Value(keyCtx{}).(poolKey)
+	return key.origin
+}
+
+// CloseOrigin closes the pooled connections of origin (its pod is gone);
+// their open streams fail.
+func (d *Dialer) CloseOrigin(origin string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for k, e := range d.pool {
+		if k.origin != origin {
+			continue
+		}
+		for _, cc := range e.conns {
+			_ = cc.Close()
+			d.stat.connsPooled.Add(-1)
+		}
+		e.conns = nil
+		if e.dialing == nil {
+			delete(d.pool, k)
+		}
+	}
+}
+
 // Dial opens a CONNECT stream for req on a pooled connection, opening one
 // when none of the key has a free stream slot. ctx bounds the connection
 // setup and the wait for the response headers, not the stream's lifetime.
 func (d *Dialer) Dial(ctx context.Context, req Request) (*Stream, error) {
-	key := poolKey{source: req.Source, expected: req.Expected, proxy: req.Proxy}
+	key := poolKey{source: req.Source, expected: req.Expected, proxy: req.Proxy, origin: req.Origin}
 	for attempt := 0; ; attempt++ {
 		cc, fresh, err := d.reserve(ctx, key)
 		if err != nil {

@@ -281,7 +281,11 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusForbidden)
 		return
 	}
-	up, err := s.cfg.Deliver(r.Context(), src, target)
+	ctx := r.Context()
+	if ap, err := netip.ParseAddrPort(r.RemoteAddr); err == nil {
+		ctx = context.WithValue(ctx, peerAddrCtx{}, netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()))
+	}
+	up, err := s.cfg.Deliver(ctx, src, target)
 	if err != nil {
 		s.stat.streamsDeliverFailed.Add(1)
 		code := http.StatusServiceUnavailable
@@ -322,6 +326,16 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	_ = copyAdaptive(w, up, rc.Flush)
 	_ = r.Body.Close()
 	<-inDone
+}
+
+type peerAddrCtx struct{}
+
+// PeerAddr returns, inside a DeliverFunc, the TCP address the stream's
+// HBONE connection came from (the source pod's address when the source
+// proxy dials from the pod's netns).
+func PeerAddr(ctx context.Context) (netip.AddrPort, bool) {
+	a, ok := ctx.Value(peerAddrCtx{}).(netip.AddrPort)
+	return a, ok
 }
 
 type closeWriter interface{ CloseWrite() error }

@@ -21,6 +21,14 @@ type Peer struct {
 	Namespace string
 	// CanonicalName is the canonical service name.
 	CanonicalName string
+	// HBONE reports tunnel_protocol: HBONE: the workload's proxy serves
+	// HBONE on its :15008.
+	HBONE bool
+	// Identity is the workload's SPIFFE ID,
+	// spiffe://<trust_domain>/ns/<namespace>/sa/<service_account> (the
+	// service account defaults to "default"); "" when the record names no
+	// trust domain.
+	Identity string
 }
 
 // Index maps raw address bytes to workloads. It is safe for concurrent use;
@@ -41,7 +49,18 @@ func peerOf(w *workload.Workload) Peer {
 	if name == "" {
 		name = w.GetName()
 	}
-	return Peer{UID: w.GetUid(), Workload: name, Namespace: w.GetNamespace(), CanonicalName: w.GetCanonicalName()}
+	p := Peer{
+		UID: w.GetUid(), Workload: name, Namespace: w.GetNamespace(), CanonicalName: w.GetCanonicalName(),
+		HBONE: w.GetTunnelProtocol() == workload.TunnelProtocol_HBONE,
+	}
+	if td := w.GetTrustDomain(); td != "" && w.GetNamespace() != "" {
+		sa := w.GetServiceAccount()
+		if sa == "" {
+			sa = "default"
+		}
+		p.Identity = "spiffe://" + td + "/ns/" + w.GetNamespace() + "/sa/" + sa
+	}
+	return p
 }
 
 func (x *Index) removeLocked(uid string) {

@@ -28,13 +28,16 @@ type Pod struct {
 	Name string
 	IP4  netip.Addr
 	IP6  netip.Addr
+	// SPIFFEID, when set, is put in the pod's listeners (the agent does
+	// when it serves identities): the proxy then serves HBONE for it.
+	SPIFFEID string
 }
 
 // Record is the pod record the agent would build listeners from.
 func (p *Pod) Record() listener.Pod {
 	return listener.Pod{
 		ContainerID: "ctr-" + p.Name, Namespace: "default", Name: p.Name, UID: "uid-" + p.Name,
-		NetNSPath: p.NS.Path(), IPs: []netip.Addr{p.IP4, p.IP6},
+		NetNSPath: p.NS.Path(), IPs: []netip.Addr{p.IP4, p.IP6}, SPIFFEID: p.SPIFFEID,
 	}
 }
 

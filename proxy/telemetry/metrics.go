@@ -20,6 +20,7 @@ var PeerLabels = []string{
 	"direction",
 	"source_workload", "source_workload_namespace", "source_canonical_name",
 	"destination_workload", "destination_workload_namespace", "destination_canonical_name",
+	"source_principal", "destination_principal",
 }
 
 // Metrics are the proxy's collectors, registered on their own registry.
@@ -37,6 +38,7 @@ type Metrics struct {
 	udp      *prometheus.CounterVec
 	inbound  *prometheus.CounterVec
 	limits   *prometheus.CounterVec
+	outbound *prometheus.CounterVec
 	pods     prometheus.Gauge
 }
 
@@ -81,12 +83,16 @@ func New() *Metrics {
 			Name: "aether_proxy_limit_hits_total",
 			Help: "Limits the proxy enforced, by limit: pod_connections and node_connections (a TCP connection reset), pod_udp_flows and node_udp_flows (a UDP flow evicted or refused), tcp_idle (an idle TCP connection closed).",
 		}, []string{"limit"}),
+		outbound: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "aether_outbound_connections_total",
+			Help: "Captured TCP connections by path while HBONE is on: hbone (tunnelled over mTLS), hbone_failed (the tunnel could not be opened: the client was reset, never sent in plaintext), passthrough_not_hbone (destination not an HBONE workload in WDS: plain TCP), passthrough_no_identity (the source pod has no SPIFFE ID: plain TCP).",
+		}, []string{"path"}),
 		pods: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "aether_proxy_pods_serving",
 			Help: "Pods whose listeners are bound and served.",
 		}),
 	}
-	m.Registry.MustRegister(m.opened, m.closed, m.sent, m.received, m.duration, m.failed, m.udp, m.limits, m.inbound, m.pods,
+	m.Registry.MustRegister(m.opened, m.closed, m.sent, m.received, m.duration, m.failed, m.udp, m.limits, m.inbound, m.outbound, m.pods,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -98,12 +104,22 @@ func orUnknown(s string) string {
 	return s
 }
 
-// Labels returns the label values of a connection from src to dst.
+// Labels returns the label values of a plain (untunnelled) connection from
+// src to dst: its principals are unknown.
 func Labels(direction string, src, dst peers.Peer) []string {
+	return TunnelLabels(direction, src, dst, "", "")
+}
+
+// TunnelLabels returns the label values of an HBONE connection from src to
+// dst with the SPIFFE IDs of both ends: the one this proxy presented and the
+// one it verified. Principals are identities, never per connection, so the
+// cardinality stays that of the workloads.
+func TunnelLabels(direction string, src, dst peers.Peer, srcPrincipal, dstPrincipal string) []string {
 	return []string{
 		direction,
 		orUnknown(src.Workload), orUnknown(src.Namespace), orUnknown(src.CanonicalName),
 		orUnknown(dst.Workload), orUnknown(dst.Namespace), orUnknown(dst.CanonicalName),
+		orUnknown(srcPrincipal), orUnknown(dstPrincipal),
 	}
 }
 
@@ -169,6 +185,13 @@ const (
 
 // LimitHit counts one enforcement of limit.
 func (m *Metrics) LimitHit(limit string) { m.limits.WithLabelValues(limit).Inc() }
+
+// Outbound counts one captured TCP connection by the path it took: "hbone",
+// "hbone_failed" (reset, never sent in plaintext), "passthrough_not_hbone"
+// (the destination is not an HBONE workload in WDS) or
+// "passthrough_no_identity" (the source pod has no SPIFFE ID). Only counted
+// while HBONE is on.
+func (m *Metrics) Outbound(path string) { m.outbound.WithLabelValues(path).Inc() }
 
 // SetPodsServing sets the serving-pods gauge.
 func (m *Metrics) SetPodsServing(n int) { m.pods.Set(float64(n)) }

@@ -49,6 +49,9 @@ import (
 // identity of its pod.
 const MetadataKey = "aether.io/pod"
 
+// spiffeScheme starts every SPIFFE ID.
+const spiffeScheme = "spiffe://"
+
 // NamePrefix starts every listener name this package builds.
 const NamePrefix = "aether"
 
@@ -131,6 +134,11 @@ type Pod struct {
 	// it to the app, meshcontract.InboundPolicyStrict resets it. The agent
 	// decides it (pod annotation, else its default); "" is permissive.
 	InboundPolicy string
+	// SPIFFEID is the pod's SPIFFE identity
+	// (spiffe://<trust-domain>/ns/<ns>/sa/<service-account>) when the agent
+	// serves identities; the proxy then serves HBONE on the pod's :15008
+	// with that identity. "" = no identity, no HBONE.
+	SPIFFEID string
 }
 
 // Validate reports a record listeners cannot be built from.
@@ -149,6 +157,8 @@ func (p Pod) Validate() error {
 	case p.InboundPolicy != "" && !meshcontract.ValidInboundPolicy(p.InboundPolicy):
 		return fmt.Errorf("pod %s/%s inbound policy %q must be %q or %q", p.Namespace, p.Name, p.InboundPolicy,
 			meshcontract.InboundPolicyPermissive, meshcontract.InboundPolicyStrict)
+	case p.SPIFFEID != "" && !strings.HasPrefix(p.SPIFFEID, spiffeScheme):
+		return fmt.Errorf("pod %s/%s SPIFFE ID %q must start with %q", p.Namespace, p.Name, p.SPIFFEID, spiffeScheme)
 	}
 	for _, ip := range p.IPs {
 		if !ip.IsValid() {
@@ -217,6 +227,9 @@ func podMetadata(p Pod, ips []string) *core.Metadata {
 	}
 	if p.InboundPolicy != "" {
 		fields["inbound_policy"] = structpb.NewStringValue(p.InboundPolicy)
+	}
+	if p.SPIFFEID != "" {
+		fields["spiffe_id"] = structpb.NewStringValue(p.SPIFFEID)
 	}
 	return &core.Metadata{FilterMetadata: map[string]*structpb.Struct{MetadataKey: {Fields: fields}}}
 }
@@ -384,6 +397,8 @@ type Spec struct {
 	// reads an absent value (an agent that predates it) as permissive,
 	// and a value it does not know as strict (fail safe).
 	InboundPolicy string
+	// SPIFFEID is the pod's SPIFFE identity ("" = none): see Pod.SPIFFEID.
+	SPIFFEID string
 	// NetNSPath is the network namespace every bind lives in.
 	NetNSPath string
 	// Transparent asks for IP_TRANSPARENT sockets.
@@ -414,6 +429,7 @@ func Parse(l *listenerv3.Listener) (Spec, error) {
 	case !meshcontract.ValidInboundPolicy(s.InboundPolicy):
 		s.InboundPolicy = meshcontract.InboundPolicyStrict
 	}
+	s.SPIFFEID = f["spiffe_id"].GetStringValue()
 	if s.PodKey == "" {
 		return s, fmt.Errorf("failed to parse listener %q: metadata %s has no container_id", l.GetName(), MetadataKey)
 	}
@@ -426,6 +442,9 @@ func Parse(l *listenerv3.Listener) (Spec, error) {
 	}
 	if s.UDSSocket != "" && !strings.HasPrefix(s.UDSSocket, "/") {
 		return s, fmt.Errorf("failed to parse listener %q: uds_socket %q is not an absolute path", l.GetName(), s.UDSSocket)
+	}
+	if s.SPIFFEID != "" && !strings.HasPrefix(s.SPIFFEID, spiffeScheme) {
+		return s, fmt.Errorf("failed to parse listener %q: spiffe_id %q does not start with %q", l.GetName(), s.SPIFFEID, spiffeScheme)
 	}
 	role := Role(l.GetName()[strings.LastIndex(l.GetName(), "/")+1:])
 	if !slices.Contains(Roles, role) {

@@ -1,0 +1,414 @@
+package dataplane
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+
+	"aether.io/node/proxy/hbone"
+	"aether.io/node/proxy/peers"
+	"aether.io/node/proxy/telemetry"
+)
+
+// HBONE in the data plane (see proxy/hbone/README.md "How the data plane uses
+// it"): with Config.Certs set, every pod whose listeners carry a SPIFFE ID
+// gets :HBONEPort bound in its netns and one hbone.Server delivering to the
+// pod's app (DeliverInbound's path); a captured connection to a workload WDS
+// marks tunnel_protocol HBONE goes through the manager's one hbone.Dialer from
+// the source pod's netns.
+
+// podHBONE is one pod's HBONE side: its identity, the :15008 listeners and
+// their server.
+type podHBONE struct {
+	id spiffeid.ID
+	// origin keeps this pod instance's pooled dialer connections apart from
+	// every other pod's (and from a later instance of the same key).
+	origin string
+	lns    []net.Listener
+	srv    *hbone.Server
+	stop   chan struct{} // closed by stopHBONE: the server shuts down
+	once   sync.Once
+	served bool // serveHBONE ran: the server owns the listeners
+}
+
+// podCtxKey carries the dialing pod into the dialer's DialContext.
+type podCtxKey struct{}
+
+// newTunnel returns the manager's HBONE dialer; its connections are opened
+// from the source pod's netns with the bypass mark.
+func (m *Manager) newTunnel() (*hbone.Dialer, error) {
+	return hbone.NewDialer(hbone.DialerConfig{
+		Certs:            m.cfg.Certs,
+		HandshakeTimeout: m.cfg.ConnectTimeout,
+		Logger:           m.log.With("component", "hbone_dialer"),
+		DialContext: func(ctx context.Context, _, address string) (net.Conn, error) {
+			p, ok := ctx.Value(podCtxKey{}).(*pod)
+			if !ok {
+				return nil, fmt.Errorf("failed to dial hbone proxy %q: no source pod", address)
+			}
+			dst, err := netip.ParseAddrPort(address)
+			if err != nil {
+				return nil, fmt.Errorf("failed to parse hbone proxy address %q: %w", address, err)
+			}
+			return p.dialTCP(ctx, dst)
+		},
+	})
+}
+
+// bindHBONE binds the pod's HBONE listeners (0.0.0.0 and [::] per the pod's
+// address families) in its netns when HBONE is on and the pod has an
+// identity. On error the caller closes the pod, which closes what was bound.
+func (p *pod) bindHBONE(seq uint64) error {
+	if p.m.tunnel == nil || p.specs[0].SPIFFEID == "" {
+		return nil
+	}
+	id, err := spiffeid.FromString(p.specs[0].SPIFFEID)
+	if err != nil {
+		return fmt.Errorf("failed to parse spiffe id %q of pod %q: %w", p.specs[0].SPIFFEID, p.key, err)
+	}
+	hb := &podHBONE{id: id, origin: p.key + "#" + strconv.FormatUint(seq, 10), stop: make(chan struct{})}
+	p.hb = hb
+	var v4, v6 bool
+	for _, ip := range p.ips {
+		if ip.Unmap().Is4() {
+			v4 = true
+		} else {
+			v6 = true
+		}
+	}
+	var binds []string
+	if v4 {
+		binds = append(binds, "tcp4", netip.AddrPortFrom(netip.IPv4Unspecified(), p.m.cfg.HBONEPort).String())
+	}
+	if v6 {
+		binds = append(binds, "tcp6", netip.AddrPortFrom(netip.IPv6Unspecified(), p.m.cfg.HBONEPort).String())
+	}
+	err = p.netns.do(func() error {
+		for i := 0; i < len(binds); i += 2 {
+			ln, err := (&net.ListenConfig{}).Listen(context.Background(), binds[i], binds[i+1])
+			if err != nil {
+				return fmt.Errorf("failed to bind %s hbone listener on %s: %w", binds[i], binds[i+1], err)
+			}
+			hb.lns = append(hb.lns, ln)
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	hb.srv, err = hbone.NewServer(hbone.ServerConfig{
+		Identity: id, Certs: p.m.cfg.Certs, Deliver: p.deliverHBONE,
+		HandshakeTimeout: p.m.cfg.ConnectTimeout, Logger: p.log.With("component", "hbone_server"),
+	})
+	return err
+}
+
+// hboneLoops is the number of accept loops serveHBONE starts.
+func (p *pod) hboneLoops() int {
+	if p.hb == nil {
+		return 0
+	}
+	return len(p.hb.lns)
+}
+
+// serveHBONE serves the pod's HBONE listeners; the server shuts down when
+// the pod stops accepting (streams may finish until the pod closes).
+func (p *pod) serveHBONE() {
+	hb := p.hb
+	if hb == nil {
+		return
+	}
+	hb.served = true
+	for _, ln := range hb.lns {
+		p.awg.Add(1)
+		p.loops.Add(1)
+		go func() {
+			defer p.awg.Done()
+			defer p.loops.Add(-1)
+			if err := hb.srv.Serve(&retryListener{Listener: ln, p: p}); err != nil {
+				p.log.Error("hbone listener stopped", "listener", ln.Addr().String(), "error", err.Error())
+			}
+		}()
+	}
+	// Part of the pod's connections: a drain waits for the streams, and the
+	// pod's close (its ctx) cuts them.
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		select {
+		case <-hb.stop:
+		case <-p.ctx.Done():
+		}
+		if err := hb.srv.Shutdown(p.ctx); err != nil && !errors.Is(err, context.Canceled) {
+			p.log.Warn("hbone server shutdown cut open streams", "error", err.Error())
+		}
+	}()
+}
+
+// stopHBONE stops accepting HBONE connections and streams (GOAWAY); open
+// streams continue until they end or the pod closes.
+func (p *pod) stopHBONE() {
+	hb := p.hb
+	if hb == nil {
+		return
+	}
+	hb.once.Do(func() {
+		close(hb.stop)
+		if !hb.served { // bound but never served: close the sockets here
+			for _, ln := range hb.lns {
+				_ = ln.Close()
+			}
+		}
+	})
+}
+
+// closeHBONE closes the pooled dialer connections this pod opened.
+func (p *pod) closeHBONE() {
+	if p.hb != nil && p.m.tunnel != nil {
+		p.m.tunnel.CloseOrigin(p.hb.origin)
+	}
+}
+
+// retryListener keeps an HBONE listener accepting through transient accept
+// errors (EMFILE, ECONNABORTED...) with a backoff, like the capture loop.
+type retryListener struct {
+	net.Listener
+	p *pod
+}
+
+func (l *retryListener) Accept() (net.Conn, error) {
+	var backoff time.Duration
+	for {
+		c, err := l.Listener.Accept()
+		if err == nil || errors.Is(err, net.ErrClosed) || l.p.ctx.Err() != nil {
+			return c, err
+		}
+		backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+		l.p.log.Warn("hbone accept failed", "listener", l.Addr().String(), "error", err.Error())
+		select {
+		case <-time.After(backoff):
+		case <-l.p.ctx.Done():
+			return nil, net.ErrClosed
+		}
+	}
+}
+
+// deliverHBONE is the pod's hbone.DeliverFunc: the target must be the pod's
+// own address (else 502), the stream takes a connection slot of the pod's
+// caps (else 503), and it reaches the app over its UDS socket or TCP
+// (deliverInbound). The connection is counted with the verified source
+// principal.
+func (p *pod) deliverHBONE(ctx context.Context, src spiffeid.ID, target netip.AddrPort) (net.Conn, error) {
+	release, limit := p.admitTCP()
+	if limit != "" {
+		p.m.metrics.LimitHit(limit)
+		p.m.metrics.Failed(limit)
+		return nil, &hbone.StatusError{Code: http.StatusServiceUnavailable, Err: fmt.Errorf("failed to admit a stream to pod %q: %s limit", p.key, limit)}
+	}
+	up, err := p.deliverInbound(ctx, target)
+	if err != nil {
+		release()
+		if errors.Is(err, ErrNotThisPod) {
+			return nil, &hbone.StatusError{Code: http.StatusBadGateway, Err: err}
+		}
+		return nil, err
+	}
+	var srcPeer peers.Peer
+	if a, ok := hbone.PeerAddr(ctx); ok {
+		srcPeer = p.lookup(a.Addr())
+	}
+	dstPeer := p.lookup(target.Addr().Unmap())
+	tc := p.m.metrics.Open(telemetry.TunnelLabels(directionInbound, srcPeer, dstPeer, src.String(), p.hb.id.String()))
+	c := &inboundConn{Conn: up, release: release, untrack: p.untrack, tc: tc}
+	if !p.track(c) {
+		c.abort()
+		_ = c.Close()
+		return nil, fmt.Errorf("failed to deliver to %s: pod %q: %w", target, p.key, ErrNotServing)
+	}
+	return c, nil
+}
+
+// inboundConn is the app side of one HBONE stream: it counts the bytes and
+// the connection, and gives the pod's slot back when the server closes it.
+type inboundConn struct {
+	net.Conn
+	tc      *telemetry.Conn
+	release func()
+	untrack func(closer)
+	once    sync.Once
+}
+
+// Write carries bytes from the source to the app.
+func (c *inboundConn) Write(b []byte) (int, error) {
+	n, err := c.Conn.Write(b)
+	if n > 0 {
+		c.tc.Received(int64(n))
+	}
+	return n, err
+}
+
+// Read carries bytes from the app back to the source.
+func (c *inboundConn) Read(b []byte) (int, error) {
+	n, err := c.Conn.Read(b)
+	if n > 0 {
+		c.tc.Sent(int64(n))
+	}
+	return n, err
+}
+
+// CloseWrite passes the source's half-close on to the app.
+func (c *inboundConn) CloseWrite() error {
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return nil
+}
+
+// Close ends the delivery (the server calls it once the stream ends).
+func (c *inboundConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(func() {
+		c.untrack(c)
+		c.tc.Close()
+		c.release()
+	})
+	return err
+}
+
+// abort resets the app connection (the pod closes); the stream handler
+// then fails and closes c.
+func (c *inboundConn) abort() {
+	if tc, ok := c.Conn.(*net.TCPConn); ok {
+		_ = tc.SetLinger(0)
+	}
+	_ = c.Conn.Close()
+}
+
+// Values of aether_outbound_connections_total{path}.
+const (
+	pathHBONE       = "hbone"
+	pathNotMesh     = "passthrough_not_hbone"
+	pathNoIdentity  = "passthrough_no_identity"
+	pathHBONEFailed = "hbone_failed"
+	failedHBONEDial = "hbone_connect"
+)
+
+// tunnelTCP sends a captured connection through HBONE when its destination
+// is a workload WDS marks tunnel_protocol HBONE and the pod has an identity.
+// It reports false when the connection must be passed through in plain TCP
+// (counted); when it returns true the connection is done with. A failed
+// HBONE dial resets the client: never a silent downgrade to plaintext.
+func (p *pod) tunnelTCP(down *net.TCPConn, src, dst netip.AddrPort) bool {
+	if p.m.tunnel == nil {
+		return false
+	}
+	dstPeer := p.lookup(dst.Addr())
+	if !dstPeer.HBONE || dst.Port() == p.m.cfg.HBONEPort {
+		// Not a mesh workload, or a client already speaking HBONE to
+		// :15008 itself.
+		p.m.metrics.Outbound(pathNotMesh)
+		return false
+	}
+	if p.hb == nil {
+		p.m.metrics.Outbound(pathNoIdentity)
+		return false
+	}
+	var expected spiffeid.ID
+	if dstPeer.Identity != "" {
+		id, err := spiffeid.FromString(dstPeer.Identity)
+		if err != nil {
+			p.m.metrics.Outbound(pathHBONEFailed)
+			p.m.metrics.Failed(failedHBONEDial)
+			p.log.Error("destination's spiffe id is invalid; resetting the connection", "dst", dst.String(), "spiffe_id", dstPeer.Identity, "error", err.Error())
+			reset(down)
+			return true
+		}
+		expected = id
+	}
+	ctx, cancel := context.WithTimeout(context.WithValue(p.ctx, podCtxKey{}, p), p.m.cfg.ConnectTimeout)
+	up, err := p.m.tunnel.Dial(ctx, hbone.Request{
+		Source: p.hb.id, Proxy: netip.AddrPortFrom(dst.Addr(), p.m.cfg.HBONEPort), Target: dst,
+		Expected: expected, Origin: p.hb.origin,
+	})
+	cancel()
+	if err != nil {
+		p.m.metrics.Outbound(pathHBONEFailed)
+		p.m.metrics.Failed(failedHBONEDial)
+		p.log.Debug("hbone connect failed", "src", src.String(), "dst", dst.String(), "error", err.Error())
+		reset(down)
+		return true
+	}
+	p.m.metrics.Outbound(pathHBONE)
+	pair := &streamPair{down: down, up: up}
+	if !p.track(pair) {
+		pair.abort()
+		return true
+	}
+	defer p.untrack(pair)
+	tc := p.m.metrics.Open(telemetry.TunnelLabels(directionOutbound, p.lookup(src.Addr()), dstPeer, p.hb.id.String(), up.Peer().String()))
+	pair.pipe(tc)
+	tc.Close()
+	return true
+}
+
+// streamPair is one captured connection tunnelled over an HBONE stream.
+type streamPair struct {
+	down *net.TCPConn
+	up   *hbone.Stream
+	once sync.Once
+}
+
+func (t *streamPair) abort() {
+	t.once.Do(func() {
+		reset(t.down)
+		_ = t.up.Close()
+	})
+}
+
+// countWriter reports every write's size.
+type countWriter struct {
+	w   io.Writer
+	add func(int64)
+}
+
+func (c countWriter) Write(b []byte) (int, error) {
+	n, err := c.w.Write(b)
+	if n > 0 {
+		c.add(int64(n))
+	}
+	return n, err
+}
+
+// pipe copies both ways like pipe does for plain pairs: EOF → half-close
+// (END_STREAM upstream, FIN downstream), an error resets both.
+func (t *streamPair) pipe(tc *telemetry.Conn) {
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if _, err := io.Copy(countWriter{t.up, tc.Received}, t.down); err != nil {
+			t.abort()
+			return
+		}
+		_ = t.up.CloseWrite()
+	}()
+	if _, err := io.Copy(countWriter{t.down, tc.Sent}, t.up); err != nil {
+		t.abort()
+	} else {
+		_ = t.down.CloseWrite()
+	}
+	wg.Wait()
+	t.once.Do(func() {
+		_ = t.down.Close()
+		_ = t.up.Close()
+	})
+}
