@@ -2,8 +2,10 @@ package demo
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -20,9 +22,11 @@ import (
 	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 
+	"aether.io/node/agent/identity/identitytest"
 	"aether.io/node/enivlan"
 	"aether.io/node/enivlan/enivlantest"
 	"aether.io/node/meshcni/capture"
+	"aether.io/node/proxy/hbone"
 	"aether.io/node/test/harness"
 )
 
@@ -49,6 +53,7 @@ var Outcomes = []string{
 	"pods up",
 	"proxy configured over xDS",
 	"captured and proxied",
+	"mTLS between pods",
 	"routed by the fabric",
 	"unmanaged untouched",
 	"bad binding refused",
@@ -63,6 +68,10 @@ const (
 	serverPort = 8080
 	// proxyAdmin is aether-proxy's admin address inside the node netns.
 	proxyAdmin = "127.0.0.1:18090"
+	// trustDomain is the SPIFFE trust domain of the demo's identities.
+	trustDomain = "cluster.local"
+	// hboneport is where the destination pod's proxy serves HBONE.
+	hboneport = hbone.DefaultPort
 )
 
 // report prints the demo's readable report and turns failed outcomes into
@@ -232,8 +241,11 @@ func TestNodeDemo(t *testing.T) {
 		xdsSock string
 		ldsSock string
 		hasXDS  bool
-		pinDir  string
-		flows   *flowCounters
+		// hbone: the agent issues SPIFFE identities (a CA made at node
+		// up) and the proxy tunnels managed-to-managed traffic over HBONE.
+		hbone  bool
+		pinDir string
+		flows  *flowCounters
 	)
 	ok := r.check("node up", func() (string, error) {
 		bins = harness.BuildOwn(t, "eni-vlan", "aether-cni", "aether-agent", "aether-proxy")
@@ -260,7 +272,7 @@ func TestNodeDemo(t *testing.T) {
 			return "", err
 		}
 		t.Cleanup(func() { _ = os.RemoveAll(dir) })
-		for _, d := range []string{"run", "pods", "state", "uds", "pins", "logs"} {
+		for _, d := range []string{"run", "pods", "state", "uds", "pins", "logs", "ca"} {
 			if err := os.MkdirAll(filepath.Join(dir, d), 0o700); err != nil {
 				return "", err
 			}
@@ -289,6 +301,14 @@ func TestNodeDemo(t *testing.T) {
 		} else {
 			ldsSock = xdsSock
 		}
+		// Identities: a CA for the trust domain, so the agent serves each
+		// managed pod's SVID over the SPIFFE Workload API and marks the
+		// managed workloads HBONE; the proxy then tunnels between them.
+		workloadSock := filepath.Join(dir, "run", "workload.sock")
+		if hbone = hasFlag(agentBin, "ca-cert"); hbone {
+			caCert, caKey := identitytest.Files(t, filepath.Join(dir, "ca"), identitytest.Valid(trustDomain))
+			args = append(args, "--ca-cert", caCert, "--ca-key", caKey, "--trust-domain", trustDomain, "--workload-api-socket", workloadSock)
+		}
 		agent = startProc(t, cloud.Node, "aether-agent", agentBin, args...)
 		wctx, cancel := context.WithTimeout(ctx, 90*time.Second)
 		defer cancel()
@@ -299,6 +319,9 @@ func TestNodeDemo(t *testing.T) {
 		pargs := []string{"--xds-address", "unix://" + xdsSock, "--node-id", nodeName, "--admin-address", proxyAdmin, "--log-level", "info"}
 		if hasFlag(proxyBin, "lds-address") {
 			pargs = append(pargs, "--lds-address", "unix://"+ldsSock)
+		}
+		if hbone {
+			pargs = append(pargs, "-workload-api-socket", workloadSock)
 		}
 		proxy = startProc(t, cloud.Node, "aether-proxy", proxyBin, pargs...)
 		for {
@@ -316,6 +339,9 @@ func TestNodeDemo(t *testing.T) {
 			}
 		}
 		xds := fmt.Sprintf("agent serves workloads on %s and listeners on %s", xdsSock, ldsSock)
+		if hbone {
+			xds += fmt.Sprintf("; it issues SPIFFE identities of trust domain %s (CA made for the demo) on %s", trustDomain, workloadSock)
+		}
 		if !hasXDS {
 			xds = "agent has NO --xds-socket flag (xDS not served yet)"
 		}
@@ -482,6 +508,9 @@ func TestNodeDemo(t *testing.T) {
 			if err := flows.add("client->server", client.ip, server.ip, serverPort); err != nil {
 				t.Error(err)
 			}
+			if err := flows.add("client->server:hbone", client.ip, server.ip, hboneport); err != nil {
+				t.Error(err)
+			}
 		}
 		if legacy.up {
 			if err := flows.add("legacy->server", legacy.ip, server.ip, serverPort); err != nil {
@@ -535,8 +564,11 @@ func TestNodeDemo(t *testing.T) {
 			if talkErr != nil {
 				return "", fmt.Errorf("shop/client -> %s: %w", dst, talkErr)
 			}
-			if !slices.Contains(echo.seen(), client.ip) {
-				return "", fmt.Errorf("the server saw peers %v, not the client's address %s", echo.seen(), client.ip)
+			// Over HBONE the destination proxy delivers from inside the
+			// server pod, so the app sees the pod's own address (proxy
+			// README: the client's address is not preserved yet).
+			if want := map[bool]netip.Addr{false: client.ip, true: server.ip}[hbone]; !slices.Contains(echo.seen(), want) {
+				return "", fmt.Errorf("the server saw peers %v, not %s", echo.seen(), want)
 			}
 			var ms []Metric
 			deadline := time.Now().Add(10 * time.Second)
@@ -561,19 +593,61 @@ func TestNodeDemo(t *testing.T) {
 			}
 			return "both managed pods hold the divert; the client's connection was diverted into aether-proxy in its netns, forwarded to the (captured) server, and counted with both workloads named", nil
 		})
+		r.check("mTLS between pods", func() (string, error) {
+			if !hbone {
+				return "", errors.New("aether-agent has no --ca-cert flag: no identities, no HBONE")
+			}
+			clientID := "spiffe://" + trustDomain + "/ns/" + podNS + "/sa/" + client.name
+			serverID := "spiffe://" + trustDomain + "/ns/" + podNS + "/sa/" + server.name
+			ms, err := metrics()
+			if err != nil {
+				return "", err
+			}
+			// The client's side presented its SVID and verified the
+			// server's; the server's side verified the client's.
+			out := maps.Clone(pair)
+			out["direction"], out["source_principal"], out["destination_principal"] = "outbound", clientID, serverID
+			in := maps.Clone(pair)
+			in["direction"], in["source_principal"], in["destination_principal"] = "inbound", clientID, serverID
+			if sum(ms, "aether_tcp_connections_opened_total", out) < 1 || sum(ms, "aether_tcp_connections_opened_total", in) < 1 {
+				return "", fmt.Errorf("aether-proxy did not count the client -> server connection as HBONE with both identities (outbound %v, inbound %v); samples: %v",
+					out, in, tcpSamples(ms))
+			}
+			r.printf("  outbound (client's proxy): source_principal=%q destination_principal=%q (verified), %g bytes sent",
+				clientID, serverID, sum(ms, "aether_tcp_received_bytes_total", out))
+			r.printf("  inbound (server's :%d): source_principal=%q (verified client SVID), delivered to the app on :%d", hboneport, clientID, serverPort)
+			// On the wire between the pods: only :15008 (TLS) carried it.
+			pk, err := flows.packets()
+			if err != nil {
+				return "", err
+			}
+			if pk["client->server:hbone"] == 0 || pk["client->server:hbone/reply"] == 0 {
+				return "", fmt.Errorf("the fabric forwarded %d packets client -> server:%d and %d back, want both > 0", pk["client->server:hbone"], hboneport, pk["client->server:hbone/reply"])
+			}
+			if pk["client->server"] != 0 {
+				return "", fmt.Errorf("the fabric forwarded %d plaintext packets client -> server:%d: the connection was not tunnelled", pk["client->server"], serverPort)
+			}
+			return fmt.Sprintf("client -> server:%d went over HBONE (HTTP/2 CONNECT in mutual TLS on :%d, %d packets across the fabric, none to :%d), each side verified the other's SPIFFE identity: %s -> %s",
+				serverPort, hboneport, pk["client->server:hbone"], serverPort, clientID, serverID), nil
+		})
 		r.check("routed by the fabric", func() (string, error) {
 			pk, err := flows.packets()
 			if err != nil {
 				return "", err
 			}
-			if pk["client->server"] == 0 || pk["client->server/reply"] == 0 {
-				return "", fmt.Errorf("the fabric forwarded %d packets client -> server and %d back, want both > 0", pk["client->server"], pk["client->server/reply"])
+			there, back, port := pk["client->server"], pk["client->server/reply"], uint16(serverPort)
+			if hbone {
+				there, back, port = pk["client->server:hbone"], pk["client->server:hbone/reply"], hboneport
+			}
+			if there == 0 || back == 0 {
+				return "", fmt.Errorf("the fabric forwarded %d packets client -> server:%d and %d back, want both > 0", there, port, back)
 			}
 			return fmt.Sprintf("the fabric gateway routed VLAN %d -> VLAN %d: %d packets client -> server:%d, %d back",
-				client.vlan, server.vlan, pk["client->server"], serverPort, pk["client->server/reply"]), nil
+				client.vlan, server.vlan, there, port, back), nil
 		})
 	} else {
 		r.skip("captured and proxied", "client or server is not up")
+		r.skip("mTLS between pods", "client or server is not up")
 		r.skip("routed by the fabric", "client or server is not up")
 	}
 	interrupted()
