@@ -278,7 +278,7 @@ func TestHBONETwoNodes(t *testing.T) {
 		}
 		for _, s := range wire() {
 			if fromClient(s) && (s.dst.Port() == appPort || s.secret) {
-				t.Errorf("plaintext on the link: %+v", s)
+				t.Errorf("plaintext on the link: %s -> %s (payload %v)", s.src, s.dst, s.secret)
 			}
 		}
 		if n := sum(a.metrics, "aether_outbound_connections_total", map[string]string{"path": "hbone_failed"}) - failed; n != 1 {

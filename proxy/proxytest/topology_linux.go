@@ -2,6 +2,8 @@
 // and benchmarks run in: a node netns holding a bridge, and pod netns joined
 // to it by veths, with the capture divert of meshcni/capture installed in the
 // pods that are captured, plus small TCP helpers that run inside a pod.
+// NewCluster builds several such nodes routed to each other over a fabric
+// bridge, each with its own pod subnets.
 package proxytest
 
 import (
