@@ -2,6 +2,8 @@
 // and benchmarks run in: a node netns holding a bridge, and pod netns joined
 // to it by veths, with the capture divert of meshcni/capture installed in the
 // pods that are captured, plus small TCP helpers that run inside a pod.
+// NewCluster builds several such nodes routed to each other over a fabric
+// bridge, each with its own pod subnets.
 package proxytest
 
 import (
@@ -12,12 +14,12 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"aether.io/node/api/istio/workload"
-	"aether.io/node/meshcni/capture"
 	"aether.io/node/test/harness"
 	"aether.io/node/xds/listener"
 )
@@ -81,6 +83,15 @@ func New(tb testing.TB, names []string, captured ...string) *Topology {
 	tb.Helper()
 	t := &Topology{Node: harness.NewNS(tb, "node")}
 	harness.Bridge(tb, t.Node, "br0")
+	t.addPods(tb, 0, names, captured)
+	return t
+}
+
+// addPods creates one pod per name on the node's bridge br0, in the
+// subnets of node index node (10.88.<node>.0/24, fd88:0:0:<node>::/64,
+// pods from .2 on); pods listed in captured get the divert.
+func (t *Topology) addPods(tb testing.TB, node int, names, captured []string) {
+	tb.Helper()
 	for i, name := range names {
 		ns := harness.NewNS(tb, "pod")
 		ns.MustDo(tb, func() error {
@@ -88,24 +99,19 @@ func New(tb testing.TB, names []string, captured ...string) *Topology {
 		})
 		p := &Pod{
 			NS: ns, Name: name,
-			IP4: netip.MustParseAddr(fmt.Sprintf("10.88.0.%d", i+2)),
-			IP6: netip.MustParseAddr(fmt.Sprintf("fd88::%d", i+2)),
+			IP4: netip.AddrFrom4([4]byte{10, 88, byte(node), byte(i + 2)}),
+			IP6: netip.MustParseAddr(fmt.Sprintf("fd88:0:0:%x::%d", node, i+2)),
 		}
 		host := fmt.Sprintf("veth%d", i)
 		harness.Veth(tb, ns, "eth0", t.Node, host)
 		harness.Enslave(tb, t.Node, host, "br0")
 		harness.AddAddr(tb, ns, "eth0", p.IP4.String()+"/24")
 		harness.AddAddr(tb, ns, "eth0", p.IP6.String()+"/64")
-		for _, c := range captured {
-			if c == name {
-				if err := (capture.Installer{}).Install(ns.Path(), capture.Build(capture.Config{RedirectAll: true})); err != nil {
-					tb.Fatalf("failed to install the capture divert in %s: %v", name, err)
-				}
-			}
+		if slices.Contains(captured, name) {
+			installDivert(tb, ns, name)
 		}
 		t.Pods = append(t.Pods, p)
 	}
-	return t
 }
 
 // Dial connects from inside the pod to dst.
