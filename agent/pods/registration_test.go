@@ -127,11 +127,7 @@ func metric(t *testing.T, reg *prometheus.Registry, name string) float64 {
 // named names on node "n" (uid "uid-<name>").
 func testManager(t *testing.T, reg registry.Registry, names ...string) (*Manager, *telemetry.Metrics) {
 	t.Helper()
-	st, err := store.Open(t.TempDir(), store.Options{NoSync: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { st.Close() })
+	st := openStore(t)
 	src := newFakeSource()
 	for _, n := range names {
 		src.set(&podsource.Pod{Namespace: "ns", Name: n, UID: "uid-" + n, NodeName: "n", Labels: map[string]string{ManagedLabel: "true"}})
@@ -139,6 +135,17 @@ func testManager(t *testing.T, reg registry.Registry, names ...string) (*Manager
 	healthy := true
 	metrics := telemetry.NewMetrics()
 	return New(Config{Node: "n", PodWait: time.Second}, st, reg, src, alwaysHealthy{&healthy}, metrics, nil), metrics
+}
+
+// openStore opens a store in a temporary directory, closed in t.Cleanup.
+func openStore(t *testing.T) *store.Store {
+	t.Helper()
+	st, err := store.Open(t.TempDir(), store.Options{NoSync: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	return st
 }
 
 func addPod(ctx context.Context, m *Manager, name string) error {
@@ -449,11 +456,7 @@ func TestReplaySetsPodGauges(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx := context.Background()
-			st, err := store.Open(t.TempDir(), store.Options{NoSync: true})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { st.Close() })
+			st := openStore(t)
 			for i := range tc.live + tc.terminating {
 				if err := st.Put(ctx, &store.Record{Node: "n", Pod: &cniv1.CNIPod{
 					ContainerId: fmt.Sprintf("sb-%d", i), Namespace: "ns", Name: fmt.Sprintf("p%d", i), Uid: fmt.Sprintf("uid-%d", i),

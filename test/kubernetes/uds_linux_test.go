@@ -95,6 +95,7 @@ func testUDSSocket(t *testing.T, n *node, in *install) {
 		"twice":    uds.ReasonMultipleCSIVolumes,
 		"emptydir": uds.ReasonNotCSI,
 	}
+	created := time.Now()
 	for _, p := range []*corev1.Pod{
 		udsPod("uds", udsVolume, csiVolume(udsVolume)),
 		udsPod("twice", udsVolume, csiVolume(udsVolume), csiVolume("mesh2")),
@@ -136,6 +137,7 @@ func testUDSSocket(t *testing.T, n *node, in *install) {
 			return proxyUDSSocket(t, n, "uds") == sock
 		})
 	}
+	t.Logf("pods running in %s", time.Since(created).Round(time.Millisecond))
 	checkRecords("after the pods started")
 	if fi, err := os.Lstat(sock); err != nil || fi.Mode().Type() != os.ModeSocket {
 		t.Fatalf("the app's socket on the host %s: %v, %v; want a socket", sock, fi, err)
@@ -160,6 +162,7 @@ func testUDSSocket(t *testing.T, n *node, in *install) {
 
 	// Deleting the pod: kubelet calls NodeUnpublishVolume, the driver
 	// removes <uds-csi-root>/<uid>/.
+	deleted := time.Now()
 	for name := range want {
 		if err := pods.Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
@@ -175,6 +178,7 @@ func testUDSSocket(t *testing.T, n *node, in *install) {
 		_, err := os.Lstat(podDir)
 		return os.IsNotExist(err)
 	})
+	t.Logf("pods deleted and %s removed in %s", podDir, time.Since(deleted).Round(time.Millisecond))
 	for name := range want {
 		if rec := findAgentPod(agentPods(t, in), name); rec != nil {
 			t.Errorf("agent record of deleted pod %s left: %+v", name, rec)
@@ -192,10 +196,12 @@ func restartAgentAPIDown(t *testing.T, n *node, in *install, check func()) {
 	t.Helper()
 	begin := time.Now()
 	n.cluster.StopAPIServer(t)
+	stopped := time.Since(begin)
 	if _, err := n.cluster.Client.CoreV1().Pods(appNamespace).List(context.Background(), metav1.ListOptions{}); err == nil {
 		t.Fatal("kube-apiserver still answers after StopAPIServer")
 	}
 	restartAgent(t, n, in)
+	restarted := time.Since(begin)
 	for _, l := range strings.Split(n.kubelet.Output(), "\n") {
 		if strings.Contains(l, "back-off") && strings.Contains(l, "aether-agent") {
 			t.Logf("kubelet: %s", l)
@@ -203,6 +209,7 @@ func restartAgentAPIDown(t *testing.T, n *node, in *install, check func()) {
 		}
 	}
 	check()
+	checked := time.Since(begin)
 
 	if code, body := nodeFetch(t, n, "http://"+agentHTTP+"/healthz"); code != 200 {
 		t.Errorf("agent /healthz with the API server down: %d %q, want 200 (kubelet's liveness probe would restart it)", code, body)
@@ -230,8 +237,9 @@ func restartAgentAPIDown(t *testing.T, n *node, in *install, check func()) {
 	})
 	ready := time.Since(start)
 	check()
-	t.Logf("API server down for %s (agent restart and checks), back in %s, agent ready %s later; step took %s",
-		down.Round(time.Millisecond), up.Round(time.Millisecond), ready.Round(time.Millisecond), time.Since(begin).Round(time.Millisecond))
+	t.Logf("API server stopped in %s, agent restarted at %s, records checked at %s, down for %s; back in %s, agent ready %s later; step took %s",
+		stopped.Round(time.Millisecond), restarted.Round(time.Millisecond), checked.Round(time.Millisecond), down.Round(time.Millisecond),
+		up.Round(time.Millisecond), ready.Round(time.Millisecond), time.Since(begin).Round(time.Millisecond))
 }
 
 // agentPod is `aetherctl pod <namespace>/<name> -o json` for a pod with

@@ -391,12 +391,7 @@ func (c *Cluster) Stop() {
 // starts it again, so the steps after a failed one still have it.
 func (c *Cluster) StopAPIServer(tb testing.TB) {
 	tb.Helper()
-	c.mu.Lock()
-	api := c.api
-	c.mu.Unlock()
-	if api == nil {
-		tb.Fatal("kube-apiserver is not running")
-	}
+	api := c.apiServer(tb)
 	api.Stop()
 	tb.Cleanup(func() {
 		c.mu.Lock()
@@ -418,12 +413,7 @@ func (c *Cluster) StopAPIServer(tb testing.TB) {
 // place (before etcd).
 func (c *Cluster) StartAPIServer(tb testing.TB) time.Duration {
 	tb.Helper()
-	c.mu.Lock()
-	old := c.api
-	c.mu.Unlock()
-	if old == nil {
-		tb.Fatal("kube-apiserver was never started")
-	}
+	old := c.apiServer(tb)
 	select {
 	case <-old.done:
 	default:
@@ -441,6 +431,17 @@ func (c *Cluster) StartAPIServer(tb testing.TB) time.Duration {
 	c.mu.Unlock()
 	waitFor(tb, "restarted kube-apiserver /readyz", 120*time.Second, api, c.health)
 	return time.Since(begin)
+}
+
+// apiServer is kube-apiserver's current process.
+func (c *Cluster) apiServer(tb testing.TB) *Proc {
+	tb.Helper()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.api == nil {
+		tb.Fatal("kube-apiserver was never started")
+	}
+	return c.api
 }
 
 // Namespace creates namespace ns (if needed) and its ServiceAccount
