@@ -15,7 +15,8 @@
 // them newest first, kube-apiserver before etcd.
 //
 // Cluster.StopAPIServer stops kube-apiserver alone (SIGTERM by PID, SIGKILL
-// after 10 s); etcd and the processes Run started keep running.
+// after 2 s: under the lane's kubelet it never finished its graceful
+// shutdown within 10 s); etcd and the processes Run started keep running.
 // Cluster.StartAPIServer runs it again with the same command line: the
 // same port, certificates (the pair it wrote in certs/ is reused), etcd
 // data, service-account keys and flags, so the Cluster's Config,

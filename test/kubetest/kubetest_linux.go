@@ -192,7 +192,10 @@ func start(tb testing.TB, ns *harness.NS, name string, args []string, dir string
 
 // Stop sends SIGTERM to the process (by its PID) and waits for it, killing
 // it after 10 s. It is idempotent.
-func (p *Proc) Stop() {
+func (p *Proc) Stop() { p.stop(10 * time.Second) }
+
+// stop is Stop with grace as the time between SIGTERM and SIGKILL.
+func (p *Proc) stop(grace time.Duration) {
 	select {
 	case <-p.done:
 		return
@@ -201,7 +204,7 @@ func (p *Proc) Stop() {
 	_ = p.cmd.Process.Signal(unix.SIGTERM)
 	select {
 	case <-p.done:
-	case <-time.After(10 * time.Second):
+	case <-time.After(grace):
 		_ = p.cmd.Process.Kill()
 		<-p.done
 	}
@@ -385,14 +388,16 @@ func (c *Cluster) Stop() {
 }
 
 // StopAPIServer stops kube-apiserver (SIGTERM by its PID, SIGKILL after
-// 10 s) and leaves etcd and every process Run started running: clients,
+// apiStopGrace: with a kubelet's watches open it does not finish its
+// graceful shutdown within 10 s, and what tests need is an API server that
+// is gone, not its drain) and leaves etcd and every process Run started running: clients,
 // kubelet and the pods' agents see a refused connection until
 // StartAPIServer. If tb ends with the API server still down, tb.Cleanup
 // starts it again, so the steps after a failed one still have it.
 func (c *Cluster) StopAPIServer(tb testing.TB) {
 	tb.Helper()
 	api := c.apiServer(tb)
-	api.Stop()
+	api.stop(apiStopGrace)
 	tb.Cleanup(func() {
 		c.mu.Lock()
 		down := c.api == api
@@ -432,6 +437,9 @@ func (c *Cluster) StartAPIServer(tb testing.TB) time.Duration {
 	waitFor(tb, "restarted kube-apiserver /readyz", 120*time.Second, api, c.health)
 	return time.Since(begin)
 }
+
+// apiStopGrace is how long StopAPIServer waits after SIGTERM.
+const apiStopGrace = 2 * time.Second
 
 // apiServer is kube-apiserver's current process.
 func (c *Cluster) apiServer(tb testing.TB) *Proc {
