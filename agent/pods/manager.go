@@ -211,8 +211,8 @@ func matches(rec *store.Record, ns, name, uid string) bool {
 
 // Replay loads every stored record and registers the ones that are not
 // terminating (outside mu, replayParallel at a time, within one
-// writeTimeout: the liveness loop registers whatever failed). Call it
-// before serving.
+// writeTimeout: the liveness loop registers whatever failed) and sets the
+// aether_agent_pods gauges. Call it before serving.
 func (m *Manager) Replay(ctx context.Context) (int, error) {
 	recs, err := m.store.List()
 	if err != nil {
@@ -238,6 +238,10 @@ func (m *Manager) Replay(ctx context.Context) (int, error) {
 	for _, e := range m.entries {
 		m.observeLocked(e)
 	}
+	// The gauges show the replayed records at once, not from the first
+	// liveness tick (which, with the API server down, may be long after
+	// the agent serves them).
+	m.updateGaugesLocked()
 	m.mu.Unlock()
 	m.log.Info("replayed pod records", "records", len(recs))
 	return len(recs), nil

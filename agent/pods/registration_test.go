@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 
 	"aether.io/node/agent/podsource"
 	"aether.io/node/agent/store"
@@ -126,11 +127,7 @@ func metric(t *testing.T, reg *prometheus.Registry, name string) float64 {
 // named names on node "n" (uid "uid-<name>").
 func testManager(t *testing.T, reg registry.Registry, names ...string) (*Manager, *telemetry.Metrics) {
 	t.Helper()
-	st, err := store.Open(t.TempDir(), store.Options{NoSync: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { st.Close() })
+	st := openStore(t)
 	src := newFakeSource()
 	for _, n := range names {
 		src.set(&podsource.Pod{Namespace: "ns", Name: n, UID: "uid-" + n, NodeName: "n", Labels: map[string]string{ManagedLabel: "true"}})
@@ -138,6 +135,17 @@ func testManager(t *testing.T, reg registry.Registry, names ...string) (*Manager
 	healthy := true
 	metrics := telemetry.NewMetrics()
 	return New(Config{Node: "n", PodWait: time.Second}, st, reg, src, alwaysHealthy{&healthy}, metrics, nil), metrics
+}
+
+// openStore opens a store in a temporary directory, closed in t.Cleanup.
+func openStore(t *testing.T) *store.Store {
+	t.Helper()
+	st, err := store.Open(t.TempDir(), store.Options{NoSync: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	return st
 }
 
 func addPod(ctx context.Context, m *Manager, name string) error {
@@ -428,6 +436,50 @@ func TestReplayRegistersUnderOneDeadline(t *testing.T) {
 		if dl.IsZero() || !dl.Equal(reg.deadlines[0]) {
 			t.Fatalf("Register %d had deadline %v, want the shared %v", i, dl, reg.deadlines[0])
 		}
+	}
+}
+
+// TestReplaySetsPodGauges: after a restart, aether_agent_pods shows the
+// replayed records as soon as Replay returns, before any liveness tick
+// (with the API server down the agent serves them long before its first
+// sync; the Kubernetes lane checks the same on a real kubelet).
+func TestReplaySetsPodGauges(t *testing.T) {
+	for _, tc := range []struct {
+		name                                      string
+		live, terminating                         int
+		hang                                      bool
+		wantStored, wantRegistered, wantTerminate float64
+	}{
+		{name: "empty store"},
+		{name: "live and terminating", live: 2, terminating: 1, wantStored: 3, wantRegistered: 2, wantTerminate: 1},
+		{name: "registry hangs", live: 2, hang: true, wantStored: 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			st := openStore(t)
+			for i := range tc.live + tc.terminating {
+				if err := st.Put(ctx, &store.Record{Node: "n", Pod: &cniv1.CNIPod{
+					ContainerId: fmt.Sprintf("sb-%d", i), Namespace: "ns", Name: fmt.Sprintf("p%d", i), Uid: fmt.Sprintf("uid-%d", i),
+					Ips: []string{"10.0.0.1"}, Terminating: i >= tc.live,
+				}}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			reg := &deadlineRegistry{Registry: local.New()}
+			reg.hang.Store(tc.hang)
+			healthy := true
+			metrics := telemetry.NewMetrics()
+			m := New(Config{Node: "n"}, st, reg, newFakeSource(), alwaysHealthy{&healthy}, metrics, nil)
+			if _, err := m.Replay(ctx); err != nil {
+				t.Fatal(err)
+			}
+			for state, want := range map[string]float64{"stored": tc.wantStored, "registered": tc.wantRegistered, "terminating": tc.wantTerminate, "uncaptured": 0} {
+				var got dto.Metric
+				if err := metrics.Pods.WithLabelValues(state).Write(&got); err != nil || got.GetGauge().GetValue() != want {
+					t.Errorf("aether_agent_pods{state=%q} after Replay = %v (%v), want %v", state, got.GetGauge().GetValue(), err, want)
+				}
+			}
+		})
 	}
 }
 

@@ -52,8 +52,14 @@
 //     called NodePublishVolume), its app listens on that socket, aetherctl
 //     pod shows <uds-csi-root>/<uid>/app.sock, where the socket answers;
 //     the same after the agent's container is stopped through CRI and
-//     kubelet restarts it (the API server stays up: kubetest cannot
-//     restart it); pods declaring the volume twice or naming an emptyDir
+//     kubelet restarts it, once with the API server up and once with it
+//     down (kubetest's StopAPIServer; kubelet restarts the container from
+//     its local pod state, after its 10 s CrashLoopBackOff since it is the
+//     second restart): the paths and refusals come from the agent's store,
+//     the socket answers, aether-proxy has the path, /healthz is 200,
+//     /readyz is 503 (no first sync), aether_agent_pods counts the
+//     replayed records; StartAPIServer brings it back and the agent's
+//     /readyz passes again; pods declaring the volume twice or naming an emptyDir
 //     show multiple_csi_volumes / not_csi in aetherctl pod and in
 //     aether_agent_uds_refusals_total; deleting the pod unpublishes the
 //     volume and removes <uds-csi-root>/<uid>/;

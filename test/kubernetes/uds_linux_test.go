@@ -95,6 +95,7 @@ func testUDSSocket(t *testing.T, n *node, in *install) {
 		"twice":    uds.ReasonMultipleCSIVolumes,
 		"emptydir": uds.ReasonNotCSI,
 	}
+	created := time.Now()
 	for _, p := range []*corev1.Pod{
 		udsPod("uds", udsVolume, csiVolume(udsVolume)),
 		udsPod("twice", udsVolume, csiVolume(udsVolume), csiVolume("mesh2")),
@@ -136,6 +137,7 @@ func testUDSSocket(t *testing.T, n *node, in *install) {
 			return proxyUDSSocket(t, n, "uds") == sock
 		})
 	}
+	t.Logf("pods running in %s", time.Since(created).Round(time.Millisecond))
 	checkRecords("after the pods started")
 	if fi, err := os.Lstat(sock); err != nil || fi.Mode().Type() != os.ModeSocket {
 		t.Fatalf("the app's socket on the host %s: %v, %v; want a socket", sock, fi, err)
@@ -153,8 +155,14 @@ func testUDSSocket(t *testing.T, n *node, in *install) {
 	restartAgent(t, n, in)
 	checkRecords("after the agent restarted")
 
+	// The same with the API server down: the agent restarts with no pod
+	// source and serves every record (and the proxy its listener) from
+	// its store; then the API server comes back and the agent syncs.
+	restartAgentAPIDown(t, n, in, func() { checkRecords("with the API server down") })
+
 	// Deleting the pod: kubelet calls NodeUnpublishVolume, the driver
 	// removes <uds-csi-root>/<uid>/.
+	deleted := time.Now()
 	for name := range want {
 		if err := pods.Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
@@ -170,11 +178,68 @@ func testUDSSocket(t *testing.T, n *node, in *install) {
 		_, err := os.Lstat(podDir)
 		return os.IsNotExist(err)
 	})
+	t.Logf("pods deleted and %s removed in %s", podDir, time.Since(deleted).Round(time.Millisecond))
 	for name := range want {
 		if rec := findAgentPod(agentPods(t, in), name); rec != nil {
 			t.Errorf("agent record of deleted pod %s left: %+v", name, rec)
 		}
 	}
+}
+
+// restartAgentAPIDown stops kube-apiserver, restarts the agent's
+// container through CRI (kubelet restarts it from its local pod state, the
+// API server being down), runs check, asserts the agent is live but not
+// ready (/healthz 200, /readyz 503: no first pod-source sync) with its
+// metrics served from the store, then starts kube-apiserver again and
+// waits until the agent's /readyz passes (its pod source reconnected).
+func restartAgentAPIDown(t *testing.T, n *node, in *install, check func()) {
+	t.Helper()
+	begin := time.Now()
+	n.cluster.StopAPIServer(t)
+	stopped := time.Since(begin)
+	if _, err := n.cluster.Client.CoreV1().Pods(appNamespace).List(context.Background(), metav1.ListOptions{}); err == nil {
+		t.Fatal("kube-apiserver still answers after StopAPIServer")
+	}
+	restartAgent(t, n, in)
+	restarted := time.Since(begin)
+	for _, l := range strings.Split(n.kubelet.Output(), "\n") {
+		if strings.Contains(l, "back-off") && strings.Contains(l, "aether-agent") {
+			t.Logf("kubelet: %s", l)
+			break
+		}
+	}
+	check()
+	checked := time.Since(begin)
+
+	if code, body := nodeFetch(t, n, "http://"+agentHTTP+"/healthz"); code != 200 {
+		t.Errorf("agent /healthz with the API server down: %d %q, want 200 (kubelet's liveness probe would restart it)", code, body)
+	}
+	if code, body := nodeFetch(t, n, "http://"+agentHTTP+"/readyz"); code != 503 {
+		t.Errorf("agent /readyz with the API server down: %d %q, want 503 (no first pod-source sync yet)", code, body)
+	} else {
+		t.Logf("agent /readyz with the API server down: %d %s", code, strings.TrimSpace(string(body)))
+	}
+	m := agentMetrics(t, n)
+	line := metricLine(m, "aether_agent_pods", `state="stored"`)
+	if v, err := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64); line == "" || err != nil || v < 3 {
+		t.Errorf("agent metrics with the API server down: %q, want aether_agent_pods{state=\"stored\"} >= 3 (replayed records)", line)
+	}
+	for _, reason := range []string{uds.ReasonMultipleCSIVolumes, uds.ReasonNotCSI} {
+		t.Logf("agent metrics with the API server down: %s", metricLine(m, "aether_agent_uds_refusals_total", `reason="`+reason+`"`))
+	}
+	down := time.Since(begin)
+
+	up := n.cluster.StartAPIServer(t)
+	start := time.Now()
+	kubetest.WaitFor(t, "the agent's /readyz after kube-apiserver restarted", 90*time.Second, n.kubelet, func() bool {
+		code, _ := nodeFetch(t, n, "http://"+agentHTTP+"/readyz")
+		return code == 200
+	})
+	ready := time.Since(start)
+	check()
+	t.Logf("API server stopped in %s, agent restarted at %s, records checked at %s, down for %s; back in %s, agent ready %s later; step took %s",
+		stopped.Round(time.Millisecond), restarted.Round(time.Millisecond), checked.Round(time.Millisecond), down.Round(time.Millisecond),
+		up.Round(time.Millisecond), ready.Round(time.Millisecond), time.Since(begin).Round(time.Millisecond))
 }
 
 // agentPod is `aetherctl pod <namespace>/<name> -o json` for a pod with
@@ -256,13 +321,17 @@ func restartAgent(t *testing.T, n *node, in *install) {
 		t.Fatalf("failed to stop the agent's container: %v", err)
 	}
 	start := time.Now()
+	var created time.Duration // until kubelet ran the new container
 	kubetest.WaitFor(t, "a new aether-agent container answering", 60*time.Second, n.kubelet, func() bool {
 		now := running()
 		if len(now) != 1 || now[0].GetId() == before[0].GetId() {
 			return false
 		}
+		if created == 0 {
+			created = time.Since(start)
+		}
 		_, err := adminapi.NewClient(filepath.Join(in.agentSocketDir(), "admin.sock")).Pod(ctx, appNamespace, "uds")
 		return err == nil
 	})
-	t.Logf("agent restarted and answering in %s", time.Since(start).Round(time.Millisecond))
+	t.Logf("agent restarted and answering in %s (new container running after %s)", time.Since(start).Round(time.Millisecond), created.Round(time.Millisecond))
 }

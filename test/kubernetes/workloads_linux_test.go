@@ -230,6 +230,13 @@ func proxyMetrics(t *testing.T, n *node) string {
 // admin endpoints on the node's loopback).
 func nodeGet(t *testing.T, n *node, url string) []byte {
 	t.Helper()
+	_, b := nodeFetch(t, n, url)
+	return b
+}
+
+// nodeFetch is nodeGet that also returns the HTTP status code.
+func nodeFetch(t *testing.T, n *node, url string) (int, []byte) {
+	t.Helper()
 	hc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DialContext: n.cluster.Dial}}
 	resp, err := hc.Get(url)
 	if err != nil {
@@ -240,7 +247,7 @@ func nodeGet(t *testing.T, n *node, url string) []byte {
 	if err != nil {
 		t.Fatalf("failed to read %s: %v", url, err)
 	}
-	return b
+	return resp.StatusCode, b
 }
 
 // metricLine returns the first line of metric that has every label given.

@@ -13,4 +13,14 @@
 // client dials through the namespace, and Cluster.Run starts further
 // processes (controller-manager, scheduler, kubelet) next to it; Stop ends
 // them newest first, kube-apiserver before etcd.
+//
+// Cluster.StopAPIServer stops kube-apiserver alone (SIGTERM by PID, SIGKILL
+// after 2 s: under the lane's kubelet it never finished its graceful
+// shutdown within 10 s); etcd and the processes Run started keep running.
+// Cluster.StartAPIServer runs it again with the same command line: the
+// same port, certificates (the pair it wrote in certs/ is reused), etcd
+// data, service-account keys and flags, so the Cluster's Config,
+// Kubeconfig, kubelet and in-cluster clients reconnect unchanged; it waits
+// for /readyz (about 3-5 s warm here). A test that ends with the API server
+// down gets it started again in its Cleanup, so later steps keep it.
 package kubetest

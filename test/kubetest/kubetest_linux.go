@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -136,6 +137,13 @@ type Cluster struct {
 	ns   *harness.NS
 	mu   sync.Mutex
 	cmds []*Proc
+	// apiArgs are kube-apiserver's command line, kept so StartAPIServer
+	// runs it again with the same certs, port, etcd and flags.
+	apiArgs []string
+	// api is kube-apiserver's current process (also in cmds).
+	api *Proc
+	// health polls /readyz.
+	health func() bool
 }
 
 // Proc is a process started by the cluster; Stop (and Cluster.Stop) end it.
@@ -184,7 +192,10 @@ func start(tb testing.TB, ns *harness.NS, name string, args []string, dir string
 
 // Stop sends SIGTERM to the process (by its PID) and waits for it, killing
 // it after 10 s. It is idempotent.
-func (p *Proc) Stop() {
+func (p *Proc) Stop() { p.stop(10 * time.Second) }
+
+// stop is Stop with grace as the time between SIGTERM and SIGKILL.
+func (p *Proc) stop(grace time.Duration) {
 	select {
 	case <-p.done:
 		return
@@ -193,7 +204,7 @@ func (p *Proc) Stop() {
 	_ = p.cmd.Process.Signal(unix.SIGTERM)
 	select {
 	case <-p.done:
-	case <-time.After(10 * time.Second):
+	case <-time.After(grace):
 		_ = p.cmd.Process.Kill()
 		<-p.done
 	}
@@ -261,14 +272,16 @@ func StartWith(tb testing.TB, o Options) *Cluster {
 	saKey := write("sa.key", pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)}))
 	saPub := write("sa.pub", pem.EncodeToMemory(&pem.Block{Type: "PUBLIC KEY", Bytes: pub}))
 	tokens := write("tokens.csv", []byte(token+`,admin,admin-uid,"system:masters"`+"\n"))
-	api := start(tb, o.NetNS, "kube-apiserver", append([]string{
+	c.apiArgs = append([]string{
 		filepath.Join(bins, "kube-apiserver"),
 		"--etcd-servers=" + etcdURL, "--service-account-issuer=https://kubernetes.default.svc",
 		"--service-account-key-file=" + saPub, "--service-account-signing-key-file=" + saKey,
 		"--cert-dir=" + filepath.Join(dir, "certs"), fmt.Sprintf("--secure-port=%d", apiPort), "--bind-address=127.0.0.1",
 		"--authorization-mode=RBAC", "--allow-privileged=true", "--token-auth-file=" + tokens, "--service-cluster-ip-range=10.96.0.0/16",
-	}, o.APIServerArgs...), dir)
+	}, o.APIServerArgs...)
+	api := start(tb, o.NetNS, "kube-apiserver", c.apiArgs, dir)
 	c.add(api)
+	c.api = api
 
 	host := fmt.Sprintf("https://127.0.0.1:%d", apiPort)
 	c.Config = &rest.Config{Host: host, BearerToken: token, TLSClientConfig: rest.TLSClientConfig{Insecure: true}}
@@ -278,7 +291,7 @@ func StartWith(tb testing.TB, o Options) *Cluster {
 		tr.DialContext = c.dial
 	}
 	hc := &http.Client{Timeout: 2 * time.Second, Transport: tr}
-	waitFor(tb, "kube-apiserver /readyz", 120*time.Second, api, func() bool {
+	c.health = func() bool {
 		req, _ := http.NewRequest("GET", host+"/readyz", nil)
 		req.Header.Set("Authorization", "Bearer "+token)
 		resp, err := hc.Do(req)
@@ -287,7 +300,8 @@ func StartWith(tb testing.TB, o Options) *Cluster {
 		}
 		resp.Body.Close()
 		return resp.StatusCode == 200
-	})
+	}
+	waitFor(tb, "kube-apiserver /readyz", 120*time.Second, api, c.health)
 	if c.Client, err = kubernetes.NewForConfig(c.Config); err != nil {
 		tb.Fatal(err)
 	}
@@ -371,6 +385,71 @@ func (c *Cluster) Stop() {
 	for i := len(cmds) - 1; i >= 0; i-- {
 		cmds[i].Stop()
 	}
+}
+
+// StopAPIServer stops kube-apiserver (SIGTERM by its PID, SIGKILL after
+// apiStopGrace: with a kubelet's watches open it does not finish its
+// graceful shutdown within 10 s, and what tests need is an API server that
+// is gone, not its drain) and leaves etcd and every process Run started running: clients,
+// kubelet and the pods' agents see a refused connection until
+// StartAPIServer. If tb ends with the API server still down, tb.Cleanup
+// starts it again, so the steps after a failed one still have it.
+func (c *Cluster) StopAPIServer(tb testing.TB) {
+	tb.Helper()
+	api := c.apiServer(tb)
+	api.stop(apiStopGrace)
+	tb.Cleanup(func() {
+		c.mu.Lock()
+		down := c.api == api
+		c.mu.Unlock()
+		if down {
+			tb.Logf("restarting kube-apiserver (the test ended while it was down)")
+			c.StartAPIServer(tb)
+		}
+	})
+}
+
+// StartAPIServer starts kube-apiserver again after StopAPIServer, with
+// the same command line: the same certificates (its --cert-dir keeps the
+// self-signed pair it wrote), secure port, etcd data, service-account
+// keys and flags, so clients holding the Cluster's Config or Kubeconfig
+// reconnect without a change. It waits for /readyz (up to 120 s) and
+// returns how long that took. Cluster.Stop stops it in the old one's
+// place (before etcd).
+func (c *Cluster) StartAPIServer(tb testing.TB) time.Duration {
+	tb.Helper()
+	old := c.apiServer(tb)
+	select {
+	case <-old.done:
+	default:
+		tb.Fatal("kube-apiserver is still running: StopAPIServer first")
+	}
+	begin := time.Now()
+	api := start(tb, c.ns, "kube-apiserver", c.apiArgs, c.Dir)
+	c.mu.Lock()
+	c.api = api
+	if i := slices.Index(c.cmds, old); i >= 0 {
+		c.cmds[i] = api
+	} else {
+		c.cmds = append(c.cmds, api)
+	}
+	c.mu.Unlock()
+	waitFor(tb, "restarted kube-apiserver /readyz", 120*time.Second, api, c.health)
+	return time.Since(begin)
+}
+
+// apiStopGrace is how long StopAPIServer waits after SIGTERM.
+const apiStopGrace = 2 * time.Second
+
+// apiServer is kube-apiserver's current process.
+func (c *Cluster) apiServer(tb testing.TB) *Proc {
+	tb.Helper()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.api == nil {
+		tb.Fatal("kube-apiserver was never started")
+	}
+	return c.api
 }
 
 // Namespace creates namespace ns (if needed) and its ServiceAccount
