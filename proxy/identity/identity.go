@@ -49,6 +49,21 @@ type Source interface {
 	Bundle() *x509bundle.Bundle
 }
 
+// Provider is an identity source the proxy runs: the Workload API Watcher
+// (this package) or the SPIRE Delegated Identity API client
+// (proxy/identity/spire).
+type Provider interface {
+	Source
+	// Want tells the provider the full set of identities the data plane
+	// needs SVIDs of. A provider that learns its identities by itself (the
+	// Watcher) ignores it.
+	Want(ids []spiffeid.ID)
+	// IDs returns the identities whose SVIDs are held.
+	IDs() []spiffeid.ID
+	// Run serves the provider until ctx ends.
+	Run(ctx context.Context) error
+}
+
 // Backoff bounds of the watch retries.
 const (
 	retryMin = 200 * time.Millisecond
@@ -68,7 +83,7 @@ type Watcher struct {
 	changed chan struct{}
 }
 
-var _ Source = (*Watcher)(nil)
+var _ Provider = (*Watcher)(nil)
 
 // New returns a Watcher of the Workload API on the unix socket at path
 // (e.g. /run/aether/agent/workload.sock). now is the clock SVID expiry is
@@ -122,6 +137,10 @@ func (w *Watcher) GetX509BundleForTrustDomain(td spiffeid.TrustDomain) (*x509bun
 	}
 	return w.bundles.GetX509BundleForTrustDomain(td)
 }
+
+// Want implements Provider as a no-op: the Workload API server decides
+// which SVIDs the node's proxy holds.
+func (w *Watcher) Want([]spiffeid.ID) {}
 
 // IDs returns the identities whose SVIDs are held (expired ones included).
 func (w *Watcher) IDs() []spiffeid.ID {
