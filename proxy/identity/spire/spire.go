@@ -42,6 +42,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+
+	"aether.io/node/proxy/identity"
 )
 
 // Backoff bounds of the subscription retries.
@@ -68,21 +70,18 @@ type Stats struct {
 }
 
 // Provider is a Delegated Identity API client; it implements
-// identity.Provider. Build it with New.
+// identity.Provider through its embedded identity.Store. Build it with New.
 type Provider struct {
+	*identity.Store
 	target string
 	log    *slog.Logger
-	now    func() time.Time
-	dial   func(target string) (*grpc.ClientConn, error)
 
 	subErrors      atomic.Uint64
 	unsubscribable atomic.Uint64
 
-	mu      sync.Mutex
-	wanted  map[spiffeid.ID]struct{}
-	svids   map[spiffeid.ID]*x509svid.SVID
-	bundles *x509bundle.Set
-	wake    chan struct{} // buffered(1): the wanted set changed
+	mu     sync.Mutex // guards wanted; taken before the Store's lock
+	wanted map[spiffeid.ID]struct{}
+	wake   chan struct{} // buffered(1): the wanted set changed
 }
 
 // New returns a Provider of the SPIRE agent admin socket at path (e.g.
@@ -92,16 +91,10 @@ func New(path string, now func() time.Time, log *slog.Logger) *Provider {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	if now == nil {
-		now = time.Now
-	}
 	return &Provider{
-		target: "unix://" + path, log: log, now: now,
-		dial: func(target string) (*grpc.ClientConn, error) {
-			return grpc.NewClient(target, grpc.WithTransportCredentials(insecure.NewCredentials()))
-		},
-		wanted: map[spiffeid.ID]struct{}{}, svids: map[spiffeid.ID]*x509svid.SVID{},
-		wake: make(chan struct{}, 1),
+		Store:  identity.NewStore(now),
+		target: "unix://" + path, log: log,
+		wanted: map[spiffeid.ID]struct{}{}, wake: make(chan struct{}, 1),
 	}
 }
 
@@ -132,9 +125,9 @@ func (p *Provider) Want(ids []spiffeid.ID) {
 	}
 	p.mu.Lock()
 	p.wanted = next
-	for id := range p.svids {
+	for _, id := range p.IDs() {
 		if _, ok := next[id]; !ok {
-			delete(p.svids, id)
+			p.DeleteSVID(id)
 		}
 	}
 	p.mu.Unlock()
@@ -144,63 +137,13 @@ func (p *Provider) Want(ids []spiffeid.ID) {
 	}
 }
 
-// SVID implements identity.Source.
-func (p *Provider) SVID(id spiffeid.ID) (*x509svid.SVID, bool) {
-	p.mu.Lock()
-	sv, ok := p.svids[id]
-	p.mu.Unlock()
-	if !ok || !p.now().Before(sv.Certificates[0].NotAfter) {
-		return nil, false
-	}
-	return sv, true
-}
-
-// Bundle implements identity.Source: the bundle of the trust domain of the
-// SVIDs held, or, while none is held, the first bundle the agent serves.
-func (p *Provider) Bundle() *x509bundle.Bundle {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.bundles == nil {
-		return nil
-	}
-	for id := range p.svids {
-		if b, ok := p.bundles.Get(id.TrustDomain()); ok {
-			return b
-		}
-	}
-	if all := p.bundles.Bundles(); len(all) > 0 {
-		return all[0]
-	}
-	return nil
-}
-
-// GetX509BundleForTrustDomain implements x509bundle.Source.
-func (p *Provider) GetX509BundleForTrustDomain(td spiffeid.TrustDomain) (*x509bundle.Bundle, error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.bundles == nil {
-		return nil, fmt.Errorf("failed to find the bundle of trust domain %q: none received from the spire agent yet", td)
-	}
-	return p.bundles.GetX509BundleForTrustDomain(td)
-}
-
-// IDs returns the identities whose SVIDs are held (expired ones included).
-func (p *Provider) IDs() []spiffeid.ID {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	out := make([]spiffeid.ID, 0, len(p.svids))
-	for id := range p.svids {
-		out = append(out, id)
-	}
-	return out
-}
-
 // Stats returns the provider's counters.
 func (p *Provider) Stats() Stats {
 	p.mu.Lock()
-	defer p.mu.Unlock()
+	wanted := len(p.wanted)
+	p.mu.Unlock()
 	return Stats{
-		SVIDs: len(p.svids), Wanted: len(p.wanted),
+		SVIDs: len(p.IDs()), Wanted: wanted,
 		SubscriptionErrors: p.subErrors.Load(), Unsubscribable: p.unsubscribable.Load(),
 	}
 }
@@ -208,7 +151,7 @@ func (p *Provider) Stats() Stats {
 // Run subscribes to the bundles and to the SVIDs of the wanted identities
 // until ctx ends (then it returns nil, after every stream ended).
 func (p *Provider) Run(ctx context.Context) error {
-	conn, err := p.dial(p.target)
+	conn, err := grpc.NewClient(p.target, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		return fmt.Errorf("failed to create the delegated identity client of %q: %w", p.target, err)
 	}
@@ -306,9 +249,7 @@ func (p *Provider) watchBundles(ctx context.Context, client delegatedv1.Delegate
 			continue
 		}
 		delivered = true
-		p.mu.Lock()
-		p.bundles = set
-		p.mu.Unlock()
+		p.SetBundles(set, false)
 		p.log.Debug("trust bundles updated", "count", set.Len())
 	}
 }
@@ -329,7 +270,7 @@ func (p *Provider) watchSVIDs(ctx context.Context, client delegatedv1.DelegatedI
 		if err != nil {
 			if status.Code(err) == codes.PermissionDenied {
 				// The agent does not (or no longer) treat the proxy as a delegate.
-				p.drop(id)
+				p.DeleteSVID(id)
 			}
 			return wrapDelivered(delivered, fmt.Errorf("failed to receive the x509 svids of %q: %w", id.String(), err))
 		}
@@ -341,23 +282,17 @@ func (p *Provider) watchSVIDs(ctx context.Context, client delegatedv1.DelegatedI
 			continue
 		}
 		if sv == nil {
-			p.drop(id)
+			p.DeleteSVID(id)
 			p.log.Info("spire agent issues no svid for the identity: dropped", "spiffe_id", id.String())
 			continue
 		}
 		p.mu.Lock()
 		if _, ok := p.wanted[id]; ok {
-			p.svids[id] = sv
+			p.PutSVID(sv)
 		}
 		p.mu.Unlock()
 		p.log.Debug("svid updated", "spiffe_id", id.String(), "not_after", sv.Certificates[0].NotAfter)
 	}
-}
-
-func (p *Provider) drop(id spiffeid.ID) {
-	p.mu.Lock()
-	delete(p.svids, id)
-	p.mu.Unlock()
 }
 
 func wrapDelivered(delivered bool, err error) error {
