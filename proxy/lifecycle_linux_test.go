@@ -87,38 +87,60 @@ func TestRunAdminAddressInUse(t *testing.T) {
 	}
 }
 
-// TestRunIdentityBeforeTheAgentSocket: with --workload-api-socket naming a
-// socket nobody serves yet, the proxy still starts (its xDS stream, started
-// after the identity watch, opens) and stops cleanly; the watch retries.
+// TestRunIdentityBeforeTheAgentSocket: with --workload-api-socket (or
+// --spire-admin-socket) naming a socket nobody serves yet, the proxy still
+// starts (its xDS stream, started after the identity watch, opens) and
+// stops cleanly; the watch retries.
 func TestRunIdentityBeforeTheAgentSocket(t *testing.T) {
-	ag := startAgent(t)
-	leak := goleak.IgnoreCurrent()
-	p, err := proxy.New(proxy.Config{
-		XDSTarget: "unix://" + ag.socket, NodeID: "node-1",
-		WorkloadAPISocket: filepath.Join(t.TempDir(), "not-yet", "workload.sock"),
+	for _, tc := range []struct {
+		name string
+		set  func(cfg *proxy.Config, path string)
+	}{
+		{"workload api", func(cfg *proxy.Config, path string) { cfg.WorkloadAPISocket = path }},
+		{"spire", func(cfg *proxy.Config, path string) { cfg.SPIREAdminSocket = path }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ag := startAgent(t)
+			leak := goleak.IgnoreCurrent()
+			cfg := proxy.Config{XDSTarget: "unix://" + ag.socket, NodeID: "node-1"}
+			tc.set(&cfg, filepath.Join(t.TempDir(), "not-yet", "workload.sock"))
+			p, err := proxy.New(cfg, slog.New(slog.DiscardHandler))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if p.Identity == nil {
+				t.Fatal("identity off although its socket is set")
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- p.Run(ctx) }()
+			select {
+			case <-ag.requests:
+			case err := <-done:
+				t.Fatalf("Run returned before opening its xDS stream: %v", err)
+			case <-time.After(20 * time.Second):
+				t.Fatal("no xDS stream: the identity watch blocked the start")
+			}
+			if p.Identity.Bundle() != nil || len(p.Identity.IDs()) != 0 {
+				t.Fatal("identity state without a Workload API server")
+			}
+			cancel()
+			if err := <-done; err != nil {
+				t.Fatalf("Run after a clean stop = %v", err)
+			}
+			goleak.VerifyNone(t, leak)
+		})
+	}
+}
+
+// TestNewIdentityProvidersExclusive: both identity sockets at once is a
+// configuration error naming both.
+func TestNewIdentityProvidersExclusive(t *testing.T) {
+	_, err := proxy.New(proxy.Config{
+		XDSTarget: "unix:///nonexistent/xds.sock", NodeID: "node-1",
+		WorkloadAPISocket: "/run/aether/agent/workload.sock", SPIREAdminSocket: "/run/spire/admin.sock",
 	}, slog.New(slog.DiscardHandler))
-	if err != nil {
-		t.Fatal(err)
+	if err == nil || !strings.Contains(err.Error(), "workload.sock") || !strings.Contains(err.Error(), "admin.sock") {
+		t.Fatalf("New with both identity sockets = %v, want an error naming both", err)
 	}
-	if p.Identity == nil {
-		t.Fatal("identity off although WorkloadAPISocket is set")
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- p.Run(ctx) }()
-	select {
-	case <-ag.requests:
-	case err := <-done:
-		t.Fatalf("Run returned before opening its xDS stream: %v", err)
-	case <-time.After(20 * time.Second):
-		t.Fatal("no xDS stream: the identity watch blocked the start")
-	}
-	if p.Identity.Bundle() != nil || len(p.Identity.IDs()) != 0 {
-		t.Fatal("identity state without a Workload API server")
-	}
-	cancel()
-	if err := <-done; err != nil {
-		t.Fatalf("Run after a clean stop = %v", err)
-	}
-	goleak.VerifyNone(t, leak)
 }

@@ -8,19 +8,24 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/protobuf/proto"
 
 	"aether.io/node/api/istio/workload"
 	"aether.io/node/pkg/lifecycle"
 	"aether.io/node/proxy/dataplane"
 	"aether.io/node/proxy/identity"
+	"aether.io/node/proxy/identity/spire"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"
 	"aether.io/node/xds/adsclient"
@@ -47,8 +52,14 @@ type Config struct {
 	Dataplane dataplane.Config
 	// WorkloadAPISocket is the SPIFFE Workload API socket the pods' SVIDs
 	// and the trust bundle are watched on (aether-agent's
-	// --workload-api-socket); empty turns identity off.
+	// --workload-api-socket); empty turns identity off. Mutually exclusive
+	// with SPIREAdminSocket.
 	WorkloadAPISocket string
+	// SPIREAdminSocket is a SPIRE agent's admin socket (its
+	// admin_socket_path, serving the Delegated Identity API) the pods' SVIDs
+	// and the trust bundle are subscribed on instead (proxy/identity/spire);
+	// empty leaves identity to WorkloadAPISocket.
+	SPIREAdminSocket string
 }
 
 // Proxy is aether-proxy. Construct with New, then Run.
@@ -63,8 +74,9 @@ type Proxy struct {
 	XDS *adsclient.Client
 	LDS *adsclient.Client
 	// Identity holds the SVIDs of the node's workload identities and the
-	// trust bundle (identity.Source); nil when WorkloadAPISocket is empty.
-	Identity *identity.Watcher
+	// trust bundle: the Workload API Watcher or the SPIRE provider; nil when
+	// both WorkloadAPISocket and SPIREAdminSocket are empty.
+	Identity identity.Provider
 
 	mu        sync.Mutex
 	listeners map[string]listener.Spec
@@ -79,13 +91,23 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 	if cfg.XDSTarget == "" {
 		return nil, errors.New("xds target is empty: set it to the agent's socket, e.g. unix:///run/aether/agent/xds.sock")
 	}
+	if cfg.WorkloadAPISocket != "" && cfg.SPIREAdminSocket != "" {
+		return nil, fmt.Errorf("workload api socket %q and spire admin socket %q are both set: choose one identity provider", cfg.WorkloadAPISocket, cfg.SPIREAdminSocket)
+	}
 	p := &Proxy{
 		cfg: cfg, log: log, Metrics: telemetry.New(), Peers: peers.NewIndex(),
 		listeners: map[string]listener.Spec{}, adminAddr: make(chan net.Addr, 1),
 	}
 	dp := cfg.Dataplane
-	if cfg.WorkloadAPISocket != "" {
+	switch {
+	case cfg.WorkloadAPISocket != "":
 		p.Identity = identity.New(cfg.WorkloadAPISocket, nil, log.With("component", "identity"))
+	case cfg.SPIREAdminSocket != "":
+		sp := spire.New(cfg.SPIREAdminSocket, nil, log.With("component", "identity"))
+		registerSPIREMetrics(p.Metrics.Registry, sp)
+		p.Identity = sp
+	}
+	if p.Identity != nil {
 		// The pods' SVIDs turn HBONE on (proxy/hbone in the data plane).
 		dp.Certs = p.Identity
 	}
@@ -174,8 +196,35 @@ func (p *Proxy) applyListeners(updated []*discovery.Resource, removed []string) 
 		specs = append(specs, s)
 	}
 	p.mu.Unlock()
+	if p.Identity != nil {
+		// The provider fetches the SVIDs of exactly these identities
+		// (SPIRE subscribes per identity; the agent's Workload API
+		// streams all of them anyway).
+		p.Identity.Want(wantedIDs(specs, p.log))
+	}
 	p.Manager.SetListeners(specs)
 	return errors.Join(errs...)
+}
+
+// wantedIDs are the distinct SPIFFE IDs the listeners name, sorted; an ID
+// that does not parse is logged and left out (its pod serves no HBONE).
+func wantedIDs(specs []listener.Spec, log *slog.Logger) []spiffeid.ID {
+	seen := map[string]bool{}
+	var ids []spiffeid.ID
+	for _, s := range specs {
+		if s.SPIFFEID == "" || seen[s.SPIFFEID] {
+			continue
+		}
+		seen[s.SPIFFEID] = true
+		id, err := spiffeid.FromString(s.SPIFFEID)
+		if err != nil {
+			log.Error("listener names an invalid spiffe id; no svid is fetched for it", "spiffe_id", s.SPIFFEID, "error", err.Error())
+			continue
+		}
+		ids = append(ids, id)
+	}
+	slices.SortFunc(ids, func(a, b spiffeid.ID) int { return strings.Compare(a.String(), b.String()) })
+	return ids
 }
 
 // Handler is the admin HTTP handler.
@@ -196,7 +245,7 @@ func (p *Proxy) Handler() http.Handler {
 // stream(s). The parts start in this order and stop in reverse:
 //
 //	admin server → open pods (closed at stop) → data plane →
-//	identity (Workload API watch) → xDS client(s)
+//	identity (Workload API watch or SPIRE subscriptions) → xDS client(s)
 //
 // so SIGTERM first stops taking xDS updates, then stops the data plane
 // loop, closes every open pod, and stops the admin server last (/healthz
@@ -215,8 +264,8 @@ func (p *Proxy) Run(ctx context.Context) error {
 	}})
 	lc.Go("dataplane", p.Manager.Run)
 	if p.Identity != nil {
-		// Never blocks the start: the watch retries until the agent's
-		// socket serves.
+		// Never blocks the start: the watch (or the SPIRE subscriptions)
+		// retries until the agent's socket serves.
 		lc.Go("identity", p.Identity.Run)
 	}
 	lc.Go("xds_client", p.XDS.Run)
@@ -235,4 +284,26 @@ func (p *Proxy) listenAdmin() (net.Listener, lifecycle.Server, error) {
 	p.adminAddr <- ln.Addr()
 	srv := &http.Server{Handler: p.Handler(), ReadHeaderTimeout: 5 * time.Second}
 	return ln, lifecycle.Server{Serve: srv.Serve, Shutdown: func(context.Context) { _ = srv.Close() }}, nil
+}
+
+// registerSPIREMetrics exports the SPIRE provider's counters.
+func registerSPIREMetrics(reg *prometheus.Registry, sp *spire.Provider) {
+	reg.MustRegister(
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "aether_proxy_identity_svids",
+			Help: "SVIDs held by the SPIRE identity provider (expired ones included).",
+		}, func() float64 { return float64(sp.Stats().SVIDs) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "aether_proxy_identity_wanted",
+			Help: "Identities the SPIRE identity provider is subscribed to.",
+		}, func() float64 { return float64(sp.Stats().Wanted) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "aether_proxy_identity_subscription_errors_total",
+			Help: "Failed or ended SPIRE Delegated Identity API streams (SVIDs and bundles).",
+		}, func() float64 { return float64(sp.Stats().SubscriptionErrors) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "aether_proxy_identity_unsubscribable_total",
+			Help: "Wanted identities without an ns/<ns>/sa/<sa> path, which the SPIRE provider cannot subscribe.",
+		}, func() float64 { return float64(sp.Stats().Unsubscribable) }),
+	)
 }

@@ -4,6 +4,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -13,6 +14,7 @@ import (
 	"aether.io/node/agent/identity"
 	"aether.io/node/agent/identity/identitytest"
 	"aether.io/node/agent/telemetry"
+	cniv1 "aether.io/node/api/aether/cni/v1"
 )
 
 // TestCAReload follows a CA rotation through the files: the next CA added to
@@ -99,5 +101,40 @@ func TestTrustBundleNeedsCA(t *testing.T) {
 	c := &Config{TrustDomain: "cluster.local", CATrustBundleFile: "/x.pem"}
 	if err := c.loadCA(time.Now()); err == nil {
 		t.Fatal("--ca-trust-bundle without --ca-cert accepted")
+	}
+}
+
+// TestExternalIdentities: with identities from another provider (SPIRE)
+// the listeners carry each pod's SPIFFE ID and WDS marks workloads HBONE,
+// without the embedded CA's SVID minting; with neither, no HBONE.
+func TestExternalIdentities(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		external bool
+		hbone    bool
+	}{{"external", true, true}, {"none", false, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := &Config{TrustDomain: "cluster.local", XDSSocket: "/x.sock", ExternalIdentities: tc.external}
+			n := newNodeXDS(c, slog.New(slog.DiscardHandler))
+			if n.accounts != nil {
+				t.Error("SVIDs would be minted without the embedded CA")
+			}
+			if got := n.workloads.cfg.HBONE; got != tc.hbone {
+				t.Errorf("WDS HBONE = %v, want %v", got, tc.hbone)
+			}
+			want := ""
+			if tc.hbone {
+				want = "spiffe://cluster.local/ns/shop/sa/web"
+			}
+			if got := n.listeners.spiffeID(&cniv1.CNIPod{Namespace: "shop", ServiceAccount: "web"}); got != want {
+				t.Errorf("listener SPIFFE ID = %q, want %q", got, want)
+			}
+		})
+	}
+	dir := t.TempDir()
+	c := &Config{TrustDomain: "cluster.local", SVIDTTL: time.Hour, WorkloadAPISocket: filepath.Join(dir, "w.sock"), ExternalIdentities: true}
+	c.CACertFile, c.CAKeyFile = identitytest.Files(t, dir, identitytest.Valid("cluster.local"))
+	if err := c.loadCA(time.Now()); err == nil || !strings.Contains(err.Error(), "--external-identities with --ca-cert") {
+		t.Fatalf("--external-identities with --ca-cert: %v, want refused", err)
 	}
 }

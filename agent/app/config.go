@@ -86,6 +86,10 @@ type Config struct {
 	// CAReloadInterval is how often the CA files are read again; a change
 	// is applied without a restart. 0 disables reloading.
 	CAReloadInterval time.Duration
+	// ExternalIdentities says another provider (SPIRE, through the
+	// proxy's -spire-admin-socket) issues the pods' SVIDs: the listeners
+	// carry their SPIFFE IDs and WDS marks them HBONE without --ca-cert.
+	ExternalIdentities bool
 	// SVIDTTL is the lifetime of every minted X.509-SVID; SVIDs rotate at
 	// half of it.
 	SVIDTTL time.Duration
@@ -95,6 +99,10 @@ type Config struct {
 	// meshcontract.InboundPolicyAnnotation: permissive or strict.
 	InboundPolicy string
 }
+
+// HBONE reports whether the node's pods have SPIFFE identities (the
+// embedded CA or an external provider), so their proxies serve HBONE.
+func (c *Config) HBONE() bool { return c.CA != nil || c.ExternalIdentities }
 
 // MinSVIDTTL is the shortest --svid-ttl: X.509 validity has a precision of
 // one second, and a rotation needs a lifetime it can halve.
@@ -153,6 +161,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.DurationVar(&c.CAReloadInterval, "ca-reload-interval", 10*time.Second, "how often --ca-cert, --ca-key and --ca-trust-bundle are read again; a changed CA re-mints every SVID, a changed bundle is pushed at once (0 = never)")
 	fs.DurationVar(&c.SVIDTTL, "svid-ttl", 4*time.Hour, "lifetime of each X.509-SVID; SVIDs rotate at half of it (at least "+MinSVIDTTL.String()+")")
 	fs.StringVar(&c.WorkloadAPISocket, "workload-api-socket", SocketDir+"/workload.sock", "unix socket serving the SPIFFE Workload API (X.509-SVIDs of this node's managed pods) to aether-proxy, mode 0600, --allowed-uids; served only with --ca-cert")
+	fs.BoolVar(&c.ExternalIdentities, "external-identities", false, "the pods' SPIFFE identities come from another provider (SPIRE: aether-proxy -spire-admin-socket): listeners carry each pod's SPIFFE ID and workloads are served tunnel_protocol HBONE without --ca-cert; refused together with --ca-cert")
 	fs.StringVar(&c.InboundPolicy, "inbound-policy", meshcontract.InboundPolicyPermissive, "inbound policy of a pod without a valid "+meshcontract.InboundPolicyAnnotation+" annotation: permissive (plaintext delivered too) or strict (only HBONE; needs aether-cni's capture.inbound_capture); an invalid annotation is served strict")
 	fs.StringVar(&locality, "locality", "", "node locality region/zone/subzone; empty reads the Node's topology labels (Kubernetes source only)")
 	fs.Usage = func() {
@@ -240,6 +249,9 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 // leaves identity off; one without the other, an unreadable file or a CA
 // ParseCA refuses is a configuration error.
 func (c *Config) loadCA(now time.Time) error {
+	if c.ExternalIdentities && (c.CACertFile != "" || c.CAKeyFile != "") {
+		return errors.New("invalid --external-identities with --ca-cert/--ca-key: the pods' identities come from one provider, either the embedded CA or an external one (SPIRE)")
+	}
 	if c.CACertFile == "" && c.CAKeyFile == "" {
 		if c.CATrustBundleFile != "" {
 			return errors.New("invalid --ca-trust-bundle: it extends the bundle of --ca-cert; give --ca-cert and --ca-key too")

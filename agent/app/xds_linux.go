@@ -48,7 +48,8 @@ type listenerSync struct {
 	// when set, counts builds of pods with an invalid policy annotation.
 	defaultPolicy string
 	invalidPolicy prometheus.Counter
-	// trustDomain, when set (the agent serves identities: --ca-cert), puts
+	// trustDomain, when set (pods have identities: --ca-cert or
+	// --external-identities), puts
 	// each pod's SPIFFE ID in its listeners, so the proxy serves HBONE for
 	// it.
 	trustDomain string
@@ -286,14 +287,17 @@ func newNodeXDS(c *Config, log *slog.Logger) *nodeXDS {
 	n.listeners.defaultPolicy = c.InboundPolicy
 	if c.CA != nil {
 		n.accounts = newPodAccounts()
+	}
+	if c.HBONE() {
 		n.listeners.trustDomain = c.TrustDomain
 	}
 	if c.XDSSocket != "" || c.XDSAddress != "" {
 		idx := workload.NewIndex()
 		n.workloads = &localWorkloads{
-			// With identities served, every managed pod's proxy serves
-			// HBONE on its :15008 (host-network pods stay NONE).
-			cfg: workload.Config{ClusterID: c.ClusterID, TrustDomain: c.TrustDomain, Network: c.Network, HBONE: c.CA != nil},
+			// With identities (ours or SPIRE's), every managed pod's
+			// proxy serves HBONE on its :15008 (host-network pods stay
+			// NONE).
+			cfg: workload.Config{ClusterID: c.ClusterID, TrustDomain: c.TrustDomain, Network: c.Network, HBONE: c.HBONE()},
 			idx: idx, local: idx.Writer(localSource), log: log.With("component", "wds"),
 		}
 	}

@@ -41,6 +41,7 @@ func main() {
 	flag.IntVar(&cfg.Dataplane.MaxUDPFlows, "max-udp-flows", dataplane.DefaultMaxUDPFlows, "open UDP flows of all pods together; a new one evicts the same pod's least recently used, or is dropped")
 	flag.StringVar(&cfg.WorkloadAPISocket, "workload-api-socket", "", "SPIFFE Workload API socket of the node's workload identities (aether-agent's --workload-api-socket, e.g. /run/aether/agent/workload.sock); empty turns identity off")
 	hbonePort := flag.Uint("hbone-port", dataplane.DefaultHBONEPort, "port of every pod's HBONE listener (with -workload-api-socket)")
+	flag.StringVar(&cfg.SPIREAdminSocket, "spire-admin-socket", "", "SPIRE agent admin socket (its admin_socket_path) serving the Delegated Identity API; the proxy must be one of the agent's authorized_delegates; mutually exclusive with -workload-api-socket")
 	level := flag.String("log-level", "info", "debug, info, warn or error")
 	flag.Parse()
 	cfg.Dataplane.BypassMark = uint32(*bypass)

@@ -27,7 +27,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"sync"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
@@ -49,26 +48,40 @@ type Source interface {
 	Bundle() *x509bundle.Bundle
 }
 
+// Provider is an identity source the proxy runs: the Workload API Watcher
+// (this package) or the SPIRE Delegated Identity API client
+// (proxy/identity/spire).
+type Provider interface {
+	Source
+	x509bundle.Source
+	// Want tells the provider the full set of identities the data plane
+	// needs SVIDs of. A provider that learns its identities by itself (the
+	// Watcher) ignores it.
+	Want(ids []spiffeid.ID)
+	// IDs returns the identities whose SVIDs are held.
+	IDs() []spiffeid.ID
+	// Changed returns a channel closed at the next change of the SVIDs or
+	// the bundles.
+	Changed() <-chan struct{}
+	// Run serves the provider until ctx ends.
+	Run(ctx context.Context) error
+}
+
 // Backoff bounds of the watch retries.
 const (
 	retryMin = 200 * time.Millisecond
 	retryMax = 5 * time.Second
 )
 
-// Watcher watches a Workload API socket and implements Source. Build it
-// with New; it does no I/O until Run.
+// Watcher watches a Workload API socket and implements Provider through
+// its embedded Store. Build it with New; it does no I/O until Run.
 type Watcher struct {
+	*Store
 	addr string
 	log  *slog.Logger
-	now  func() time.Time
-
-	mu      sync.Mutex
-	svids   map[spiffeid.ID]*x509svid.SVID
-	bundles *x509bundle.Set
-	changed chan struct{}
 }
 
-var _ Source = (*Watcher)(nil)
+var _ Provider = (*Watcher)(nil)
 
 // New returns a Watcher of the Workload API on the unix socket at path
 // (e.g. /run/aether/agent/workload.sock). now is the clock SVID expiry is
@@ -77,76 +90,12 @@ func New(path string, now func() time.Time, log *slog.Logger) *Watcher {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	if now == nil {
-		now = time.Now
-	}
-	return &Watcher{addr: "unix://" + path, log: log, now: now, svids: map[spiffeid.ID]*x509svid.SVID{}, changed: make(chan struct{})}
+	return &Watcher{Store: NewStore(now), addr: "unix://" + path, log: log}
 }
 
-// SVID implements Source.
-func (w *Watcher) SVID(id spiffeid.ID) (*x509svid.SVID, bool) {
-	w.mu.Lock()
-	sv, ok := w.svids[id]
-	w.mu.Unlock()
-	if !ok || !w.now().Before(sv.Certificates[0].NotAfter) {
-		return nil, false
-	}
-	return sv, true
-}
-
-// Bundle implements Source: the bundle of the trust domain of the SVIDs
-// held, or, while none is held, the one bundle the agent serves.
-func (w *Watcher) Bundle() *x509bundle.Bundle {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.bundles == nil {
-		return nil
-	}
-	for id := range w.svids {
-		if b, ok := w.bundles.Get(id.TrustDomain()); ok {
-			return b
-		}
-	}
-	if all := w.bundles.Bundles(); len(all) > 0 {
-		return all[0]
-	}
-	return nil
-}
-
-// GetX509BundleForTrustDomain implements x509bundle.Source.
-func (w *Watcher) GetX509BundleForTrustDomain(td spiffeid.TrustDomain) (*x509bundle.Bundle, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.bundles == nil {
-		return nil, fmt.Errorf("failed to find the bundle of trust domain %q: none received from the workload api yet", td)
-	}
-	return w.bundles.GetX509BundleForTrustDomain(td)
-}
-
-// IDs returns the identities whose SVIDs are held (expired ones included).
-func (w *Watcher) IDs() []spiffeid.ID {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	out := make([]spiffeid.ID, 0, len(w.svids))
-	for id := range w.svids {
-		out = append(out, id)
-	}
-	return out
-}
-
-// Changed returns a channel closed at the next change of the SVIDs or the
-// bundles.
-func (w *Watcher) Changed() <-chan struct{} {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.changed
-}
-
-// notifyLocked signals a change; w.mu is held.
-func (w *Watcher) notifyLocked() {
-	close(w.changed)
-	w.changed = make(chan struct{})
-}
+// Want implements Provider as a no-op: the Workload API server decides
+// which SVIDs the node's proxy holds.
+func (w *Watcher) Want([]spiffeid.ID) {}
 
 // Run watches the SVIDs and the bundles until ctx ends (then it returns
 // nil). It fails only when the server refuses the watch as malformed
@@ -180,25 +129,14 @@ func (s svidWatcher) OnX509ContextUpdate(c *workloadapi.X509Context) {
 	for _, sv := range c.SVIDs {
 		m[sv.ID] = sv
 	}
-	s.w.mu.Lock()
-	s.w.svids = m
-	if s.w.bundles == nil {
-		s.w.bundles = c.Bundles
-	}
-	s.w.notifyLocked()
-	s.w.mu.Unlock()
+	s.w.SetBundles(c.Bundles, true)
+	s.w.ReplaceSVIDs(m)
 	s.w.log.Debug("svids updated", "count", len(m))
 }
 
 func (s svidWatcher) OnX509ContextWatchError(err error) {
 	if status.Code(err) == codes.PermissionDenied {
-		s.w.mu.Lock()
-		n := len(s.w.svids)
-		s.w.svids = map[spiffeid.ID]*x509svid.SVID{}
-		if n > 0 {
-			s.w.notifyLocked()
-		}
-		s.w.mu.Unlock()
+		n := s.w.DropSVIDs()
 		s.w.log.Info("workload api issues no identity: svids dropped", "dropped", n, "detail", err.Error())
 		return
 	}
@@ -212,10 +150,7 @@ func (s svidWatcher) OnX509ContextWatchError(err error) {
 type bundleWatcher struct{ w *Watcher }
 
 func (b bundleWatcher) OnX509BundlesUpdate(set *x509bundle.Set) {
-	b.w.mu.Lock()
-	b.w.bundles = set
-	b.w.notifyLocked()
-	b.w.mu.Unlock()
+	b.w.SetBundles(set, false)
 	b.w.log.Debug("trust bundles updated", "count", set.Len())
 }
 
