@@ -282,9 +282,19 @@ func TestHBONEDeliversToUDS(t *testing.T) {
 	}
 	e.mgr.SetListeners(append(e.client.Specs(t), specs...))
 	// The server pod is re-bound with the socket (drained, then served).
+	// SetListeners is applied by the manager's loop: wait for the serving
+	// pod that carries the socket, not for the one it replaces.
 	if err := proxytest.WaitFor(ctx10(t), func() bool {
 		st := e.mgr.Status()
-		return len(st) == 2 && st[1].State == dataplane.StateServing && e.mgr.Ready(st[1].Key) && st[0].State == dataplane.StateServing
+		if len(st) != 2 || st[0].State != dataplane.StateServing {
+			return false
+		}
+		for _, s := range st {
+			if s.Name == e.server.Name && s.UDSSocket == sock && s.State == dataplane.StateServing && e.mgr.Ready(s.Key) {
+				return true
+			}
+		}
+		return false
 	}); err != nil {
 		t.Fatalf("pods never served again: %+v", e.mgr.Status())
 	}
