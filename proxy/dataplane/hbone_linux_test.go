@@ -257,24 +257,10 @@ func sniffTCP4(t *testing.T, p *proxytest.Pod, src netip.Addr) func() wireSeen {
 func TestHBONEDeliversToUDS(t *testing.T) {
 	e := setupHBONE(t)
 	sock := filepath.Join(t.TempDir(), "app.sock")
-	ln, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				b, _ := io.ReadAll(c)
-				_, _ = fmt.Fprintf(c, "uds got %s", b)
-			}()
-		}
-	}()
+	ln := proxytest.ServeUnix(t, sock, func(c net.Conn) {
+		b, _ := io.ReadAll(c)
+		_, _ = fmt.Fprintf(c, "uds got %s", b)
+	})
 	e.server.Serve(t, 8080)
 	specs := e.server.Specs(t)
 	for i := range specs {
@@ -300,6 +286,7 @@ func TestHBONEDeliversToUDS(t *testing.T) {
 	}
 	dst := netip.AddrPortFrom(e.server.IP4, 8080)
 	var reply string
+	var err error
 	if err := proxytest.WaitFor(ctx10(t), func() bool {
 		reply, err = roundTrip(ctx10(t), e.client, dst, "via-uds")
 		return err == nil

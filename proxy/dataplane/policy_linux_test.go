@@ -194,23 +194,11 @@ func TestInboundPolicy(t *testing.T) {
 	})
 	t.Run("permissive over the UDS socket", func(t *testing.T) {
 		sock := filepath.Join(t.TempDir(), "app.sock")
-		ln, err := net.Listen("unix", sock)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = ln.Close() })
-		go func() {
-			for {
-				c, err := ln.Accept()
-				if err != nil {
-					return
-				}
-				b := make([]byte, 64)
-				n, _ := c.Read(b)
-				_, _ = c.Write([]byte("uds:" + string(b[:n])))
-				_ = c.Close()
-			}
-		}()
+		proxytest.ServeUnix(t, sock, func(c net.Conn) {
+			b := make([]byte, 64)
+			n, _ := c.Read(b)
+			_, _ = c.Write([]byte("uds:" + string(b[:n])))
+		})
 		specs := e.client.Specs(t)
 		for _, s := range e.server.Specs(t) {
 			s.UDSSocket = sock
@@ -218,6 +206,7 @@ func TestInboundPolicy(t *testing.T) {
 		}
 		e.mgr.SetListeners(specs) // drained and bound again
 		var ans string
+		var err error
 		if err := proxytest.WaitFor(ctx10(t), func() bool {
 			ans, err = call(node4, server4, "hello")
 			if err == nil && ans == "app:hello" {

@@ -179,17 +179,36 @@ func (p *Pod) Handle(tb testing.TB, port uint16, handle func(net.Conn)) {
 	for _, a := range []netip.Addr{p.IP4, p.IP6} {
 		ln := p.listen(tb, netip.AddrPortFrom(a, port))
 		tb.Cleanup(func() { _ = ln.Close() })
+		go serveConns(ln, handle)
+	}
+}
+
+// ServeUnix runs handle for every connection to a unix socket at path (an
+// app's UDS socket, outside any pod netns), each on its own goroutine
+// (closed afterwards); the listener closes at the end of the test, and
+// closing it earlier (the returned listener) removes the socket file.
+func ServeUnix(tb testing.TB, path string, handle func(net.Conn)) net.Listener {
+	tb.Helper()
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = ln.Close() })
+	go serveConns(ln, handle)
+	return ln
+}
+
+// serveConns accepts on ln until it closes, handling each connection on
+// its own goroutine and closing it afterwards.
+func serveConns(ln net.Listener, handle func(net.Conn)) {
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
 		go func() {
-			for {
-				c, err := ln.Accept()
-				if err != nil {
-					return
-				}
-				go func() {
-					defer func() { _ = c.Close() }()
-					handle(c)
-				}()
-			}
+			defer func() { _ = c.Close() }()
+			handle(c)
 		}()
 	}
 }
