@@ -10,6 +10,10 @@
 //     pods terminating, the registry call runs without that lock (a slow
 //     backend must not block the caller's other work), and a pod that turned
 //     terminating while its Register was in flight is deregistered again;
+//   - a pod that turns terminating or is removed is withdrawn at once
+//     (Withdraw, under the lock that marks it), before its Deregister, so
+//     that a lease re-grant or a retry of a Register in flight cannot put it
+//     back while the Deregister waits for the key's write lock;
 //   - backends delete a deregistered endpoint at once, and callers retry a
 //     failed Deregister until it succeeds and delete their node's keys that
 //     no live record owns (agent/pods: the retry set and the ghost sweep);
@@ -99,6 +103,14 @@ type Registry interface {
 	// Deregister removes the endpoint with key. An unknown key is not an
 	// error.
 	Deregister(ctx context.Context, key string) error
+	// Withdraw tells the backend that key must not be written again on its
+	// behalf: nothing it writes on its own (a shared backend's lease
+	// re-grant) puts the key back, and a Register of the key in flight
+	// makes no further attempt. It does no I/O and never blocks on the
+	// network, so callers call it under the lock that marks a pod
+	// terminating or removed; Deregister still deletes the key. A later
+	// Register of the key (a live pod again) is not affected.
+	Withdraw(key string)
 	// List returns every endpoint the registry knows (for shared backends,
 	// every node's).
 	List(ctx context.Context) ([]Endpoint, error)

@@ -527,6 +527,7 @@ func (m *Manager) RemovePod(ctx context.Context, ns, name, key string, timings *
 	e.removed = true
 	if m.entries[key] == e {
 		delete(m.entries, key)
+		m.reg.Withdraw(key) // see MarkTerminating
 	}
 	if m.cfg.Observer != nil {
 		m.cfg.Observer.RecordRemoved(key)

@@ -40,6 +40,7 @@ type gateRegistry struct {
 	failDeregs int
 	deregs     int
 	listErr    error
+	withdrawn  []string
 }
 
 func newGateRegistry() *gateRegistry {
@@ -69,6 +70,19 @@ func (g *gateRegistry) Deregister(ctx context.Context, key string) error {
 		return errors.New("etcd unavailable")
 	}
 	return g.Registry.Deregister(ctx, key)
+}
+
+func (g *gateRegistry) Withdraw(key string) {
+	g.mu.Lock()
+	g.withdrawn = append(g.withdrawn, key)
+	g.mu.Unlock()
+	g.Registry.Withdraw(key)
+}
+
+func (g *gateRegistry) wasWithdrawn(key string) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return slices.Contains(g.withdrawn, key)
 }
 
 func (g *gateRegistry) List(ctx context.Context) ([]registry.Endpoint, error) {
@@ -189,8 +203,8 @@ func eventually(t *testing.T, what string, cond func() bool) {
 // TestRegistryWritesOutsideTheLock: while one pod's Register hangs (an
 // etcd brownout), AddPod of another pod, the admin list and Get complete;
 // and a pod marked terminating, or removed, while its Register is in
-// flight ends deregistered (the stale write is followed by a corrective
-// Deregister).
+// flight is withdrawn at once and ends deregistered (the stale write is
+// followed by a corrective Deregister).
 func TestRegistryWritesOutsideTheLock(t *testing.T) {
 	for _, tc := range []struct {
 		name string
@@ -246,6 +260,11 @@ func TestRegistryWritesOutsideTheLock(t *testing.T) {
 			acted := make(chan error, 1)
 			go func() { acted <- tc.act(ctx, m) }()
 			eventually(t, "pod a's end recorded", func() bool { return tc.gone(m) })
+			// Withdrawn where its end is recorded, not after the write in
+			// flight: a lease re-grant meanwhile must not put it back.
+			if !reg.wasWithdrawn("sb-a") {
+				t.Error("pod a was not withdrawn from the registry while its Register was in flight")
+			}
 			release()
 			select {
 			case err := <-acted:

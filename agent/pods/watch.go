@@ -31,8 +31,10 @@ func (h handler) OnDelete(p *podsource.Pod) {
 }
 
 // MarkTerminating marks every record of the pod terminating: under mu
-// (so no Register can follow; one in flight is corrected by its re-check),
-// then persisted, then deregistered. Records stay until RemovePod.
+// (so no Register can follow; one in flight is corrected by its re-check)
+// and withdrawn from the registry there (so neither a lease re-grant nor
+// a retry of that Register puts it back meanwhile), then persisted, then
+// deregistered. Records stay until RemovePod.
 func (m *Manager) MarkTerminating(ctx context.Context, ns, name, uid, reason string) {
 	m.mu.Lock()
 	m.terminating[podIdentity(ns, name, uid)] = m.now()
@@ -49,6 +51,7 @@ func (m *Manager) MarkTerminating(ctx context.Context, ns, name, uid, reason str
 		} else if e.registered {
 			marked = append(marked, e)
 		}
+		m.reg.Withdraw(e.key)
 	}
 	m.mu.Unlock()
 	for _, e := range marked {

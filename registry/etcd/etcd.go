@@ -330,7 +330,7 @@ func (r *Registry) Register(ctx context.Context, ep registry.Endpoint) error {
 	}
 	r.local[ep.Key] = localEntry{ep: ep, gen: gen, prev: prev}
 	r.mu.Unlock()
-	err = r.put(ctx, ep, val)
+	err = r.put(ctx, ep, val, gen)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	cur, ok := r.local[ep.Key]
@@ -349,13 +349,26 @@ func (r *Registry) Register(ctx context.Context, ep registry.Endpoint) error {
 	return err
 }
 
+// errWithdrawn is wrapped by the error of a Register whose key was
+// withdrawn (or deregistered) before its next attempt.
+var errWithdrawn = errors.New("withdrawn while its registration was in flight")
+
 // put writes ep's encoded value val with the node's lease, granting a new
-// lease once if etcd no longer has it.
-func (r *Registry) put(ctx context.Context, ep registry.Endpoint, val []byte) error {
+// lease once if etcd no longer has it. Before each attempt it checks that
+// the key's local entry is still gen: a key withdrawn meanwhile is not
+// written (a lease grant can take long, and the old lease's expiry may
+// have deleted the key by then).
+func (r *Registry) put(ctx context.Context, ep registry.Endpoint, val []byte, gen uint64) error {
 	for attempt := 0; ; attempt++ {
 		lease, err := r.ensureLease(ctx)
 		if err != nil {
 			return err
+		}
+		r.mu.Lock()
+		cur, ok := r.local[ep.Key]
+		r.mu.Unlock()
+		if !ok || cur.gen != gen {
+			return fmt.Errorf("failed to register endpoint %q: %w", ep.Key, errWithdrawn)
 		}
 		_, err = r.cli.Put(ctx, r.key(ep.Key), string(val), clientv3.WithLease(lease))
 		if err == nil {
@@ -369,13 +382,21 @@ func (r *Registry) put(ctx context.Context, ep registry.Endpoint, val []byte) er
 	}
 }
 
-// Deregister deletes the endpoint at once. It is forgotten locally even if
-// the delete fails, so no lease re-grant writes it back; a write of the key
-// in flight (which etcd may still apply) ends before the delete is sent.
-func (r *Registry) Deregister(ctx context.Context, key string) error {
+// Withdraw forgets key locally: no lease re-grant writes it back, and a
+// Register of it in flight makes no further attempt (see put). A write of
+// the key already sent may still land; the Deregister that follows is
+// ordered after it by the key's write lock.
+func (r *Registry) Withdraw(key string) {
 	r.mu.Lock()
 	delete(r.local, key)
 	r.mu.Unlock()
+}
+
+// Deregister deletes the endpoint at once. It is withdrawn first, even if
+// the delete fails, so no lease re-grant writes it back; a write of the key
+// in flight (which etcd may still apply) ends before the delete is sent.
+func (r *Registry) Deregister(ctx context.Context, key string) error {
+	r.Withdraw(key)
 	unlock, err := r.lockKey(ctx, key)
 	if err != nil {
 		return fmt.Errorf("failed to deregister endpoint %q from etcd: %w", key, err)

@@ -63,6 +63,11 @@ func (r *Registry) Register(ctx context.Context, ep registry.Endpoint) error {
 	return nil
 }
 
+// Withdraw does nothing: the embedded registry writes only when it is
+// called (it has no lease to re-grant), and its Register has no attempt
+// left once it returns.
+func (r *Registry) Withdraw(string) {}
+
 // Deregister removes the endpoint with key; an unknown key is not an error
 // and sends no event.
 func (r *Registry) Deregister(ctx context.Context, key string) error {

@@ -549,6 +549,8 @@ func (f *fakeRegistry) Deregister(_ context.Context, key string) error {
 	return nil
 }
 
+func (*fakeRegistry) Withdraw(string) {} // it writes nothing on its own
+
 func (f *fakeRegistry) List(context.Context) ([]registry.Endpoint, error) { return nil, nil }
 
 func (f *fakeRegistry) Watch(context.Context) (<-chan registry.Event, error) { return f.events, nil }
