@@ -128,6 +128,7 @@ func (p *pod) serveHBONE() {
 		return
 	}
 	hb.served = true
+	p.m.addServer(hb.srv)
 	for _, ln := range hb.lns {
 		p.awg.Add(1)
 		p.loops.Add(1)
@@ -151,7 +152,46 @@ func (p *pod) serveHBONE() {
 		if err := hb.srv.Shutdown(p.ctx); err != nil && !errors.Is(err, context.Canceled) {
 			p.log.Warn("hbone server shutdown cut open streams", "error", err.Error())
 		}
+		p.m.retireServer(hb.srv) // Shutdown returned: its counters are final
 	}()
+}
+
+// addServer counts srv in HBONEStats from now on.
+func (m *Manager) addServer(srv *hbone.Server) {
+	m.hbMu.Lock()
+	defer m.hbMu.Unlock()
+	m.servers[srv] = struct{}{}
+}
+
+// retireServer moves the final counters of a server that shut down into
+// the retired sum, so the exported counters never go down when a pod goes.
+func (m *Manager) retireServer(srv *hbone.Server) {
+	m.hbMu.Lock()
+	defer m.hbMu.Unlock()
+	if _, ok := m.servers[srv]; !ok {
+		return
+	}
+	delete(m.servers, srv)
+	st := srv.Stats()
+	st.StreamsActive = 0 // a gauge: nothing is active once Shutdown returned
+	m.retired = telemetry.HBONEStats{Server: m.retired}.Add(telemetry.HBONEStats{Server: st}).Server
+}
+
+// HBONEStats sums the HBONE counters of the node: every pod's server (those
+// gone included) and the dialer. Zero when HBONE is off.
+func (m *Manager) HBONEStats() telemetry.HBONEStats {
+	var st telemetry.HBONEStats
+	if m.tunnel == nil {
+		return st
+	}
+	st.Dialer = m.tunnel.Stats()
+	m.hbMu.Lock()
+	defer m.hbMu.Unlock()
+	st.Server = m.retired
+	for srv := range m.servers {
+		st = st.Add(telemetry.HBONEStats{Server: srv.Stats()})
+	}
+	return st
 }
 
 // stopHBONE stops accepting HBONE connections and streams (GOAWAY); open
