@@ -540,3 +540,54 @@ func waitFor(t testing.TB, cond func() bool) {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// TestUpstreamEndPropagates: an upstream that ends cleanly (FIN) ends the
+// stream cleanly (EOF at the client); an upstream that fails (reset, or
+// closed under the copy as the data plane's idle timeout does) resets the
+// stream, as a TCP proxy resets its client.
+func TestUpstreamEndPropagates(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		end   func(*net.TCPConn)
+		reset bool
+	}{
+		{"clean close", func(c *net.TCPConn) { _ = c.Close() }, false},
+		{"reset", func(c *net.TCPConn) { _ = c.SetLinger(0); _ = c.Close() }, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = ln.Close() })
+			apps := make(chan *net.TCPConn, 1)
+			go func() {
+				if c, err := ln.Accept(); err == nil {
+					apps <- c.(*net.TCPConn)
+				}
+			}()
+			e := newEnv(t, nil)
+			d := hbonetest.NewDialer(t, e.certs)
+			req := e.request()
+			req.Target = ln.Addr().(*net.TCPAddr).AddrPort()
+			s, err := d.Dial(context.Background(), req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = s.Close() })
+			app := <-apps
+			if _, err := app.Write([]byte("hi")); err != nil {
+				t.Fatal(err)
+			}
+			b := make([]byte, 2)
+			if _, err := io.ReadFull(s, b); err != nil {
+				t.Fatal(err)
+			}
+			tt.end(app)
+			_, err = s.Read(b)
+			if gotReset := err != nil && !errors.Is(err, io.EOF); gotReset != tt.reset || err == nil {
+				t.Errorf("stream read after the upstream ended = %v, want reset %v", err, tt.reset)
+			}
+		})
+	}
+}
