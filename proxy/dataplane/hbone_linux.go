@@ -174,7 +174,20 @@ func (m *Manager) retireServer(srv *hbone.Server) {
 	delete(m.servers, srv)
 	st := srv.Stats()
 	st.StreamsActive = 0 // a gauge: nothing is active once Shutdown returned
-	m.retired = telemetry.HBONEStats{Server: m.retired}.Add(telemetry.HBONEStats{Server: st}).Server
+	m.retired = addServerStats(m.retired, st)
+}
+
+// addServerStats returns the sum of two servers' counters.
+func addServerStats(a, b hbone.ServerStats) hbone.ServerStats {
+	a.Accepted += b.Accepted
+	a.Handshakes += b.Handshakes
+	a.HandshakeTimeouts += b.HandshakeTimeouts
+	a.HandshakeFailures += b.HandshakeFailures
+	a.StreamsOpened += b.StreamsOpened
+	a.StreamsActive += b.StreamsActive
+	a.StreamsBadRequest += b.StreamsBadRequest
+	a.StreamsDeliverFailed += b.StreamsDeliverFailed
+	return a
 }
 
 // HBONEStats sums the HBONE counters of the node: every pod's server (those
@@ -189,7 +202,7 @@ func (m *Manager) HBONEStats() telemetry.HBONEStats {
 	defer m.hbMu.Unlock()
 	st.Server = m.retired
 	for srv := range m.servers {
-		st = st.Add(telemetry.HBONEStats{Server: srv.Stats()})
+		st.Server = addServerStats(st.Server, srv.Stats())
 	}
 	return st
 }

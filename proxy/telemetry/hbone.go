@@ -16,32 +16,6 @@ type HBONEStats struct {
 	Dialer hbone.DialerStats
 }
 
-// Add returns the sum of s and o. Gauges (StreamsActive, ConnsPooled) add
-// like counters: a sum over live servers.
-func (s HBONEStats) Add(o HBONEStats) HBONEStats {
-	a, b := s.Server, o.Server
-	s.Server = hbone.ServerStats{
-		Accepted:             a.Accepted + b.Accepted,
-		Handshakes:           a.Handshakes + b.Handshakes,
-		HandshakeTimeouts:    a.HandshakeTimeouts + b.HandshakeTimeouts,
-		HandshakeFailures:    a.HandshakeFailures + b.HandshakeFailures,
-		StreamsOpened:        a.StreamsOpened + b.StreamsOpened,
-		StreamsActive:        a.StreamsActive + b.StreamsActive,
-		StreamsBadRequest:    a.StreamsBadRequest + b.StreamsBadRequest,
-		StreamsDeliverFailed: a.StreamsDeliverFailed + b.StreamsDeliverFailed,
-	}
-	c, d := s.Dialer, o.Dialer
-	s.Dialer = hbone.DialerStats{
-		ConnsOpened:   c.ConnsOpened + d.ConnsOpened,
-		ConnsFailed:   c.ConnsFailed + d.ConnsFailed,
-		ConnsEvicted:  c.ConnsEvicted + d.ConnsEvicted,
-		ConnsPooled:   c.ConnsPooled + d.ConnsPooled,
-		StreamsOpened: c.StreamsOpened + d.StreamsOpened,
-		StreamsFailed: c.StreamsFailed + d.StreamsFailed,
-	}
-	return s
-}
-
 // hboneMetric is one exported series: its description and how to read
 // its value from a snapshot.
 type hboneMetric struct {
