@@ -37,6 +37,7 @@ var valueSets = []valueSet{
 	{name: "identity", files: []string{"identity.yaml"}},
 	{name: "csi-sidecar", files: []string{"csi-sidecar.yaml"}},
 	{name: "inbound-strict", files: []string{"inbound-strict.yaml"}},
+	{name: "identity-spire", files: []string{"identity-spire.yaml"}},
 }
 
 func (v valueSet) paths() []string {
@@ -233,6 +234,10 @@ func TestChartRejects(t *testing.T) {
 		{"empty cluster id", "clusterID: \"\"\n", "invalid clusterID"},
 		{"identity without a CA", "identity:\n  enabled: true\n", "invalid identity: enabled without a CA"},
 		{"identity with two CAs", "identity:\n  enabled: true\n  caSecret: ca\n  generateCA: true\n", "both caSecret and generateCA"},
+		{"identity provider", "identity:\n  provider: vault\n", `invalid identity.provider "vault"`},
+		{"spire with a CA", "identity:\n  enabled: true\n  provider: spire\n  generateCA: true\n", "invalid identity: provider spire with caSecret, generateCA or trustBundleConfigMap"},
+		{"spire with a trust bundle", "identity:\n  enabled: true\n  provider: spire\n  trustBundleConfigMap: b\n", "invalid identity: provider spire with"},
+		{"spire admin socket relative", "identity:\n  enabled: true\n  provider: spire\n  spire:\n    adminSocket: admin.sock\n", `invalid identity.spire.adminSocket "admin.sock"`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

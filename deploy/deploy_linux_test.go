@@ -206,7 +206,10 @@ func TestIdentityValues(t *testing.T) {
 		if r.set.name != "identity" {
 			for _, a := range append(slices.Clone(agent.Args), proxy.Args...) {
 				if strings.Contains(a, "ca-cert") || strings.Contains(a, "workload-api-socket") {
-					t.Errorf("identity off but arg %q", a)
+					t.Errorf("embedded identity off but arg %q", a)
+				}
+				if r.set.name != "identity-spire" && (strings.Contains(a, "spire-admin-socket") || strings.Contains(a, "external-identities")) {
+					t.Errorf("spire identity off but arg %q", a)
 				}
 			}
 			return
@@ -248,6 +251,44 @@ func TestIdentityValues(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestIdentitySPIREValues checks identity.provider spire: the agent runs
+// with --external-identities and no CA (it parses with the agent's own
+// parser), the proxy gets -spire-admin-socket with the set's path, and that
+// path is the same host path inside the proxy (a read-only hostPath mount
+// of its directory); no CA Secret is rendered or mounted.
+func TestIdentitySPIREValues(t *testing.T) {
+	r := renderSet(t, valueSets[slices.IndexFunc(valueSets, func(v valueSet) bool { return v.name == "identity-spire" })])
+	cfg := agentConfig(t, r)
+	if !cfg.ExternalIdentities || cfg.CA != nil || cfg.CACertFile != "" || !cfg.HBONE() || cfg.TrustDomain != "mesh.example.com" {
+		t.Errorf("agent config %+v: want --external-identities, no CA, HBONE on, trust domain mesh.example.com", cfg)
+	}
+	const socket = "/run/spire/agent-admin/admin.sock"
+	proxy := container(t, r, "aether-proxy")
+	if !slices.Contains(proxy.Args, "-spire-admin-socket="+socket) {
+		t.Errorf("aether-proxy args %q lack -spire-admin-socket=%s", proxy.Args, socket)
+	}
+	m, v := mountOf(t, r, proxy, socket)
+	if v.HostPath == nil || !m.ReadOnly {
+		t.Fatalf("the proxy reaches %s through volume %+v (mount %+v): want a read-only host path", socket, v, m)
+	}
+	if rel, err := filepath.Rel(m.MountPath, socket); err != nil || filepath.Join(v.HostPath.Path, rel) != socket {
+		t.Errorf("the proxy sees host path %s at %s, want the same path", filepath.Join(v.HostPath.Path, rel), socket)
+	}
+	if v.HostPath.Type == nil || *v.HostPath.Type != corev1.HostPathDirectoryOrCreate {
+		t.Errorf("spire admin volume type %v, want DirectoryOrCreate (the proxy starts before SPIRE serves)", v.HostPath.Type)
+	}
+	for _, o := range r.objs {
+		if s, ok := o.(*corev1.Secret); ok {
+			t.Errorf("provider spire renders Secret %s: no CA belongs on the nodes", s.Name)
+		}
+	}
+	for _, vol := range r.ds.Spec.Template.Spec.Volumes {
+		if vol.Secret != nil {
+			t.Errorf("provider spire mounts Secret volume %s", vol.Name)
+		}
+	}
 }
 
 // TestIdentityGeneratedCA renders identity.generateCA: a kubernetes.io/tls

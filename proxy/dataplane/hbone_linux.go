@@ -128,6 +128,7 @@ func (p *pod) serveHBONE() {
 		return
 	}
 	hb.served = true
+	p.m.addServer(hb.srv)
 	for _, ln := range hb.lns {
 		p.awg.Add(1)
 		p.loops.Add(1)
@@ -151,7 +152,59 @@ func (p *pod) serveHBONE() {
 		if err := hb.srv.Shutdown(p.ctx); err != nil && !errors.Is(err, context.Canceled) {
 			p.log.Warn("hbone server shutdown cut open streams", "error", err.Error())
 		}
+		p.m.retireServer(hb.srv) // Shutdown returned: its counters are final
 	}()
+}
+
+// addServer counts srv in HBONEStats from now on.
+func (m *Manager) addServer(srv *hbone.Server) {
+	m.hbMu.Lock()
+	defer m.hbMu.Unlock()
+	m.servers[srv] = struct{}{}
+}
+
+// retireServer moves the final counters of a server that shut down into
+// the retired sum, so the exported counters never go down when a pod goes.
+func (m *Manager) retireServer(srv *hbone.Server) {
+	m.hbMu.Lock()
+	defer m.hbMu.Unlock()
+	if _, ok := m.servers[srv]; !ok {
+		return
+	}
+	delete(m.servers, srv)
+	st := srv.Stats()
+	st.StreamsActive = 0 // a gauge: nothing is active once Shutdown returned
+	m.retired = addServerStats(m.retired, st)
+}
+
+// addServerStats returns the sum of two servers' counters.
+func addServerStats(a, b hbone.ServerStats) hbone.ServerStats {
+	a.Accepted += b.Accepted
+	a.Handshakes += b.Handshakes
+	a.HandshakeTimeouts += b.HandshakeTimeouts
+	a.HandshakeFailures += b.HandshakeFailures
+	a.StreamsOpened += b.StreamsOpened
+	a.StreamsActive += b.StreamsActive
+	a.StreamsBadRequest += b.StreamsBadRequest
+	a.StreamsDeliverFailed += b.StreamsDeliverFailed
+	return a
+}
+
+// HBONEStats sums the HBONE counters of the node: every pod's server (those
+// gone included) and the dialer. Zero when HBONE is off.
+func (m *Manager) HBONEStats() telemetry.HBONEStats {
+	var st telemetry.HBONEStats
+	if m.tunnel == nil {
+		return st
+	}
+	st.Dialer = m.tunnel.Stats()
+	m.hbMu.Lock()
+	defer m.hbMu.Unlock()
+	st.Server = m.retired
+	for srv := range m.servers {
+		st.Server = addServerStats(st.Server, srv.Stats())
+	}
+	return st
 }
 
 // stopHBONE stops accepting HBONE connections and streams (GOAWAY); open
@@ -229,6 +282,7 @@ func (p *pod) deliverHBONE(ctx context.Context, src spiffeid.ID, target netip.Ad
 	dstPeer := p.lookup(target.Addr().Unmap())
 	tc := p.m.metrics.Open(telemetry.TunnelLabels(directionInbound, srcPeer, dstPeer, src.String(), p.hb.id.String()))
 	c := &inboundConn{Conn: up, release: release, untrack: p.untrack, tc: tc}
+	c.act.touch()
 	if !p.track(c) {
 		c.abort()
 		_ = c.Close()
@@ -245,12 +299,14 @@ type inboundConn struct {
 	release func()
 	untrack func(closer)
 	once    sync.Once
+	act     activity
 }
 
 // Write carries bytes from the source to the app.
 func (c *inboundConn) Write(b []byte) (int, error) {
 	n, err := c.Conn.Write(b)
 	if n > 0 {
+		c.act.touch()
 		c.tc.Received(int64(n))
 	}
 	return n, err
@@ -260,10 +316,23 @@ func (c *inboundConn) Write(b []byte) (int, error) {
 func (c *inboundConn) Read(b []byte) (int, error) {
 	n, err := c.Conn.Read(b)
 	if n > 0 {
+		c.act.touch()
 		c.tc.Sent(int64(n))
 	}
 	return n, err
 }
+
+// idle is the time since data last moved between the stream and the app
+// (and, over TCP, what the app socket's TCP_INFO says).
+func (c *inboundConn) idle() time.Duration {
+	idle := c.act.since()
+	if tc, ok := c.Conn.(*net.TCPConn); ok {
+		idle = min(idle, idleFor(tc))
+	}
+	return idle
+}
+
+func (c *inboundConn) String() string { return "hbone stream -> " + c.Conn.RemoteAddr().String() }
 
 // CloseWrite passes the source's half-close on to the app.
 func (c *inboundConn) CloseWrite() error {
@@ -284,8 +353,8 @@ func (c *inboundConn) Close() error {
 	return err
 }
 
-// abort resets the app connection (the pod closes); the stream handler
-// then fails and closes c.
+// abort resets the app connection (the pod closes, the idle timeout); the
+// stream handler then fails, resets the stream and closes c.
 func (c *inboundConn) abort() {
 	if tc, ok := c.Conn.(*net.TCPConn); ok {
 		_ = tc.SetLinger(0)
@@ -349,6 +418,7 @@ func (p *pod) tunnelTCP(down *net.TCPConn, src, dst netip.AddrPort) bool {
 	}
 	p.m.metrics.Outbound(pathHBONE)
 	pair := &streamPair{down: down, up: up}
+	pair.act.touch()
 	if !p.track(pair) {
 		pair.abort()
 		return true
@@ -365,6 +435,17 @@ type streamPair struct {
 	down *net.TCPConn
 	up   *hbone.Stream
 	once sync.Once
+	act  activity
+}
+
+// idle is the time since data last moved through the stream (either way),
+// or through the client's socket (TCP_INFO), whichever is shorter.
+func (t *streamPair) idle() time.Duration {
+	return min(t.act.since(), idleFor(t.down))
+}
+
+func (t *streamPair) String() string {
+	return t.down.RemoteAddr().String() + " -> hbone " + t.up.RemoteAddr().String()
 }
 
 func (t *streamPair) abort() {
@@ -374,15 +455,17 @@ func (t *streamPair) abort() {
 	})
 }
 
-// countWriter reports every write's size.
+// countWriter reports every write's size and stamps the activity.
 type countWriter struct {
 	w   io.Writer
 	add func(int64)
+	act *activity
 }
 
 func (c countWriter) Write(b []byte) (int, error) {
 	n, err := c.w.Write(b)
 	if n > 0 {
+		c.act.touch()
 		c.add(int64(n))
 	}
 	return n, err
@@ -395,13 +478,13 @@ func (t *streamPair) pipe(tc *telemetry.Conn) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		if _, err := io.Copy(countWriter{t.up, tc.Received}, t.down); err != nil {
+		if _, err := io.Copy(countWriter{t.up, tc.Received, &t.act}, t.down); err != nil {
 			t.abort()
 			return
 		}
 		_ = t.up.CloseWrite()
 	}()
-	if _, err := io.Copy(countWriter{t.down, tc.Sent}, t.up); err != nil {
+	if _, err := io.Copy(countWriter{t.down, tc.Sent, &t.act}, t.up); err != nil {
 		t.abort()
 	} else {
 		_ = t.down.CloseWrite()

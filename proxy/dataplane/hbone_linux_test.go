@@ -51,6 +51,12 @@ func hboneWorkload(p *proxytest.Pod, tunnel bool) *workload.Workload {
 
 func setupHBONE(t testing.TB) *hboneEnv {
 	t.Helper()
+	return setupHBONEConfig(t, dataplane.Config{ConnectTimeout: 3 * time.Second})
+}
+
+// setupHBONEConfig is setupHBONE with the manager's cfg (Certs is set here).
+func setupHBONEConfig(t testing.TB, cfg dataplane.Config) *hboneEnv {
+	t.Helper()
 	topo := proxytest.New(t, []string{"client", "server", "plain"}, "client", "server")
 	ca, err := hbonetest.NewCA(spiffeid.RequireTrustDomainFromString(testTrustDomain))
 	if err != nil {
@@ -70,7 +76,8 @@ func setupHBONE(t testing.TB) *hboneEnv {
 		e.idx.Upsert(hboneWorkload(p, true))
 	}
 	e.idx.Upsert(hboneWorkload(e.plain, false))
-	e.mgr, err = dataplane.New(dataplane.Config{Certs: e.certs, ConnectTimeout: 3 * time.Second}, e.idx, e.metrics, nil)
+	cfg.Certs = e.certs
+	e.mgr, err = dataplane.New(cfg, e.idx, e.metrics, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -180,25 +181,54 @@ func (m *Manager) closeIdle() {
 
 func (p *pod) closeIdle(timeout time.Duration) {
 	p.mu.Lock()
-	var pairs []*tcpPair
+	var conns []idler
 	for c := range p.conns {
-		if t, ok := c.(*tcpPair); ok {
-			pairs = append(pairs, t)
+		if t, ok := c.(idler); ok {
+			conns = append(conns, t)
 		}
 	}
 	p.mu.Unlock()
-	for _, t := range pairs {
-		idle := idleFor(t.down)
-		if up, ok := t.up.(*net.TCPConn); ok { // a unix socket has no TCP_INFO: the client side tells
-			idle = min(idle, idleFor(up))
-		}
-		if idle >= timeout {
+	for _, c := range conns {
+		if c.idle() >= timeout {
 			p.m.metrics.LimitHit(telemetry.LimitTCPIdle)
-			p.log.Debug("closing idle connection", "src", t.down.RemoteAddr().String(), "dst", t.up.RemoteAddr().String(), "timeout", timeout)
-			t.abort()
+			p.log.Debug("closing idle connection", "conn", c.String(), "timeout", timeout)
+			c.abort()
 		}
 	}
 }
+
+// idler is a tracked TCP connection the idle timeout applies to: a plain
+// proxied pair (tcpPair), a captured connection tunnelled over HBONE
+// (streamPair), or the app side of an inbound HBONE stream (inboundConn).
+type idler interface {
+	closer
+	// idle is how long no data moved either way; 0 when it cannot tell.
+	idle() time.Duration
+	// String names the connection's ends for the log.
+	String() string
+}
+
+// idle is the time since the pair last moved data: both sockets' TCP_INFO.
+func (t *tcpPair) idle() time.Duration {
+	idle := idleFor(t.down)
+	if up, ok := t.up.(*net.TCPConn); ok { // a unix socket has no TCP_INFO: the client side tells
+		idle = min(idle, idleFor(up))
+	}
+	return idle
+}
+
+func (t *tcpPair) String() string {
+	return t.down.RemoteAddr().String() + " -> " + t.up.RemoteAddr().String()
+}
+
+// activity is the time data last moved through a connection whose other
+// side has no socket of its own (an HBONE stream shares its TCP connection
+// with other streams): the copies stamp it, the idle check reads it.
+type activity struct{ last atomic.Int64 }
+
+func (a *activity) touch() { a.last.Store(time.Now().UnixNano()) }
+
+func (a *activity) since() time.Duration { return time.Since(time.Unix(0, a.last.Load())) }
 
 // idleFor is how long c has neither sent nor received data (from
 // TCP_INFO); 0 when it cannot tell.

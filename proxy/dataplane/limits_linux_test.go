@@ -265,6 +265,29 @@ func TestIdleTimeouts(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer active.Close()
+	idleClosedWhileActive(t, idle, active)
+	if limitHits(e, telemetry.LimitTCPIdle) < 1 {
+		t.Error("the idle close was not counted")
+	}
+	udpEcho(t, e.server, netip.AddrPortFrom(e.server.IP4, 53))
+	udpEcho(t, e.server, netip.AddrPortFrom(e.server.IP4, 5353))
+	for _, port := range []uint16{53, 5353} {
+		if err := udpAsk(t, e.client, netip.AddrPortFrom(e.server.IP4, port), "q"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := proxytest.WaitFor(ctx10(t), func() bool { return podStatus(t, e, "client").UDPFlows == 1 }); err != nil {
+		t.Fatalf("the DNS flow never ended: %d flows", podStatus(t, e, "client").UDPFlows)
+	}
+}
+
+func errorsAs(err error, target any) bool { return errors.As(err, target) }
+
+// idleClosedWhileActive echoes a byte on active every 100 ms (each round
+// trip must work) until idle, left alone, is closed by the idle timeout
+// (a read that ends in an error other than its 10 s deadline).
+func idleClosedWhileActive(t *testing.T, idle, active *net.TCPConn) {
+	t.Helper()
 	_ = idle.SetReadDeadline(time.Now().Add(10 * time.Second))
 	closed := make(chan error, 1)
 	go func() {
@@ -285,27 +308,11 @@ func TestIdleTimeouts(t *testing.T) {
 			if err == nil || (errorsAs(err, &ne) && ne.Timeout()) {
 				t.Fatalf("the idle connection was not closed: read = %v", err)
 			}
-			if limitHits(e, telemetry.LimitTCPIdle) < 1 {
-				t.Error("the idle close was not counted")
-			}
-			goto udp
+			return
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
-udp:
-	udpEcho(t, e.server, netip.AddrPortFrom(e.server.IP4, 53))
-	udpEcho(t, e.server, netip.AddrPortFrom(e.server.IP4, 5353))
-	for _, port := range []uint16{53, 5353} {
-		if err := udpAsk(t, e.client, netip.AddrPortFrom(e.server.IP4, port), "q"); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := proxytest.WaitFor(ctx10(t), func() bool { return podStatus(t, e, "client").UDPFlows == 1 }); err != nil {
-		t.Fatalf("the DNS flow never ended: %d flows", podStatus(t, e, "client").UDPFlows)
-	}
 }
-
-func errorsAs(err error, target any) bool { return errors.As(err, target) }
 
 // TestShutdownDrains: when Run's context ends (SIGTERM), every pod stops
 // accepting (readiness 503) while established connections keep working

@@ -193,6 +193,11 @@ type Manager struct {
 	// numbers pod instances for its pool.
 	tunnel *hbone.Dialer
 	podSeq atomic.Uint64
+	// servers are the pods' HBONE servers being served; retired sums the
+	// counters of those that shut down (aether_proxy_hbone_*).
+	hbMu    sync.Mutex
+	servers map[*hbone.Server]struct{}
+	retired hbone.ServerStats
 
 	// tcpConns and udpFlows count the node's open connections and flows
 	// (the caps of Config).
@@ -223,10 +228,13 @@ func New(cfg Config, lookup PeerLookup, m *telemetry.Metrics, log *slog.Logger) 
 	mg := &Manager{
 		cfg: cfg, log: log, peers: lookup, metrics: m, home: home,
 		desired: map[string][]listener.Spec{}, pods: map[string]*pod{}, draining: map[*pod]struct{}{},
-		failed: map[string]string{}, kick: make(chan struct{}, 1),
+		failed: map[string]string{}, kick: make(chan struct{}, 1), servers: map[*hbone.Server]struct{}{},
 	}
 	if cfg.Certs != nil {
-		if mg.tunnel, err = mg.newTunnel(); err != nil {
+		if mg.tunnel, err = mg.newTunnel(); err == nil {
+			err = m.RegisterHBONE(mg.HBONEStats)
+		}
+		if err != nil {
 			_ = closeFd(home)
 			return nil, err
 		}

@@ -540,3 +540,106 @@ func waitFor(t testing.TB, cond func() bool) {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// TestUpstreamEndPropagates: an upstream that ends cleanly (FIN) ends the
+// stream cleanly (EOF at the client); an upstream that fails (reset, or
+// closed under the copy as the data plane's idle timeout does) resets the
+// stream, as a TCP proxy resets its client.
+func TestUpstreamEndPropagates(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		end   func(*net.TCPConn)
+		reset bool
+	}{
+		{"clean close", func(c *net.TCPConn) { _ = c.Close() }, false},
+		{"reset", func(c *net.TCPConn) { _ = c.SetLinger(0); _ = c.Close() }, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = ln.Close() })
+			apps := make(chan *net.TCPConn, 1)
+			go func() {
+				if c, err := ln.Accept(); err == nil {
+					apps <- c.(*net.TCPConn)
+				}
+			}()
+			e := newEnv(t, nil)
+			d := hbonetest.NewDialer(t, e.certs)
+			req := e.request()
+			req.Target = ln.Addr().(*net.TCPAddr).AddrPort()
+			s, err := d.Dial(context.Background(), req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = s.Close() })
+			app := <-apps
+			if _, err := app.Write([]byte("hi")); err != nil {
+				t.Fatal(err)
+			}
+			b := make([]byte, 2)
+			if _, err := io.ReadFull(s, b); err != nil {
+				t.Fatal(err)
+			}
+			tt.end(app)
+			_, err = s.Read(b)
+			if gotReset := err != nil && !errors.Is(err, io.EOF); gotReset != tt.reset || err == nil {
+				t.Errorf("stream read after the upstream ended = %v, want reset %v", err, tt.reset)
+			}
+		})
+	}
+}
+
+// TestPoolKeyedBySource: a pooled connection is shared only by streams of
+// one source identity (and one origin): streams of two SVIDs to the same
+// destination proxy never share a connection, and the server verifies each
+// stream's own source on it.
+func TestPoolKeyedBySource(t *testing.T) {
+	otherID := spiffeid.RequireFromPath(td, "/ns/src/sa/other")
+	type dial struct {
+		source spiffeid.ID
+		origin string
+	}
+	for _, tt := range []struct {
+		name  string
+		dials []dial
+		conns uint64
+	}{
+		{"one source", []dial{{clientID, ""}, {clientID, ""}, {clientID, ""}}, 1},
+		{"two sources", []dial{{clientID, ""}, {otherID, ""}, {clientID, ""}, {otherID, ""}}, 2},
+		{"one source, two origins", []dial{{clientID, "pod-a#1"}, {clientID, "pod-b#1"}, {clientID, "pod-a#1"}}, 2},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			e := newEnv(t, nil)
+			svid, err := e.ca.ValidSVID(otherID)
+			if err != nil {
+				t.Fatal(err)
+			}
+			e.certs.SetSVID(svid)
+			d := hbonetest.NewDialer(t, e.certs)
+			for i, dl := range tt.dials {
+				req := e.request()
+				req.Source, req.Origin = dl.source, dl.origin
+				s, err := d.Dial(context.Background(), req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { _ = s.Close() }) // open streams keep their connections busy
+				e.mu.Lock()
+				got := e.sources[len(e.sources)-1]
+				e.mu.Unlock()
+				if got != dl.source {
+					t.Errorf("stream %d from %s: the server verified %s", i, dl.source, got)
+				}
+			}
+			if st := d.Stats(); st.ConnsOpened != tt.conns || st.StreamsOpened != uint64(len(tt.dials)) {
+				t.Errorf("dialer stats = %+v, want %d connections for %d streams", st, tt.conns, len(tt.dials))
+			}
+			if got := e.srv.Stats().Handshakes; got != tt.conns {
+				t.Errorf("server handshakes = %d, want %d", got, tt.conns)
+			}
+		})
+	}
+}

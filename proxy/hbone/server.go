@@ -323,9 +323,16 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	// Upstream → client. When the upstream ends, the response ends too
 	// (END_STREAM): Go's HTTP/2 server cannot half-close the response
 	// while the request body is still open (see README.md).
-	_ = copyAdaptive(w, up, rc.Flush)
+	err = copyAdaptive(w, up, rc.Flush)
 	_ = r.Body.Close()
 	<-inDone
+	if err != nil {
+		// The upstream failed (reset by the app, or closed under the copy:
+		// the data plane's idle timeout, the pod closing) or the client
+		// went away: reset the stream (RST_STREAM) as a TCP proxy resets
+		// its client, never a clean END_STREAM that hides the failure.
+		panic(http.ErrAbortHandler)
+	}
 }
 
 type peerAddrCtx struct{}

@@ -21,21 +21,7 @@ func TestConnCounts(t *testing.T) {
 	c.Received(40)
 	c.Sent(7)
 	c.Close()
-	mfs, err := m.Registry.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	got := map[string]float64{}
-	for _, mf := range mfs {
-		for _, mt := range mf.GetMetric() {
-			if mt.GetCounter() != nil {
-				got[mf.GetName()] += mt.GetCounter().GetValue()
-			}
-			if mt.GetHistogram() != nil {
-				got[mf.GetName()] += float64(mt.GetHistogram().GetSampleCount())
-			}
-		}
-	}
+	got := gather(t, m, false)
 	for name, v := range map[string]float64{
 		"aether_tcp_connections_opened_total":    1,
 		"aether_tcp_connections_closed_total":    1,
@@ -47,4 +33,27 @@ func TestConnCounts(t *testing.T) {
 			t.Errorf("%s = %v, want %v", name, got[name], v)
 		}
 	}
+}
+
+// gather sums every series of m by metric name (with labels: by
+// `name,label=value,...`): counter and gauge values, histogram sample counts.
+func gather(t *testing.T, m *telemetry.Metrics, labels bool) map[string]float64 {
+	t.Helper()
+	mfs, err := m.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]float64{}
+	for _, mf := range mfs {
+		for _, mt := range mf.GetMetric() {
+			key := mf.GetName()
+			if labels {
+				for _, l := range mt.GetLabel() {
+					key += "," + l.GetName() + "=" + l.GetValue()
+				}
+			}
+			got[key] += mt.GetCounter().GetValue() + mt.GetGauge().GetValue() + float64(mt.GetHistogram().GetSampleCount())
+		}
+	}
+	return got
 }

@@ -80,7 +80,18 @@ refuses as a socket directory); aether-cni pins network namespaces in netns/.
 {{- if not .Values.clusterID -}}
 {{- fail "invalid clusterID: empty; workload uids need the cluster name" -}}
 {{- end -}}
-{{- if and .Values.identity.enabled (not .Values.identity.caSecret) (not .Values.identity.generateCA) -}}
+{{- if not (has .Values.identity.provider (list "embedded" "spire")) -}}
+{{- fail (printf "invalid identity.provider %q: must be embedded or spire" .Values.identity.provider) -}}
+{{- end -}}
+{{- if and .Values.identity.enabled (eq .Values.identity.provider "spire") -}}
+{{- if or .Values.identity.caSecret .Values.identity.generateCA .Values.identity.trustBundleConfigMap -}}
+{{- fail "invalid identity: provider spire with caSecret, generateCA or trustBundleConfigMap: SPIRE signs the SVIDs and no node holds a CA; unset them or use provider embedded" -}}
+{{- end -}}
+{{- if not (isAbs (.Values.identity.spire.adminSocket | default "")) -}}
+{{- fail (printf "invalid identity.spire.adminSocket %q: must be the absolute host path of the SPIRE agent's admin socket" (.Values.identity.spire.adminSocket | default "")) -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.identity.enabled (eq .Values.identity.provider "embedded") (not .Values.identity.caSecret) (not .Values.identity.generateCA) -}}
 {{- fail "invalid identity: enabled without a CA; set identity.caSecret (a Secret with tls.crt and tls.key) or identity.generateCA" -}}
 {{- end -}}
 {{- if and .Values.identity.enabled .Values.identity.caSecret .Values.identity.generateCA -}}
