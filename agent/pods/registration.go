@@ -318,9 +318,10 @@ func (m *Manager) sweepGhosts(ctx context.Context, eps []registry.Endpoint) int 
 	return n
 }
 
-// registerAll registers entries (at Replay) replayParallel at a time, all
-// under one writeTimeout: a restart while the registry is away waits that
-// long once, not once per pod; the liveness loop registers what failed.
+// registerAll registers entries (at Replay and SetLocality) replayParallel
+// at a time, all under one writeTimeout: a restart while the registry is
+// away waits that long once, not once per pod; the liveness loop registers
+// what failed.
 func (m *Manager) registerAll(ctx context.Context, es []*entry, healthy []bool) {
 	wctx, cancel := writeContext(ctx)
 	defer cancel()
