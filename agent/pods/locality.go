@@ -2,7 +2,6 @@ package pods
 
 import (
 	"context"
-	"sync"
 
 	"aether.io/node/registry"
 )
@@ -55,27 +54,18 @@ func (m *Manager) stampLocality(ctx context.Context) {
 		}
 	}
 	m.mu.Unlock()
-	sem := make(chan struct{}, replayParallel)
-	var wg sync.WaitGroup
-	for _, e := range stale {
-		sem <- struct{}{}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer func() { <-sem }()
-			m.mu.Lock()
-			if e.removed || e.rec.Locality == l {
-				m.mu.Unlock()
-				return
-			}
-			rec := e.rec.Clone()
-			rec.Locality = l
-			e.rec = rec
+	inParallel(stale, func(_ int, e *entry) {
+		m.mu.Lock()
+		if e.removed || e.rec.Locality == l {
 			m.mu.Unlock()
-			if err := m.persist(ctx, e, nil); err != nil {
-				m.log.Warn("failed to store the node locality with a pod record", "container_id", e.key, "error", err.Error())
-			}
-		}()
-	}
-	wg.Wait()
+			return
+		}
+		rec := e.rec.Clone()
+		rec.Locality = l
+		e.rec = rec
+		m.mu.Unlock()
+		if err := m.persist(ctx, e, nil); err != nil {
+			m.log.Warn("failed to store the node locality with a pod record", "container_id", e.key, "error", err.Error())
+		}
+	})
 }

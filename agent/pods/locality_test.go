@@ -2,29 +2,13 @@ package pods
 
 import (
 	"context"
-	"sync"
 	"testing"
 	"time"
 
-	"aether.io/node/agent/store"
 	cniv1 "aether.io/node/api/aether/cni/v1"
 	"aether.io/node/registry"
 	"aether.io/node/registry/local"
 )
-
-// localityObserver keeps the locality of the last endpoint observed per key.
-type localityObserver struct {
-	mu  sync.Mutex
-	loc map[string]registry.Locality
-}
-
-func (o *localityObserver) RecordStored(rec *store.Record, ep registry.Endpoint) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	o.loc[rec.Key()] = ep.Locality
-}
-
-func (o *localityObserver) RecordRemoved(string) {}
 
 // TestLocalityWithoutTheAPIServer: the node's locality is stored with each
 // record, so an agent restarted without its Node (the API server down:
@@ -42,9 +26,9 @@ func TestLocalityWithoutTheAPIServer(t *testing.T) {
 
 	// start runs an agent on the store: a new registry and observer, the
 	// manager replayed.
-	start := func(cfg Config) (*Manager, *local.Registry, *localityObserver) {
+	start := func(cfg Config) (*Manager, *local.Registry, *lastEndpoint) {
 		t.Helper()
-		obs := &localityObserver{loc: map[string]registry.Locality{}}
+		obs := &lastEndpoint{eps: map[string]registry.Endpoint{}}
 		reg := local.New()
 		cfg.Node, cfg.PodWait, cfg.Observer = "n", 200*time.Millisecond, obs
 		m := New(cfg, st, reg, src, alwaysHealthy{healthy: &live}, nil, nil)
@@ -55,7 +39,7 @@ func TestLocalityWithoutTheAPIServer(t *testing.T) {
 	}
 	// check asserts what the store, the registry and the observer hold
 	// for the pod's sandbox c1.
-	check := func(step string, reg *local.Registry, obs *localityObserver, want registry.Locality) {
+	check := func(step string, reg *local.Registry, obs *lastEndpoint, want registry.Locality) {
 		t.Helper()
 		rec, err := st.Get("c1")
 		if err != nil || rec == nil {
@@ -66,7 +50,7 @@ func TestLocalityWithoutTheAPIServer(t *testing.T) {
 			t.Fatalf("%s: registry holds %v, %v; want the pod's endpoint", step, eps, err)
 		}
 		obs.mu.Lock()
-		observed := obs.loc["c1"]
+		observed := obs.eps["c1"].Locality
 		obs.mu.Unlock()
 		if rec.Locality != want || eps[0].Locality != want || observed != want {
 			t.Fatalf("%s: locality stored %+v, registered %+v, observed %+v; want %+v everywhere", step, rec.Locality, eps[0].Locality, observed, want)

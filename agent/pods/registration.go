@@ -325,6 +325,12 @@ func (m *Manager) sweepGhosts(ctx context.Context, eps []registry.Endpoint) int 
 func (m *Manager) registerAll(ctx context.Context, es []*entry, healthy []bool) {
 	wctx, cancel := writeContext(ctx)
 	defer cancel()
+	inParallel(es, func(i int, e *entry) { m.registerWith(wctx, e, healthy[i]) })
+}
+
+// inParallel calls fn for every entry, replayParallel at a time, and
+// returns when every call has.
+func inParallel(es []*entry, fn func(i int, e *entry)) {
 	sem := make(chan struct{}, replayParallel)
 	var wg sync.WaitGroup
 	for i, e := range es {
@@ -333,7 +339,7 @@ func (m *Manager) registerAll(ctx context.Context, es []*entry, healthy []bool) 
 		go func() {
 			defer wg.Done()
 			defer func() { <-sem }()
-			m.registerWith(wctx, e, healthy[i])
+			fn(i, e)
 		}()
 	}
 	wg.Wait()
