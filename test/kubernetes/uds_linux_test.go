@@ -224,16 +224,22 @@ func testUDSSocket(t *testing.T, n *node, in *install) {
 		}
 	}
 	podDir := filepath.Dir(sock)
+	var dirGone time.Duration // when the driver had removed podDir
 	kubetest.WaitFor(t, "pods deleted and "+podDir+" removed", 60*time.Second, n.kubelet, func() bool {
+		if _, err := os.Lstat(podDir); !os.IsNotExist(err) {
+			return false
+		}
+		if dirGone == 0 {
+			dirGone = time.Since(deleted)
+		}
 		for name := range want {
 			if _, err := pods.Get(ctx, name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
 				return false
 			}
 		}
-		_, err := os.Lstat(podDir)
-		return os.IsNotExist(err)
+		return true
 	})
-	t.Logf("pods deleted and %s removed in %s", podDir, time.Since(deleted).Round(time.Millisecond))
+	t.Logf("pods deleted and %s removed in %s (the directory after %s)", podDir, time.Since(deleted).Round(time.Millisecond), dirGone.Round(time.Millisecond))
 	for name := range want {
 		if rec := findAgentPod(agentPods(t, in), name); rec != nil {
 			t.Errorf("agent record of deleted pod %s left: %+v", name, rec)
