@@ -90,8 +90,8 @@
 //
 // The mesh checks of the UDS scenario reuse the lane's pods (the client
 // Deployment, the UDS pod) and poll within bounded deadlines, no fixed
-// sleep: each connection took 8-56 ms (first attempt) on the shared
-// 2-core machine (2026-12-01). Whole lane there: 2m31-2m57 (four runs,
+// sleep: each connection took 8-92 ms (first attempt) on the shared
+// 2-core machine (2026-12-01). Whole lane there: 2m31-2m57 (five runs,
 // load 8-12) against 3m20 for the lane before identities were on (one
 // run, load 16): within the noise. The longest and most variable step is
 // kubelet's teardown of the deleted UDS pods (2-30 s, 15 s before this
