@@ -90,6 +90,9 @@ type agent struct {
 	// svids is the embedded SPIFFE provider's store; nil when identity is
 	// off (no --ca-cert).
 	svids *identity.Store
+	// localityUnknown is set when the Node could not be read at start:
+	// awaitSync reads it again once the pod source has synced.
+	localityUnknown bool
 }
 
 func newAgent(c *Config, log *slog.Logger) *agent {
@@ -193,27 +196,44 @@ func (a *agent) startPods(ctx context.Context) error {
 		a.kube = cs
 		a.src = kube.New(cs, c.NodeName, 0, log.With("component", "pod_source"))
 		if locality == (registry.Locality{}) {
-			lctx, cancel := context.WithTimeout(ctx, 3*time.Second)
-			if l, err := kube.NodeLocality(lctx, cs, c.NodeName); err == nil {
+			if l, err := a.nodeLocality(ctx); err == nil {
 				locality = l
 			} else {
-				log.Warn("node locality unknown", "node", c.NodeName, "error", err.Error())
+				// The records keep the locality they were stored with
+				// (served meanwhile); awaitSync reads the Node again.
+				a.localityUnknown = true
+				log.Warn("node locality unknown; serving the one stored with each pod record", "node", c.NodeName, "error", err.Error())
 			}
-			cancel()
 		}
 	}
 	a.mgr = pods.New(pods.Config{
-		Node: c.NodeName, Locality: locality, SystemNamespaces: c.SystemNamespaces,
+		Node: c.NodeName, Locality: locality, LocalityUnknown: a.localityUnknown, SystemNamespaces: c.SystemNamespaces,
 		UDSRoot: c.UDSRoot, PodWait: c.PodWait, Observer: a.nodeRes,
 	}, a.st, livenessView(a.reg, c.LivenessInterval), a.src, nil, a.metrics, log.With("component", "pods"))
 	_, err := a.mgr.Replay(ctx)
 	return err
 }
 
-// awaitSync marks the agent ready after the pod source's first sync.
+// nodeLocality reads the node's topology labels from its Node (3 s bound).
+func (a *agent) nodeLocality(ctx context.Context) (registry.Locality, error) {
+	lctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	return kube.NodeLocality(lctx, a.kube, a.c.NodeName)
+}
+
+// awaitSync marks the agent ready after the pod source's first sync. An
+// agent that started without its Node's locality reads it then (the API
+// server answers again) and republishes the pods with it.
 func (a *agent) awaitSync(ctx context.Context) error {
 	select {
 	case <-a.src.Synced():
+		if a.localityUnknown {
+			if l, err := a.nodeLocality(ctx); err == nil {
+				a.mgr.SetLocality(ctx, l)
+			} else {
+				a.log.Warn("node locality still unknown; serving the one stored with each pod record", "node", a.c.NodeName, "error", err.Error())
+			}
+		}
 		a.mgr.Reconcile(ctx)
 		a.mgr.LivenessTick(ctx)
 		a.ready.Store(true)

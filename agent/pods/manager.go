@@ -62,6 +62,10 @@ type Config struct {
 	Node string
 	// Locality is this node's topology.
 	Locality registry.Locality
+	// LocalityUnknown says the agent could not read Locality (its Node,
+	// with the API server down): each endpoint then carries the locality
+	// stored with its record (store.Record.Locality) until SetLocality.
+	LocalityUnknown bool
 	// SystemNamespaces are never managed.
 	SystemNamespaces []string
 	// UDSRoot is the CSI driver's socket root (<uds-csi-root>).
@@ -129,6 +133,11 @@ type Manager struct {
 	retries     map[string]*retry    // container ID -> failed deregistration to retry
 
 	writes keyLocks // orders the registry writes of each key
+
+	// locality is the node's topology, known unless localityUnknown (from
+	// Config, then SetLocality); both under mu.
+	locality        registry.Locality
+	localityUnknown bool
 }
 
 // maxRemovals bounds the DEL timings kept in memory (one per pod); the
@@ -180,7 +189,7 @@ func New(cfg Config, st *store.Store, reg registry.Registry, src podsource.Sourc
 	return &Manager{
 		cfg: cfg, store: st, reg: reg, src: src, log: log, metrics: m, prober: prober, now: time.Now,
 		entries: map[string]*entry{}, terminating: map[string]time.Time{}, removals: map[string]Removal{},
-		retries: map[string]*retry{},
+		retries: map[string]*retry{}, locality: cfg.Locality, localityUnknown: cfg.LocalityUnknown,
 	}
 }
 
@@ -243,6 +252,10 @@ func (m *Manager) Replay(ctx context.Context) (int, error) {
 	// the agent serves them).
 	m.updateGaugesLocked()
 	m.mu.Unlock()
+	// Records written before they carried the locality (or under another
+	// one) get the node's, so a later restart without the API server
+	// serves it.
+	m.stampLocality(ctx)
 	m.log.Info("replayed pod records", "records", len(recs))
 	return len(recs), nil
 }
@@ -406,6 +419,10 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 	if m.isTerminatingLocked(ns, name, p.UID) {
 		pod.Terminating = true
 	}
+	rec.Locality = m.locality
+	if m.localityUnknown && prev != nil {
+		rec.Locality = prev.Locality // the last one known
+	}
 	e.rec = rec
 	m.mu.Unlock()
 
@@ -466,6 +483,7 @@ func (m *Manager) persist(ctx context.Context, e *entry, prepare func(*store.Rec
 	return nil
 }
 
+// endpoint is r's endpoint; mu is held.
 func (m *Manager) endpoint(r *store.Record, healthy bool) registry.Endpoint {
 	p := r.Pod
 	ep := registry.Endpoint{
@@ -473,7 +491,10 @@ func (m *Manager) endpoint(r *store.Record, healthy bool) registry.Endpoint {
 		ServiceAccount: p.GetServiceAccount(), Labels: p.GetLabels(), Owner: r.Owner, HostNetwork: r.HostNetwork, FixedName: r.FixedName,
 		// An UNCAPTURED pod runs outside the mesh: it is served UNHEALTHY
 		// (no traffic is routed to it) until a later ADD captures it.
-		Healthy: healthy && !r.Uncaptured, Locality: m.cfg.Locality,
+		Healthy: healthy && !r.Uncaptured, Locality: m.locality,
+	}
+	if m.localityUnknown {
+		ep.Locality = r.Locality
 	}
 	if ep.Node == "" {
 		ep.Node = m.cfg.Node

@@ -318,12 +318,19 @@ func (m *Manager) sweepGhosts(ctx context.Context, eps []registry.Endpoint) int 
 	return n
 }
 
-// registerAll registers entries (at Replay) replayParallel at a time, all
-// under one writeTimeout: a restart while the registry is away waits that
-// long once, not once per pod; the liveness loop registers what failed.
+// registerAll registers entries (at Replay and SetLocality) replayParallel
+// at a time, all under one writeTimeout: a restart while the registry is
+// away waits that long once, not once per pod; the liveness loop registers
+// what failed.
 func (m *Manager) registerAll(ctx context.Context, es []*entry, healthy []bool) {
 	wctx, cancel := writeContext(ctx)
 	defer cancel()
+	inParallel(es, func(i int, e *entry) { m.registerWith(wctx, e, healthy[i]) })
+}
+
+// inParallel calls fn for every entry, replayParallel at a time, and
+// returns when every call has.
+func inParallel(es []*entry, fn func(i int, e *entry)) {
 	sem := make(chan struct{}, replayParallel)
 	var wg sync.WaitGroup
 	for i, e := range es {
@@ -332,7 +339,7 @@ func (m *Manager) registerAll(ctx context.Context, es []*entry, healthy []bool) 
 		go func() {
 			defer wg.Done()
 			defer func() { <-sem }()
-			m.registerWith(wctx, e, healthy[i])
+			fn(i, e)
 		}()
 	}
 	wg.Wait()

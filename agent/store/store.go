@@ -73,6 +73,11 @@ type Record struct {
 	LastTimings *cniv1.PluginTimings
 	// AddedAt is when AddPod first stored the record.
 	AddedAt time.Time
+	// Locality is the node's topology when the agent last wrote the record
+	// knowing it (read from its Node): what the pod's endpoint and WDS
+	// workload carry while a restarted agent cannot read its Node (the API
+	// server down). Zero on records written before it existed.
+	Locality registry.Locality
 }
 
 // Key returns the record's key: the sandbox (container) ID.
@@ -108,6 +113,8 @@ type envelope struct {
 	UncapturedError string          `json:"uncaptured_error,omitempty"`
 	LastTimings     json.RawMessage `json:"last_timings,omitempty"`
 	AddedAt         time.Time       `json:"added_at"`
+	// Locality is omitted when zero; an agent that predates it ignores it.
+	Locality *registry.Locality `json:"locality,omitempty"`
 }
 
 // Encode frames r as stored on disk: 4 bytes CRC-32C (big endian) of the
@@ -123,6 +130,10 @@ func Encode(r *Record) ([]byte, error) {
 	env := envelope{
 		Version: recordVersion, Pod: pod, Node: r.Node, Owner: r.Owner, HostNetwork: r.HostNetwork, FixedName: r.FixedName,
 		Uncaptured: r.Uncaptured, UncapturedError: r.UncapturedError, AddedAt: r.AddedAt.UTC(),
+	}
+	if r.Locality != (registry.Locality{}) {
+		l := r.Locality
+		env.Locality = &l
 	}
 	if r.LastTimings != nil {
 		if env.LastTimings, err = protojson.Marshal(r.LastTimings); err != nil {
@@ -159,6 +170,9 @@ func Decode(b []byte) (*Record, error) {
 	r := &Record{
 		Pod: &cniv1.CNIPod{}, Node: env.Node, Owner: env.Owner, HostNetwork: env.HostNetwork, FixedName: env.FixedName,
 		Uncaptured: env.Uncaptured, UncapturedError: env.UncapturedError, AddedAt: env.AddedAt,
+	}
+	if env.Locality != nil {
+		r.Locality = *env.Locality
 	}
 	opts := protojson.UnmarshalOptions{DiscardUnknown: true}
 	if err := opts.Unmarshal(env.Pod, r.Pod); err != nil {

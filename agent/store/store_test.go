@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -26,7 +27,7 @@ func rec(i int) *Record {
 		},
 		Node: "n1", Owner: &registry.Owner{Kind: "ReplicaSet", Name: "rs"}, AddedAt: time.Unix(100, 0).UTC(),
 		LastTimings: &cniv1.PluginTimings{Total: durationpb.New(time.Millisecond)}, Uncaptured: true, UncapturedError: "x",
-		FixedName: i%2 == 0,
+		FixedName: i%2 == 0, Locality: registry.Locality{Region: "r1", Zone: fmt.Sprintf("z%d", i%3)},
 	}
 }
 
@@ -34,7 +35,7 @@ func equal(t *testing.T, got, want *Record) {
 	t.Helper()
 	if !proto.Equal(got.Pod, want.Pod) || !proto.Equal(got.LastTimings, want.LastTimings) || got.Node != want.Node ||
 		*got.Owner != *want.Owner || !got.AddedAt.Equal(want.AddedAt) || got.Uncaptured != want.Uncaptured || got.UncapturedError != want.UncapturedError ||
-		got.FixedName != want.FixedName {
+		got.FixedName != want.FixedName || got.Locality != want.Locality {
 		t.Fatalf("record = %+v, want %+v", got, want)
 	}
 }
@@ -85,6 +86,38 @@ func TestPutGetDeleteReopen(t *testing.T) {
 	equal(t, got, rec(3))
 	if got, err := s.Get("c-0007"); got != nil || err != nil {
 		t.Fatalf("deleted record = %v, %v", got, err)
+	}
+}
+
+// TestLocalityOptional: a record without a locality is stored without the
+// key (what an agent that predates it wrote) and decodes to the zero
+// locality; one with a locality keeps it.
+func TestLocalityOptional(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		loc     registry.Locality
+		wantKey bool
+	}{
+		{name: "zero", loc: registry.Locality{}},
+		{name: "region only", loc: registry.Locality{Region: "r1"}, wantKey: true},
+		{name: "full", loc: registry.Locality{Region: "r1", Zone: "z1", Subzone: "s1"}, wantKey: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := rec(1)
+			r.Locality = tc.loc
+			b, err := Encode(r)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if has := strings.Contains(string(b[4:]), `"locality"`); has != tc.wantKey {
+				t.Fatalf("encoded %s: has the locality key %v, want %v", b[4:], has, tc.wantKey)
+			}
+			got, err := Decode(b)
+			if err != nil {
+				t.Fatal(err)
+			}
+			equal(t, got, r)
+		})
 	}
 }
 

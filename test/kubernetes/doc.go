@@ -14,8 +14,9 @@
 //     socket, runc root; CNI bin and conf dirs in its directory) with the
 //     primary conflist bridge + host-local (the reference plugins);
 //   - kubelet (failCgroupV1: false, cgroupfs, registerWithTaints
-//     aether.io/agent-not-ready:NoSchedule; root, cert, pod-log and volume
-//     plugin dirs in the lane's directory).
+//     aether.io/agent-not-ready:NoSchedule, --node-labels with the
+//     topology labels region/zone/subzone the agent reads as its locality;
+//     root, cert, pod-log and volume plugin dirs in the lane's directory).
 //
 // hostNetwork pods (the aether-node DaemonSet) share that namespace,
 // because runc inherits containerd's. The binaries are built once per
@@ -27,7 +28,11 @@
 // with ctr under two tags. The Helm chart (deploy/chart) is rendered with
 // the lane's values (image, pull policy Never, the lane's CNI dirs) and
 // its objects created (csi.kubeletDir is the lane kubelet's root dir;
-// aether-csi registers itself, csi.registrar builtin); where the chart has
+// aether-csi registers itself, csi.registrar builtin; identity.enabled with
+// generateCA: the agent signs the managed pods' SVIDs with the CA Secret
+// the chart renders, aether-proxy serves HBONE on every managed pod's
+// :15008 and WDS marks them tunnel_protocol HBONE, so traffic between
+// managed pods is tunnelled over mTLS); where the chart has
 // no value the DaemonSet is adapted: the host paths /run/aether (with the
 // UDS root /run/aether/uds) and /var/lib/aether live in the
 // lane's directory (mounted at the same path in the containers) and the
@@ -38,8 +43,9 @@
 //   - managed pods are captured, served by aether-proxy and listed by
 //     aetherctl (pods, workloads) with uid, service account and owner
 //     Deployment; the unmanaged pod is untouched; traffic from a managed
-//     pod goes through aether-proxy (its metrics name both workloads, or
-//     "unknown" for the unmanaged destination);
+//     pod goes through aether-proxy (its metrics name both workloads, over
+//     HBONE with both principals, or "unknown" for the unmanaged
+//     destination, in plain TCP);
 //   - a deleted pod turns UNHEALTHY before it is removed (watched with
 //     aetherctl workloads --watch), and its record goes with the DEL;
 //   - a rolling update of the DaemonSet (new tag) keeps every record and
@@ -51,20 +57,46 @@
 //     csi.aether.io volume and endpoint.aether.io/uds-socket runs (kubelet
 //     called NodePublishVolume), its app listens on that socket, aetherctl
 //     pod shows <uds-csi-root>/<uid>/app.sock, where the socket answers;
+//     inbound mesh traffic reaches the app through it: the client pod
+//     (managed, captured) connects to the UDS pod's IP and app port, its
+//     proxy tunnels the connection over HBONE to the pod's :15008 and the
+//     proxy delivers it to the unix socket — the app writes a greeting
+//     line first on its socket only (never on :8080), the client reads it,
+//     aether_inbound_deliveries_total{via="uds"} counts one more and an
+//     inbound connection from the client's SPIFFE ID is counted; WDS
+//     serves the pod with the Node's locality and HBONE;
 //     the same after the agent's container is stopped through CRI and
 //     kubelet restarts it, once with the API server up and once with it
 //     down (kubetest's StopAPIServer; kubelet restarts the container from
 //     its local pod state, after its 10 s CrashLoopBackOff since it is the
 //     second restart): the paths and refusals come from the agent's store,
-//     the socket answers, aether-proxy has the path, /healthz is 200,
+//     the socket answers, aether-proxy has the path, the mesh connection
+//     still reaches the socket (SVIDs served from the store), WDS serves
+//     the pod exactly as before the restart (locality included: the
+//     records carry it), /healthz is 200,
 //     /readyz is 503 (no first sync), aether_agent_pods counts the
 //     replayed records; StartAPIServer brings it back and the agent's
-//     /readyz passes again; pods declaring the volume twice or naming an emptyDir
+//     /readyz passes again; with the app's socket file removed the mesh
+//     connection falls back to TCP (no greeting;
+//     aether_inbound_deliveries_total{via="uds_fallback"}), never dropped;
+//     pods declaring the volume twice or naming an emptyDir
 //     show multiple_csi_volumes / not_csi in aetherctl pod and in
 //     aether_agent_uds_refusals_total; deleting the pod unpublishes the
 //     volume and removes <uds-csi-root>/<uid>/;
 //   - uninstall (the chart's objects deleted) restores the conflist byte
 //     for byte, removes the binary, and new pods are not captured.
+//
+// # Time
+//
+// The mesh checks of the UDS scenario reuse the lane's pods (the client
+// Deployment, the UDS pod) and poll within bounded deadlines, no fixed
+// sleep: each connection took 8-92 ms (first attempt) on the shared
+// 2-core machine (2026-12-01). Whole lane there: 2m31-2m57 (five runs,
+// load 8-12) against 3m20 for the lane before identities were on (one
+// run, load 16): within the noise. The longest and most variable step is
+// kubelet's teardown of the deleted UDS pods (2-30 s, 15 s before this
+// change too): NodeUnpublishVolume succeeds at its first call, but kubelet
+// starts the unmount some 14 s after the delete in a slow run.
 //
 // # What it restores
 //

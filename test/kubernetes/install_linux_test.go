@@ -96,6 +96,12 @@ logLevel: debug
 csi:
   enabled: true
   kubeletDir: %s
+# The embedded SPIFFE provider with a CA the chart generates: the agent
+# issues the managed pods' SVIDs, every managed pod gets its HBONE
+# listener on :15008 and WDS serves it tunnel_protocol HBONE.
+identity:
+  enabled: true
+  generateCA: true
 `, imageRepo, tag, n.cniBin, n.runtime.ConfDir(), n.kubeletRoot)), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -134,6 +140,8 @@ csi:
 			_, err = cs.CoreV1().Namespaces().Create(ctx, o, metav1.CreateOptions{})
 		case *corev1.ServiceAccount:
 			_, err = cs.CoreV1().ServiceAccounts(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
+		case *corev1.Secret:
+			_, err = cs.CoreV1().Secrets(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
 		case *rbacv1.ClusterRole:
 			_, err = cs.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
 		case *rbacv1.ClusterRoleBinding:
@@ -261,6 +269,8 @@ func (in *install) uninstall(t *testing.T, n *node) {
 			err = cs.RbacV1().ClusterRoles().Delete(ctx, o.Name, opts)
 		case *corev1.ServiceAccount:
 			err = cs.CoreV1().ServiceAccounts(o.Namespace).Delete(ctx, o.Name, opts)
+		case *corev1.Secret:
+			err = cs.CoreV1().Secrets(o.Namespace).Delete(ctx, o.Name, opts)
 		case *corev1.Namespace:
 			// Deleted last, after its pods are gone (below).
 			continue

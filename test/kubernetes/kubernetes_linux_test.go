@@ -225,7 +225,9 @@ func TestKubernetes(t *testing.T) {
 	}
 
 	if !t.Run("Uninstall", func(t *testing.T) {
+		unStart := time.Now()
 		in.uninstall(t, n)
+		t.Logf("aether-node pods gone %s after the uninstall began", time.Since(unStart).Round(time.Millisecond))
 		b, err := os.ReadFile(n.conflist)
 		if err != nil {
 			t.Fatal(err)

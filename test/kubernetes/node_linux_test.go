@@ -32,6 +32,12 @@ const (
 	// notReadyTaint is what the kubelet registers the Node with and what
 	// the agent removes (agent/nodegate.TaintKey).
 	notReadyTaint = "aether.io/agent-not-ready"
+	// nodeRegion, nodeZone and nodeSubzone are the Node's topology labels
+	// (kubelet's --node-labels): the locality the agent reads from its
+	// Node and WDS serves on every workload.
+	nodeRegion  = "lane-region"
+	nodeZone    = "lane-zone-a"
+	nodeSubzone = "lane-rack-1"
 )
 
 // kernelSettings are the host-wide sysctls kubelet rewrites at start
@@ -286,7 +292,8 @@ registerWithTaints:
 	return n.cluster.Run(t, dir, filepath.Join(n.bins, kubetest.Kubelet),
 		"--config="+cfgPath, "--kubeconfig="+n.cluster.Kubeconfig,
 		"--root-dir="+n.kubeletRoot, "--cert-dir="+filepath.Join(dir, "certs"),
-		"--hostname-override="+nodeName, "--node-ip="+nodeIP, "--v=1")
+		"--hostname-override="+nodeName, "--node-ip="+nodeIP, "--v=1",
+		"--node-labels="+corev1.LabelTopologyRegion+"="+nodeRegion+","+corev1.LabelTopologyZone+"="+nodeZone+",topology.istio.io/subzone="+nodeSubzone)
 }
 
 func waitNodeReady(t *testing.T, n *node) {

@@ -14,6 +14,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/plugins/pkg/ns"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -22,8 +25,11 @@ import (
 
 	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/uds"
+	workloadpb "aether.io/node/api/istio/workload"
 	"aether.io/node/pkg/meshcontract"
+	"aether.io/node/proxy/telemetry"
 	"aether.io/node/test/kubetest"
+	workloadclient "aether.io/node/xds/workload/client"
 )
 
 const (
@@ -32,6 +38,10 @@ const (
 	udsVolume = "mesh"
 	udsMount  = "/mesh"
 	udsFile   = "app.sock"
+	// udsGreeting is the line the UDS pods' app writes first on every
+	// connection of its unix socket, never on its TCP port: a connection
+	// to the pod's IP that reads it was delivered through the socket.
+	udsGreeting = "hello from the app's unix socket"
 	// agentHTTP is aether-agent's /metrics (the chart's --http-addr), on
 	// the node's loopback.
 	agentHTTP = "127.0.0.1:15029"
@@ -62,7 +72,7 @@ func udsPod(name, annotated string, volumes ...corev1.Volume) *corev1.Pod {
 			Volumes:                       volumes,
 			Containers: []corev1.Container{{
 				Name: "echo", Image: echoImage, ImagePullPolicy: corev1.PullNever,
-				Args:         []string{"-unix", udsMount + "/" + udsFile},
+				Args:         []string{"-unix", udsMount + "/" + udsFile, "-unix-greeting", udsGreeting},
 				Ports:        []corev1.ContainerPort{{ContainerPort: echoPort}},
 				VolumeMounts: mounts,
 			}},
@@ -79,9 +89,14 @@ func csiVolume(name string) corev1.Volume {
 // registered itself (the CSINode lists csi.aether.io), kubelet published
 // the inline volume of a pod whose app listens on the annotated socket,
 // the agent resolves <uds-csi-root>/<uid>/app.sock (aetherctl pod) where
-// the socket is and answers, and again after the agent restarts; the two
-// refused shapes show their reason in aetherctl pod and in the agent's
-// metrics; deleting the pod unpublishes the volume and removes the pod dir.
+// the socket is and answers, and again after the agent restarts; the
+// client pod's connection to the pod's IP and app port travels over HBONE
+// and reaches the app through that socket (meshToUDS), also with the API
+// server down, and over TCP once the socket is gone (uds_fallback); WDS
+// serves the pod the same (locality included) before and after the
+// restarts; the two refused shapes show their reason in aetherctl pod and
+// in the agent's metrics; deleting the pod unpublishes the volume and
+// removes the pod dir.
 func testUDSSocket(t *testing.T, n *node, in *install) {
 	ctx := context.Background()
 	pods := n.cluster.Client.CoreV1().Pods(appNamespace)
@@ -139,6 +154,24 @@ func testUDSSocket(t *testing.T, n *node, in *install) {
 	}
 	t.Logf("pods running in %s", time.Since(created).Round(time.Millisecond))
 	checkRecords("after the pods started")
+	// The client Deployment's pod (managed, captured) connects to the uds
+	// pod's IP and app port: captured, tunnelled over HBONE to the pod's
+	// :15008, delivered by the proxy to the unix socket.
+	client := runningPods(t, n, "client", 1, 10*time.Second)[0]
+	meshToUDS(t, n, client, p, telemetry.ViaUDS)
+	// What WDS serves for the pod, which every restart below must keep:
+	// the Node's locality (its topology labels) and HBONE.
+	wds := wdsWorkload(t, in, "uds")
+	wantLoc := &workloadpb.Locality{Region: nodeRegion, Zone: nodeZone, Subzone: nodeSubzone}
+	if !proto.Equal(wds.GetLocality(), wantLoc) || wds.GetTunnelProtocol() != workloadpb.TunnelProtocol_HBONE {
+		t.Errorf("WDS workload of uds: locality %v, tunnel %v; want %v (the Node's labels) and HBONE", wds.GetLocality(), wds.GetTunnelProtocol(), wantLoc)
+	}
+	sameWDS := func(when string) {
+		t.Helper()
+		if got := wdsWorkload(t, in, "uds"); !proto.Equal(got, wds) {
+			t.Errorf("%s: WDS serves uds as\n%s\nwant what it served after the pod started:\n%s", when, protojson.Format(got), protojson.Format(wds))
+		}
+	}
 	if fi, err := os.Lstat(sock); err != nil || fi.Mode().Type() != os.ModeSocket {
 		t.Fatalf("the app's socket on the host %s: %v, %v; want a socket", sock, fi, err)
 	}
@@ -154,11 +187,33 @@ func testUDSSocket(t *testing.T, n *node, in *install) {
 	// starts it again) and resolves the same path from its stored records.
 	restartAgent(t, n, in)
 	checkRecords("after the agent restarted")
+	sameWDS("after the agent restarted")
 
 	// The same with the API server down: the agent restarts with no pod
-	// source and serves every record (and the proxy its listener) from
-	// its store; then the API server comes back and the agent syncs.
-	restartAgentAPIDown(t, n, in, func() { checkRecords("with the API server down") })
+	// source and serves every record (and the proxy its listener, the
+	// agent the pods' SVIDs) from its store; then the API server comes
+	// back and the agent syncs.
+	apiDown := true
+	restartAgentAPIDown(t, n, in, func() {
+		when := "with the API server up again"
+		if apiDown {
+			when = "with the API server down"
+		}
+		checkRecords(when)
+		sameWDS(when)
+		if apiDown {
+			meshToUDS(t, n, client, p, telemetry.ViaUDS)
+			apiDown = false
+		}
+	})
+
+	// The socket gone (the app's file removed): the destination proxy
+	// logs the failure and delivers over TCP to the app's port instead,
+	// never dropping the connection.
+	if err := os.Remove(sock); err != nil {
+		t.Fatal(err)
+	}
+	meshToUDS(t, n, client, p, telemetry.ViaUDSFallback)
 
 	// Deleting the pod: kubelet calls NodeUnpublishVolume, the driver
 	// removes <uds-csi-root>/<uid>/.
@@ -169,16 +224,22 @@ func testUDSSocket(t *testing.T, n *node, in *install) {
 		}
 	}
 	podDir := filepath.Dir(sock)
+	var dirGone time.Duration // when the driver had removed podDir
 	kubetest.WaitFor(t, "pods deleted and "+podDir+" removed", 60*time.Second, n.kubelet, func() bool {
+		if _, err := os.Lstat(podDir); !os.IsNotExist(err) {
+			return false
+		}
+		if dirGone == 0 {
+			dirGone = time.Since(deleted)
+		}
 		for name := range want {
 			if _, err := pods.Get(ctx, name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
 				return false
 			}
 		}
-		_, err := os.Lstat(podDir)
-		return os.IsNotExist(err)
+		return true
 	})
-	t.Logf("pods deleted and %s removed in %s", podDir, time.Since(deleted).Round(time.Millisecond))
+	t.Logf("pods deleted and %s removed in %s (the directory after %s)", podDir, time.Since(deleted).Round(time.Millisecond), dirGone.Round(time.Millisecond))
 	for name := range want {
 		if rec := findAgentPod(agentPods(t, in), name); rec != nil {
 			t.Errorf("agent record of deleted pod %s left: %+v", name, rec)
@@ -257,8 +318,9 @@ func agentPod(t *testing.T, in *install, name string) adminapi.Pod {
 	return recs[0]
 }
 
-// echoUnix dials the unix socket at path, sends a line and checks it
-// comes back (the app answers through the published volume).
+// echoUnix dials the unix socket at path, sends a line and checks that
+// the app's greeting and then the line come back (the app answers through
+// the published volume).
 func echoUnix(t *testing.T, path string) {
 	t.Helper()
 	c, err := net.DialTimeout("unix", path, 5*time.Second)
@@ -271,9 +333,125 @@ func echoUnix(t *testing.T, path string) {
 	if _, err := io.WriteString(c, msg); err != nil {
 		t.Fatalf("failed to write to %s: %v", path, err)
 	}
-	if got, err := bufio.NewReader(c).ReadString('\n'); err != nil || got != msg {
+	r := bufio.NewReader(c)
+	if got, err := r.ReadString('\n'); err != nil || got != udsGreeting+"\n" {
+		t.Fatalf("first line over %s = %q, %v; want the app's greeting %q", path, got, err, udsGreeting)
+	}
+	if got, err := r.ReadString('\n'); err != nil || got != msg {
 		t.Fatalf("echo over %s = %q, %v; want %q", path, got, err, msg)
 	}
+}
+
+// meshToUDS connects from the client pod's netns to the dst pod's IP and
+// app port, as the app would: the client's proxy captures it and tunnels
+// it over HBONE to dst's :15008, where the proxy delivers it (via: uds, to
+// the pod's unix socket; uds_fallback, over TCP after the socket failed).
+// It checks the bytes took that path: the app's greeting comes first
+// exactly when they went through the socket, the destination proxy counted
+// one more aether_inbound_deliveries_total{via}, and an inbound connection
+// from the client's verified SPIFFE ID to dst. A reset attempt (the proxy
+// not holding the client's SVID yet, right after a restart) is retried
+// within a bounded deadline.
+func meshToUDS(t *testing.T, n *node, client, dst corev1.Pod, via string) {
+	t.Helper()
+	before := metricValue(proxyMetrics(t, n), "aether_inbound_deliveries_total", `via="`+via+`"`)
+	addr := net.JoinHostPort(dst.Status.PodIP, strconv.Itoa(echoPort))
+	const msg = "hello through the mesh to the app's socket\n"
+	want := []string{msg}
+	if via == telemetry.ViaUDS {
+		want = []string{udsGreeting + "\n", msg}
+	}
+	netns, err := ns.GetNS(podNetns(t, n, client))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer netns.Close()
+	var (
+		got      []string
+		lastErr  error
+		attempts int
+	)
+	start := time.Now()
+	try := func() bool {
+		attempts++
+		got, lastErr = nil, nil
+		var c net.Conn
+		if lastErr = netns.Do(func(ns.NetNS) error {
+			var err error
+			c, err = (&net.Dialer{Timeout: 5 * time.Second}).Dial("tcp", addr)
+			return err
+		}); lastErr != nil {
+			return false
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+		if _, lastErr = io.WriteString(c, msg); lastErr != nil {
+			return false
+		}
+		r := bufio.NewReader(c)
+		for range want {
+			var l string
+			if l, lastErr = r.ReadString('\n'); lastErr != nil {
+				return false
+			}
+			got = append(got, l)
+		}
+		return true
+	}
+	for deadline := start.Add(20 * time.Second); !try(); time.Sleep(100 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no mesh connection %s -> %s within 20 s (%d attempts): last error %v after reading %q", client.Name, addr, attempts, lastErr, got)
+		}
+	}
+	if !slices.Equal(got, want) {
+		t.Fatalf("mesh connection %s -> %s read %q, want %q (via %s)", client.Name, addr, got, want, via)
+	}
+	m := proxyMetrics(t, n)
+	if after := metricValue(m, "aether_inbound_deliveries_total", `via="`+via+`"`); after < before+1 {
+		t.Fatalf("aether_inbound_deliveries_total{via=%q} went from %v to %v, want one more:\n%s", via, before, after, m)
+	}
+	principal := "spiffe://cluster.local/ns/" + appNamespace + "/sa/default"
+	line := metricLine(m, "aether_tcp_connections_opened_total", `direction="inbound"`, `source_principal="`+principal+`"`,
+		`source_workload="client"`, `destination_workload="`+dst.Name+`"`)
+	if line == "" {
+		t.Fatalf("aether-proxy metrics have no inbound HBONE connection from %s to %s:\n%s", principal, dst.Name, m)
+	}
+	t.Logf("mesh %s -> %s delivered via %s in %s (%d attempt(s), last error %v): %s", client.Name, addr, via,
+		time.Since(start).Round(time.Millisecond), attempts, lastErr, line)
+}
+
+// metricValue is the value of the first line of metric with every label
+// given, 0 when there is none.
+func metricValue(metrics, metric string, lbls ...string) float64 {
+	line := metricLine(metrics, metric, lbls...)
+	if line == "" {
+		return 0
+	}
+	v, _ := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
+	return v
+}
+
+// wdsWorkload is the workload the agent's WDS serves for the pod name (on
+// its xds socket, as aether-proxy reads it), every field.
+func wdsWorkload(t *testing.T, in *install, name string) *workloadpb.Workload {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := workloadclient.Dial(ctx, workloadclient.Options{Socket: filepath.Join(in.agentSocketDir(), "xds.sock"), NodeID: "kubernetes-lane"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.Recv(); err != nil {
+		t.Fatalf("failed to receive the agent's workloads: %v", err)
+	}
+	for _, w := range c.Workloads() {
+		if w.GetNamespace() == appNamespace && w.GetName() == name {
+			return w
+		}
+	}
+	t.Fatalf("the agent's WDS serves no workload %s/%s", appNamespace, name)
+	return nil
 }
 
 // agentMetrics returns aether-agent's /metrics text (from the node netns).

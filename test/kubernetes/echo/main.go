@@ -2,7 +2,10 @@
 // :8080 (each connection gets its bytes back) that exits on SIGTERM. With
 // -unix <path> it also echoes on a unix socket at path (the app of a pod
 // whose UDS socket lives in a csi.aether.io volume); the socket is made
-// 0666 so a proxy without CAP_DAC_OVERRIDE could connect too.
+// 0666 so a proxy without CAP_DAC_OVERRIDE could connect too. With
+// -unix-greeting <line> every connection on the unix socket first gets
+// that line: a connection that reads it reached the app through the socket,
+// never through :8080.
 package main
 
 import (
@@ -17,6 +20,7 @@ import (
 
 func main() {
 	unixPath := flag.String("unix", "", "also echo on a unix socket at this path")
+	greeting := flag.String("unix-greeting", "", "line written first on every connection of the unix socket (not on :8080)")
 	flag.Parse()
 	l, err := net.Listen("tcp", ":8080")
 	if err != nil {
@@ -30,7 +34,7 @@ func main() {
 		if err := os.Chmod(*unixPath, 0o666); err != nil {
 			log.Fatalf("failed to chmod socket %q: %v", *unixPath, err)
 		}
-		go serve(ul)
+		go serve(ul, *greeting)
 	}
 	go func() {
 		sigs := make(chan os.Signal, 1)
@@ -38,11 +42,12 @@ func main() {
 		<-sigs
 		os.Exit(0)
 	}()
-	serve(l)
+	serve(l, "")
 }
 
-// serve echoes every connection accepted on l.
-func serve(l net.Listener) {
+// serve echoes every connection accepted on l, after writing greeting and
+// a newline to it when greeting is not empty.
+func serve(l net.Listener, greeting string) {
 	for {
 		c, err := l.Accept()
 		if err != nil {
@@ -50,6 +55,11 @@ func serve(l net.Listener) {
 		}
 		go func() {
 			defer c.Close()
+			if greeting != "" {
+				if _, err := io.WriteString(c, greeting+"\n"); err != nil {
+					return
+				}
+			}
 			_, _ = io.Copy(c, c)
 		}()
 	}
