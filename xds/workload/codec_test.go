@@ -49,10 +49,11 @@ func TestDecodeDeltaRequestMatchesProto(t *testing.T) {
 			if err := c.Unmarshal(mem.BufferSlice{mem.SliceBuffer(b)}, dr); err != nil {
 				t.Fatalf("%s: %v", name, err)
 			}
-			k := Known{m: dr.GetInitialResourceVersions(), entries: dr.known}
+			k := dr.versions()
 			if len(want.GetInitialResourceVersions()) > 0 && !maps.Equal(k.asMap(), want.GetInitialResourceVersions()) {
 				t.Errorf("%s: versions %v, want %v", name, k.asMap(), want.GetInitialResourceVersions())
 			}
+			dr.release()
 			dr.InitialResourceVersions = want.GetInitialResourceVersions()
 			if !proto.Equal(dr.DeltaDiscoveryRequest, want) {
 				t.Errorf("%s: decoded\n %v\nwant\n %v", name, dr.DeltaDiscoveryRequest, want)
@@ -62,9 +63,9 @@ func TestDecodeDeltaRequestMatchesProto(t *testing.T) {
 	// Truncated input is an error, not a panic.
 	b, _ := proto.Marshal(reqs[2])
 	for i := 1; i < len(b); i += 7 {
-		_ = decodeDeltaRequest(string(b[:i]), &discovery.DeltaDiscoveryRequest{})
+		_ = decodeDeltaRequest(b[:i], &discovery.DeltaDiscoveryRequest{})
 	}
-	if err := decodeDeltaRequest(string(b[:len(b)-1]), &discovery.DeltaDiscoveryRequest{}); err == nil {
+	if err := decodeDeltaRequest(b[:len(b)-1], &discovery.DeltaDiscoveryRequest{}); err == nil {
 		t.Error("truncated request decoded without error")
 	}
 }

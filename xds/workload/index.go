@@ -39,14 +39,18 @@ type Resource struct {
 	hash uint64
 }
 
-// served is a name's entry in the index: its resource, with the version
-// hash inline (a reconnect compares tens of thousands of client versions
-// without touching the resources) and the name's dense slot (a reconnect
-// marks the names a client holds in a slice indexed by it, not a map).
+// served is what one slot of the index holds: a served resource, with its
+// version hash inline, so a reconnect compares tens of thousands of client
+// versions without touching the resources it does not send. Slots are
+// dense (a name keeps its slot while it is served; a freed slot is handed
+// out again first), so a reconnect marks the names a client holds in a
+// slice indexed by slot, not a map, and full states are sent in slot
+// order: a client that keeps versions in the order it received them sends
+// them back in that order, which the index then reads sequentially (see
+// selectKnown).
 type served struct {
 	r    *Resource
 	hash uint64
-	slot int
 }
 
 // NewResource marshals w once (deterministically) and computes its version.
@@ -87,14 +91,14 @@ func NewResource(w *workloadpb.Workload) (*Resource, error) {
 // is rebuilt per change.
 type Index struct {
 	mu       sync.RWMutex
-	byName   map[string]served
+	byName   map[string]int       // name → its slot in bySlot
+	bySlot   []served             // served resources by slot; an empty slot has a nil r
 	nameKey  map[string]string    // name → endpoint key whose resource is served
 	keys     map[string]*keyEntry // endpoint key → its source and resource
 	claims   map[string][]string  // name → endpoint keys claiming it
 	seq      uint64               // last keyEntry.seq handed out
 	rev      uint64
-	slots    int   // slots handed out: every served Resource.slot is below
-	free     []int // slots of deleted names, handed out again first
+	free     []int                // empty slots of bySlot, handed out again first
 	watchers map[*Subscription]struct{}
 	onSize   func(int)
 
@@ -118,7 +122,7 @@ var ErrNotOwner = errors.New("endpoint key belongs to another source")
 // NewIndex returns an empty index.
 func NewIndex() *Index {
 	return &Index{
-		byName:   make(map[string]served),
+		byName:   make(map[string]int),
 		nameKey:  make(map[string]string),
 		keys:     make(map[string]*keyEntry),
 		claims:   make(map[string][]string),
@@ -198,21 +202,22 @@ func (x *Index) upsertResource(source, key string, r *Resource) (bool, error) {
 // version is not pushed. It reports whether anything changed.
 func (x *Index) serveLocked(name, key string, r *Resource, now time.Time) bool {
 	x.nameKey[name] = key
-	cur, ok := x.byName[name]
-	if ok && cur.r.Version == r.Version {
+	slot, ok := x.byName[name]
+	if ok && x.bySlot[slot].r.Version == r.Version {
 		return false
 	}
-	e := served{r: r, hash: r.hash, slot: cur.slot}
 	switch {
 	case ok:
 	case len(x.free) > 0:
-		e.slot = x.free[len(x.free)-1]
+		slot = x.free[len(x.free)-1]
 		x.free = x.free[:len(x.free)-1]
+		x.byName[name] = slot
 	default:
-		e.slot = x.slots
-		x.slots++
+		slot = len(x.bySlot)
+		x.bySlot = append(x.bySlot, served{})
+		x.byName[name] = slot
 	}
-	x.byName[name] = e
+	x.bySlot[slot] = served{r: r, hash: r.hash}
 	x.rev++
 	x.notifyLocked(name, now)
 	x.sizeLocked()
@@ -279,11 +284,12 @@ func (w *Writer) Keys() []string {
 
 func (x *Index) deleteLocked(name string, now time.Time) {
 	delete(x.nameKey, name)
-	cur, ok := x.byName[name]
+	slot, ok := x.byName[name]
 	if !ok {
 		return
 	}
-	x.free = append(x.free, cur.slot)
+	x.bySlot[slot] = served{}
+	x.free = append(x.free, slot)
 	delete(x.byName, name)
 	x.rev++
 	x.notifyLocked(name, now)
@@ -300,7 +306,15 @@ func (x *Index) sizeLocked() {
 func (x *Index) Get(name string) *Resource {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	return x.byName[name].r
+	return x.getLocked(name)
+}
+
+// getLocked returns the resource served as name, or nil; x.mu is held.
+func (x *Index) getLocked(name string) *Resource {
+	if slot, ok := x.byName[name]; ok {
+		return x.bySlot[slot].r
+	}
+	return nil
 }
 
 // Len returns the number of workloads.
