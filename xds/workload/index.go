@@ -98,7 +98,7 @@ type Index struct {
 	claims   map[string][]string  // name → endpoint keys claiming it
 	seq      uint64               // last keyEntry.seq handed out
 	rev      uint64
-	free     []int                // empty slots of bySlot, handed out again first
+	free     []int // empty slots of bySlot, handed out again first
 	watchers map[*Subscription]struct{}
 	onSize   func(int)
 
