@@ -71,24 +71,17 @@ func (k Known) Len() int { return k.n }
 // pointing into the wire (fn must not keep them); for a repeated name the
 // last entry is the one that counts (protobuf map semantics).
 func (k Known) each(fn func(name, version []byte)) {
-	b := k.wire
-	for len(b) > 0 {
-		num, typ, n := protowire.ConsumeTag(b)
+	for b := k.wire; len(b) > 0; {
+		entry, isEntry, n := nextField(b)
 		if n < 0 {
 			return // never: decodeDelta validated the wire
 		}
-		b = b[n:]
-		m := protowire.ConsumeFieldValue(num, typ, b)
-		if m < 0 {
-			return
-		}
-		if num == fieldDeltaReqInitialVersions && typ == protowire.BytesType {
-			entry, _ := protowire.ConsumeBytes(b)
+		if isEntry {
 			if name, version, err := mapEntry(entry); err == nil {
 				fn(name, version)
 			}
 		}
-		b = b[m:]
+		b = b[n:]
 	}
 }
 
@@ -347,20 +340,31 @@ const (
 // Each entry is first tried at the slot after the previous entry's: a
 // client that kept the versions in the order the full state came (slot
 // order, allLocked) sends them back in that order, so an unchanged entry
-// costs a sequential read of the slot table (the version hash inline, the
-// name compared only when the hash matches) instead of a map lookup. Any
-// other entry, from a client of any order, takes one map lookup: the
-// order only makes the comparison cheaper, never different.
+// costs a sequential read of the slot table and of the resource's name
+// instead of a map lookup. Any other entry takes one map lookup; after a
+// few misses in a row (a client of another order) only every 64th entry
+// is tried in place. The order only makes the comparison cheaper, never
+// different.
 func (x *Index) selectKnown(d *Delta, known Known, seen map[string]struct{}) {
 	marks := make([]uint8, len(x.bySlot))
 	named := 0 // distinct served names the client named
 	next := 0  // the slot after the previous entry's
+	misses, i := 0, 0
 	known.each(func(name, version []byte) {
 		h, valid := parseVersion(version)
-		slot := next
-		if !valid || slot >= len(x.bySlot) || x.bySlot[slot].r == nil || x.bySlot[slot].hash != h || x.bySlot[slot].r.Name != string(name) {
-			s, ok := x.byName[string(name)]
-			if !ok {
+		i++
+		e := slotted{slot: -1}
+		if valid && next < len(x.bySlot) && (misses < 4 || i%64 == 0) {
+			if r := x.bySlot[next]; r != nil && r.hash == h && r.Name == string(name) {
+				e = slotted{hash: h, slot: next}
+				misses = 0
+			} else {
+				misses++
+			}
+		}
+		if e.slot < 0 {
+			var ok bool
+			if e, ok = x.byName[string(name)]; !ok {
 				if _, dup := seen[string(name)]; !dup {
 					n := string(name)
 					seen[n] = struct{}{}
@@ -368,37 +372,36 @@ func (x *Index) selectKnown(d *Delta, known Known, seen map[string]struct{}) {
 				}
 				return
 			}
-			slot = s
 		}
-		next = slot + 1
-		e := x.bySlot[slot]
+		next = e.slot + 1
 		m := stale
 		if valid && h == e.hash {
 			m = held
 		}
-		switch marks[slot] {
+		switch marks[e.slot] {
 		case unknown:
 			named++
 			if m == stale {
-				d.Resources = append(d.Resources, e.r)
+				d.Resources = append(d.Resources, x.bySlot[e.slot])
 			}
 		case held:
 			if m == stale {
-				d.Resources = append(d.Resources, e.r) // a repeated name: the last entry counts
+				d.Resources = append(d.Resources, x.bySlot[e.slot]) // a repeated name: the last entry counts
 			}
 		case stale:
 			if m == held {
-				d.Resources = slices.DeleteFunc(d.Resources, func(s *Resource) bool { return s == e.r })
+				r := x.bySlot[e.slot]
+				d.Resources = slices.DeleteFunc(d.Resources, func(s *Resource) bool { return s == r })
 			}
 		}
-		marks[slot] = m
+		marks[e.slot] = m
 	})
 	if named == len(x.byName) {
 		return
 	}
-	for slot, e := range x.bySlot {
-		if e.r != nil && marks[slot] == unknown {
-			d.Resources = append(d.Resources, e.r)
+	for slot, r := range x.bySlot {
+		if r != nil && marks[slot] == unknown {
+			d.Resources = append(d.Resources, r)
 		}
 	}
 }
@@ -406,9 +409,9 @@ func (x *Index) selectKnown(d *Delta, known Known, seen map[string]struct{}) {
 // allLocked returns every served resource in slot order; x.mu is held.
 func (x *Index) allLocked() []*Resource {
 	out := make([]*Resource, 0, len(x.byName))
-	for _, e := range x.bySlot {
-		if e.r != nil {
-			out = append(out, e.r)
+	for _, r := range x.bySlot {
+		if r != nil {
+			out = append(out, r)
 		}
 	}
 	return out
@@ -416,24 +419,36 @@ func (x *Index) allLocked() []*Resource {
 
 // parseVersion reads a version as the index spells them (Resource.Version:
 // lowercase hex, no leading zeros, at most 16 digits); anything else is
-// not a version the index issued (false), so it equals none.
+// not a version the index issued (false), so it equals none. A reconnect
+// parses tens of thousands: one table lookup per digit, no branch on it.
 func parseVersion(v []byte) (uint64, bool) {
 	if len(v) == 0 || len(v) > 16 || (v[0] == '0' && len(v) > 1) {
 		return 0, false
 	}
 	var h uint64
+	var bad uint8
 	for _, c := range v {
-		switch {
-		case c >= '0' && c <= '9':
-			h = h<<4 | uint64(c-'0')
-		case c >= 'a' && c <= 'f':
-			h = h<<4 | uint64(c-'a'+10)
-		default:
-			return 0, false
-		}
+		d := hexDigits[c]
+		bad |= d
+		h = h<<4 | uint64(d&0xf)
+	}
+	if bad > 0xf {
+		return 0, false
 	}
 	return h, true
 }
+
+// hexDigits maps a lowercase hex digit to its value and every other byte
+// to 0xff.
+var hexDigits = func() (t [256]uint8) {
+	for i := range t {
+		t[i] = 0xff
+	}
+	for i, c := range "0123456789abcdef" {
+		t[c] = uint8(i)
+	}
+	return t
+}()
 
 // SotWResponse selects every resource sub subscribes to. Wildcard
 // subscriptions share one list per index revision.

@@ -146,27 +146,19 @@ func decodeDelta(b []byte, req *discovery.DeltaDiscoveryRequest) (Known, error) 
 	var rest []byte
 	n := 0
 	for off := 0; off < len(b); {
-		start := off
-		num, typ, l := protowire.ConsumeTag(b[off:])
+		entry, isEntry, l := nextField(b[off:])
 		if l < 0 {
 			return Known{}, fmt.Errorf("failed to decode delta request: %w", protowire.ParseError(l))
 		}
-		off += l
-		m := protowire.ConsumeFieldValue(num, typ, b[off:])
-		if m < 0 {
-			return Known{}, fmt.Errorf("failed to decode delta request field %d: %w", num, protowire.ParseError(m))
-		}
-		if num == fieldDeltaReqInitialVersions && typ == protowire.BytesType {
-			entry, _ := protowire.ConsumeBytes(b[off:])
+		if isEntry {
 			if _, _, err := mapEntry(entry); err != nil {
 				return Known{}, err
 			}
 			n++
-			off += m
-			continue
+		} else {
+			rest = append(rest, b[off:off+l]...)
 		}
-		off += m
-		rest = append(rest, b[start:off]...)
+		off += l
 	}
 	if err := proto.Unmarshal(rest, req); err != nil {
 		return Known{}, fmt.Errorf("failed to decode delta request: %w", err)
@@ -177,8 +169,50 @@ func decodeDelta(b []byte, req *discovery.DeltaDiscoveryRequest) (Known, error) 
 	return Known{wire: b, n: n}, nil
 }
 
-// mapEntry decodes a map<string,string> entry.
+// Tag bytes of the fields a reconnect repeats tens of thousands of times:
+// an initial_resource_versions field and its entry's key and value.
+const (
+	tagVersionsEntry = byte(fieldDeltaReqInitialVersions<<3) | byte(protowire.BytesType)
+	tagEntryKey      = byte(1<<3) | byte(protowire.BytesType)
+	tagEntryValue    = byte(2<<3) | byte(protowire.BytesType)
+)
+
+// nextField returns the length n of the field at the start of a
+// request's wire form b (negative: a protowire error code) and, if it is
+// an initial_resource_versions field, its entry. Entries under 128 bytes
+// (any uid under ~100 characters) take a fast path.
+func nextField(b []byte) (entry []byte, isEntry bool, n int) {
+	if len(b) >= 2 && b[0] == tagVersionsEntry && b[1] < 0x80 {
+		l := int(b[1])
+		if l > len(b)-2 {
+			return nil, false, -1 // protowire's errCodeTruncated
+		}
+		return b[2 : 2+l], true, 2 + l
+	}
+	num, typ, t := protowire.ConsumeTag(b)
+	if t < 0 {
+		return nil, false, t
+	}
+	m := protowire.ConsumeFieldValue(num, typ, b[t:])
+	if m < 0 {
+		return nil, false, m
+	}
+	if num == fieldDeltaReqInitialVersions && typ == protowire.BytesType {
+		entry, _ = protowire.ConsumeBytes(b[t:])
+		return entry, true, t + m
+	}
+	return nil, false, t + m
+}
+
+// mapEntry decodes a map<string,string> entry. The layout every encoder
+// writes ({1: k, 2: v}, each under 128 bytes) takes a fast path.
 func mapEntry(entry []byte) (k, v []byte, err error) {
+	if len(entry) >= 4 && entry[0] == tagEntryKey && entry[1] < 0x80 {
+		kl := int(entry[1])
+		if r := entry[2:]; kl+2 <= len(r) && r[kl] == tagEntryValue && r[kl+1] < 0x80 && kl+2+int(r[kl+1]) == len(r) {
+			return r[:kl], r[kl+2:], nil
+		}
+	}
 	for len(entry) > 0 {
 		num, typ, n := protowire.ConsumeTag(entry)
 		if n < 0 {

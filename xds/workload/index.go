@@ -23,6 +23,9 @@ import (
 type Resource struct {
 	// Name is the resource name, the workload uid.
 	Name string
+	// hash is the content hash Version spells; next to Name, so a
+	// reconnect's in-order comparison reads one cache line of a resource.
+	hash uint64
 	// Version is the content hash of Body in lowercase hex (up to 16
 	// digits, no leading zeros).
 	Version string
@@ -35,22 +38,21 @@ type Resource struct {
 	Any *anypb.Any
 	// Delta is the resource entry of a delta response.
 	Delta *discovery.Resource
-	// hash is the content hash Version spells.
-	hash uint64
 }
 
-// served is what one slot of the index holds: a served resource, with its
-// version hash inline, so a reconnect compares tens of thousands of client
-// versions without touching the resources it does not send. Slots are
-// dense (a name keeps its slot while it is served; a freed slot is handed
-// out again first), so a reconnect marks the names a client holds in a
-// slice indexed by slot, not a map, and full states are sent in slot
-// order: a client that keeps versions in the order it received them sends
-// them back in that order, which the index then reads sequentially (see
-// selectKnown).
-type served struct {
-	r    *Resource
+// slotted is a served name's entry in Index.byName: its slot in
+// Index.bySlot, and the version hash inline, so a reconnect compares a
+// client's versions without touching the resources it does not send.
+//
+// Slots are dense (a name keeps its slot while it is served; a freed slot
+// is handed out again first): a reconnect marks the names a client holds
+// in a slice indexed by slot, not a map, and full states are sent in slot
+// order, so a client that keeps versions in the order it received them
+// sends them back in that order, which the index then reads sequentially
+// (see selectKnown).
+type slotted struct {
 	hash uint64
+	slot int
 }
 
 // NewResource marshals w once (deterministically) and computes its version.
@@ -91,8 +93,8 @@ func NewResource(w *workloadpb.Workload) (*Resource, error) {
 // is rebuilt per change.
 type Index struct {
 	mu       sync.RWMutex
-	byName   map[string]int       // name → its slot in bySlot
-	bySlot   []served             // served resources by slot; an empty slot has a nil r
+	byName   map[string]slotted   // served name → its slot in bySlot
+	bySlot   []*Resource          // served resources by slot; nil: a free slot
 	nameKey  map[string]string    // name → endpoint key whose resource is served
 	keys     map[string]*keyEntry // endpoint key → its source and resource
 	claims   map[string][]string  // name → endpoint keys claiming it
@@ -122,7 +124,7 @@ var ErrNotOwner = errors.New("endpoint key belongs to another source")
 // NewIndex returns an empty index.
 func NewIndex() *Index {
 	return &Index{
-		byName:   make(map[string]int),
+		byName:   make(map[string]slotted),
 		nameKey:  make(map[string]string),
 		keys:     make(map[string]*keyEntry),
 		claims:   make(map[string][]string),
@@ -202,22 +204,22 @@ func (x *Index) upsertResource(source, key string, r *Resource) (bool, error) {
 // version is not pushed. It reports whether anything changed.
 func (x *Index) serveLocked(name, key string, r *Resource, now time.Time) bool {
 	x.nameKey[name] = key
-	slot, ok := x.byName[name]
-	if ok && x.bySlot[slot].r.Version == r.Version {
+	cur, ok := x.byName[name]
+	if ok && x.bySlot[cur.slot].Version == r.Version {
 		return false
 	}
+	slot := cur.slot
 	switch {
 	case ok:
 	case len(x.free) > 0:
 		slot = x.free[len(x.free)-1]
 		x.free = x.free[:len(x.free)-1]
-		x.byName[name] = slot
 	default:
 		slot = len(x.bySlot)
-		x.bySlot = append(x.bySlot, served{})
-		x.byName[name] = slot
+		x.bySlot = append(x.bySlot, nil)
 	}
-	x.bySlot[slot] = served{r: r, hash: r.hash}
+	x.byName[name] = slotted{hash: r.hash, slot: slot}
+	x.bySlot[slot] = r
 	x.rev++
 	x.notifyLocked(name, now)
 	x.sizeLocked()
@@ -284,12 +286,12 @@ func (w *Writer) Keys() []string {
 
 func (x *Index) deleteLocked(name string, now time.Time) {
 	delete(x.nameKey, name)
-	slot, ok := x.byName[name]
+	cur, ok := x.byName[name]
 	if !ok {
 		return
 	}
-	x.bySlot[slot] = served{}
-	x.free = append(x.free, slot)
+	x.bySlot[cur.slot] = nil
+	x.free = append(x.free, cur.slot)
 	delete(x.byName, name)
 	x.rev++
 	x.notifyLocked(name, now)
@@ -311,8 +313,8 @@ func (x *Index) Get(name string) *Resource {
 
 // getLocked returns the resource served as name, or nil; x.mu is held.
 func (x *Index) getLocked(name string) *Resource {
-	if slot, ok := x.byName[name]; ok {
-		return x.bySlot[slot].r
+	if e, ok := x.byName[name]; ok {
+		return x.bySlot[e.slot]
 	}
 	return nil
 }
