@@ -5,9 +5,9 @@
 // with the handler's error. The client remembers the version of every
 // resource it ACKed; a new stream (a reconnect, or a first stream seeded
 // with InitialVersions) sends them as initial_resource_versions, so the
-// server only sends what changed. The first request of a stream is
-// encoded straight from the client's versions (Codec: no copy of the map,
-// no reflection), since on a reconnect it holds every resource.
+// server only sends what changed. The versions are kept in that request's
+// wire form, in the order the server sent them (Versions): a reconnect
+// sends them as they are, since it holds every resource.
 //
 // aether-proxy runs it reconnecting forever; aetherctl and the tests run it
 // Once (one stream, its error returned) through xds/workload/client.
@@ -20,7 +20,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"maps"
 	"slices"
 	"sync"
 	"time"
@@ -74,7 +73,7 @@ type Client struct {
 	Once bool
 
 	mu       sync.Mutex
-	versions map[string]map[string]string // type -> name -> version
+	versions map[string]*Versions // per type
 	acks     int
 	synced   map[string]bool
 	syncedCh chan struct{}
@@ -104,7 +103,10 @@ func (c *Client) Synced() <-chan struct{} {
 func (c *Client) Versions(typeURL string) map[string]string {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return maps.Clone(c.versions[typeURL])
+	if vs := c.versions[typeURL]; vs != nil {
+		return vs.Map()
+	}
+	return nil
 }
 
 // Subscribe adds names to the subscription of typeURL, on the open stream
@@ -159,9 +161,9 @@ func (c *Client) change(typeURL string, names []string, subscribe bool) error {
 
 func (c *Client) initLocked() {
 	if c.versions == nil {
-		c.versions = map[string]map[string]string{}
+		c.versions = map[string]*Versions{}
 		for t, vs := range c.InitialVersions {
-			c.versions[t] = maps.Clone(vs)
+			c.versions[t] = NewVersions(vs)
 		}
 	}
 	if c.syncedCh == nil {
@@ -235,17 +237,17 @@ func (c *Client) stream(ctx context.Context, conn *grpc.ClientConn) error {
 	}
 	// Subscriptions and the stream are published together, so a concurrent
 	// Subscribe is either in the first request or sent after it. The
-	// versions are encoded straight from the client's map under mu (no copy
-	// of the map: on a reconnect it holds every resource).
+	// versions are kept in wire form (Versions): a reconnect's first
+	// request sends them as they are.
 	c.sendMu.Lock()
 	c.mu.Lock()
-	reqs := make([]*encodedRequest, 0, len(c.TypeURLs))
+	reqs := make([]*EncodedRequest, 0, len(c.TypeURLs))
 	for _, t := range c.TypeURLs {
 		names, named := c.Names[t]
 		if !named {
 			names = []string{Wildcard}
 		}
-		b, err := marshalDeltaRequest(&discovery.DeltaDiscoveryRequest{Node: c.Node, TypeUrl: t, ResourceNamesSubscribe: names}, c.versions[t])
+		b, err := c.versions[t].Request(&discovery.DeltaDiscoveryRequest{Node: c.Node, TypeUrl: t, ResourceNamesSubscribe: names})
 		if err != nil {
 			c.mu.Unlock()
 			c.sendMu.Unlock()
@@ -296,14 +298,14 @@ func (c *Client) applied(resp *discovery.DeltaDiscoveryResponse) {
 	defer c.mu.Unlock()
 	vs := c.versions[resp.GetTypeUrl()]
 	if vs == nil {
-		vs = map[string]string{}
+		vs = &Versions{}
 		c.versions[resp.GetTypeUrl()] = vs
 	}
 	for _, r := range resp.GetResources() {
-		vs[r.GetName()] = r.GetVersion()
+		vs.Set(r.GetName(), r.GetVersion())
 	}
 	for _, n := range resp.GetRemovedResources() {
-		delete(vs, n)
+		vs.Delete(n)
 	}
 	c.acks++
 	if c.isSynced {

@@ -35,15 +35,15 @@ func (codec) Name() string { return "proto" }
 
 func (c codec) Marshal(v any) (mem.BufferSlice, error) {
 	switch m := v.(type) {
-	case *encodedRequest:
-		return mem.BufferSlice{mem.NewBuffer(m.buf, mem.DefaultBufferPool())}, nil
+	case *EncodedRequest:
+		out := make(mem.BufferSlice, len(m.parts))
+		for i, p := range m.parts {
+			out[i] = mem.SliceBuffer(p)
+		}
+		return out, nil
 	case *discovery.DeltaDiscoveryRequest:
 		if len(m.GetInitialResourceVersions()) > 0 {
-			e, err := marshalDeltaRequest(m, m.GetInitialResourceVersions())
-			if err != nil {
-				return nil, err
-			}
-			return mem.BufferSlice{mem.NewBuffer(e.buf, mem.DefaultBufferPool())}, nil
+			return marshalDeltaRequest(m, m.GetInitialResourceVersions())
 		}
 	}
 	return c.fallback.Marshal(v)
@@ -51,49 +51,70 @@ func (c codec) Marshal(v any) (mem.BufferSlice, error) {
 
 func (c codec) Unmarshal(data mem.BufferSlice, v any) error { return c.fallback.Unmarshal(data, v) }
 
-// encodedRequest is a DeltaDiscoveryRequest already in its wire form
-// (marshalDeltaRequest), in a buffer of gRPC's default pool that goes back
-// to the pool once sent; only Codec sends it, once.
-type encodedRequest struct{ buf *[]byte }
+// EncodedRequest is a DeltaDiscoveryRequest already in its wire form, in
+// parts (Versions.Request). Only Codec sends it.
+type EncodedRequest struct{ parts [][]byte }
 
-// marshalDeltaRequest returns the wire form of req with versions as its
-// initial_resource_versions (req's own map is not read): every other field
-// through proto.Marshal, the map entries appended by hand into one buffer
-// of the exact size. Keys and values are written as they are (the generic
-// codec would refuse invalid UTF-8; a server matches such a name to no
-// resource). The buffer comes from gRPC's default pool: a reconnect reuses
-// the megabytes of the previous one instead of faulting in fresh pages.
-func marshalDeltaRequest(req *discovery.DeltaDiscoveryRequest, versions map[string]string) (*encodedRequest, error) {
-	// The other fields, whatever they are, on a shallow copy without the map.
-	rest := &discovery.DeltaDiscoveryRequest{}
-	dst := rest.ProtoReflect()
+// headOf returns a shallow copy of req without initial_resource_versions:
+// its other fields, whatever they are.
+func headOf(req *discovery.DeltaDiscoveryRequest) *discovery.DeltaDiscoveryRequest {
+	head := &discovery.DeltaDiscoveryRequest{}
+	dst := head.ProtoReflect()
 	req.ProtoReflect().Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
 		if fd.Number() != fieldInitialVersions {
 			dst.Set(fd, v)
 		}
 		return true
 	})
-	size := proto.Size(rest)
+	return head
+}
+
+// marshalHead appends the wire form of head (headOf) to b.
+func marshalHead(head *discovery.DeltaDiscoveryRequest, b []byte) ([]byte, error) {
+	b, err := proto.MarshalOptions{}.MarshalAppend(b, head)
+	if err != nil {
+		return nil, fmt.Errorf("failed to encode delta request for %s: %w", head.GetTypeUrl(), err)
+	}
+	return b, nil
+}
+
+// marshalDeltaRequest returns the wire form of req with versions as its
+// initial_resource_versions: every other field through proto.Marshal
+// (marshalHead), the map entries appended by hand into one buffer of the
+// exact size. Keys and values are written as they are (the generic codec
+// would refuse invalid UTF-8; a server matches such a name to no
+// resource). The buffer comes from gRPC's default pool and goes back to
+// it once sent: one request after another reuses the megabytes instead of
+// faulting in fresh pages.
+func marshalDeltaRequest(req *discovery.DeltaDiscoveryRequest, versions map[string]string) (mem.BufferSlice, error) {
+	head := headOf(req)
+	size := proto.Size(head)
 	for k, v := range versions {
 		size += entrySize(k, v)
 	}
 	pool := mem.DefaultBufferPool()
 	buf := pool.Get(size)
-	b, err := proto.MarshalOptions{}.MarshalAppend((*buf)[:0], rest)
+	b, err := marshalHead(head, (*buf)[:0])
 	if err != nil {
 		pool.Put(buf)
-		return nil, fmt.Errorf("failed to encode delta request for %s: %w", req.GetTypeUrl(), err)
+		return nil, err
 	}
 	for k, v := range versions {
-		b = protowire.AppendTag(b, fieldInitialVersions, protowire.BytesType)
-		b = protowire.AppendVarint(b, uint64(entryBodySize(k, v)))
-		b = protowire.AppendTag(b, 1, protowire.BytesType)
-		b = protowire.AppendString(b, k)
-		b = protowire.AppendTag(b, 2, protowire.BytesType)
-		b = protowire.AppendString(b, v)
+		b = appendEntry(b, k, v)
 	}
 	*buf = b // the exact size: b never outgrew buf
-	return &encodedRequest{buf: buf}, nil
+	return mem.BufferSlice{mem.NewBuffer(buf, pool)}, nil
+}
+
+// appendEntry appends k and v as an initial_resource_versions field (a map
+// entry message {1: k, 2: v}).
+func appendEntry(b []byte, k, v string) []byte {
+	b = protowire.AppendTag(b, fieldInitialVersions, protowire.BytesType)
+	b = protowire.AppendVarint(b, uint64(entryBodySize(k, v)))
+	b = protowire.AppendTag(b, 1, protowire.BytesType)
+	b = protowire.AppendString(b, k)
+	b = protowire.AppendTag(b, 2, protowire.BytesType)
+	return protowire.AppendString(b, v)
 }
 
 // entryBodySize is the size of a map entry message {1: k, 2: v}.

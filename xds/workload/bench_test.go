@@ -24,6 +24,8 @@ import (
 	cachev3 "github.com/envoyproxy/go-control-plane/pkg/cache/v3"
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/encoding"
+	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/proto"
 
 	workloadpb "aether.io/node/api/istio/workload"
@@ -198,10 +200,13 @@ func benchWorkloads(b *testing.B, n int) []*workloadpb.Workload {
 // versions it holds and reports what it received; it never decodes the
 // workloads, so client cost is the same for both servers.
 type benchClient struct {
-	conn     *grpc.ClientConn
-	stream   discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesClient
-	cancel   context.CancelFunc
-	versions map[string]string
+	conn   *grpc.ClientConn
+	stream discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesClient
+	cancel context.CancelFunc
+	done   chan struct{} // closed when loop returns
+	// versions are what the client holds, as xds/adsclient keeps them (in
+	// wire form, in the order received); nil when not tracking.
+	versions *adsclient.Versions
 	// events receives, per response, its resource count and wire size.
 	events chan benchEvent
 }
@@ -227,26 +232,45 @@ func dialBench(b *testing.B, sock string) *grpc.ClientConn {
 	return conn
 }
 
-func openBench(b *testing.B, conn *grpc.ClientConn, initial map[string]string) *benchClient {
-	return openBenchTracking(b, conn, initial, true)
+// openBench opens a stream whose first request carries initial (nil: no
+// versions); the client then keeps its versions in initial, or in new
+// Versions when initial is nil.
+func openBench(b *testing.B, conn *grpc.ClientConn, initial *adsclient.Versions) *benchClient {
+	return openBenchTracking(b, conn, initial, nil, true)
 }
 
 // openBenchTracking opens a stream; track=false keeps no versions (for
-// memory measurements of the server alone).
-func openBenchTracking(b *testing.B, conn *grpc.ClientConn, initial map[string]string, track bool) *benchClient {
+// memory measurements of the server alone). A non-nil asMap is sent as
+// the versions instead of initial (in map order, as a client that keeps a
+// map sends them); the client still keeps its versions in initial.
+func openBenchTracking(b *testing.B, conn *grpc.ClientConn, initial *adsclient.Versions, asMap map[string]string, track bool) *benchClient {
 	b.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	s, err := discovery.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(ctx)
 	if err != nil {
 		b.Fatal(err)
 	}
-	c := &benchClient{conn: conn, stream: s, cancel: cancel, events: make(chan benchEvent, 1024)}
+	c := &benchClient{conn: conn, stream: s, cancel: cancel, done: make(chan struct{}), events: make(chan benchEvent, 1024)}
 	if track {
-		c.versions = map[string]string{}
+		c.versions = initial
+		if c.versions == nil {
+			c.versions = &adsclient.Versions{}
+		}
 	}
-	if err := s.Send(&discovery.DeltaDiscoveryRequest{
-		Node: &core.Node{Id: "bench"}, TypeUrl: resource.WorkloadType, ResourceNamesSubscribe: []string{"*"}, InitialResourceVersions: initial,
-	}); err != nil {
+	first := &discovery.DeltaDiscoveryRequest{
+		Node: &core.Node{Id: "bench"}, TypeUrl: resource.WorkloadType, ResourceNamesSubscribe: []string{"*"},
+	}
+	var req any = first
+	if asMap != nil {
+		first.InitialResourceVersions = asMap // encoded by adsclient.Codec, in map order
+	} else {
+		enc, err := initial.Request(first)
+		if err != nil {
+			b.Fatal(err)
+		}
+		req = enc
+	}
+	if err := s.SendMsg(req); err != nil {
 		b.Fatal(err)
 	}
 	go c.loop()
@@ -254,6 +278,7 @@ func openBenchTracking(b *testing.B, conn *grpc.ClientConn, initial map[string]s
 }
 
 func (c *benchClient) loop() {
+	defer close(c.done)
 	for {
 		resp, err := c.stream.Recv()
 		if err != nil {
@@ -263,10 +288,10 @@ func (c *benchClient) loop() {
 		at := time.Now()
 		if c.versions != nil {
 			for _, r := range resp.GetResources() {
-				c.versions[r.GetName()] = r.GetVersion()
+				c.versions.Set(r.GetName(), r.GetVersion())
 			}
 			for _, n := range resp.GetRemovedResources() {
-				delete(c.versions, n)
+				c.versions.Delete(n)
 			}
 		}
 		if err := c.stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.WorkloadType, ResponseNonce: resp.GetNonce()}); err != nil {
@@ -300,7 +325,12 @@ func (c *benchClient) waitResources(b *testing.B, n int) (time.Time, int) {
 	return last, bytes
 }
 
-func (c *benchClient) close() { c.cancel() }
+// close ends the stream and waits for the client to stop (it no longer
+// changes its versions).
+func (c *benchClient) close() {
+	c.cancel()
+	<-c.done
+}
 
 func sizes() []int {
 	s := []int{1000, 10000}
@@ -433,7 +463,7 @@ func BenchmarkWDSMemory(b *testing.B) {
 						var cs []*benchClient
 						for range k {
 							conn := dialBench(b, s.socket())
-							c := openBenchTracking(b, conn, nil, false)
+							c := openBenchTracking(b, conn, nil, nil, false)
 							c.waitResources(b, n)
 							cs = append(cs, c)
 						}
@@ -456,8 +486,13 @@ func BenchmarkWDSMemory(b *testing.B) {
 // BenchmarkWDSReconnect: 70k workloads; C of them change while a client is
 // away; it reconnects with initial_resource_versions. Time from opening the
 // stream to receiving the difference (which must be exactly C resources).
+//
+// WDS_BENCH_MAP_ORDER=1 makes the client send its versions in map order
+// (as Istio's clients, which keep a map, do) instead of in the order the
+// full state came.
 func BenchmarkWDSReconnect(b *testing.B) {
 	const n = 70000
+	mapOrder := os.Getenv("WDS_BENCH_MAP_ORDER") != ""
 	ws := benchWorkloads(b, n)
 	for _, changed := range []int{0, 10, 100, 1000} {
 		for _, kind := range kinds {
@@ -481,9 +516,13 @@ func BenchmarkWDSReconnect(b *testing.B) {
 						w.ServiceAccount = fmt.Sprintf("sa-%d-%d", i, j)
 						s.update(w)
 					}
+					var asMap map[string]string
+					if mapOrder {
+						asMap = versions.Map()
+					}
 					b.StartTimer()
 					start := time.Now()
-					rc := openBench(b, conn, versions)
+					rc := openBenchTracking(b, conn, versions, asMap, true)
 					var at time.Time
 					if changed == 0 {
 						// Both servers answer an unchanged reconnect with an empty response.
@@ -509,10 +548,7 @@ func BenchmarkWDSReconnect(b *testing.B) {
 						}
 					case <-time.After(50 * time.Millisecond):
 					}
-					rc.close()
-					for name, v := range rc.versions {
-						versions[name] = v
-					}
+					rc.close() // rc kept what the reconnect brought in versions
 					b.StartTimer()
 				}
 				b.StopTimer()
@@ -526,8 +562,10 @@ func BenchmarkWDSReconnect(b *testing.B) {
 }
 
 // BenchmarkWDSDecodeVersions: server-side decoding of a 70k-entry
-// initial_resource_versions request: our codec against the stock proto
-// codec the peer uses.
+// initial_resource_versions request as gRPC hands it over (16 KiB frames):
+// our codec (the server's deltaRequest: gathered into a pooled buffer,
+// entries validated and counted, no map) against the stock proto codec the
+// peer uses (a map).
 func BenchmarkWDSDecodeVersions(b *testing.B) {
 	const n = 70000
 	req := &discovery.DeltaDiscoveryRequest{TypeUrl: resource.WorkloadType, ResourceNamesSubscribe: []string{"*"}, InitialResourceVersions: map[string]string{}}
@@ -538,20 +576,80 @@ func BenchmarkWDSDecodeVersions(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
+	var frames mem.BufferSlice
+	for rest := wire; len(rest) > 0; {
+		l := min(len(rest), 16<<10)
+		frames = append(frames, mem.SliceBuffer(rest[:l]))
+		rest = rest[l:]
+	}
 	for _, kind := range kinds {
 		b.Run(fmt.Sprintf("n=%d/%s", n, kind), func(b *testing.B) {
 			samples := make([]time.Duration, 0, b.N)
 			for range b.N {
-				got := &discovery.DeltaDiscoveryRequest{}
 				start := time.Now()
+				got := 0
 				if kind == "ours" {
-					err = decodeDeltaRequest(string(wire), got)
+					dr := &deltaRequest{DeltaDiscoveryRequest: &discovery.DeltaDiscoveryRequest{}}
+					err = newCodec().Unmarshal(frames, dr)
+					got = dr.versions().Len()
+					dr.release()
 				} else {
-					err = proto.Unmarshal(wire, got)
+					dr := &discovery.DeltaDiscoveryRequest{}
+					err = encoding.GetCodecV2("proto").Unmarshal(frames, dr)
+					got = len(dr.GetInitialResourceVersions())
 				}
 				samples = append(samples, time.Since(start))
-				if err != nil || len(got.GetInitialResourceVersions()) != n {
-					b.Fatalf("decoded %d versions: %v", len(got.GetInitialResourceVersions()), err)
+				if err != nil || got != n {
+					b.Fatalf("decoded %d versions: %v", got, err)
+				}
+			}
+			b.ReportMetric(percentile(samples, 0.5), "p50-ns")
+			b.ReportMetric(percentile(samples, 0.99), "p99-ns")
+		})
+	}
+}
+
+// BenchmarkWDSCompareVersions: the index's side of a reconnect at 70k
+// workloads, nothing changed: Index.DeltaResponse for a new wildcard
+// subscription whose initial_resource_versions are every workload's, in
+// the order the full state came ("in-order", what xds/adsclient sends) and
+// in a shuffled order ("shuffled", a client that keeps a map). No gRPC, no
+// decoding: the comparison alone.
+func BenchmarkWDSCompareVersions(b *testing.B) {
+	const n = 70000
+	x := NewIndex()
+	for _, w := range benchWorkloads(b, n) {
+		if _, err := x.Upsert(w.GetUid(), w); err != nil {
+			b.Fatal(err)
+		}
+	}
+	x.mu.RLock()
+	all := x.allLocked()
+	x.mu.RUnlock()
+	shuffled := slices.Clone(all)
+	for i := range shuffled { // a fixed permutation (7919 is prime, n is not a multiple)
+		shuffled[i] = all[(i*7919)%n]
+	}
+	for _, order := range []struct {
+		name string
+		rs   []*Resource
+	}{{"in-order", all}, {"shuffled", shuffled}} {
+		var wire []byte
+		for _, r := range order.rs {
+			wire = appendKnownEntry(wire, r.Name, r.Version)
+		}
+		known := Known{wire: wire, n: n}
+		b.Run(fmt.Sprintf("n=%d/%s", n, order.name), func(b *testing.B) {
+			samples := make([]time.Duration, 0, b.N)
+			for range b.N {
+				sub, cancel := x.Watch()
+				added, wild := sub.ApplyDelta(true, []string{"*"}, nil)
+				start := time.Now()
+				d := x.DeltaResponse(sub, added, wild, known)
+				samples = append(samples, time.Since(start))
+				cancel()
+				if len(d.Resources)+len(d.Removed) != 0 {
+					b.Fatalf("unchanged reconnect selected %d resources, %d removed", len(d.Resources), len(d.Removed))
 				}
 			}
 			b.ReportMetric(percentile(samples, 0.5), "p50-ns")

@@ -72,6 +72,19 @@ func TestDeltaResponseSelection(t *testing.T) {
 	}
 }
 
+// knownEntry is one initial_resource_versions entry of a test.
+type knownEntry struct{ name, version string }
+
+// knownEntries is the Known of entries in this order, as the server's codec
+// hands it over.
+func knownEntries(entries []knownEntry) Known {
+	var b []byte
+	for _, e := range entries {
+		b = appendKnownEntry(b, e.name, e.version)
+	}
+	return Known{wire: b, n: len(entries)}
+}
+
 // TestDeltaResponseKnownEntries: a new wildcard whose versions come as
 // wire entries (the server codec's form, no map) selects what the map form
 // selects, and for a name the wire repeats the last entry counts.
@@ -103,7 +116,7 @@ func TestDeltaResponseKnownEntries(t *testing.T) {
 			sub, cancel := x.Watch()
 			t.Cleanup(cancel)
 			added, wild := sub.ApplyDelta(true, []string{"*"}, nil)
-			d := x.DeltaResponse(sub, added, wild, Known{entries: tc.entries})
+			d := x.DeltaResponse(sub, added, wild, knownEntries(tc.entries))
 			if got := resourceNames(d.Resources); !slices.Equal(got, tc.wantSent) && len(got)+len(tc.wantSent) > 0 {
 				t.Errorf("sent %v, want %v", got, tc.wantSent)
 			}
@@ -189,5 +202,82 @@ func TestSotWSubscription(t *testing.T) {
 	x.Remove("kc")
 	if hit, since := sub.TakeChanged(); !hit || since.IsZero() {
 		t.Error("change of a subscribed name not reported")
+	}
+}
+
+// TestSelectKnownAnyOrder: the selection of a reconnect does not depend on
+// the order of its entries. A client that kept the full state in the order
+// it came (slot order) takes the in-order path of selectKnown; reversed and
+// shuffled entries take the map path; entries whose neighbour changed,
+// vanished or reused a slot mix both. Every order selects the same.
+func TestSelectKnownAnyOrder(t *testing.T) {
+	x := NewIndex()
+	fill(t, x, 40)
+	sub, cancel := x.Watch()
+	t.Cleanup(cancel)
+	added, wild := sub.ApplyDelta(true, []string{"*"}, nil)
+	full := x.DeltaResponse(sub, added, wild, Known{})
+	// The full state comes in slot order: the order the names were first served.
+	for i, r := range full.Resources {
+		if want := UID("Kubernetes", "shop", endpointN(i).Name); r.Name != want {
+			t.Fatalf("full state entry %d is %s, want %s (slot order)", i, r.Name, want)
+		}
+	}
+	held := make([]knownEntry, 0, len(full.Resources))
+	for _, r := range full.Resources {
+		held = append(held, knownEntry{r.Name, r.Version})
+	}
+	// While the client is away: 3 change, 5 is removed (its slot goes to
+	// a new workload), 7 is removed for good.
+	for _, i := range []int{3, 5, 7} {
+		x.Remove(endpointN(i).Key)
+	}
+	for _, i := range []int{3, 40} {
+		ep := endpointN(i)
+		ep.ServiceAccount = "changed"
+		w, err := Build(testConfig, ep)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := x.Upsert(ep.Key, w); err != nil {
+			t.Fatal(err)
+		}
+	}
+	uid := func(i int) string { return UID("Kubernetes", "shop", endpointN(i).Name) }
+	wantSent := []string{uid(3), uid(40)}
+	slices.Sort(wantSent)
+	wantRemoved := []string{uid(5), uid(7)}
+	slices.Sort(wantRemoved)
+	reversed := slices.Clone(held)
+	slices.Reverse(reversed)
+	shuffled := slices.Clone(held)
+	for i := range shuffled { // a fixed permutation: i → 17i mod n
+		shuffled[i] = held[(17*i)%len(held)]
+	}
+	stale := slices.Clone(held)
+	stale[10].version = "stale" // its in-order neighbour 11 must still be found
+	for _, tc := range []struct {
+		name     string
+		entries  []knownEntry
+		wantSent []string
+	}{
+		{name: "in order", entries: held, wantSent: wantSent},
+		{name: "reversed", entries: reversed, wantSent: wantSent},
+		{name: "shuffled", entries: shuffled, wantSent: wantSent},
+		{name: "in order, one stale", entries: stale, wantSent: slices.Sorted(slices.Values(append([]string{uid(10)}, wantSent...)))},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sub, cancel := x.Watch()
+			t.Cleanup(cancel)
+			added, wild := sub.ApplyDelta(true, []string{"*"}, nil)
+			d := x.DeltaResponse(sub, added, wild, knownEntries(tc.entries))
+			if got := resourceNames(d.Resources); !slices.Equal(got, tc.wantSent) {
+				t.Errorf("sent %v, want %v", got, tc.wantSent)
+			}
+			slices.Sort(d.Removed)
+			if !slices.Equal(d.Removed, wantRemoved) {
+				t.Errorf("removed %v, want %v", d.Removed, wantRemoved)
+			}
+		})
 	}
 }

@@ -2,7 +2,6 @@ package workload
 
 import (
 	"fmt"
-	"strings"
 
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc/encoding"
@@ -22,13 +21,13 @@ import (
 //   - it sends responses (wrapped as preEncoded) as the concatenation of a small marshalled head and
 //     each resource's bytes, encoded once per change in the index: no
 //     per-client marshalling, no copy of the workloads;
-//   - it decodes a DeltaDiscoveryRequest's initial_resource_versions (tens of
-//     thousands of entries on a large reconnect) with one string copy of the
-//     message (straight from gRPC's buffers) and substrings for keys and
-//     values, into a slice of entries the index compares in wire order (the
-//     server receives a deltaRequest), instead of two allocations per entry
-//     and a map grown through every power of two; the other fields go
-//     through proto.Unmarshal.
+//   - it decodes a DeltaDiscoveryRequest's initial_resource_versions (tens
+//     of thousands of entries on a large reconnect) without a map or a
+//     string per entry: the message is gathered into one pooled buffer,
+//     the entries are validated and counted, and the index compares them
+//     in wire order straight from that buffer (the server receives a
+//     deltaRequest and releases it after its response); the other fields
+//     go through proto.Unmarshal.
 //
 // Without the codec (a grpc.Server built without ServerGRPCOptions) the same
 // typed messages are marshalled normally: correct, only slower.
@@ -66,33 +65,54 @@ func (c xdsCodec) Marshal(v any) (mem.BufferSlice, error) {
 func (c xdsCodec) Unmarshal(data mem.BufferSlice, v any) error {
 	switch req := v.(type) {
 	case *deltaRequest:
-		entries, err := decodeDelta(oneString(data), req.DeltaDiscoveryRequest)
-		req.known = entries
-		return err
+		return req.decode(data)
 	case *discovery.DeltaDiscoveryRequest:
-		return decodeDeltaRequest(oneString(data), req)
+		return decodeDeltaRequest(data.Materialize(), req)
 	}
 	return c.fallback.Unmarshal(data, v)
 }
 
-// oneString copies a received message once, into the string its versions
-// are cut from.
-func oneString(data mem.BufferSlice) string {
-	var b strings.Builder
-	b.Grow(data.Len())
-	for _, buf := range data {
-		b.Write(buf.ReadOnlyData())
-	}
-	return b.String()
-}
-
 // deltaRequest is a DeltaDiscoveryRequest as the server receives it: this
 // codec leaves initial_resource_versions out of the map and hands them over
-// as entries (known) for Index.DeltaResponse; any other codec unmarshals the
-// embedded message, map included.
+// in wire form (known) for Index.DeltaResponse; any other codec unmarshals
+// the embedded message, map included. Call release once known is no longer
+// used.
 type deltaRequest struct {
 	*discovery.DeltaDiscoveryRequest
-	known []knownEntry
+	known Known
+	buf   mem.Buffer // holds known's wire; nil when there is none
+}
+
+// decode decodes data into r. The message is gathered into one buffer of
+// gRPC's default pool (a reconnect reuses the megabytes of the previous one
+// instead of faulting in fresh pages), which known then points into until
+// release.
+func (r *deltaRequest) decode(data mem.BufferSlice) error {
+	buf := data.MaterializeToBuffer(mem.DefaultBufferPool())
+	known, err := decodeDelta(buf.ReadOnlyData(), r.DeltaDiscoveryRequest)
+	if err != nil || known.n == 0 {
+		buf.Free()
+		return err
+	}
+	r.known, r.buf = known, buf
+	return nil
+}
+
+// versions returns the versions the request carries, from whichever codec
+// decoded it.
+func (r *deltaRequest) versions() Known {
+	if r.known.n == 0 && len(r.GetInitialResourceVersions()) > 0 {
+		return KnownMap(r.GetInitialResourceVersions())
+	}
+	return r.known
+}
+
+// release returns the buffer known points into to the pool.
+func (r *deltaRequest) release() {
+	if r.buf != nil {
+		r.buf.Free()
+		r.buf, r.known = nil, Known{}
+	}
 }
 
 // Field numbers of envoy.service.discovery.v3 messages used on the wire.
@@ -106,188 +126,114 @@ const (
 	fieldAnyValue                protowire.Number = 2
 )
 
-// decodeDeltaRequest decodes s into req, initial_resource_versions by
+// decodeDeltaRequest decodes b into req, initial_resource_versions by
 // hand (decodeDelta) into a map made at its size.
-func decodeDeltaRequest(s string, req *discovery.DeltaDiscoveryRequest) error {
-	entries, err := decodeDelta(s, req)
-	if err != nil || entries == nil {
+func decodeDeltaRequest(b []byte, req *discovery.DeltaDiscoveryRequest) error {
+	known, err := decodeDelta(b, req)
+	if err != nil || known.n == 0 {
 		return err
 	}
-	req.InitialResourceVersions = Known{entries: entries}.asMap()
+	req.InitialResourceVersions = known.asMap()
 	return nil
 }
 
-// decodeDelta decodes s into req except for initial_resource_versions,
-// which it returns as entries in wire order: keys and values are
-// substrings of s (not validated as UTF-8: an invalid name matches no
-// workload and is treated as unknown), in a slice made at its size; the
-// other fields go through proto.Unmarshal. A field of the deprecated group
-// wire type (never in a DeltaDiscoveryRequest) sends the whole message
-// through proto.Unmarshal, versions included.
-func decodeDelta(s string, req *discovery.DeltaDiscoveryRequest) ([]knownEntry, error) {
+// decodeDelta decodes b into req except for initial_resource_versions,
+// which it validates, counts and returns in wire form, pointing into b
+// (keys and values are not validated as UTF-8: an invalid name matches no
+// workload and is treated as unknown); the other fields go through
+// proto.Unmarshal.
+func decodeDelta(b []byte, req *discovery.DeltaDiscoveryRequest) (Known, error) {
 	var rest []byte
-	var entries []knownEntry
-	off := 0
-	for off < len(s) {
-		start := off
-		num, typ, n := consumeTag(s[off:])
-		if n < 0 {
-			return nil, fmt.Errorf("failed to decode delta request: %w", protowire.ParseError(n))
+	n := 0
+	for off := 0; off < len(b); {
+		entry, isEntry, l := nextField(b[off:])
+		if l < 0 {
+			return Known{}, fmt.Errorf("failed to decode delta request: %w", protowire.ParseError(l))
 		}
-		off += n
-		m := consumeFieldValue(typ, s[off:])
-		if m == errGroup {
-			return nil, decodeDeltaRequestSlow(s, req)
-		}
-		if m < 0 {
-			return nil, fmt.Errorf("failed to decode delta request field %d: %w", num, protowire.ParseError(m))
-		}
-		if num == fieldDeltaReqInitialVersions && typ == protowire.BytesType {
-			l, ln := consumeVarint(s[off:])
-			if entries == nil {
-				entries = make([]knownEntry, 0, countVersions(s[start:]))
+		if isEntry {
+			if _, _, err := mapEntry(entry); err != nil {
+				return Known{}, err
 			}
-			k, v, err := mapEntry(s[off+ln : off+ln+int(l)])
-			if err != nil {
-				return nil, err
-			}
-			entries = append(entries, knownEntry{name: k, version: v})
-			off += m
-			continue
+			n++
+		} else {
+			rest = append(rest, b[off:off+l]...)
 		}
-		off += m
-		rest = append(rest, s[start:off]...)
+		off += l
 	}
 	if err := proto.Unmarshal(rest, req); err != nil {
-		return nil, fmt.Errorf("failed to decode delta request: %w", err)
+		return Known{}, fmt.Errorf("failed to decode delta request: %w", err)
 	}
-	return entries, nil
+	if n == 0 {
+		return Known{}, nil
+	}
+	return Known{wire: b, n: n}, nil
 }
 
-func decodeDeltaRequestSlow(s string, req *discovery.DeltaDiscoveryRequest) error {
-	if err := proto.Unmarshal([]byte(s), req); err != nil {
-		return fmt.Errorf("failed to decode delta request: %w", err)
+// Tag bytes of the fields a reconnect repeats tens of thousands of times:
+// an initial_resource_versions field and its entry's key and value.
+const (
+	tagVersionsEntry = byte(fieldDeltaReqInitialVersions<<3) | byte(protowire.BytesType)
+	tagEntryKey      = byte(1<<3) | byte(protowire.BytesType)
+	tagEntryValue    = byte(2<<3) | byte(protowire.BytesType)
+)
+
+// nextField returns the length n of the field at the start of a
+// request's wire form b (negative: a protowire error code) and, if it is
+// an initial_resource_versions field, its entry. Entries under 128 bytes
+// (any uid under ~100 characters) take a fast path.
+func nextField(b []byte) (entry []byte, isEntry bool, n int) {
+	if len(b) >= 2 && b[0] == tagVersionsEntry && b[1] < 0x80 {
+		l := int(b[1])
+		if l > len(b)-2 {
+			return nil, false, -1 // protowire's errCodeTruncated
+		}
+		return b[2 : 2+l], true, 2 + l
 	}
-	return nil
+	num, typ, t := protowire.ConsumeTag(b)
+	if t < 0 {
+		return nil, false, t
+	}
+	m := protowire.ConsumeFieldValue(num, typ, b[t:])
+	if m < 0 {
+		return nil, false, m
+	}
+	if num == fieldDeltaReqInitialVersions && typ == protowire.BytesType {
+		entry, _ = protowire.ConsumeBytes(b[t:])
+		return entry, true, t + m
+	}
+	return nil, false, t + m
 }
 
-// countVersions counts the initial_resource_versions entries of s (a
-// request's fields, from the first such entry on), so the map is made at
-// its size once instead of growing through every power of two. A malformed
-// field ends the count; decoding reports it.
-func countVersions(s string) int {
-	n := 0
-	for len(s) > 0 {
-		num, typ, m := consumeTag(s)
-		if m < 0 {
-			break
-		}
-		s = s[m:]
-		if m = consumeFieldValue(typ, s); m < 0 {
-			break
-		}
-		s = s[m:]
-		if num == fieldDeltaReqInitialVersions {
-			n++
+// mapEntry decodes a map<string,string> entry. The layout every encoder
+// writes ({1: k, 2: v}, each under 128 bytes) takes a fast path.
+func mapEntry(entry []byte) (k, v []byte, err error) {
+	if len(entry) >= 4 && entry[0] == tagEntryKey && entry[1] < 0x80 {
+		kl := int(entry[1])
+		if r := entry[2:]; kl+2 <= len(r) && r[kl] == tagEntryValue && r[kl+1] < 0x80 && kl+2+int(r[kl+1]) == len(r) {
+			return r[:kl], r[kl+2:], nil
 		}
 	}
-	return n
-}
-
-// mapEntry decodes a map<string,string> entry.
-func mapEntry(entry string) (string, string, error) {
-	var k, v string
-	off := 0
-	for off < len(entry) {
-		num, typ, n := consumeTag(entry[off:])
+	for len(entry) > 0 {
+		num, typ, n := protowire.ConsumeTag(entry)
 		if n < 0 {
-			return "", "", fmt.Errorf("failed to decode initial_resource_versions entry: %w", protowire.ParseError(n))
+			return nil, nil, fmt.Errorf("failed to decode initial_resource_versions entry: %w", protowire.ParseError(n))
 		}
-		off += n
-		m := consumeFieldValue(typ, entry[off:])
+		entry = entry[n:]
+		m := protowire.ConsumeFieldValue(num, typ, entry)
 		if m < 0 {
-			return "", "", fmt.Errorf("failed to decode initial_resource_versions entry: %w", protowire.ParseError(m))
+			return nil, nil, fmt.Errorf("failed to decode initial_resource_versions entry: %w", protowire.ParseError(m))
 		}
 		if typ == protowire.BytesType && (num == 1 || num == 2) {
-			l, ln := consumeVarint(entry[off:])
+			b, _ := protowire.ConsumeBytes(entry)
 			if num == 1 {
-				k = entry[off+ln : off+ln+int(l)]
+				k = b
 			} else {
-				v = entry[off+ln : off+ln+int(l)]
+				v = b
 			}
 		}
-		off += m
+		entry = entry[m:]
 	}
 	return k, v, nil
-}
-
-// errGroup is consumeFieldValue's answer for the group wire types, which
-// the string decoder leaves to proto.Unmarshal.
-const errGroup = -100
-
-// consumeVarint is protowire.ConsumeVarint on a string.
-func consumeVarint(s string) (uint64, int) {
-	var v uint64
-	for i := 0; i < len(s) && i < 10; i++ {
-		c := s[i]
-		if i == 9 && c > 1 {
-			return 0, -3 // protowire's errCodeOverflow
-		}
-		v |= uint64(c&0x7f) << (7 * i)
-		if c < 0x80 {
-			return v, i + 1
-		}
-	}
-	if len(s) < 10 {
-		return 0, -1 // protowire's errCodeTruncated
-	}
-	return 0, -3
-}
-
-// consumeTag is protowire.ConsumeTag on a string.
-func consumeTag(s string) (protowire.Number, protowire.Type, int) {
-	v, n := consumeVarint(s)
-	if n < 0 {
-		return 0, 0, n
-	}
-	num, typ := protowire.DecodeTag(v)
-	if num < protowire.MinValidNumber {
-		return 0, 0, -5 // protowire's errCodeFieldNumber
-	}
-	return num, typ, n
-}
-
-// consumeFieldValue is the length of the value of a field of wire type
-// typ at the start of s (protowire.ConsumeFieldValue on a string), or a
-// negative protowire error code; errGroup for the group types.
-func consumeFieldValue(typ protowire.Type, s string) int {
-	switch typ {
-	case protowire.VarintType:
-		_, n := consumeVarint(s)
-		return n
-	case protowire.Fixed32Type:
-		if len(s) < 4 {
-			return -1
-		}
-		return 4
-	case protowire.Fixed64Type:
-		if len(s) < 8 {
-			return -1
-		}
-		return 8
-	case protowire.BytesType:
-		l, n := consumeVarint(s)
-		if n < 0 {
-			return n
-		}
-		if l > uint64(len(s)-n) {
-			return -1
-		}
-		return n + int(l)
-	case protowire.StartGroupType, protowire.EndGroupType:
-		return errGroup
-	}
-	return -4 // protowire's errCodeReserved
 }
 
 // encodeResource lays out one resource's wire bytes once:

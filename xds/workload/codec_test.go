@@ -2,6 +2,7 @@ package workload
 
 import (
 	"maps"
+	"strings"
 	"testing"
 
 	core "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -25,9 +26,12 @@ func TestDecodeDeltaRequestMatchesProto(t *testing.T) {
 			TypeUrl:                  resource.WorkloadType,
 			ResourceNamesSubscribe:   []string{"a", "b"},
 			ResourceNamesUnsubscribe: []string{"c"},
-			InitialResourceVersions:  map[string]string{"a": "1", "b": "", "": "x", "c//Pod/ns/ü": "ffee"},
-			ResponseNonce:            "7",
-			ErrorDetail:              &status.Status{Code: 3, Message: "bad"},
+			InitialResourceVersions: map[string]string{
+				"a": "1", "b": "", "": "x", "c//Pod/ns/ü": "ffee",
+				strings.Repeat("long-", 40): "entry over 128 bytes", "v": strings.Repeat("9", 200),
+			},
+			ResponseNonce: "7",
+			ErrorDetail:   &status.Status{Code: 3, Message: "bad"},
 		},
 	}
 	for _, want := range reqs {
@@ -49,10 +53,11 @@ func TestDecodeDeltaRequestMatchesProto(t *testing.T) {
 			if err := c.Unmarshal(mem.BufferSlice{mem.SliceBuffer(b)}, dr); err != nil {
 				t.Fatalf("%s: %v", name, err)
 			}
-			k := Known{m: dr.GetInitialResourceVersions(), entries: dr.known}
+			k := dr.versions()
 			if len(want.GetInitialResourceVersions()) > 0 && !maps.Equal(k.asMap(), want.GetInitialResourceVersions()) {
 				t.Errorf("%s: versions %v, want %v", name, k.asMap(), want.GetInitialResourceVersions())
 			}
+			dr.release()
 			dr.InitialResourceVersions = want.GetInitialResourceVersions()
 			if !proto.Equal(dr.DeltaDiscoveryRequest, want) {
 				t.Errorf("%s: decoded\n %v\nwant\n %v", name, dr.DeltaDiscoveryRequest, want)
@@ -62,9 +67,9 @@ func TestDecodeDeltaRequestMatchesProto(t *testing.T) {
 	// Truncated input is an error, not a panic.
 	b, _ := proto.Marshal(reqs[2])
 	for i := 1; i < len(b); i += 7 {
-		_ = decodeDeltaRequest(string(b[:i]), &discovery.DeltaDiscoveryRequest{})
+		_ = decodeDeltaRequest(b[:i], &discovery.DeltaDiscoveryRequest{})
 	}
-	if err := decodeDeltaRequest(string(b[:len(b)-1]), &discovery.DeltaDiscoveryRequest{}); err == nil {
+	if err := decodeDeltaRequest(b[:len(b)-1], &discovery.DeltaDiscoveryRequest{}); err == nil {
 		t.Error("truncated request decoded without error")
 	}
 }
@@ -113,5 +118,30 @@ func TestPreEncodedResourceMatchesProto(t *testing.T) {
 	}
 	if string(got.Materialize()) != "abcd" {
 		t.Errorf("registered message sent as %q", got.Materialize())
+	}
+}
+
+func TestParseVersion(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want uint64
+		ok   bool
+	}{
+		{"0", 0, true},
+		{"f", 15, true},
+		{"1a2b3c4d5e6f7089", 0x1a2b3c4d5e6f7089, true},
+		{"ffffffffffffffff", 1<<64 - 1, true},
+		{"", 0, false},
+		{"01", 0, false},                // leading zero: never issued
+		{"1ffffffffffffffff", 0, false}, // 17 digits
+		{"A", 0, false},                 // upper case: never issued
+		{"g", 0, false},
+		{"1 ", 0, false},
+		{"\x00", 0, false},
+	} {
+		got, ok := parseVersion([]byte(tc.in))
+		if got != tc.want || ok != tc.ok {
+			t.Errorf("parseVersion(%q) = %x, %v; want %x, %v", tc.in, got, ok, tc.want, tc.ok)
+		}
 	}
 }

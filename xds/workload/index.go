@@ -23,6 +23,9 @@ import (
 type Resource struct {
 	// Name is the resource name, the workload uid.
 	Name string
+	// hash is the content hash Version spells; next to Name, so a
+	// reconnect's in-order comparison reads one cache line of a resource.
+	hash uint64
 	// Version is the content hash of Body in lowercase hex (up to 16
 	// digits, no leading zeros).
 	Version string
@@ -35,16 +38,19 @@ type Resource struct {
 	Any *anypb.Any
 	// Delta is the resource entry of a delta response.
 	Delta *discovery.Resource
-	// hash is the content hash Version spells.
-	hash uint64
 }
 
-// served is a name's entry in the index: its resource, with the version
-// hash inline (a reconnect compares tens of thousands of client versions
-// without touching the resources) and the name's dense slot (a reconnect
-// marks the names a client holds in a slice indexed by it, not a map).
-type served struct {
-	r    *Resource
+// slotted is a served name's entry in Index.byName: its slot in
+// Index.bySlot, and the version hash inline, so a reconnect compares a
+// client's versions without touching the resources it does not send.
+//
+// Slots are dense (a name keeps its slot while it is served; a freed slot
+// is handed out again first): a reconnect marks the names a client holds
+// in a slice indexed by slot, not a map, and full states are sent in slot
+// order, so a client that keeps versions in the order it received them
+// sends them back in that order, which the index then reads sequentially
+// (see selectKnown).
+type slotted struct {
 	hash uint64
 	slot int
 }
@@ -87,14 +93,14 @@ func NewResource(w *workloadpb.Workload) (*Resource, error) {
 // is rebuilt per change.
 type Index struct {
 	mu       sync.RWMutex
-	byName   map[string]served
+	byName   map[string]slotted   // served name → its slot in bySlot
+	bySlot   []*Resource          // served resources by slot; nil: a free slot
 	nameKey  map[string]string    // name → endpoint key whose resource is served
 	keys     map[string]*keyEntry // endpoint key → its source and resource
 	claims   map[string][]string  // name → endpoint keys claiming it
 	seq      uint64               // last keyEntry.seq handed out
 	rev      uint64
-	slots    int   // slots handed out: every served Resource.slot is below
-	free     []int // slots of deleted names, handed out again first
+	free     []int // empty slots of bySlot, handed out again first
 	watchers map[*Subscription]struct{}
 	onSize   func(int)
 
@@ -118,7 +124,7 @@ var ErrNotOwner = errors.New("endpoint key belongs to another source")
 // NewIndex returns an empty index.
 func NewIndex() *Index {
 	return &Index{
-		byName:   make(map[string]served),
+		byName:   make(map[string]slotted),
 		nameKey:  make(map[string]string),
 		keys:     make(map[string]*keyEntry),
 		claims:   make(map[string][]string),
@@ -199,20 +205,21 @@ func (x *Index) upsertResource(source, key string, r *Resource) (bool, error) {
 func (x *Index) serveLocked(name, key string, r *Resource, now time.Time) bool {
 	x.nameKey[name] = key
 	cur, ok := x.byName[name]
-	if ok && cur.r.Version == r.Version {
+	if ok && x.bySlot[cur.slot].Version == r.Version {
 		return false
 	}
-	e := served{r: r, hash: r.hash, slot: cur.slot}
+	slot := cur.slot
 	switch {
 	case ok:
 	case len(x.free) > 0:
-		e.slot = x.free[len(x.free)-1]
+		slot = x.free[len(x.free)-1]
 		x.free = x.free[:len(x.free)-1]
 	default:
-		e.slot = x.slots
-		x.slots++
+		slot = len(x.bySlot)
+		x.bySlot = append(x.bySlot, nil)
 	}
-	x.byName[name] = e
+	x.byName[name] = slotted{hash: r.hash, slot: slot}
+	x.bySlot[slot] = r
 	x.rev++
 	x.notifyLocked(name, now)
 	x.sizeLocked()
@@ -283,6 +290,7 @@ func (x *Index) deleteLocked(name string, now time.Time) {
 	if !ok {
 		return
 	}
+	x.bySlot[cur.slot] = nil
 	x.free = append(x.free, cur.slot)
 	delete(x.byName, name)
 	x.rev++
@@ -300,7 +308,15 @@ func (x *Index) sizeLocked() {
 func (x *Index) Get(name string) *Resource {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	return x.byName[name].r
+	return x.getLocked(name)
+}
+
+// getLocked returns the resource served as name, or nil; x.mu is held.
+func (x *Index) getLocked(name string) *Resource {
+	if e, ok := x.byName[name]; ok {
+		return x.bySlot[e.slot]
+	}
+	return nil
 }
 
 // Len returns the number of workloads.

@@ -237,6 +237,7 @@ func (s *Server) accept(node *string, req request) bool {
 }
 
 func (st *deltaStream) handle(req *deltaRequest) error {
+	defer req.release() // the response below is selected by then
 	if !st.s.accept(&st.node, req) {
 		return nil
 	}
@@ -253,7 +254,7 @@ func (st *deltaStream) handle(req *deltaRequest) error {
 	added, addedWildcard := st.sub.ApplyDelta(first, req.GetResourceNamesSubscribe(), req.GetResourceNamesUnsubscribe())
 	var known Known
 	if first {
-		known = Known{m: req.GetInitialResourceVersions(), entries: req.known}
+		known = req.versions()
 	}
 	if addedWildcard || len(added) > 0 {
 		return st.flush(added, addedWildcard, known, received)

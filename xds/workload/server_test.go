@@ -477,8 +477,8 @@ func currentVersions(x *Index) map[string]string {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
 	out := map[string]string{}
-	for n, e := range x.byName {
-		out[n] = e.r.Version
+	for _, r := range x.allLocked() {
+		out[r.Name] = r.Version
 	}
 	return out
 }
