@@ -12,7 +12,6 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
-	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
 
@@ -273,14 +272,11 @@ func (c *addCall) claim() (err error) {
 func (c *addCall) configure() error {
 	ifName := c.args.IfName
 	return c.podNS.Do(func(ns.NetNS) error {
-		if err := renameLink(c.linkName, ifName); err != nil {
+		l, err := renameLink(c.linkName, ifName)
+		if err != nil {
 			return fmt.Errorf("failed to rename link %q to %q: %w", c.linkName, ifName, err)
 		}
 		c.linkName = ifName
-		l, err := netlinksafe.LinkByName(ifName)
-		if err != nil {
-			return fmt.Errorf("failed to find link %q: %w", ifName, err)
-		}
 		ifi := &net.Interface{Index: l.Attrs().Index, Name: ifName, HardwareAddr: l.Attrs().HardwareAddr, MTU: l.Attrs().MTU}
 		c.ifi = ifi
 		c.res.Interfaces = []*current.Interface{{Name: ifName, Mac: ifi.HardwareAddr.String(), Mtu: ifi.MTU, Sandbox: c.args.Netns}}

@@ -460,15 +460,21 @@ func (p *Plugin) Check(a *skel.CmdArgs) error {
 	})
 }
 
-// renameLink renames the link curName (in the current netns) to newName.
-// It is the two netlink calls of plugins' ip.RenameLink, written here so
-// eni-vlan does not link that package's iptables and nft helpers.
-func renameLink(curName, newName string) error {
+// renameLink renames the link curName (in the current netns) to newName
+// and returns it as it is after the rename (index, MAC and MTU do not
+// change; the name is newName). It is the two netlink calls of plugins'
+// ip.RenameLink, written here so eni-vlan does not link that package's
+// iptables and nft helpers.
+func renameLink(curName, newName string) (netlink.Link, error) {
 	l, err := netlinksafe.LinkByName(curName)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	return netlink.LinkSetName(l, newName)
+	if err := netlink.LinkSetName(l, newName); err != nil {
+		return nil, err
+	}
+	l.Attrs().Name = newName
+	return l, nil
 }
 
 // checkAddrs is CHECK's address test (as plugins' ip.ValidateExpectedInterfaceIPs):
