@@ -136,11 +136,13 @@ func (c *addCall) close() {
 // run runs the steps after parse; the caller unwinds on error.
 func (c *addCall) run() error {
 	c.t.start = time.Now()
+	if c.conf.ValidateIaasNetConfig && c.p.PrepareCloser != nil {
+		// The closer process starts while this one waits for the IPAM
+		// delegate's process: its start-up is off ADD's critical path.
+		c.p.PrepareCloser()
+	}
 	if err := c.t.time(&c.t.ipam, c.allocate); err != nil {
 		return err
-	}
-	if c.conf.ValidateIaasNetConfig && c.p.PrepareCloser != nil {
-		c.p.PrepareCloser()
 	}
 	if err := c.t.time(&c.t.endpoint, c.bind); err != nil {
 		return err

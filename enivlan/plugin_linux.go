@@ -72,10 +72,10 @@ type Plugin struct {
 	// OpenPreflight opens the pre-flight on link; it is called inside the
 	// pod netns, and its sockets are opened there on first use.
 	OpenPreflight func(link *net.Interface) Prober
-	// PrepareCloser, when set, is called once an ADD with validation on
-	// has its addresses, so that whatever the Prober's Close needs (the
-	// closer process, preflight.ExecCloser.Start) starts while the other
-	// steps run.
+	// PrepareCloser, when set, is called once by an ADD with validation
+	// on, after parse and before IPAM ADD, so that whatever the Prober's
+	// Close needs (the closer process, preflight.ExecCloser.Start) starts
+	// while ADD waits for the IPAM delegate.
 	PrepareCloser func()
 	// Log receives the plugin's logs (never stdout).
 	Log *slog.Logger
