@@ -12,7 +12,6 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
-	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
 
@@ -137,11 +136,13 @@ func (c *addCall) close() {
 // run runs the steps after parse; the caller unwinds on error.
 func (c *addCall) run() error {
 	c.t.start = time.Now()
+	if c.conf.ValidateIaasNetConfig && c.p.PrepareCloser != nil {
+		// The closer process starts while this one waits for the IPAM
+		// delegate's process: its start-up is off ADD's critical path.
+		c.p.PrepareCloser()
+	}
 	if err := c.t.time(&c.t.ipam, c.allocate); err != nil {
 		return err
-	}
-	if c.conf.ValidateIaasNetConfig && c.p.PrepareCloser != nil {
-		c.p.PrepareCloser()
 	}
 	if err := c.t.time(&c.t.endpoint, c.bind); err != nil {
 		return err
@@ -273,14 +274,11 @@ func (c *addCall) claim() (err error) {
 func (c *addCall) configure() error {
 	ifName := c.args.IfName
 	return c.podNS.Do(func(ns.NetNS) error {
-		if err := renameLink(c.linkName, ifName); err != nil {
+		l, err := renameLink(c.linkName, ifName)
+		if err != nil {
 			return fmt.Errorf("failed to rename link %q to %q: %w", c.linkName, ifName, err)
 		}
 		c.linkName = ifName
-		l, err := netlinksafe.LinkByName(ifName)
-		if err != nil {
-			return fmt.Errorf("failed to find link %q: %w", ifName, err)
-		}
 		ifi := &net.Interface{Index: l.Attrs().Index, Name: ifName, HardwareAddr: l.Attrs().HardwareAddr, MTU: l.Attrs().MTU}
 		c.ifi = ifi
 		c.res.Interfaces = []*current.Interface{{Name: ifName, Mac: ifi.HardwareAddr.String(), Mtu: ifi.MTU, Sandbox: c.args.Netns}}

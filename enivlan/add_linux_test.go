@@ -461,10 +461,11 @@ func TestAddSteps(t *testing.T) {
 			if len(u.prober.announced) != wantAnnounce || u.opened != wantOpen || u.prober.closed != wantOpen {
 				t.Errorf("announced %v, opened %d, closed %d; want %d announcement(s), %d open/close", u.prober.announced, u.opened, u.prober.closed, wantAnnounce, wantOpen)
 			}
-			// The closer is prepared once, after IPAM ADD, only when the
-			// pre-flight will need it.
-			if u.prepared != wantOpen || (validate && u.ipamAddsAtPrepare != 1) {
-				t.Errorf("PrepareCloser ran %d times (after %d IPAM ADDs); want %d, after the IPAM ADD", u.prepared, u.ipamAddsAtPrepare, wantOpen)
+			// The closer is prepared once, before IPAM ADD (its start
+			// overlaps the delegate's), only when the pre-flight will
+			// need it.
+			if u.prepared != wantOpen || (validate && u.ipamAddsAtPrepare != 0) {
+				t.Errorf("PrepareCloser ran %d times (after %d IPAM ADDs); want %d, before the IPAM ADD", u.prepared, u.ipamAddsAtPrepare, wantOpen)
 			}
 		})
 	}

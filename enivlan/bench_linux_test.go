@@ -28,20 +28,35 @@ func report(b *testing.B, d []time.Duration, prefix string) {
 	b.ReportMetric(float64(d[(len(d)*99)/100].Nanoseconds()), prefix+"p99-ns")
 }
 
+// benchIP is the address the static IPAM delegate hands out in the
+// comparisons (both sides; one pod at a time).
+const benchIP = "10.77.0.60/24"
+
+// staticIPAM is the static IPAM section both sides of a comparison
+// delegate to: benchIP, gateway 10.77.0.1, default route.
+func staticIPAM() map[string]any {
+	return map[string]any{
+		"type":      "static",
+		"addresses": []map[string]any{{"address": benchIP, "gateway": "10.77.0.1"}},
+		"routes":    []map[string]any{{"dst": "0.0.0.0/0"}},
+	}
+}
+
 // BenchmarkEniVlanAdd: CNI ADD through libcni, validation on (eni-vlan with
-// the surrogate link on this kernel, host-local, spiderpool-agent lookup,
-// ARP pre-flight) against the reference macvlan + static chain on the same
-// master and pod namespace. DEL runs between iterations, untimed.
+// the surrogate link on this kernel, spiderpool-agent lookup, ARP
+// pre-flight) against the reference macvlan on the same master and pod
+// namespace, both delegating to the same static IPAM. DEL runs between
+// iterations, untimed.
 func BenchmarkEniVlanAdd(b *testing.B) {
 	b.Run("ours", func(b *testing.B) {
-		e := newEnv(b, "1.1.0", enivlantest.CloudOptions{}, nil)
+		e := newEnv(b, "1.1.0", enivlantest.CloudOptions{}, map[string]any{"ipam": staticIPAM()})
 		n := harness.NewNS(b, "pod")
 		mac := randomMAC()
 		var d []time.Duration
 		b.ResetTimer()
 		for i := 0; i < b.N; i++ {
 			p := harness.Pod{ContainerID: harness.ContainerID(), NetNS: n.Path(), Name: "bench", Namespace: "default"}
-			e.cloud.Bind(p, enivlantest.Binding{VLAN: 100, MAC: mac})
+			e.cloud.Bind(p, enivlantest.Binding{VLAN: 100, MAC: mac, IPv4: benchIP})
 			start := time.Now()
 			if _, err := e.rt.Add(context.Background(), p); err != nil {
 				b.Fatalf("ADD: %v", err)
@@ -58,7 +73,7 @@ func BenchmarkEniVlanAdd(b *testing.B) {
 	b.Run("peer", func(b *testing.B) {
 		harness.RequireRoot(b)
 		c := enivlantest.NewCloud(b, enivlantest.CloudOptions{})
-		rt := harness.NewRuntime(b, c.Node, []string{harness.ReferencePlugins(b)}, harness.ConfList(b, "peer", "1.1.0", peerConf(c.Master)))
+		rt := harness.NewRuntime(b, c.Node, []string{harness.ReferencePlugins(b)}, harness.ConfList(b, "peer", "1.1.0", peerConf(c.Master, staticIPAM())))
 		n := harness.NewNS(b, "pod")
 		var d []time.Duration
 		b.ResetTimer()
@@ -173,13 +188,15 @@ func BenchmarkPreflight(b *testing.B) {
 
 // benchEniVlanExec times one CNI verb of whole plugin processes exec'd
 // through libcni as containerd does, in the node netns, each pod in a fresh
-// netns, all binaries stripped as `make build` builds them:
+// netns, all binaries stripped as `make build` builds them, both main
+// plugins delegating to the same IPAM plugin (ipam: "static" or
+// "host-local"):
 //
 //   - ours: eni-vlan (surrogate link on this kernel) with validation on
-//     (ARP pre-flight against the fabric), host-local IPAM, spiderpool-agent
-//     lookup over a unix socket;
-//   - peer: the reference macvlan + static on the same master.
-func benchEniVlanExec(b *testing.B, verb harness.Verb) {
+//     (ARP pre-flight against the fabric), spiderpool-agent lookup over a
+//     unix socket;
+//   - peer: the reference macvlan on the same master.
+func benchEniVlanExec(b *testing.B, verb harness.Verb, ipam string) {
 	harness.RequireRoot(b)
 	plugins := func(b *testing.B, pkgs ...string) (string, []string) {
 		var dirs []string
@@ -192,45 +209,56 @@ func benchEniVlanExec(b *testing.B, verb harness.Verb) {
 		}
 		return filepath.Join(dirs[0], filepath.Base(pkgs[0])), dirs
 	}
+	ipamConf := func(c *enivlantest.Cloud) map[string]any {
+		if ipam == "static" {
+			return staticIPAM()
+		}
+		return c.IPAM
+	}
+	ipamPkg := harness.ReferencePluginsModule + "/plugins/ipam/" + ipam
 	b.Run("ours", func(b *testing.B) {
-		bin, dirs := plugins(b, "./cmd/eni-vlan", harness.ReferencePluginsModule+"/plugins/ipam/host-local")
+		bin, dirs := plugins(b, "./cmd/eni-vlan", ipamPkg)
 		c := enivlantest.NewCloud(b, enivlantest.CloudOptions{})
 		ex := harness.NewRSSExec()
-		rt := harness.NewRuntimeExec(b, c.Node, dirs, harness.ConfList(b, c.Network, "1.1.0", c.PluginConf(nil)), ex)
+		rt := harness.NewRuntimeExec(b, c.Node, dirs, harness.ConfList(b, c.Network, "1.1.0", c.PluginConf(map[string]any{"ipam": ipamConf(c)})), ex)
 		mac := randomMAC()
 		harness.ExecBench(b, rt, ex, bin, verb, func(netns string) harness.Pod {
 			p := harness.Pod{ContainerID: harness.ContainerID(), NetNS: netns, Name: "bench", Namespace: "default"}
-			c.Bind(p, enivlantest.Binding{VLAN: 100, MAC: mac})
+			bd := enivlantest.Binding{VLAN: 100, MAC: mac}
+			if ipam == "static" {
+				bd.IPv4 = benchIP
+			}
+			c.Bind(p, bd)
 			return p
 		})
 	})
 	b.Run("peer", func(b *testing.B) {
-		bin, dirs := plugins(b, harness.ReferencePluginsModule+"/plugins/main/macvlan", harness.ReferencePluginsModule+"/plugins/ipam/static")
+		bin, dirs := plugins(b, harness.ReferencePluginsModule+"/plugins/main/macvlan", ipamPkg)
 		c := enivlantest.NewCloud(b, enivlantest.CloudOptions{})
 		ex := harness.NewRSSExec()
-		rt := harness.NewRuntimeExec(b, c.Node, dirs, harness.ConfList(b, "peer", "1.1.0", peerConf(c.Master)), ex)
+		rt := harness.NewRuntimeExec(b, c.Node, dirs, harness.ConfList(b, c.Network, "1.1.0", peerConf(c.Master, ipamConf(c))), ex)
 		harness.ExecBench(b, rt, ex, bin, verb, func(netns string) harness.Pod {
 			return harness.Pod{ContainerID: harness.ContainerID(), NetNS: netns, Name: "bench", Namespace: "default"}
 		})
 	})
 }
 
-// peerConf is the reference macvlan + static plugin object on master.
-func peerConf(master string) map[string]any {
-	return map[string]any{
-		"type": "macvlan", "master": master, "mode": "bridge",
-		"ipam": map[string]any{
-			"type":      "static",
-			"addresses": []map[string]any{{"address": "10.77.0.60/24", "gateway": "10.77.0.1"}},
-			"routes":    []map[string]any{{"dst": "0.0.0.0/0"}},
-		},
-	}
+// peerConf is the reference macvlan plugin object on master with ipam.
+func peerConf(master string, ipam map[string]any) map[string]any {
+	return map[string]any{"type": "macvlan", "master": master, "mode": "bridge", "ipam": ipam}
 }
 
-// BenchmarkEniVlanExecAdd: eni-vlan's whole-process ADD vs macvlan + static
-// (see benchEniVlanExec); issue 15.
-func BenchmarkEniVlanExecAdd(b *testing.B) { benchEniVlanExec(b, harness.VerbAdd) }
+// BenchmarkEniVlanExecAdd: eni-vlan's whole-process ADD vs macvlan, both
+// with static IPAM (see benchEniVlanExec); issue 15.
+func BenchmarkEniVlanExecAdd(b *testing.B) { benchEniVlanExec(b, harness.VerbAdd, "static") }
 
-// BenchmarkEniVlanExecDel: eni-vlan's whole-process DEL vs macvlan + static
-// (see benchEniVlanExec); issue 15.
-func BenchmarkEniVlanExecDel(b *testing.B) { benchEniVlanExec(b, harness.VerbDel) }
+// BenchmarkEniVlanExecDel: eni-vlan's whole-process DEL vs macvlan, both
+// with static IPAM (see benchEniVlanExec); issue 15.
+func BenchmarkEniVlanExecDel(b *testing.B) { benchEniVlanExec(b, harness.VerbDel, "static") }
+
+// BenchmarkEniVlanExecAddHostLocal: the whole-process ADD with host-local
+// IPAM on both sides (a second IPAM exec plus its file locking), an
+// informational row next to BenchmarkEniVlanExecAdd.
+func BenchmarkEniVlanExecAddHostLocal(b *testing.B) {
+	benchEniVlanExec(b, harness.VerbAdd, "host-local")
+}

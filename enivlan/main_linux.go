@@ -7,7 +7,6 @@ import (
 	"github.com/containernetworking/cni/pkg/version"
 
 	"aether.io/node/enivlan/link"
-	"aether.io/node/enivlan/preflight"
 	"aether.io/node/pkg/cniutil"
 )
 
@@ -17,10 +16,6 @@ const About = "eni-vlan: IaaS sub-ENI VLAN CNI plugin (spiderpool)"
 // Main runs the plugin (skel dispatch on CNI_COMMAND) and returns the exit
 // code. Builds with the surrogate link tag say so in the log and in VERSION.
 func Main() int {
-	if preflight.RunCloserFromEnv() {
-		// A socket closer started by an ADD: nothing else to do.
-		return 0
-	}
 	log, closeLog := NewLogger()
 	defer closeLog()
 	about := About

@@ -72,10 +72,10 @@ type Plugin struct {
 	// OpenPreflight opens the pre-flight on link; it is called inside the
 	// pod netns, and its sockets are opened there on first use.
 	OpenPreflight func(link *net.Interface) Prober
-	// PrepareCloser, when set, is called once an ADD with validation on
-	// has its addresses, so that whatever the Prober's Close needs (the
-	// closer process, preflight.ExecCloser.Start) starts while the other
-	// steps run.
+	// PrepareCloser, when set, is called once by an ADD with validation
+	// on, after parse and before IPAM ADD, so that whatever the Prober's
+	// Close needs (the closer process, preflight.ExecCloser.Start) starts
+	// while ADD waits for the IPAM delegate.
 	PrepareCloser func()
 	// Log receives the plugin's logs (never stdout).
 	Log *slog.Logger
@@ -460,15 +460,21 @@ func (p *Plugin) Check(a *skel.CmdArgs) error {
 	})
 }
 
-// renameLink renames the link curName (in the current netns) to newName.
-// It is the two netlink calls of plugins' ip.RenameLink, written here so
-// eni-vlan does not link that package's iptables and nft helpers.
-func renameLink(curName, newName string) error {
+// renameLink renames the link curName (in the current netns) to newName
+// and returns it as it is after the rename (index, MAC and MTU do not
+// change; the name is newName). It is the two netlink calls of plugins'
+// ip.RenameLink, written here so eni-vlan does not link that package's
+// iptables and nft helpers.
+func renameLink(curName, newName string) (netlink.Link, error) {
 	l, err := netlinksafe.LinkByName(curName)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	return netlink.LinkSetName(l, newName)
+	if err := netlink.LinkSetName(l, newName); err != nil {
+		return nil, err
+	}
+	l.Attrs().Name = newName
+	return l, nil
 }
 
 // checkAddrs is CHECK's address test (as plugins' ip.ValidateExpectedInterfaceIPs):

@@ -13,7 +13,7 @@ import (
 // New returns the plugin wired to the real spiderpool-agent, kernel
 // (link.Default: 802.1Q, or the surrogate in a test build) and packet
 // sockets, logging to log. The pre-flight's sockets are closed by a
-// detached closer process (preflight.ExecCloser, started after IPAM ADD),
+// detached closer process (preflight.ExecCloser, started before IPAM ADD),
 // so the runtime does not wait for their RCU grace period. It does no I/O.
 func New(log *slog.Logger) *Plugin {
 	closer := &preflight.ExecCloser{}

@@ -7,26 +7,23 @@ import (
 	"os/exec"
 	"sync"
 	"syscall"
-	"time"
 
 	"github.com/mdlayher/packet"
 	"golang.org/x/sys/unix"
+
+	"aether.io/node/enivlan/preflight/closerproc"
 )
 
-// CloserEnv marks a process started by ExecCloser: RunCloserFromEnv, called
-// first thing in main, makes it hold the sockets it is sent until the
-// plugin exits, and then exit itself.
-const CloserEnv = "ENI_VLAN_SOCKET_CLOSER"
+// CloserEnv marks a process started by ExecCloser (closerproc.Env): the
+// closerproc package's init makes it hold the sockets it is sent until the
+// plugin exits, and then exit, before the plugin's other packages are
+// initialised.
+const CloserEnv = closerproc.Env
 
 // MaxCloserLife bounds a closer's wait for the plugin to exit; it then exits
 // anyway. Either way, the kernel closes the sockets it holds as it exits,
 // paying their RCU grace period there.
-const MaxCloserLife = 10 * time.Second
-
-// closerFD is the descriptor a closer inherits: its end of a unix socket
-// pair whose other end only the plugin holds. The plugin sends the sockets
-// over it (SCM_RIGHTS); EOF means the plugin exited.
-const closerFD = 3
+const MaxCloserLife = closerproc.MaxLife
 
 // Closer takes over duplicates of the pre-flight's open sockets and
 // releases them outside the runtime's wait (ExecCloser; a fake in tests).
@@ -84,7 +81,7 @@ func (e *ExecCloser) spawn() (int, error) {
 	child := os.NewFile(uintptr(pair[1]), "closer")
 	cmd := exec.Command(path)
 	cmd.Env = []string{CloserEnv + "=1"}
-	cmd.ExtraFiles = []*os.File{child}
+	cmd.ExtraFiles = []*os.File{child} // descriptor 3 in the child: closerproc.FD
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	err = cmd.Start()
 	_ = child.Close()
@@ -124,39 +121,6 @@ func (e *ExecCloser) Close() error {
 		return nil
 	}
 	return unix.Close(e.fd)
-}
-
-// RunCloserFromEnv is called first thing in main: when the process is a
-// closer (CloserEnv set) it holds the sockets it receives until the plugin
-// that started it exits (or MaxCloserLife) and returns true, and main then
-// exits; otherwise it returns false at once.
-func RunCloserFromEnv() bool {
-	if os.Getenv(CloserEnv) == "" {
-		return false
-	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		buf := make([]byte, 1)
-		oob := make([]byte, unix.CmsgSpace(8*4))
-		for {
-			// Received descriptors are kept open: this process's exit
-			// closes them.
-			n, oobn, _, _, err := unix.Recvmsg(closerFD, buf, oob, unix.MSG_CMSG_CLOEXEC)
-			if errors.Is(err, unix.EINTR) {
-				continue
-			}
-			if err != nil || (n == 0 && oobn == 0) {
-				return // EOF: the plugin exited
-			}
-		}
-	}()
-	t := time.NewTimer(MaxCloserLife)
-	select {
-	case <-done:
-	case <-t.C:
-	}
-	return true
 }
 
 // handOff gives duplicates of c's open sockets to cl and closes c's own

@@ -19,13 +19,9 @@ import (
 	"aether.io/node/test/harness"
 )
 
-func TestMain(m *testing.M) {
-	if RunCloserFromEnv() {
-		// This test binary, started as a closer by ExecCloser.
-		os.Exit(0)
-	}
-	harness.Main(m)
-}
+// TestMain: this test binary started by ExecCloser (CloserEnv set) is a
+// closer; closerproc's init runs it and exits before TestMain.
+func TestMain(m *testing.M) { harness.Main(m) }
 
 // openSockets returns a Conn on lo in a fresh netns with its ARP and IPv6
 // packet sockets open, and their identities ("socket:[inode]").

@@ -1,14 +1,21 @@
 // Package spiderpool is a small client of spiderpool-agent's unix-socket API:
 // GetWorkloadEndpoint (GET /v1/workloadendpoint?podNamespace=&podName=) and
-// the health check (GET /v1/ipam/healthy). It is hand-rolled on net/http
-// with a context-aware unix dialer, so a hung or absent agent is bounded by
-// the caller's context, and it validates what the agent returns: the agent
-// reads an informer cache that lags the IPAM write, and omits "vlan" when 0
-// and "mac" when empty, so an answer is only a binding once it names a VLAN
-// in 1..4094, a unicast MAC, the IPs IPAM allocated and the pod's UID.
+// the health check (GET /v1/ipam/healthy).
+//
+// Each call is one HTTP/1.1 request on its own unix-socket connection
+// (net/http's wire format without a Transport: a plugin process makes one
+// or two calls, and a Transport's pool, per-connection goroutines and
+// HTTP/2 set-up cost more than they save there). Dial, write and read are
+// bounded by the caller's context, so a hung or absent agent is too.
+//
+// It validates what the agent returns: the agent reads an informer cache
+// that lags the IPAM write, and omits "vlan" when 0 and "mac" when empty,
+// so an answer is only a binding once it names a VLAN in 1..4094, a
+// unicast MAC, the IPs IPAM allocated and the pod's UID.
 package spiderpool
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"errors"
@@ -193,26 +200,20 @@ func Select(s *WorkloadEndpointStatus, q Query) (*Binding, error) {
 // Client talks to spiderpool-agent over its unix socket.
 type Client struct {
 	socket string
-	http   *http.Client
+	dialer net.Dialer
 	// MinBackoff and MaxBackoff bound the retry delay of Lookup.
 	MinBackoff, MaxBackoff time.Duration
 }
 
 // New returns a client of the agent listening on socket. It does no I/O.
 func New(socket string) *Client {
-	d := &net.Dialer{}
-	tr := &http.Transport{
-		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			return d.DialContext(ctx, "unix", socket)
-		},
-		DisableCompression: true,
-		MaxIdleConns:       1,
-	}
-	return &Client{socket: socket, http: &http.Client{Transport: tr}, MinBackoff: 10 * time.Millisecond, MaxBackoff: 500 * time.Millisecond}
+	return &Client{socket: socket, MinBackoff: 10 * time.Millisecond, MaxBackoff: 500 * time.Millisecond}
 }
 
-// Close releases idle connections.
-func (c *Client) Close() { c.http.CloseIdleConnections() }
+// Close releases the client's resources. Every call closes its own
+// connection, so there is nothing left to release; Close exists for the
+// callers' interface.
+func (c *Client) Close() {}
 
 // StatusError is a non-200 answer of the agent.
 type StatusError struct {
@@ -226,6 +227,8 @@ func (e *StatusError) Error() string {
 	return fmt.Sprintf("spiderpool-agent answered HTTP %d: %s", e.Code, e.Body)
 }
 
+// get is one GET of path?q on a new connection ("Connection: close"),
+// bounded by ctx.
 func (c *Client) get(ctx context.Context, path string, q url.Values) ([]byte, error) {
 	u := url.URL{Scheme: "http", Host: "spiderpool-agent", Path: path, RawQuery: q.Encode()}
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u.String(), nil)
@@ -233,7 +236,20 @@ func (c *Client) get(ctx context.Context, path string, q url.Values) ([]byte, er
 		return nil, fmt.Errorf("failed to build request %q: %w", path, err)
 	}
 	req.Header.Set("Accept", "application/json")
-	resp, err := c.http.Do(req)
+	req.Close = true
+	conn, err := c.dialer.DialContext(ctx, "unix", c.socket)
+	if err != nil {
+		return nil, fmt.Errorf("failed to reach spiderpool-agent at %q: %w", c.socket, err)
+	}
+	defer conn.Close()
+	// The context bounds the exchange: its deadline is the connection's,
+	// and its cancellation ends a blocked write or read at once.
+	if d, ok := ctx.Deadline(); ok {
+		_ = conn.SetDeadline(d)
+	}
+	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	resp, err := roundTrip(conn, req)
 	if err != nil {
 		return nil, fmt.Errorf("failed to reach spiderpool-agent at %q: %w", c.socket, err)
 	}
@@ -250,6 +266,18 @@ func (c *Client) get(ctx context.Context, path string, q url.Values) ([]byte, er
 		return nil, &StatusError{Code: resp.StatusCode, Body: b}
 	}
 	return body, nil
+}
+
+// roundTrip writes req on conn and reads its response header.
+func roundTrip(conn net.Conn, req *http.Request) (*http.Response, error) {
+	w := bufio.NewWriter(conn)
+	if err := req.Write(w); err != nil {
+		return nil, err
+	}
+	if err := w.Flush(); err != nil {
+		return nil, err
+	}
+	return http.ReadResponse(bufio.NewReader(conn), req)
 }
 
 // Healthy calls GET /v1/ipam/healthy and returns nil on HTTP 200.
@@ -324,6 +352,11 @@ func (c *Client) Lookup(ctx context.Context, q Query) (*Binding, error) {
 		}
 		if !retryable(err) {
 			return nil, &LookupError{Attempts: attempts, Last: err}
+		}
+		if d, ok := ctx.Deadline(); ok && !time.Now().Before(d) {
+			// The deadline has passed: the call it cut can fail (i/o
+			// timeout) a moment before ctx says so.
+			<-ctx.Done()
 		}
 		// Keep the last informative answer, not the deadline that cut a call.
 		if last == nil || ctx.Err() == nil {

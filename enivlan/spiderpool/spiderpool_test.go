@@ -236,3 +236,17 @@ func TestLookupAgentAbsent(t *testing.T) {
 		t.Errorf("err %v", err)
 	}
 }
+
+// BenchmarkLookupOnce is what one plugin process does: a new client, one
+// Lookup answered at once, Close.
+func BenchmarkLookupOnce(b *testing.B) {
+	a := enivlantest.StartAgent(b)
+	a.Set(binding())
+	for b.Loop() {
+		c := spiderpool.New(a.Socket)
+		if _, err := c.Lookup(context.Background(), query()); err != nil {
+			b.Fatal(err)
+		}
+		c.Close()
+	}
+}
