@@ -231,6 +231,11 @@ var heavy = append([]string{
 // OpenTelemetry API, for IPAM delegation); aether-cni delegates nothing.
 var notForMeshCNI = []string{
 	"go.opentelemetry.io/otel",
+	// the buf.validate rules are the agent's: the API's generated code
+	// imports validate.proto as an option import only (tools/protogen), so
+	// a client links neither its types nor descriptor.proto's.
+	"buf.build/gen/go/bufbuild/protovalidate",
+	"google.golang.org/protobuf/types/descriptorpb",
 }
 
 // notForCSI are the CSI sanity suite and its test framework.

@@ -17,7 +17,6 @@
 package cniv1
 
 import (
-	_ "buf.build/gen/go/bufbuild/protovalidate/protocolbuffers/go/buf/validate"
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	durationpb "google.golang.org/protobuf/types/known/durationpb"
@@ -942,7 +941,7 @@ var File_aether_cni_v1_cni_proto protoreflect.FileDescriptor
 
 const file_aether_cni_v1_cni_proto_rawDesc = "" +
 	"\n" +
-	"\x17aether/cni/v1/cni.proto\x12\raether.cni.v1\x1a\x1bbuf/validate/validate.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1egoogle/protobuf/wrappers.proto\"\x8d\x06\n" +
+	"\x17aether/cni/v1/cni.proto\x12\raether.cni.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1egoogle/protobuf/wrappers.proto\"\x8d\x06\n" +
 	"\x06CNIPod\x12!\n" +
 	"\x04name\x18\x01 \x01(\tB\r\xbaH\n" +
 	"\xc8\x01\x01r\x05\x10\x01\x18\xfd\x01R\x04name\x12*\n" +
@@ -1024,7 +1023,7 @@ const file_aether_cni_v1_cni_proto_rawDesc = "" +
 	"\x06AddPod\x12\x1c.aether.cni.v1.AddPodRequest\x1a\x1d.aether.cni.v1.AddPodResponse\"\x00\x12P\n" +
 	"\tRemovePod\x12\x1f.aether.cni.v1.RemovePodRequest\x1a .aether.cni.v1.RemovePodResponse\"\x00\x12b\n" +
 	"\x0fReportAddResult\x12%.aether.cni.v1.ReportAddResultRequest\x1a&.aether.cni.v1.ReportAddResultResponse\"\x00\x12G\n" +
-	"\x06GetPod\x12\x1c.aether.cni.v1.GetPodRequest\x1a\x1d.aether.cni.v1.GetPodResponse\"\x00B(Z&aether.io/node/api/aether/cni/v1;cniv1b\x06proto3"
+	"\x06GetPod\x12\x1c.aether.cni.v1.GetPodRequest\x1a\x1d.aether.cni.v1.GetPodResponse\"\x00B(Z&aether.io/node/api/aether/cni/v1;cniv1b\x06proto3z\x1bbuf/validate/validate.proto"
 
 var (
 	file_aether_cni_v1_cni_proto_rawDescOnce sync.Once
