@@ -236,6 +236,9 @@ var notForMeshCNI = []string{
 	// a client links neither its types nor descriptor.proto's.
 	"buf.build/gen/go/bufbuild/protovalidate",
 	"google.golang.org/protobuf/types/descriptorpb",
+	// it calls the agent (and the CRI runtime) through
+	// meshcni/internal/grpcwire: grpc-go's init and size cost every exec.
+	"google.golang.org/grpc",
 }
 
 // notForCSI are the CSI sanity suite and its test framework.

@@ -37,8 +37,13 @@ import (
 // Config says where the inputs and outputs are.
 type Config struct {
 	// ProtoRoot holds the .proto files; it is the import root and the output
-	// root of the Go code (paths=source_relative).
+	// root of the Go code.
 	ProtoRoot string
+	// GoModule is the Go import path of ProtoRoot: a file's Go code goes to
+	// its go_package with this prefix taken off, under ProtoRoot (protoc's
+	// module= option), so a .proto can generate into another directory than
+	// its own (the CNI service's gRPC stubs, apart from its messages).
+	GoModule string
 	// DocsDir receives one Markdown file per proto package.
 	DocsDir string
 	// GoPlugin and GRPCPlugin are the plugin binaries.
@@ -58,7 +63,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
-	req := buildRequest(compiled, files)
+	req := buildRequest(compiled, files, cfg.GoModule)
 	for _, plugin := range []string{cfg.GoPlugin, cfg.GRPCPlugin} {
 		n, err := runPlugin(ctx, plugin, req, cfg.ProtoRoot)
 		if err != nil {
@@ -129,8 +134,9 @@ func Compile(ctx context.Context, root string, files []string) ([]protoreflect.F
 	return out, nil
 }
 
-// buildRequest lists every file in dependency order, as protoc does.
-func buildRequest(compiled []protoreflect.FileDescriptor, toGenerate []string) *pluginpb.CodeGeneratorRequest {
+// buildRequest lists every file in dependency order, as protoc does; Go code
+// goes to each file's go_package relative to goModule.
+func buildRequest(compiled []protoreflect.FileDescriptor, toGenerate []string, goModule string) *pluginpb.CodeGeneratorRequest {
 	var (
 		seen  = map[string]protoreflect.FileDescriptor{}
 		order []*descriptorpb.FileDescriptorProto
@@ -161,7 +167,7 @@ func buildRequest(compiled []protoreflect.FileDescriptor, toGenerate []string) *
 	}
 	return &pluginpb.CodeGeneratorRequest{
 		FileToGenerate: toGenerate,
-		Parameter:      proto.String("paths=source_relative"),
+		Parameter:      proto.String("module=" + goModule),
 		ProtoFile:      order,
 	}
 }

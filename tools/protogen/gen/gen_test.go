@@ -112,7 +112,7 @@ func TestOptionOnlyImports(t *testing.T) {
 		t.Fatal(err)
 	}
 	byName := map[string]*descriptorpb.FileDescriptorProto{}
-	for _, fdp := range buildRequest(fds, files).GetProtoFile() {
+	for _, fdp := range buildRequest(fds, files, "aether.io/node/api").GetProtoFile() {
 		byName[fdp.GetName()] = fdp
 	}
 	for _, tc := range []struct {
