@@ -247,7 +247,13 @@ func TestLargeResponse(t *testing.T) {
 	for i := range 300 {
 		ann[fmt.Sprintf("example.com/a%d", i)] = strings.Repeat("x", 1024)
 	}
-	c := client(t, serve(t, &fakeAgent{annotations: ann}), 1)
+	// A generous deadline: a stall (a window never refilled) fails it,
+	// a busy machine does not.
+	c, err := agentclient.New(serve(t, &fakeAgent{annotations: ann}), agentclient.Options{Timeout: 20 * time.Second, Attempts: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
 	for range 2 { // the second answer rides the windows the first refilled
 		r, err := c.GetPod(context.Background(), "known")
 		if err != nil {
@@ -256,6 +262,29 @@ func TestLargeResponse(t *testing.T) {
 		if !maps.Equal(r.GetPod().GetAnnotations(), ann) {
 			t.Fatalf("GetPod returned %d annotations, want %d", len(r.GetPod().GetAnnotations()), len(ann))
 		}
+	}
+}
+
+// TestManyCallsOneConnection: requests adding up to several times HTTP/2's
+// initial connection window go through on one connection (the client
+// counts the window down and back up with the agent's WINDOW_UPDATEs).
+func TestManyCallsOneConnection(t *testing.T) {
+	f := &fakeAgent{}
+	sock, accepted := serveCounting(t, f)
+	c := client(t, sock, 1)
+	req := &cniv1.ReportAddResultRequest{ContainerId: "c", Timings: &cniv1.PluginTimings{
+		ReadinessProbeError: strings.Repeat("r", 4096), CaptureDivertError: strings.Repeat("d", 4096),
+	}}
+	for i := range 40 { // 40 x 8 KiB: five times the 64 KiB window
+		if err := c.ReportAddResult(context.Background(), req); err != nil {
+			t.Fatalf("report %d: %v", i, err)
+		}
+	}
+	if n := f.reports.Load(); n != 40 {
+		t.Fatalf("agent got %d reports, want 40", n)
+	}
+	if n := accepted.Load(); n != 1 {
+		t.Fatalf("the calls used %d connections, want 1", n)
 	}
 }
 

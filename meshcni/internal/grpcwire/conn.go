@@ -78,6 +78,7 @@ type Conn struct {
 	rbuf  []byte
 	frame uint32 // the server's SETTINGS_MAX_FRAME_SIZE
 	win   int64  // the server's initial stream window
+	send  int64  // what is left of the connection's send window
 	recv  int    // DATA received since the last WINDOW_UPDATE
 }
 
@@ -107,7 +108,7 @@ func (c *Conn) startDial() *dialing {
 	ctx, cancel := context.WithCancel(context.Background())
 	d := &dialing{done: make(chan struct{}), cancel: cancel}
 	c.dial, c.id, c.recv = d, 0, 0
-	c.frame, c.win = defaultMaxFrame, defaultWindow
+	c.frame, c.win, c.send = defaultMaxFrame, defaultWindow, defaultWindow
 	c.enc = hpack.NewEncoder(&c.encb)
 	c.dec = hpack.NewDecoder(4096, nil)
 	go func() {
@@ -224,11 +225,13 @@ func (c *Conn) call(ctx context.Context, conn net.Conn, method string, msg []byt
 // server sent GOAWAY, or the error that broke the connection: an I/O error,
 // or a *Status for a stream the server reset or a protocol violation.
 func (c *Conn) exchange(conn net.Conn, method string, msg []byte, deadline time.Time) (st *Status, body []byte, goingAway bool, err error) {
-	if int64(len(msg))+5 > min(c.win, defaultWindow) {
-		// Requests are small (a pod's identity and timings); bigger ones
+	n := int64(len(msg)) + 5
+	if n > min(c.win, c.send) {
+		// Requests are small (a pod's identity and timings); a bigger one
 		// would have to wait for WINDOW_UPDATEs, which this client does not.
 		return nil, nil, false, &Status{Code: ResourceExhausted, Message: fmt.Sprintf("request of %d bytes exceeds the HTTP/2 flow-control window", len(msg))}
 	}
+	c.send -= n
 	c.id += 2
 	if c.id == 2 {
 		c.id = 1
@@ -257,6 +260,10 @@ func (c *Conn) exchange(conn net.Conn, method string, msg []byte, deadline time.
 				if _, err := conn.Write(appendFrame(nil, framePing, flagAck, 0, payload)); err != nil {
 					return nil, nil, goingAway, err
 				}
+			}
+		case frameWindowUpdate:
+			if sid == 0 && len(payload) == 4 {
+				c.send += int64(binary.BigEndian.Uint32(payload) & 0x7fffffff)
 			}
 		case frameGoAway:
 			if len(payload) < 8 {

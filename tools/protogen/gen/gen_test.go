@@ -17,6 +17,14 @@ const moduleRoot = "../../.."
 
 func compileAPI(t *testing.T) map[string][]protoreflect.FileDescriptor {
 	t.Helper()
+	_, fds := compileFiles(t)
+	return byPackage(fds)
+}
+
+// compileFiles compiles every .proto under api/ and returns their paths and
+// descriptors.
+func compileFiles(t *testing.T) ([]string, []protoreflect.FileDescriptor) {
+	t.Helper()
 	root := filepath.Join(moduleRoot, "api")
 	files, err := findProtos(root)
 	if err != nil {
@@ -26,7 +34,7 @@ func compileAPI(t *testing.T) map[string][]protoreflect.FileDescriptor {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return byPackage(fds)
+	return files, fds
 }
 
 // TestDocsAreCurrent renders the reference and compares it with docs/api, so
@@ -102,15 +110,7 @@ func TestConstraintsRendered(t *testing.T) {
 // extension names stay imports. Files that are only dependencies are sent
 // unchanged.
 func TestOptionOnlyImports(t *testing.T) {
-	root := filepath.Join(moduleRoot, "api")
-	files, err := findProtos(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	fds, err := Compile(context.Background(), root, files)
-	if err != nil {
-		t.Fatal(err)
-	}
+	files, fds := compileFiles(t)
 	byName := map[string]*descriptorpb.FileDescriptorProto{}
 	for _, fdp := range buildRequest(fds, files, "aether.io/node/api").GetProtoFile() {
 		byName[fdp.GetName()] = fdp
