@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc"
 
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/api/aether/cni/v1/cniv1grpc"
 	"aether.io/node/meshcni"
 	"aether.io/node/meshcni/internal/benchutil"
 	"aether.io/node/meshcni/pin"
@@ -30,7 +31,7 @@ func TestMain(m *testing.M) { harness.Main(m) }
 // minimalAgent answers every CNIService call at once: the benchmark
 // measures the plugin's side, as the peer's HTTP server measures istio-cni's.
 type minimalAgent struct {
-	cniv1.UnimplementedCNIServiceServer
+	cniv1grpc.UnimplementedCNIServiceServer
 }
 
 func (minimalAgent) AddPod(context.Context, *cniv1.AddPodRequest) (*cniv1.AddPodResponse, error) {
@@ -189,7 +190,7 @@ func serveMinimalAgent(tb testing.TB, dir string) string {
 		tb.Fatal(err)
 	}
 	srv := grpc.NewServer()
-	cniv1.RegisterCNIServiceServer(srv, minimalAgent{})
+	cniv1grpc.RegisterCNIServiceServer(srv, minimalAgent{})
 	go func() { _ = srv.Serve(l) }()
 	tb.Cleanup(srv.Stop)
 	return sock

@@ -23,6 +23,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/api/aether/cni/v1/cniv1grpc"
 	"aether.io/node/meshcni/agentclient"
 	"aether.io/node/meshcni/capture"
 	"aether.io/node/pkg/cniutil"
@@ -465,7 +466,7 @@ func TestAddForwardsPodUID(t *testing.T) {
 // timingsAgent is a CNIService over a unix socket that records the
 // plugin_timings of every AddPod, RemovePod and ReportAddResult.
 type timingsAgent struct {
-	cniv1.UnimplementedCNIServiceServer
+	cniv1grpc.UnimplementedCNIServiceServer
 	mu                        sync.Mutex
 	add, remove, report       *cniv1.PluginTimings
 	addSeen, removeSeen, seen bool
@@ -503,7 +504,7 @@ func TestTimingsOnEveryRPC(t *testing.T) {
 	}
 	agent := &timingsAgent{}
 	srv := grpc.NewServer()
-	cniv1.RegisterCNIServiceServer(srv, agent)
+	cniv1grpc.RegisterCNIServiceServer(srv, agent)
 	done := make(chan struct{})
 	go func() { defer close(done); _ = srv.Serve(l) }()
 	t.Cleanup(func() { srv.Stop(); <-done })

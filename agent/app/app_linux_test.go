@@ -23,6 +23,7 @@ import (
 	"aether.io/node/agent/identity/identitytest"
 	"aether.io/node/agent/store"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/api/aether/cni/v1/cniv1grpc"
 	"aether.io/node/xds/resource"
 )
 
@@ -122,7 +123,7 @@ func TestRunCleanStop(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = cniv1.NewCNIServiceClient(cc).GetPod(ctx, &cniv1.GetPodRequest{ContainerId: "c1"})
+	_, err = cniv1grpc.NewCNIServiceClient(cc).GetPod(ctx, &cniv1.GetPodRequest{ContainerId: "c1"})
 	if status.Code(err) != codes.NotFound {
 		t.Errorf("GetPod of an unknown container = %v, want NotFound", err)
 	}

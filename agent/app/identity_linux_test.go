@@ -17,6 +17,7 @@ import (
 	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/identity/identitytest"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/api/aether/cni/v1/cniv1grpc"
 )
 
 // x509Watcher forwards go-spiffe's watch callbacks to channels.
@@ -80,7 +81,7 @@ func TestIdentityWorkloadAPI(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = cc.Close() })
-	cni := cniv1.NewCNIServiceClient(cc)
+	cni := cniv1grpc.NewCNIServiceClient(cc)
 	writeManifestFile(t, c.PodManifests, "web-1", "uid-web-1", "n1")
 	add := func() {
 		t.Helper()

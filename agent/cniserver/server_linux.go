@@ -23,11 +23,12 @@ import (
 	"aether.io/node/agent/pods"
 	"aether.io/node/agent/telemetry"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/api/aether/cni/v1/cniv1grpc"
 )
 
-// Server implements cniv1.CNIServiceServer on a pods.Manager.
+// Server implements cniv1grpc.CNIServiceServer on a pods.Manager.
 type Server struct {
-	cniv1.UnimplementedCNIServiceServer
+	cniv1grpc.UnimplementedCNIServiceServer
 	mgr *pods.Manager
 	log *slog.Logger
 }
@@ -128,7 +129,7 @@ type Options struct {
 
 // NewGRPCServer returns a grpc.Server with the SO_PEERCRED credentials, the
 // peer, tracing and validation interceptors, and srv registered.
-func NewGRPCServer(srv cniv1.CNIServiceServer, o Options) (*grpc.Server, error) {
+func NewGRPCServer(srv cniv1grpc.CNIServiceServer, o Options) (*grpc.Server, error) {
 	v, err := protovalidate.New()
 	if err != nil {
 		return nil, fmt.Errorf("failed to build request validator: %w", err)
@@ -144,7 +145,7 @@ func NewGRPCServer(srv cniv1.CNIServiceServer, o Options) (*grpc.Server, error) 
 	}
 	ic := &interceptor{o: o, v: v}
 	g := grpc.NewServer(grpc.Creds(PeerCredentials()), grpc.ChainUnaryInterceptor(ic.unary))
-	cniv1.RegisterCNIServiceServer(g, srv)
+	cniv1grpc.RegisterCNIServiceServer(g, srv)
 	return g, nil
 }
 

@@ -22,12 +22,13 @@ import (
 	"aether.io/node/agent/store"
 	"aether.io/node/agent/telemetry"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/api/aether/cni/v1/cniv1grpc"
 	"aether.io/node/pkg/unixsock"
 	"aether.io/node/registry/local"
 )
 
 // serve runs a CNIService whose pod source is the returned manifest dir.
-func serve(t *testing.T, allowed []uint32) (cniv1.CNIServiceClient, *tracetest.SpanRecorder, string) {
+func serve(t *testing.T, allowed []uint32) (cniv1grpc.CNIServiceClient, *tracetest.SpanRecorder, string) {
 	t.Helper()
 	dir := t.TempDir()
 	st, err := store.Open(filepath.Join(dir, "state"), store.Options{NoSync: true})
@@ -61,7 +62,7 @@ func serve(t *testing.T, allowed []uint32) (cniv1.CNIServiceClient, *tracetest.S
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cc.Close() })
-	return cniv1.NewCNIServiceClient(cc), rec, mdir
+	return cniv1grpc.NewCNIServiceClient(cc), rec, mdir
 }
 
 func TestReportAddResultSpanAttributes(t *testing.T) {

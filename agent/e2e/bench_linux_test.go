@@ -17,6 +17,7 @@ import (
 
 	"aether.io/node/agent/internal/benchstat"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/api/aether/cni/v1/cniv1grpc"
 )
 
 // peerAgent is the AddPod peer: a CNIService on a unix socket whose AddPod
@@ -24,7 +25,7 @@ import (
 // before answering (the per-pod file design of Aether's agent), with the
 // pod's labels looked up in memory.
 type peerAgent struct {
-	cniv1.UnimplementedCNIServiceServer
+	cniv1grpc.UnimplementedCNIServiceServer
 	dir string
 }
 
@@ -61,7 +62,7 @@ func (p *peerAgent) AddPod(_ context.Context, req *cniv1.AddPodRequest) (*cniv1.
 	return &cniv1.AddPodResponse{Result: cniv1.AddPodResponse_RESULT_SUCCESS}, nil
 }
 
-func benchAddPod(b *testing.B, c cniv1.CNIServiceClient) {
+func benchAddPod(b *testing.B, c cniv1grpc.CNIServiceClient) {
 	ctx := context.Background()
 	// Warm the connection.
 	if _, err := c.AddPod(ctx, &cniv1.AddPodRequest{Pod: cniPod("bench", "web", "warm", "10.7.0.1")}); err != nil {
@@ -108,7 +109,7 @@ func BenchmarkAgentAddPod(b *testing.B) {
 			b.Fatal(err)
 		}
 		defer cc.Close()
-		benchAddPod(b, cniv1.NewCNIServiceClient(cc))
+		benchAddPod(b, cniv1grpc.NewCNIServiceClient(cc))
 	})
 	b.Run("peer", func(b *testing.B) {
 		// The peer answers from its own process, as the agent does: both
@@ -120,7 +121,7 @@ func BenchmarkAgentAddPod(b *testing.B) {
 			b.Fatal(err)
 		}
 		defer cc.Close()
-		benchAddPod(b, cniv1.NewCNIServiceClient(cc))
+		benchAddPod(b, cniv1grpc.NewCNIServiceClient(cc))
 	})
 }
 
@@ -138,7 +139,7 @@ func runPeerMode() int {
 		return 1
 	}
 	gs := grpc.NewServer()
-	cniv1.RegisterCNIServiceServer(gs, &peerAgent{dir: dir})
+	cniv1grpc.RegisterCNIServiceServer(gs, &peerAgent{dir: dir})
 	if err := gs.Serve(l); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1

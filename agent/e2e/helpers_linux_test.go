@@ -22,7 +22,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/api/aether/cni/v1/cniv1grpc"
 	"aether.io/node/test/harness"
 )
 
@@ -165,14 +165,14 @@ func (a *agent) terminate(t testing.TB) {
 	}
 }
 
-func (a *agent) client(t testing.TB) cniv1.CNIServiceClient {
+func (a *agent) client(t testing.TB) cniv1grpc.CNIServiceClient {
 	t.Helper()
 	cc, err := grpc.NewClient("unix://"+a.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cc.Close() })
-	return cniv1.NewCNIServiceClient(cc)
+	return cniv1grpc.NewCNIServiceClient(cc)
 }
 
 func (a *agent) waitReady(t testing.TB) {

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/api/aether/cni/v1/cniv1grpc"
 	"aether.io/node/test/harness"
 )
 
@@ -33,7 +34,7 @@ func runClientMode() int {
 	defer cc.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	_, err = cniv1.NewCNIServiceClient(cc).GetPod(ctx, &cniv1.GetPodRequest{ContainerId: "x"})
+	_, err = cniv1grpc.NewCNIServiceClient(cc).GetPod(ctx, &cniv1.GetPodRequest{ContainerId: "x"})
 	fmt.Printf("CODE %s\n", status.Code(err))
 	fmt.Printf("MSG %s\n", status.Convert(err).Message())
 	return 0

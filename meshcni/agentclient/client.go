@@ -2,6 +2,11 @@
 // a unix socket: bounded deadlines on every call, bounded retries with
 // backoff for AddPod (and RemovePod) on Unavailable and DeadlineExceeded
 // only, and typed outcomes the plugin maps to CNI error codes.
+//
+// It speaks gRPC through meshcni/internal/grpcwire, not grpc-go: the plugin is
+// exec'd per pod and verb, and grpc-go's packages cost every exec more than
+// its calls (meshcni/README.md, "Start-up"). Its tests run it against a
+// grpc-go server.
 package agentclient
 
 import (
@@ -10,12 +15,17 @@ import (
 	"fmt"
 	"time"
 
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/status"
-
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/meshcni/internal/grpcwire"
+)
+
+// The full method names of aether.cni.v1.CNIService (cni_service.proto;
+// cniv1grpc has them too, but importing it links grpc-go).
+const (
+	MethodAddPod          = "/aether.cni.v1.CNIService/AddPod"
+	MethodRemovePod       = "/aether.cni.v1.CNIService/RemovePod"
+	MethodReportAddResult = "/aether.cni.v1.CNIService/ReportAddResult"
+	MethodGetPod          = "/aether.cni.v1.CNIService/GetPod"
 )
 
 // ErrUnavailable marks an agent that did not answer (socket missing, not
@@ -37,12 +47,11 @@ type Options struct {
 	ReportTimeout time.Duration
 }
 
-// Client talks to one agent socket. It is cheap: the connection is made
-// lazily by the first call.
+// Client talks to one agent socket over one connection, made by Connect or
+// lazily by the first call (and again by the call after one that broke it).
 type Client struct {
 	socket string
-	conn   *grpc.ClientConn
-	api    cniv1.CNIServiceClient
+	conn   *grpcwire.Conn
 	opts   Options
 }
 
@@ -54,13 +63,7 @@ func New(socket string, opts Options) (*Client, error) {
 	if opts.Backoff <= 0 {
 		opts.Backoff = 100 * time.Millisecond
 	}
-	conn, err := grpc.NewClient("unix://"+socket,
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithDefaultCallOptions(grpc.WaitForReady(false)))
-	if err != nil {
-		return nil, fmt.Errorf("failed to create agent client for %q: %w", socket, err)
-	}
-	return &Client{socket: socket, conn: conn, api: cniv1.NewCNIServiceClient(conn), opts: opts}, nil
+	return &Client{socket: socket, conn: grpcwire.New(socket), opts: opts}, nil
 }
 
 // Connect starts connecting in the background (the first call would
@@ -71,15 +74,15 @@ func (c *Client) Connect() { c.conn.Connect() }
 func (c *Client) Close() error { return c.conn.Close() }
 
 func retryable(err error) bool {
-	switch status.Code(err) {
-	case codes.Unavailable, codes.DeadlineExceeded:
+	switch grpcwire.CodeOf(err) {
+	case grpcwire.Unavailable, grpcwire.DeadlineExceeded:
 		return true
 	}
 	return false
 }
 
 func (c *Client) unavailable(rpc string, err error) error {
-	return fmt.Errorf("%w: %s on %s: %s; is aether-agent running and agent_socket right?", ErrUnavailable, rpc, c.socket, status.Convert(err).Message())
+	return fmt.Errorf("%w: %s on %s: %s; is aether-agent running and agent_socket right?", ErrUnavailable, rpc, c.socket, grpcwire.MessageOf(err))
 }
 
 // retry runs call up to Attempts times while it fails with Unavailable or
@@ -115,15 +118,14 @@ func (c *Client) retry(ctx context.Context, rpc string, attempts int, call func(
 func (c *Client) AddPod(ctx context.Context, req *cniv1.AddPodRequest) (cniv1.AddPodResponse_Result, error) {
 	var res cniv1.AddPodResponse_Result
 	err := c.retry(ctx, "AddPod", c.opts.Attempts, func(ctx context.Context) error {
-		r, err := c.api.AddPod(ctx, req)
-		if err == nil {
-			res = r.GetResult()
-		}
+		var r cniv1.AddPodResponse
+		err := c.conn.Invoke(ctx, MethodAddPod, req, &r)
+		res = r.GetResult()
 		return err
 	})
 	if err != nil && !errors.Is(err, ErrUnavailable) {
 		pod := req.GetPod()
-		return 0, fmt.Errorf("failed to add pod %s/%s: agent answered %s: %s", pod.GetNamespace(), pod.GetName(), status.Code(err), status.Convert(err).Message())
+		return 0, fmt.Errorf("failed to add pod %s/%s: agent answered %s: %s", pod.GetNamespace(), pod.GetName(), grpcwire.CodeOf(err), grpcwire.MessageOf(err))
 	}
 	return res, err
 }
@@ -133,14 +135,13 @@ func (c *Client) AddPod(ctx context.Context, req *cniv1.AddPodRequest) (cniv1.Ad
 func (c *Client) RemovePod(ctx context.Context, req *cniv1.RemovePodRequest) (cniv1.RemovePodResponse_Result, error) {
 	var res cniv1.RemovePodResponse_Result
 	err := c.retry(ctx, "RemovePod", c.opts.Attempts, func(ctx context.Context) error {
-		r, err := c.api.RemovePod(ctx, req)
-		if err == nil {
-			res = r.GetResult()
-		}
+		var r cniv1.RemovePodResponse
+		err := c.conn.Invoke(ctx, MethodRemovePod, req, &r)
+		res = r.GetResult()
 		return err
 	})
 	if err != nil && !errors.Is(err, ErrUnavailable) {
-		return 0, fmt.Errorf("failed to remove pod %s/%s: agent answered %s: %s", req.GetNamespace(), req.GetName(), status.Code(err), status.Convert(err).Message())
+		return 0, fmt.Errorf("failed to remove pod %s/%s: agent answered %s: %s", req.GetNamespace(), req.GetName(), grpcwire.CodeOf(err), grpcwire.MessageOf(err))
 	}
 	return res, err
 }
@@ -150,30 +151,33 @@ func (c *Client) RemovePod(ctx context.Context, req *cniv1.RemovePodRequest) (cn
 func (c *Client) ReportAddResult(ctx context.Context, req *cniv1.ReportAddResultRequest) error {
 	ctx, cancel := context.WithTimeout(ctx, c.opts.ReportTimeout)
 	defer cancel()
-	_, err := c.api.ReportAddResult(ctx, req)
-	if err == nil || status.Code(err) == codes.Unimplemented {
+	err := c.conn.Invoke(ctx, MethodReportAddResult, req, &cniv1.ReportAddResultResponse{})
+	if err == nil || grpcwire.CodeOf(err) == grpcwire.Unimplemented {
 		return nil
 	}
-	return fmt.Errorf("failed to report add result of %q: %s: %s", req.GetContainerId(), status.Code(err), status.Convert(err).Message())
+	return fmt.Errorf("failed to report add result of %q: %s: %s", req.GetContainerId(), grpcwire.CodeOf(err), grpcwire.MessageOf(err))
 }
 
 // GetPod reads the agent's record of a container; ErrNotFound when none.
 func (c *Client) GetPod(ctx context.Context, containerID string) (*cniv1.GetPodResponse, error) {
 	var out *cniv1.GetPodResponse
 	err := c.retry(ctx, "GetPod", 1, func(ctx context.Context) error {
-		r, err := c.api.GetPod(ctx, &cniv1.GetPodRequest{ContainerId: containerID})
-		out = r
+		r := &cniv1.GetPodResponse{}
+		err := c.conn.Invoke(ctx, MethodGetPod, &cniv1.GetPodRequest{ContainerId: containerID}, r)
+		if err == nil {
+			out = r
+		}
 		return err
 	})
 	switch {
 	case err == nil:
 		return out, nil
-	case status.Code(err) == codes.NotFound:
+	case grpcwire.CodeOf(err) == grpcwire.NotFound:
 		return nil, fmt.Errorf("container %q: %w", containerID, ErrNotFound)
 	case errors.Is(err, ErrUnavailable):
 		return nil, err
 	}
-	return nil, fmt.Errorf("failed to get pod %q: agent answered %s: %s", containerID, status.Code(err), status.Convert(err).Message())
+	return nil, fmt.Errorf("failed to get pod %q: agent answered %s: %s", containerID, grpcwire.CodeOf(err), grpcwire.MessageOf(err))
 }
 
 // Ready confirms the agent serves CNIService: a GetPod of a container that

@@ -16,9 +16,9 @@ import (
 	"strings"
 	"time"
 
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/encoding/protowire"
+
+	"aether.io/node/meshcni/internal/grpcwire"
 )
 
 var procNetns = regexp.MustCompile(`^/proc/([0-9]+)/(?:task/[0-9]+/)?ns/net$`)
@@ -57,15 +57,19 @@ func (c CRI) Lookup(ctx context.Context, endpoint, sandboxID string) (uint32, er
 	}
 	ctx, cancel := context.WithTimeout(ctx, c.Timeout)
 	defer cancel()
-	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		return 0, fmt.Errorf("failed to create CRI client for %q: %w", endpoint, err)
-	}
+	conn := grpcwire.New(path)
 	defer func() { _ = conn.Close() }()
-	req := statusRequest{sandboxID: sandboxID, verbose: true}
-	var resp statusResponse
-	if err := conn.Invoke(ctx, podSandboxStatusMethod, &req, &resp, grpc.ForceCodec(wireCodec{})); err != nil {
+	req, err := wireCodec{}.Marshal(&statusRequest{sandboxID: sandboxID, verbose: true})
+	if err != nil {
+		return 0, err
+	}
+	b, err := conn.Call(ctx, podSandboxStatusMethod, req)
+	if err != nil {
 		return 0, fmt.Errorf("failed to get sandbox status of %q: %w", sandboxID, err)
+	}
+	var resp statusResponse
+	if err := (wireCodec{}).Unmarshal(b, &resp); err != nil {
+		return 0, err
 	}
 	return pidFromInfo(resp.info)
 }
@@ -89,10 +93,9 @@ type statusResponse struct {
 }
 
 // wireCodec marshals statusRequest and unmarshals statusResponse in the
-// protobuf wire format.
+// protobuf wire format; the call goes through meshcni/internal/grpcwire
+// (grpc-go would cost every plugin start its package init).
 type wireCodec struct{}
-
-func (wireCodec) Name() string { return "proto" }
 
 func (wireCodec) Marshal(v any) ([]byte, error) {
 	r, ok := v.(*statusRequest)

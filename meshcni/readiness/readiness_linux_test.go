@@ -4,6 +4,7 @@ import (
 	"context"
 	"net"
 	"net/http"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -52,6 +53,20 @@ func TestProbe(t *testing.T) {
 		}
 		if n.Load() < 3 {
 			t.Fatalf("probe stopped before a 200 (requests: %d)", n.Load())
+		}
+	})
+	t.Run("the last non-200 is the error", func(t *testing.T) {
+		pod := harness.NewNS(t, "prb")
+		srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+			w.WriteHeader(http.StatusServiceUnavailable)
+		})}
+		go srv.Serve(listen(t, pod, "18081"))
+		t.Cleanup(func() { srv.Close() })
+		// One attempt within the budget: its answer is the last failure.
+		once := readiness.Prober{Interval: time.Minute, PerRequest: 5 * time.Second}
+		err := once.Probe(context.Background(), pod.Path(), url, time.Second)
+		if err == nil || !strings.Contains(err.Error(), "answered 503 Service Unavailable") {
+			t.Fatalf("Probe = %v, want the 503 named", err)
 		}
 	})
 	t.Run("tcp accept without http is not ready", func(t *testing.T) {

@@ -231,6 +231,17 @@ var heavy = append([]string{
 // OpenTelemetry API, for IPAM delegation); aether-cni delegates nothing.
 var notForMeshCNI = []string{
 	"go.opentelemetry.io/otel",
+	// the buf.validate rules are the agent's: the API's generated code
+	// imports validate.proto as an option import only (tools/protogen), so
+	// a client links neither its types nor descriptor.proto's.
+	"buf.build/gen/go/bufbuild/protovalidate",
+	"google.golang.org/protobuf/types/descriptorpb",
+	// it calls the agent (and the CRI runtime) through
+	// meshcni/internal/grpcwire: grpc-go's init and size cost every exec.
+	"google.golang.org/grpc",
+	// the readiness probe's GET is written out (meshcni/readiness): net/http
+	// brings crypto/tls and x509 into every exec.
+	"net/http",
 }
 
 // notForCSI are the CSI sanity suite and its test framework.

@@ -24,6 +24,7 @@ import (
 func main() {
 	var cfg gen.Config
 	flag.StringVar(&cfg.ProtoRoot, "proto-root", "api", "directory holding the .proto files (also the import root and the output root for Go code)")
+	flag.StringVar(&cfg.GoModule, "go-module", "aether.io/node/api", "Go import path of the proto root (every go_package is under it)")
 	flag.StringVar(&cfg.DocsDir, "docs", "docs/api", "directory for the rendered Markdown reference")
 	flag.StringVar(&cfg.GoPlugin, "protoc-gen-go", "bin/tools/protoc-gen-go", "path of the protoc-gen-go binary")
 	flag.StringVar(&cfg.GRPCPlugin, "protoc-gen-go-grpc", "bin/tools/protoc-gen-go-grpc", "path of the protoc-gen-go-grpc binary")

@@ -1,6 +1,8 @@
 // Package gen compiles the project's .proto files with protocompile, resolving
 // imports that are not in the tree from the Go-registered descriptors, and
-// drives protoc-gen-go and protoc-gen-go-grpc over them as protoc would.
+// drives protoc-gen-go and protoc-gen-go-grpc over them as protoc would, with
+// one difference: an import that only options use is sent as an option import
+// (see asOptionImports), so the generated Go does not link it.
 package gen
 
 import (
@@ -35,8 +37,13 @@ import (
 // Config says where the inputs and outputs are.
 type Config struct {
 	// ProtoRoot holds the .proto files; it is the import root and the output
-	// root of the Go code (paths=source_relative).
+	// root of the Go code.
 	ProtoRoot string
+	// GoModule is the Go import path of ProtoRoot: a file's Go code goes to
+	// its go_package with this prefix taken off, under ProtoRoot (protoc's
+	// module= option), so a .proto can generate into another directory than
+	// its own (the CNI service's gRPC stubs, apart from its messages).
+	GoModule string
 	// DocsDir receives one Markdown file per proto package.
 	DocsDir string
 	// GoPlugin and GRPCPlugin are the plugin binaries.
@@ -56,7 +63,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
-	req := buildRequest(compiled, files)
+	req := buildRequest(compiled, files, cfg.GoModule)
 	for _, plugin := range []string{cfg.GoPlugin, cfg.GRPCPlugin} {
 		n, err := runPlugin(ctx, plugin, req, cfg.ProtoRoot)
 		if err != nil {
@@ -127,18 +134,19 @@ func Compile(ctx context.Context, root string, files []string) ([]protoreflect.F
 	return out, nil
 }
 
-// buildRequest lists every file in dependency order, as protoc does.
-func buildRequest(compiled []protoreflect.FileDescriptor, toGenerate []string) *pluginpb.CodeGeneratorRequest {
+// buildRequest lists every file in dependency order, as protoc does; Go code
+// goes to each file's go_package relative to goModule.
+func buildRequest(compiled []protoreflect.FileDescriptor, toGenerate []string, goModule string) *pluginpb.CodeGeneratorRequest {
 	var (
-		seen  = map[string]bool{}
+		seen  = map[string]protoreflect.FileDescriptor{}
 		order []*descriptorpb.FileDescriptorProto
 		visit func(fd protoreflect.FileDescriptor)
 	)
 	visit = func(fd protoreflect.FileDescriptor) {
-		if seen[fd.Path()] {
+		if seen[fd.Path()] != nil {
 			return
 		}
-		seen[fd.Path()] = true
+		seen[fd.Path()] = fd
 		imports := fd.Imports()
 		for i := range imports.Len() {
 			visit(imports.Get(i).FileDescriptor)
@@ -148,15 +156,103 @@ func buildRequest(compiled []protoreflect.FileDescriptor, toGenerate []string) *
 	for _, fd := range compiled {
 		visit(fd)
 	}
+	generate := map[string]bool{}
+	for _, f := range toGenerate {
+		generate[f] = true
+	}
+	for _, fdp := range order {
+		if generate[fdp.GetName()] {
+			asOptionImports(fdp, seen)
+		}
+	}
 	return &pluginpb.CodeGeneratorRequest{
 		FileToGenerate: toGenerate,
-		Parameter:      proto.String("paths=source_relative"),
+		Parameter:      proto.String("module=" + goModule),
 		ProtoFile:      order,
 	}
 }
 
+// asOptionImports turns every import of fdp that only its options use (no
+// field, extension or method names a type of it) into an option import
+// (edition 2024's `import option`, which protocompile v0.14 cannot parse):
+// the options keep their values in the descriptor, but protoc-gen-go
+// generates no Go import for the file. So the buf.validate rules stay in
+// the API's descriptors, where the agent's protovalidate reads them, and a
+// client of the API (aether-cni) does not link buf/validate and the
+// descriptor.proto types it needs. Public imports stay imports.
+func asOptionImports(fdp *descriptorpb.FileDescriptorProto, files map[string]protoreflect.FileDescriptor) {
+	if len(fdp.GetPublicDependency()) > 0 || len(fdp.GetWeakDependency()) > 0 {
+		return
+	}
+	used := map[string]bool{}
+	for _, name := range typeNames(fdp) {
+		used[strings.TrimPrefix(name, ".")] = true
+	}
+	var deps, optionDeps []string
+	for _, dep := range fdp.GetDependency() {
+		if fd := files[dep]; fd != nil && !declaresAny(fd, used) {
+			optionDeps = append(optionDeps, dep)
+			continue
+		}
+		deps = append(deps, dep)
+	}
+	fdp.Dependency = deps
+	fdp.OptionDependency = append(fdp.OptionDependency, optionDeps...)
+}
+
+// typeNames lists the fully qualified type names fdp refers to: field types
+// and extendees (also of nested messages and extensions) and method
+// input and output types.
+func typeNames(fdp *descriptorpb.FileDescriptorProto) []string {
+	var names []string
+	fields := func(fs []*descriptorpb.FieldDescriptorProto) {
+		for _, f := range fs {
+			names = append(names, f.GetTypeName(), f.GetExtendee())
+		}
+	}
+	var msgs func([]*descriptorpb.DescriptorProto)
+	msgs = func(ms []*descriptorpb.DescriptorProto) {
+		for _, m := range ms {
+			fields(m.GetField())
+			fields(m.GetExtension())
+			msgs(m.GetNestedType())
+		}
+	}
+	msgs(fdp.GetMessageType())
+	fields(fdp.GetExtension())
+	for _, s := range fdp.GetService() {
+		for _, m := range s.GetMethod() {
+			names = append(names, m.GetInputType(), m.GetOutputType())
+		}
+	}
+	return names
+}
+
+// declaresAny reports whether fd declares a message or enum named in names.
+func declaresAny(fd protoreflect.FileDescriptor, names map[string]bool) bool {
+	var msgs func(protoreflect.MessageDescriptors) bool
+	enums := func(es protoreflect.EnumDescriptors) bool {
+		for i := range es.Len() {
+			if names[string(es.Get(i).FullName())] {
+				return true
+			}
+		}
+		return false
+	}
+	msgs = func(ms protoreflect.MessageDescriptors) bool {
+		for i := range ms.Len() {
+			m := ms.Get(i)
+			if names[string(m.FullName())] || enums(m.Enums()) || msgs(m.Messages()) {
+				return true
+			}
+		}
+		return false
+	}
+	return msgs(fd.Messages()) || enums(fd.Enums())
+}
+
 func runPlugin(ctx context.Context, plugin string, req *pluginpb.CodeGeneratorRequest, outRoot string) (int, error) {
-	in, err := proto.Marshal(req)
+	in, err := proto.MarshalOptions{Deterministic: true}.Marshal(req)
 	if err != nil {
 		return 0, fmt.Errorf("failed to marshal request for %q: %w", plugin, err)
 	}

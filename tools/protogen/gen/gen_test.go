@@ -4,16 +4,26 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
 
 	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/types/descriptorpb"
 )
 
 const moduleRoot = "../../.."
 
 func compileAPI(t *testing.T) map[string][]protoreflect.FileDescriptor {
+	t.Helper()
+	_, fds := compileFiles(t)
+	return byPackage(fds)
+}
+
+// compileFiles compiles every .proto under api/ and returns their paths and
+// descriptors.
+func compileFiles(t *testing.T) ([]string, []protoreflect.FileDescriptor) {
 	t.Helper()
 	root := filepath.Join(moduleRoot, "api")
 	files, err := findProtos(root)
@@ -24,7 +34,7 @@ func compileAPI(t *testing.T) map[string][]protoreflect.FileDescriptor {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return byPackage(fds)
+	return files, fds
 }
 
 // TestDocsAreCurrent renders the reference and compares it with docs/api, so
@@ -90,6 +100,40 @@ func TestConstraintsRendered(t *testing.T) {
 	} {
 		if !strings.Contains(doc, want) {
 			t.Errorf("constraint %q not rendered", want)
+		}
+	}
+}
+
+// TestOptionOnlyImports: an import that only options use (buf/validate in the
+// CNI API) reaches the plugins as an option import, so the generated Go does
+// not import its package; imports whose types a field, a method or an
+// extension names stay imports. Files that are only dependencies are sent
+// unchanged.
+func TestOptionOnlyImports(t *testing.T) {
+	files, fds := compileFiles(t)
+	byName := map[string]*descriptorpb.FileDescriptorProto{}
+	for _, fdp := range buildRequest(fds, files, "aether.io/node/api").GetProtoFile() {
+		byName[fdp.GetName()] = fdp
+	}
+	for _, tc := range []struct {
+		file          string
+		deps, options []string
+	}{
+		{
+			file:    "aether/cni/v1/cni.proto",
+			deps:    []string{"google/protobuf/duration.proto", "google/protobuf/timestamp.proto", "google/protobuf/wrappers.proto"},
+			options: []string{"buf/validate/validate.proto"},
+		},
+		{file: "istio/workload/discovery.proto", deps: []string{"envoy/config/core/v3/config_source.proto"}},
+		// not generated here: left as compiled.
+		{file: "buf/validate/validate.proto", deps: []string{"google/protobuf/descriptor.proto", "google/protobuf/duration.proto", "google/protobuf/field_mask.proto", "google/protobuf/timestamp.proto"}},
+	} {
+		fdp := byName[tc.file]
+		if fdp == nil {
+			t.Fatalf("%s not in the request", tc.file)
+		}
+		if !slices.Equal(fdp.GetDependency(), tc.deps) || !slices.Equal(fdp.GetOptionDependency(), tc.options) {
+			t.Errorf("%s: imports %q, option imports %q; want %q, %q", tc.file, fdp.GetDependency(), fdp.GetOptionDependency(), tc.deps, tc.options)
 		}
 	}
 }

@@ -1,7 +1,10 @@
 // aether.cni.v1 is the gRPC contract between the mesh CNI plugin (aether-cni)
 // and the node agent (aether-agent): what the plugin reports about a pod when
 // the container runtime calls ADD, what it withdraws at DEL, what it reports
-// after the data-plane steps of ADD, and what CHECK may read back.
+// after the data-plane steps of ADD, and what CHECK may read back. This file
+// holds the messages; the service is in cni_service.proto, generated into its
+// own Go package (cniv1grpc) so that a client speaking the wire protocol
+// without grpc-go (aether-cni) links the messages only.
 //
 // Field numbers 1-11 of CNIPod, the Result enums and RemovePodRequest's numbers
 // 1, 2 and 4 are those of the Aether project, so either side can talk to the
@@ -17,7 +20,6 @@
 package cniv1
 
 import (
-	_ "buf.build/gen/go/bufbuild/protovalidate/protocolbuffers/go/buf/validate"
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	durationpb "google.golang.org/protobuf/types/known/durationpb"
@@ -942,7 +944,7 @@ var File_aether_cni_v1_cni_proto protoreflect.FileDescriptor
 
 const file_aether_cni_v1_cni_proto_rawDesc = "" +
 	"\n" +
-	"\x17aether/cni/v1/cni.proto\x12\raether.cni.v1\x1a\x1bbuf/validate/validate.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1egoogle/protobuf/wrappers.proto\"\x8d\x06\n" +
+	"\x17aether/cni/v1/cni.proto\x12\raether.cni.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1egoogle/protobuf/wrappers.proto\"\x8d\x06\n" +
 	"\x06CNIPod\x12!\n" +
 	"\x04name\x18\x01 \x01(\tB\r\xbaH\n" +
 	"\xc8\x01\x01r\x05\x10\x01\x18\xfd\x01R\x04name\x12*\n" +
@@ -1018,13 +1020,7 @@ const file_aether_cni_v1_cni_proto_rawDesc = "" +
 	"\n" +
 	"uncaptured\x18\x04 \x01(\bR\n" +
 	"uncaptured\x12?\n" +
-	"\flast_timings\x18\x05 \x01(\v2\x1c.aether.cni.v1.PluginTimingsR\vlastTimings2\xd4\x02\n" +
-	"\n" +
-	"CNIService\x12G\n" +
-	"\x06AddPod\x12\x1c.aether.cni.v1.AddPodRequest\x1a\x1d.aether.cni.v1.AddPodResponse\"\x00\x12P\n" +
-	"\tRemovePod\x12\x1f.aether.cni.v1.RemovePodRequest\x1a .aether.cni.v1.RemovePodResponse\"\x00\x12b\n" +
-	"\x0fReportAddResult\x12%.aether.cni.v1.ReportAddResultRequest\x1a&.aether.cni.v1.ReportAddResultResponse\"\x00\x12G\n" +
-	"\x06GetPod\x12\x1c.aether.cni.v1.GetPodRequest\x1a\x1d.aether.cni.v1.GetPodResponse\"\x00B(Z&aether.io/node/api/aether/cni/v1;cniv1b\x06proto3"
+	"\flast_timings\x18\x05 \x01(\v2\x1c.aether.cni.v1.PluginTimingsR\vlastTimingsB(Z&aether.io/node/api/aether/cni/v1;cniv1b\x06proto3z\x1bbuf/validate/validate.proto"
 
 var (
 	file_aether_cni_v1_cni_proto_rawDescOnce sync.Once
@@ -1076,16 +1072,8 @@ var file_aether_cni_v1_cni_proto_depIdxs = []int32{
 	7,  // 13: aether.cni.v1.ReportAddResultRequest.timings:type_name -> aether.cni.v1.PluginTimings
 	2,  // 14: aether.cni.v1.GetPodResponse.pod:type_name -> aether.cni.v1.CNIPod
 	7,  // 15: aether.cni.v1.GetPodResponse.last_timings:type_name -> aether.cni.v1.PluginTimings
-	3,  // 16: aether.cni.v1.CNIService.AddPod:input_type -> aether.cni.v1.AddPodRequest
-	5,  // 17: aether.cni.v1.CNIService.RemovePod:input_type -> aether.cni.v1.RemovePodRequest
-	8,  // 18: aether.cni.v1.CNIService.ReportAddResult:input_type -> aether.cni.v1.ReportAddResultRequest
-	10, // 19: aether.cni.v1.CNIService.GetPod:input_type -> aether.cni.v1.GetPodRequest
-	4,  // 20: aether.cni.v1.CNIService.AddPod:output_type -> aether.cni.v1.AddPodResponse
-	6,  // 21: aether.cni.v1.CNIService.RemovePod:output_type -> aether.cni.v1.RemovePodResponse
-	9,  // 22: aether.cni.v1.CNIService.ReportAddResult:output_type -> aether.cni.v1.ReportAddResultResponse
-	11, // 23: aether.cni.v1.CNIService.GetPod:output_type -> aether.cni.v1.GetPodResponse
-	20, // [20:24] is the sub-list for method output_type
-	16, // [16:20] is the sub-list for method input_type
+	16, // [16:16] is the sub-list for method output_type
+	16, // [16:16] is the sub-list for method input_type
 	16, // [16:16] is the sub-list for extension type_name
 	16, // [16:16] is the sub-list for extension extendee
 	0,  // [0:16] is the sub-list for field type_name
@@ -1104,7 +1092,7 @@ func file_aether_cni_v1_cni_proto_init() {
 			NumEnums:      2,
 			NumMessages:   12,
 			NumExtensions: 0,
-			NumServices:   1,
+			NumServices:   0,
 		},
 		GoTypes:           file_aether_cni_v1_cni_proto_goTypes,
 		DependencyIndexes: file_aether_cni_v1_cni_proto_depIdxs,
