@@ -1,0 +1,67 @@
+package preflight
+
+import (
+	"net"
+	"slices"
+	"syscall"
+	"testing"
+	"time"
+
+	"aether.io/node/test/harness"
+)
+
+// BenchmarkExecCloser: a closer's whole life for one ADD's two packet
+// sockets (ARP, IPv6) on lo in a netns: Start, Take, the plugin's end of the
+// pair closes, the closer exits, paying the sockets' grace periods in its
+// exit. life-p50-ns is Start to the closer's exit (reaped), cpu-p50-ns its
+// user+system CPU (wait4), the work that competes with an ADD for the cores.
+func BenchmarkExecCloser(b *testing.B) {
+	harness.RequireRoot(b)
+	n := harness.NewNS(b, "closer")
+	var lo *net.Interface
+	n.MustDo(b, func() error {
+		if err := harness.SetUp("lo"); err != nil {
+			return err
+		}
+		var err error
+		lo, err = net.InterfaceByName("lo")
+		return err
+	})
+	var life, cpu []time.Duration
+	for b.Loop() {
+		cl := &ExecCloser{}
+		start := time.Now()
+		cl.Start()
+		var c *Conn
+		n.MustDo(b, func() error {
+			c = OpenWithCloser(lo, cl)
+			for _, v4 := range []bool{true, false} {
+				if _, err := c.sock(v4); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		if err := c.Close(); err != nil {
+			b.Fatalf("Close: %v", err)
+		}
+		pid := cl.pid
+		if err := cl.Close(); err != nil {
+			b.Fatal(err)
+		}
+		var ws syscall.WaitStatus
+		var ru syscall.Rusage
+		if _, err := syscall.Wait4(pid, &ws, 0, &ru); err != nil {
+			b.Fatal(err)
+		}
+		if !ws.Exited() || ws.ExitStatus() != 0 {
+			b.Fatalf("closer ended with %v", ws)
+		}
+		life = append(life, time.Since(start))
+		cpu = append(cpu, time.Duration(ru.Utime.Nano()+ru.Stime.Nano()))
+	}
+	for name, d := range map[string][]time.Duration{"life-p50-ns": life, "cpu-p50-ns": cpu} {
+		slices.Sort(d)
+		b.ReportMetric(float64(d[len(d)/2].Nanoseconds()), name)
+	}
+}
