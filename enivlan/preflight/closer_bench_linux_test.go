@@ -1,7 +1,6 @@
 package preflight
 
 import (
-	"net"
 	"slices"
 	"syscall"
 	"testing"
@@ -17,31 +16,13 @@ import (
 // user+system CPU (wait4), the work that competes with an ADD for the cores.
 func BenchmarkExecCloser(b *testing.B) {
 	harness.RequireRoot(b)
-	n := harness.NewNS(b, "closer")
-	var lo *net.Interface
-	n.MustDo(b, func() error {
-		if err := harness.SetUp("lo"); err != nil {
-			return err
-		}
-		var err error
-		lo, err = net.InterfaceByName("lo")
-		return err
-	})
+	n, lo := loopback(b)
 	var life, cpu []time.Duration
 	for b.Loop() {
 		cl := &ExecCloser{}
 		start := time.Now()
 		cl.Start()
-		var c *Conn
-		n.MustDo(b, func() error {
-			c = OpenWithCloser(lo, cl)
-			for _, v4 := range []bool{true, false} {
-				if _, err := c.sock(v4); err != nil {
-					return err
-				}
-			}
-			return nil
-		})
+		c := openBoth(b, n, lo, cl)
 		if err := c.Close(); err != nil {
 			b.Fatalf("Close: %v", err)
 		}

@@ -21,7 +21,7 @@ import (
 const MaxCloserLife = 10 * time.Second
 
 // closerFD is the descriptor a closer holds its end of the unix socket pair
-// on (fixed in closerCode).
+// on (fixed in its machine code, closercode_linux.go).
 const closerFD = 3
 
 // Closer takes over duplicates of the pre-flight's open sockets and
@@ -56,7 +56,9 @@ type ExecCloser struct {
 	// fd is this process's end of the pair (close-on-exec), -1 when the
 	// closer could not be started (err). It is closed by this process's
 	// exit, or by Close.
-	fd  int
+	fd int
+	// pid is the closer's process ID (tests wait for it; the plugin
+	// leaves it to init).
 	pid int
 	err error
 }

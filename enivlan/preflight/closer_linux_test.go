@@ -23,21 +23,28 @@ import (
 // TestMain checks that the tests leave no namespace or link behind.
 func TestMain(m *testing.M) { harness.Main(m) }
 
-// openSockets returns a Conn on lo in a fresh netns with its ARP and IPv6
-// packet sockets open, and their identities ("socket:[inode]").
-func openSockets(t *testing.T, cl Closer) (*Conn, []string) {
-	t.Helper()
-	n := harness.NewNS(t, "closer")
-	var c *Conn
-	n.MustDo(t, func() error {
+// loopback returns a fresh netns with lo up, and lo.
+func loopback(tb testing.TB) (*harness.NS, *net.Interface) {
+	tb.Helper()
+	n := harness.NewNS(tb, "closer")
+	var lo *net.Interface
+	n.MustDo(tb, func() error {
 		if err := harness.SetUp("lo"); err != nil {
 			return err
 		}
-		lo, err := net.InterfaceByName("lo")
-		if err != nil {
-			return err
-		}
-		c = OpenWithCloser(lo, cl)
+		var err error
+		lo, err = net.InterfaceByName("lo")
+		return err
+	})
+	return n, lo
+}
+
+// openBoth opens a Conn on lo in n, handing its sockets to cl, with its ARP
+// and IPv6 packet sockets open.
+func openBoth(tb testing.TB, n *harness.NS, lo *net.Interface, cl Closer) *Conn {
+	tb.Helper()
+	c := OpenWithCloser(lo, cl)
+	n.MustDo(tb, func() error {
 		for _, v4 := range []bool{true, false} {
 			if _, err := c.sock(v4); err != nil {
 				return err
@@ -45,6 +52,15 @@ func openSockets(t *testing.T, cl Closer) (*Conn, []string) {
 		}
 		return nil
 	})
+	return c
+}
+
+// openSockets returns a Conn on lo in a fresh netns with its ARP and IPv6
+// packet sockets open, and their identities ("socket:[inode]").
+func openSockets(t *testing.T, cl Closer) (*Conn, []string) {
+	t.Helper()
+	n, lo := loopback(t)
+	c := openBoth(t, n, lo, cl)
 	t.Cleanup(func() { _ = c.closeParallel() })
 	return c, []string{socketID(t, c.arp), socketID(t, c.ip6)}
 }
