@@ -42,6 +42,7 @@ func newEnv(t testing.TB, ver string, opts enivlantest.CloudOptions, extra map[s
 		se.Setenv(enivlan.LogFileEnv, e.log)
 		se.Setenv(enivlan.LogLevelEnv, "info")
 	}
+	enivlantest.CheckCloserTook(t, e.log)
 	e.rt = harness.NewRuntime(t, c.Node, bins, harness.ConfList(t, c.Network, ver, c.PluginConf(extra)))
 	return e
 }

@@ -14,17 +14,23 @@ import (
 // (link.Default: 802.1Q, or the surrogate in a test build) and packet
 // sockets, logging to log. The pre-flight's sockets are closed by a
 // detached closer process (preflight.ExecCloser, started before IPAM ADD),
-// so the runtime does not wait for their RCU grace period. It does no I/O.
+// so the runtime does not wait for their RCU grace period; on an
+// architecture without a closer image (preflight.CloserSupported) they are
+// closed in this process. It does no I/O.
 func New(log *slog.Logger) *Plugin {
-	closer := &preflight.ExecCloser{}
-	return &Plugin{
+	p := &Plugin{
 		Linker:         link.Default(),
 		DialSpiderpool: DialSpiderpool,
-		OpenPreflight:  func(l *net.Interface) Prober { return preflight.OpenWithCloser(l, closer) },
-		PrepareCloser:  closer.Start,
+		OpenPreflight:  OpenPreflight,
 		Log:            log,
 		Stdout:         os.Stdout,
 	}
+	if preflight.CloserSupported() {
+		closer := &preflight.ExecCloser{}
+		p.OpenPreflight = func(l *net.Interface) Prober { return preflight.OpenWithCloser(l, closer) }
+		p.PrepareCloser = closer.Start
+	}
+	return p
 }
 
 // DialSpiderpool returns a spiderpool-agent client of socket.

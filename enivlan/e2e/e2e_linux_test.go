@@ -73,7 +73,9 @@ func newEnvOpts(t *testing.T, ver string, opts enivlantest.CloudOptions, extra m
 	requireVLAN(t)
 	bins := []string{harness.BuildOwn(t, "eni-vlan"), harness.ReferencePlugins(t)}
 	c := enivlantest.NewCloud(t, opts)
-	t.Setenv(enivlan.LogFileEnv, filepath.Join(t.TempDir(), "eni-vlan.log"))
+	log := filepath.Join(t.TempDir(), "eni-vlan.log")
+	t.Setenv(enivlan.LogFileEnv, log)
+	enivlantest.CheckCloserTook(t, log)
 	return &env{cloud: c, rt: harness.NewRuntime(t, c.Node, bins, harness.ConfList(t, c.Network, ver, c.PluginConf(extra)))}
 }
 

@@ -6,7 +6,9 @@
 package enivlantest
 
 import (
+	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -259,4 +261,27 @@ func Render(b *Binding) map[string]any {
 		delete(out, "node")
 	}
 	return out
+}
+
+// CheckCloserTook makes tb fail at its end if the plugin log at path says
+// that an ADD closed its pre-flight sockets itself because the socket
+// closer (preflight.ExecCloser) could not take them: on a supported
+// architecture the closer must start and hold them on every kernel the
+// tests run on.
+func CheckCloserTook(tb testing.TB, path string) {
+	tb.Helper()
+	tb.Cleanup(func() {
+		b, err := os.ReadFile(path)
+		if errors.Is(err, os.ErrNotExist) {
+			return // no plugin call logged anything
+		}
+		if err != nil {
+			tb.Errorf("read plugin log: %v", err)
+			return
+		}
+		if i := bytes.Index(b, []byte("failed to hand packet sockets to a closer")); i >= 0 {
+			line, _, _ := bytes.Cut(b[i:], []byte("\n"))
+			tb.Errorf("an ADD closed its sockets itself: %s", line)
+		}
+	})
 }

@@ -3,27 +3,26 @@ package preflight
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
-	"os/exec"
+	"runtime"
+	"strconv"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/mdlayher/packet"
 	"golang.org/x/sys/unix"
-
-	"aether.io/node/enivlan/preflight/closerproc"
 )
 
-// CloserEnv marks a process started by ExecCloser (closerproc.Env): the
-// closerproc package's init makes it hold the sockets it is sent until the
-// plugin exits, and then exit, before the plugin's other packages are
-// initialised.
-const CloserEnv = closerproc.Env
-
-// MaxCloserLife bounds a closer's wait for the plugin to exit; it then exits
-// anyway. Either way, the kernel closes the sockets it holds as it exits,
+// MaxCloserLife bounds a closer's wait for the plugin to exit; SIGALRM then
+// ends it. Either way, the kernel closes the sockets it holds as it exits,
 // paying their RCU grace period there.
-const MaxCloserLife = closerproc.MaxLife
+const MaxCloserLife = 10 * time.Second
+
+// closerFD is the descriptor a closer holds its end of the unix socket pair
+// on (fixed in its machine code, closercode_linux.go).
+const closerFD = 3
 
 // Closer takes over duplicates of the pre-flight's open sockets and
 // releases them outside the runtime's wait (ExecCloser; a fake in tests).
@@ -34,27 +33,33 @@ type Closer interface {
 	Take(files []*os.File) error
 }
 
-// ExecCloser hands sockets to a short-lived closer process: Path (this
-// binary) started with CloserEnv set, in its own session, with no stdin,
-// stdout or stderr of ours (a runtime waits for the plugin's exit and for
-// its stdout to close, never for the closer). Start starts it early, in the
-// background, so that starting it overlaps the ADD's other steps; Take
+// ExecCloser hands sockets to a short-lived closer process: a tiny static
+// executable (closerImage, a few hundred bytes of machine code, no Go
+// runtime) written to a sealed memfd and started with fork+exec, in its own
+// session, with stdin, stdout and stderr on /dev/null (a runtime waits for
+// the plugin's exit and for its stdout to close, never for the closer) and
+// an empty environment. Start starts it early, in the background; Take
 // sends it the sockets over a unix socket pair (SCM_RIGHTS). The closer
 // holds them until this process exits (EOF on the pair, bounded by
 // MaxCloserLife), then exits; the sockets close in its exit. The closer is
 // reparented to init (or the runtime's subreaper), which reaps it. Nothing
 // else is left behind: it lives as long as the plugin plus one grace
-// period, at most MaxCloserLife.
+// period, at most MaxCloserLife. On an architecture without a closer image
+// (CloserSupported) Take fails, and Conn.Close closes the sockets itself.
 type ExecCloser struct {
-	// Path is the binary to start; "/proc/self/exe" when empty.
-	Path string
+	// life is the closer's life; MaxCloserLife when zero (tests shorten
+	// it).
+	life time.Duration
 
 	once sync.Once
 	done chan struct{}
 	// fd is this process's end of the pair (close-on-exec), -1 when the
 	// closer could not be started (err). It is closed by this process's
 	// exit, or by Close.
-	fd  int
+	fd int
+	// pid is the closer's process ID (tests wait for it; the plugin
+	// leaves it to init).
+	pid int
 	err error
 }
 
@@ -64,32 +69,88 @@ func (e *ExecCloser) Start() {
 		e.done = make(chan struct{})
 		go func() {
 			defer close(e.done)
-			e.fd, e.err = e.spawn()
+			e.fd, e.pid, e.err = e.spawn()
 		}()
 	})
 }
 
-func (e *ExecCloser) spawn() (int, error) {
-	path := e.Path
-	if path == "" {
-		path = "/proc/self/exe"
+// closerArg0 is the closer's command line (its name in ps).
+const closerArg0 = "eni-vlan-socket-closer"
+
+func (e *ExecCloser) spawn() (fd, pid int, err error) {
+	life := e.life
+	if life == 0 {
+		life = MaxCloserLife
 	}
+	img := closerImage(runtime.GOARCH, life)
+	if img == nil {
+		return -1, 0, errors.New("no socket closer for this architecture")
+	}
+	mfd, err := memfdExecutable(img)
+	if err != nil {
+		return -1, 0, err
+	}
+	defer func() { _ = unix.Close(mfd) }()
+	null, err := unix.Open(os.DevNull, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, 0, fmt.Errorf("failed to open %s for the socket closer: %w", os.DevNull, err)
+	}
+	defer func() { _ = unix.Close(null) }()
 	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
-		return -1, fmt.Errorf("failed to create closer socket pair: %w", err)
+		return -1, 0, fmt.Errorf("failed to create closer socket pair: %w", err)
 	}
-	child := os.NewFile(uintptr(pair[1]), "closer")
-	cmd := exec.Command(path)
-	cmd.Env = []string{CloserEnv + "=1"}
-	cmd.ExtraFiles = []*os.File{child} // descriptor 3 in the child: closerproc.FD
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	err = cmd.Start()
-	_ = child.Close()
+	// The path is resolved in the child after its descriptors 0-3 are set
+	// up; memfdExecutable keeps mfd above them.
+	path := "/proc/self/fd/" + strconv.Itoa(mfd)
+	pid, err = syscall.ForkExec(path, []string{closerArg0}, &syscall.ProcAttr{
+		Env:   []string{},
+		Files: []uintptr{uintptr(null), uintptr(null), uintptr(null), closerFD: uintptr(pair[1])},
+		Sys:   &syscall.SysProcAttr{Setsid: true},
+	})
+	_ = unix.Close(pair[1])
 	if err != nil {
 		_ = unix.Close(pair[0])
-		return -1, fmt.Errorf("failed to start socket closer %q: %w", path, err)
+		return -1, 0, fmt.Errorf("failed to start socket closer: %w", err)
 	}
-	return pair[0], cmd.Process.Release()
+	return pair[0], pid, nil
+}
+
+// memfdExecutable returns a close-on-exec memfd numbered above closerFD
+// holding img, sealed against any change.
+func memfdExecutable(img []byte) (int, error) {
+	flags := unix.MFD_CLOEXEC | unix.MFD_ALLOW_SEALING
+	// MFD_EXEC (Linux 6.3) says the memfd is meant to be executed; older
+	// kernels reject the flag, and allow exec without it.
+	fd, err := unix.MemfdCreate("eni-vlan-closer", flags|unix.MFD_EXEC)
+	if errors.Is(err, unix.EINVAL) {
+		fd, err = unix.MemfdCreate("eni-vlan-closer", flags)
+	}
+	if err != nil {
+		return -1, fmt.Errorf("failed to create the socket closer's memfd: %w", err)
+	}
+	if fd <= closerFD {
+		nfd, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, closerFD+1)
+		_ = unix.Close(fd)
+		if err != nil {
+			return -1, fmt.Errorf("failed to move the socket closer's memfd: %w", err)
+		}
+		fd = nfd
+	}
+	n, err := unix.Write(fd, img)
+	if err == nil && n != len(img) {
+		err = io.ErrShortWrite
+	}
+	if err != nil {
+		_ = unix.Close(fd)
+		return -1, fmt.Errorf("failed to write the socket closer's memfd: %w", err)
+	}
+	const seals = unix.F_SEAL_SEAL | unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_WRITE
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, seals); err != nil {
+		_ = unix.Close(fd)
+		return -1, fmt.Errorf("failed to seal the socket closer's memfd: %w", err)
+	}
+	return fd, nil
 }
 
 // Take sends files to the closer (starting it first if Start was not

@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -19,25 +20,31 @@ import (
 	"aether.io/node/test/harness"
 )
 
-// TestMain: this test binary started by ExecCloser (CloserEnv set) is a
-// closer; closerproc's init runs it and exits before TestMain.
+// TestMain checks that the tests leave no namespace or link behind.
 func TestMain(m *testing.M) { harness.Main(m) }
 
-// openSockets returns a Conn on lo in a fresh netns with its ARP and IPv6
-// packet sockets open, and their identities ("socket:[inode]").
-func openSockets(t *testing.T, cl Closer) (*Conn, []string) {
-	t.Helper()
-	n := harness.NewNS(t, "closer")
-	var c *Conn
-	n.MustDo(t, func() error {
+// loopback returns a fresh netns with lo up, and lo.
+func loopback(tb testing.TB) (*harness.NS, *net.Interface) {
+	tb.Helper()
+	n := harness.NewNS(tb, "closer")
+	var lo *net.Interface
+	n.MustDo(tb, func() error {
 		if err := harness.SetUp("lo"); err != nil {
 			return err
 		}
-		lo, err := net.InterfaceByName("lo")
-		if err != nil {
-			return err
-		}
-		c = OpenWithCloser(lo, cl)
+		var err error
+		lo, err = net.InterfaceByName("lo")
+		return err
+	})
+	return n, lo
+}
+
+// openBoth opens a Conn on lo in n, handing its sockets to cl, with its ARP
+// and IPv6 packet sockets open.
+func openBoth(tb testing.TB, n *harness.NS, lo *net.Interface, cl Closer) *Conn {
+	tb.Helper()
+	c := OpenWithCloser(lo, cl)
+	n.MustDo(tb, func() error {
 		for _, v4 := range []bool{true, false} {
 			if _, err := c.sock(v4); err != nil {
 				return err
@@ -45,6 +52,15 @@ func openSockets(t *testing.T, cl Closer) (*Conn, []string) {
 		}
 		return nil
 	})
+	return c
+}
+
+// openSockets returns a Conn on lo in a fresh netns with its ARP and IPv6
+// packet sockets open, and their identities ("socket:[inode]").
+func openSockets(t *testing.T, cl Closer) (*Conn, []string) {
+	t.Helper()
+	n, lo := loopback(t)
+	c := openBoth(t, n, lo, cl)
 	t.Cleanup(func() { _ = c.closeParallel() })
 	return c, []string{socketID(t, c.arp), socketID(t, c.ip6)}
 }
@@ -95,16 +111,83 @@ func holders(t *testing.T, ids []string) []int {
 	return out
 }
 
-// TestExecCloserTakesSockets: Close hands both sockets to a closer process
-// (this test binary, started early) and keeps no descriptor of them; the
-// closer holds them until the plugin's end of the pair closes, then exits,
-// and nothing holds them.
-func TestExecCloserTakesSockets(t *testing.T) {
-	self, err := os.Executable()
+// TestExecCloserTakesSockets: Close hands both sockets to a closer // fdTargets returns what each descriptor of process pid is open on.
+func fdTargets(t *testing.T, pid int) map[int]string {
+	t.Helper()
+	dir := fmt.Sprintf("/proc/%d/fd", pid)
+	fds, err := os.ReadDir(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cl := &ExecCloser{Path: self}
+	out := map[int]string{}
+	for _, d := range fds {
+		fd, err := strconv.Atoi(d.Name())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if l, err := os.Readlink(filepath.Join(dir, d.Name())); err == nil {
+			out[fd] = l
+		}
+	}
+	return out
+}
+
+// waitHeld waits until process pid holds every one of ids (in flight
+// until the closer receives them).
+func waitHeld(t *testing.T, pid int, ids []string) map[int]string {
+	t.Helper()
+	for {
+		fds := fdTargets(t, pid)
+		held := 0
+		for _, l := range fds {
+			if slices.Contains(ids, l) {
+				held++
+			}
+		}
+		if held == len(ids) {
+			return fds
+		}
+		time.Sleep(5 * time.Millisecond) // the test's deadline bounds the wait
+	}
+}
+
+// closerPID waits for cl's closer to be started and returns its pid.
+func closerPID(t *testing.T, cl *ExecCloser) int {
+	t.Helper()
+	cl.Start()
+	<-cl.done
+	if cl.err != nil {
+		t.Fatalf("closer not started: %v", cl.err)
+	}
+	return cl.pid
+}
+
+// waitExit reaps the closer (a child of the test until it exits).
+func waitExit(t *testing.T, pid int) syscall.WaitStatus {
+	t.Helper()
+	var ws syscall.WaitStatus
+	if _, err := syscall.Wait4(pid, &ws, 0, nil); err != nil {
+		t.Fatalf("wait for closer %d: %v", pid, err)
+	}
+	return ws
+}
+
+// TestExecCloserTakesSockets: Close hands both sockets to a closer process
+// (started early, as ADD does) and keeps no descriptor of them; the closer
+// holds them, its stdio on /dev/null, its end of the pair and nothing else
+// (not a descriptor its parent leaked to it, no environment), until the
+// plugin's end of the pair closes; it then exits 0 and nothing holds them.
+func TestExecCloserTakesSockets(t *testing.T) {
+	if !CloserSupported() {
+		t.Fatalf("no closer image for %s: add one to closerArchs", runtime.GOARCH)
+	}
+	// A descriptor without close-on-exec, as a runtime may leak to a plugin.
+	leaked, err := unix.Open(os.DevNull, unix.O_RDONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Close(leaked) })
+	cl := &ExecCloser{}
 	t.Cleanup(func() { _ = cl.Close() })
 	cl.Start() // as ADD does, before the pre-flight
 	c, ids := openSockets(t, cl)
@@ -114,48 +197,102 @@ func TestExecCloserTakesSockets(t *testing.T) {
 	if c.arp != nil || c.ip6 != nil {
 		t.Error("Close left sockets on the Conn")
 	}
-	// The sockets are in flight until the closer receives them.
-	var h []int
-	for range 1000 {
-		if h = holders(t, ids); len(h) > 0 {
-			break
+	pid := closerPID(t, cl)
+	fds := waitHeld(t, pid, ids)
+	if h := holders(t, ids); len(h) != 1 || h[0] != pid {
+		t.Errorf("sockets %v held by %v, want only the closer %d", ids, h, pid)
+	}
+	for fd, l := range fds {
+		switch {
+		case fd < closerFD && l == os.DevNull:
+		case fd == closerFD && strings.HasPrefix(l, "socket:"):
+		case fd > closerFD && slices.Contains(ids, l):
+		default:
+			t.Errorf("closer fd %d = %q; want stdio on /dev/null, the pair on %d, the sockets", fd, l, closerFD)
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
-	if len(h) != 1 || h[0] == os.Getpid() {
-		t.Fatalf("sockets %v held by %v, want one closer process", ids, h)
+	if len(fds) != closerFD+1+len(ids) {
+		t.Errorf("closer descriptors %v, want %d", fds, closerFD+1+len(ids))
 	}
-	pid := h[0]
-	env, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid))
-	if err != nil {
-		t.Fatal(err)
+	if env, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid)); err != nil || len(env) != 0 {
+		t.Errorf("closer environment = %q, %v; want empty", env, err)
 	}
-	if string(env) != CloserEnv+"=1\x00" {
-		t.Errorf("closer environment = %q, want only %s=1", env, CloserEnv)
-	}
-	for fd := range 3 {
-		if target := fdTarget(t, pid, fd); target != "/dev/null" {
-			t.Errorf("closer fd %d = %q, want /dev/null (a runtime waits for the plugin's stdout to close)", fd, target)
-		}
+	if cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err != nil || string(cmd) != closerArg0+"\x00" {
+		t.Errorf("closer command line = %q, %v; want %s", cmd, err, closerArg0)
 	}
 	if sid, err := unix.Getsid(pid); err != nil || sid != pid {
 		t.Errorf("closer session = %d, %v; want its own (%d)", sid, err, pid)
 	}
 	// The plugin's exit closes its end of the pair; Close does the same
-	// here. The closer then exits (bounded by MaxCloserLife) and releases
-	// the sockets.
+	// here. The closer then exits and releases the sockets.
 	if err := cl.Close(); err != nil {
 		t.Fatal(err)
 	}
-	var ws syscall.WaitStatus
-	if _, err := syscall.Wait4(pid, &ws, 0, nil); err != nil {
-		t.Fatalf("wait for closer %d: %v", pid, err)
-	}
-	if !ws.Exited() || ws.ExitStatus() != 0 {
+	if ws := waitExit(t, pid); !ws.Exited() || ws.ExitStatus() != 0 {
 		t.Errorf("closer ended with %v, want exit 0", ws)
 	}
 	if h := holders(t, ids); len(h) > 0 {
 		t.Errorf("sockets still held by %v after the closer exited", h)
+	}
+}
+
+// TestCloserHolds: the closer keeps every descriptor it is sent, over one
+// message or several, until EOF on the pair (then exits 0) or until its life
+// is over (then SIGALRM ends it), whichever comes first.
+func TestCloserHolds(t *testing.T) {
+	if !CloserSupported() {
+		t.Fatalf("no closer image for %s: add one to closerArchs", runtime.GOARCH)
+	}
+	for _, tt := range []struct {
+		name     string
+		messages []int // descriptors per Take
+		eof      bool  // the plugin's end closes (else life ends the hold)
+	}{
+		{name: "EOF", eof: true},
+		{name: "descriptors then EOF", messages: []int{2}, eof: true},
+		{name: "several messages then EOF", messages: []int{1, 3, 2}, eof: true},
+		{name: "life", messages: []int{1}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			cl := &ExecCloser{life: time.Second}
+			t.Cleanup(func() { _ = cl.Close() })
+			cl.Start()
+			var ids []string
+			for _, n := range tt.messages {
+				var files []*os.File
+				for range n {
+					r, w, err := os.Pipe()
+					if err != nil {
+						t.Fatal(err)
+					}
+					_ = w.Close()
+					files = append(files, r)
+					ids = append(ids, fdTarget(t, os.Getpid(), int(r.Fd())))
+				}
+				err := cl.Take(files)
+				for _, f := range files {
+					_ = f.Close()
+				}
+				if err != nil {
+					t.Fatalf("Take: %v", err)
+				}
+			}
+			pid := closerPID(t, cl)
+			waitHeld(t, pid, ids)
+			if !tt.eof {
+				// The pair stays open: only the closer's life ends it.
+				if ws := waitExit(t, pid); !ws.Signaled() || ws.Signal() != syscall.SIGALRM {
+					t.Errorf("closer ended with %v, want SIGALRM", ws)
+				}
+				return
+			}
+			if err := cl.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if ws := waitExit(t, pid); !ws.Exited() || ws.ExitStatus() != 0 {
+				t.Errorf("closer ended with %v, want exit 0", ws)
+			}
+		})
 	}
 }
 

@@ -1,0 +1,103 @@
+package preflight
+
+import "encoding/binary"
+
+// closerCodeAMD64 is the closer's machine code (testdata/closer_amd64.s); see
+// closerImage. Its stack frame starts 512 bytes below the initial stack
+// pointer (BX): msghdr at 0, iovec at 56, the data byte at 72, the control
+// buffer (432 bytes: up to 100 descriptors per message) at 80.
+var closerCodeAMD64 = []byte{
+	0xb8, 0x25, 0x00, 0x00, 0x00, // MOVL $37, AX          alarm(
+	0xbf, 0x0a, 0x00, 0x00, 0x00, // MOVL $10, DI            life seconds: setLifeAMD64
+	0x0f, 0x05, //                   SYSCALL               )
+	0xb8, 0xb4, 0x01, 0x00, 0x00, // MOVL $436, AX         close_range(
+	0xbf, 0x04, 0x00, 0x00, 0x00, // MOVL $4, DI             4,
+	0xbe, 0xff, 0xff, 0xff, 0xff, // MOVL $-1, SI            ~0U,
+	0x31, 0xd2, //                   XORL DX, DX             0
+	0x0f, 0x05, //                   SYSCALL               )
+	0x48, 0x8d, 0x9c, 0x24, 0x00, 0xfe, 0xff, 0xff, // LEAQ -512(SP), BX
+	0x31, 0xc0, //                   XORL AX, AX
+	0x48, 0x89, 0x03, //             MOVQ AX, (BX)         msg_name = nil
+	0x48, 0x89, 0x43, 0x08, //       MOVQ AX, 8(BX)        msg_namelen = 0
+	0x48, 0x89, 0x43, 0x30, //       MOVQ AX, 48(BX)       msg_flags = 0
+	0x48, 0x8d, 0x4b, 0x38, //       LEAQ 56(BX), CX
+	0x48, 0x89, 0x4b, 0x10, //       MOVQ CX, 16(BX)       msg_iov = &iov
+	0x48, 0xc7, 0x43, 0x18, 0x01, 0x00, 0x00, 0x00, // MOVQ $1, 24(BX)  msg_iovlen = 1
+	0x48, 0x8d, 0x4b, 0x48, //       LEAQ 72(BX), CX
+	0x48, 0x89, 0x4b, 0x38, //       MOVQ CX, 56(BX)       iov_base = &byte
+	0x48, 0xc7, 0x43, 0x40, 0x01, 0x00, 0x00, 0x00, // MOVQ $1, 64(BX)  iov_len = 1
+	0x48, 0x8d, 0x4b, 0x50, //       LEAQ 80(BX), CX
+	0x48, 0x89, 0x4b, 0x20, //       MOVQ CX, 32(BX)       msg_control = &buf
+	// loop:
+	0x48, 0xc7, 0x43, 0x28, 0xb0, 0x01, 0x00, 0x00, // MOVQ $432, 40(BX)  msg_controllen = 432
+	0xb8, 0x2f, 0x00, 0x00, 0x00, // MOVL $47, AX          recvmsg(
+	0xbf, 0x03, 0x00, 0x00, 0x00, // MOVL $3, DI             3,
+	0x48, 0x89, 0xde, //             MOVQ BX, SI             &msg,
+	0x31, 0xd2, //                   XORL DX, DX             0
+	0x0f, 0x05, //                   SYSCALL               )
+	0x48, 0x85, 0xc0, //             TESTQ AX, AX
+	0x7f, 0xe2, //                   JGT loop              a byte (and descriptors)
+	0x48, 0x83, 0xf8, 0xfc, //       CMPQ AX, $-4
+	0x74, 0xdc, //                   JEQ loop              EINTR
+	0xf7, 0xd8, //                   NEGL AX
+	0x89, 0xc7, //                   MOVL AX, DI
+	0xb8, 0xe7, 0x00, 0x00, 0x00, // MOVL $231, AX         exit_group(errno; 0 on EOF)
+	0x0f, 0x05, //                   SYSCALL
+}
+
+// setLifeAMD64 sets the seconds of alarm in code (a copy of closerCodeAMD64): the
+// immediate of MOVL $10, DI.
+func setLifeAMD64(code []byte, secs uint16) { binary.LittleEndian.PutUint32(code[6:], uint32(secs)) }
+
+// closerCodeARM64 is the closer's machine code (testdata/closer_arm64.s); see
+// closerImage. arm64 has no alarm: setitimer(ITIMER_REAL) arms the same
+// SIGALRM. Its stack frame starts 512 bytes below the initial stack
+// pointer (R19): the itimerval at 0 (then reused), msghdr at 0, iovec at
+// 56, the data byte at 72, the control buffer (432 bytes) at 80.
+var closerCodeARM64 = []byte{
+	0xf3, 0x03, 0x00, 0x91, // MOVD RSP, R19
+	0x73, 0x02, 0x08, 0xd1, // SUB $512, R19, R19
+	0x40, 0x01, 0x80, 0xd2, // MOVD $10, R0                life seconds: setLifeARM64
+	0x7f, 0x7e, 0x00, 0xa9, // STP (ZR, ZR), (R19)         it_interval = 0
+	0x60, 0x7e, 0x01, 0xa9, // STP (R0, ZR), 16(R19)       it_value = {life, 0}
+	0xe0, 0x03, 0x1f, 0xaa, // MOVD ZR, R0                 setitimer(ITIMER_REAL,
+	0xe1, 0x03, 0x13, 0xaa, // MOVD R19, R1                  &it,
+	0xe2, 0x03, 0x1f, 0xaa, // MOVD ZR, R2                   nil
+	0xe8, 0x0c, 0x80, 0xd2, // MOVD $103, R8
+	0x01, 0x00, 0x00, 0xd4, // SVC                         )
+	0xe0, 0x03, 0x7e, 0xb2, // MOVD $4, R0                 close_range(4,
+	0x01, 0x00, 0x80, 0x12, // MOVW $-1, R1                  ~0U,
+	0xe2, 0x03, 0x1f, 0xaa, // MOVD ZR, R2                   0
+	0x88, 0x36, 0x80, 0xd2, // MOVD $436, R8
+	0x01, 0x00, 0x00, 0xd4, // SVC                         )
+	0x61, 0xe2, 0x00, 0x91, // ADD $56, R19, R1
+	0xe2, 0x03, 0x40, 0xb2, // MOVD $1, R2
+	0x61, 0x0a, 0x01, 0xa9, // STP (R1, R2), 16(R19)       msg_iov = &iov, msg_iovlen = 1
+	0x61, 0x22, 0x01, 0x91, // ADD $72, R19, R1
+	0x61, 0x8a, 0x03, 0xa9, // STP (R1, R2), 56(R19)       iov_base = &byte, iov_len = 1
+	0x61, 0x42, 0x01, 0x91, // ADD $80, R19, R1
+	0x61, 0x12, 0x00, 0xf9, // MOVD R1, 32(R19)            msg_control = &buf
+	0x7f, 0x1a, 0x00, 0xf9, // MOVD ZR, 48(R19)            msg_flags = 0 (msg_name, msg_namelen: 0 above)
+	// loop:
+	0x01, 0x36, 0x80, 0xd2, // MOVD $432, R1
+	0x61, 0x16, 0x00, 0xf9, // MOVD R1, 40(R19)            msg_controllen = 432
+	0xe0, 0x07, 0x40, 0xb2, // MOVD $3, R0                 recvmsg(3,
+	0xe1, 0x03, 0x13, 0xaa, // MOVD R19, R1                  &msg,
+	0xe2, 0x03, 0x1f, 0xaa, // MOVD ZR, R2                   0
+	0x88, 0x1a, 0x80, 0xd2, // MOVD $212, R8
+	0x01, 0x00, 0x00, 0xd4, // SVC                         )
+	0x1f, 0x00, 0x00, 0xf1, // CMP $0, R0
+	0x0c, 0xff, 0xff, 0x54, // BGT loop                    a byte (and descriptors)
+	0x1f, 0x10, 0x00, 0xb1, // CMN $4, R0
+	0xc0, 0xfe, 0xff, 0x54, // BEQ loop                    EINTR
+	0xe0, 0x03, 0x00, 0xcb, // NEG R0, R0
+	0xc8, 0x0b, 0x80, 0xd2, // MOVD $94, R8                exit_group(errno; 0 on EOF)
+	0x01, 0x00, 0x00, 0xd4, // SVC
+}
+
+// setLifeARM64 sets the seconds of the timer in code (a copy of closerCodeARM64):
+// the 16-bit immediate of MOVD $10, R0 (MOVZ X0, #imm).
+func setLifeARM64(code []byte, secs uint16) {
+	const movzX0 = 0xd2800000
+	binary.LittleEndian.PutUint32(code[8:], movzX0|uint32(secs)<<5)
+}
