@@ -128,12 +128,20 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		pending:   map[net.Conn]struct{}{},
 		served:    make(chan error, 1),
 	}
+	// HTTP/2 "without TLS" over the mTLS connections handshake hands over
+	// (see hboneConn): the wire is HTTP/2 over TLS with ALPN h2.
 	var protos http.Protocols
-	protos.SetHTTP2(true)
+	protos.SetUnencryptedHTTP2(true)
 	s.hs = &http.Server{
 		Handler:     http.HandlerFunc(s.serveHTTP),
 		Protocols:   &protos,
 		IdleTimeout: cfg.IdleTimeout,
+		ConnContext: func(ctx context.Context, c net.Conn) context.Context {
+			if hc, ok := c.(*hboneConn); ok {
+				ctx = context.WithValue(ctx, connCtx{}, hc)
+			}
+			return ctx
+		},
 		ErrorLog:    slog.NewLogLogger(log.Handler(), slog.LevelDebug),
 		HTTP2: h2Config(cfg.MaxConcurrentStreams, cfg.MaxFrameSize, cfg.ConnWindow, cfg.StreamWindow,
 			cfg.PingInterval, cfg.PingTimeout),
@@ -218,10 +226,10 @@ func (s *Server) handshake(c net.Conn) {
 		s.mu.Unlock()
 	}
 	_ = c.SetDeadline(time.Now().Add(s.cfg.HandshakeTimeout))
-	tc := tls.Server(c, s.tls)
-	err := tc.Handshake()
-	if err == nil && tc.ConnectionState().NegotiatedProtocol != ALPN {
-		err = fmt.Errorf("failed to negotiate alpn %q: got %q", ALPN, tc.ConnectionState().NegotiatedProtocol)
+	raw := &recordBatcher{Conn: c}
+	hc, err := handshake(context.Background(), raw, tls.Server(raw, s.tls))
+	if err == nil && hc.state().NegotiatedProtocol != ALPN {
+		err = fmt.Errorf("failed to negotiate alpn %q: got %q", ALPN, hc.state().NegotiatedProtocol)
 	}
 	if err != nil {
 		var ne net.Error
@@ -238,8 +246,8 @@ func (s *Server) handshake(c net.Conn) {
 	_ = c.SetDeadline(time.Time{})
 	s.stat.handshakes.Add(1)
 	untrack()
-	if !s.conn.push(tc) {
-		_ = tc.Close()
+	if !s.conn.push(hc) {
+		_ = hc.Close()
 	}
 }
 
@@ -270,12 +278,13 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "authority must be ip:port", http.StatusBadRequest)
 		return
 	}
-	if r.TLS == nil {
+	hc, ok := r.Context().Value(connCtx{}).(*hboneConn)
+	if !ok {
 		s.stat.streamsBadRequest.Add(1)
 		w.WriteHeader(http.StatusForbidden)
 		return
 	}
-	src, err := peerID(r.TLS.PeerCertificates)
+	src, err := peerID(hc.state().PeerCertificates)
 	if err != nil {
 		s.stat.streamsBadRequest.Add(1)
 		w.WriteHeader(http.StatusForbidden)
@@ -336,6 +345,9 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 type peerAddrCtx struct{}
+
+// connCtx carries a stream's *hboneConn in its request context.
+type connCtx struct{}
 
 // PeerAddr returns, inside a DeliverFunc, the TCP address the stream's
 // HBONE connection came from (the source pod's address when the source
