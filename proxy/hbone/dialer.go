@@ -115,7 +115,7 @@ func NewDialer(cfg DialerConfig) (*Dialer, error) {
 	d.tr = &http.Transport{
 		Protocols:   &protos,
 		DialContext: d.dialTLS,
-		HTTP2:          h2Config(0, cfg.MaxFrameSize, cfg.ConnWindow, cfg.StreamWindow, cfg.PingInterval, cfg.PingTimeout),
+		HTTP2:       h2Config(0, cfg.MaxFrameSize, cfg.ConnWindow, cfg.StreamWindow, cfg.PingInterval, cfg.PingTimeout),
 	}
 	return d, nil
 }

@@ -142,7 +142,7 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 			}
 			return ctx
 		},
-		ErrorLog:    slog.NewLogLogger(log.Handler(), slog.LevelDebug),
+		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug),
 		HTTP2: h2Config(cfg.MaxConcurrentStreams, cfg.MaxFrameSize, cfg.ConnWindow, cfg.StreamWindow,
 			cfg.PingInterval, cfg.PingTimeout),
 	}
