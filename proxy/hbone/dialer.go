@@ -140,11 +140,11 @@ func (d *Dialer) dialTLS(ctx context.Context, network, address string) (net.Conn
 		_ = c.Close()
 		return nil, fmt.Errorf("failed to handshake with hbone proxy %q: %w", address, err)
 	}
-	if p := hc.state().NegotiatedProtocol; p != ALPN {
+	if p := hc.ConnectionState().NegotiatedProtocol; p != ALPN {
 		_ = hc.Close()
 		return nil, fmt.Errorf("failed to negotiate alpn %q with hbone proxy %q: got %q", ALPN, address, p)
 	}
-	return clientConn{hc}, nil
+	return hc, nil
 }
 
 // OriginFrom returns the Request.Origin of the connection DialContext is
