@@ -2,6 +2,8 @@ package hbone_test
 
 import (
 	"context"
+	"crypto/tls"
+	"io"
 	"net"
 	"sync"
 	"testing"
@@ -71,5 +73,31 @@ func TestOneWritePerDataFrame(t *testing.T) {
 	// frames (SETTINGS ack, WINDOW_UPDATE for the sink's answer).
 	if got := wire.count() - before; got > frames+8 {
 		t.Errorf("client write(2) calls for %d DATA frames = %d, want at most %d", frames, got, frames+8)
+	}
+}
+
+// TestServerSpeaksOnlyHTTP2: after the mTLS handshake (ALPN h2) the server
+// serves HTTP/2 only (it runs net/http's HTTP/2 in prior-knowledge mode over
+// its own TLS connection): an HTTP/1.1 request gets no answer, the
+// connection is closed.
+func TestServerSpeaksOnlyHTTP2(t *testing.T) {
+	e := newEnv(t, nil)
+	svid, _ := e.certs.SVID(clientID)
+	c, err := tls.Dial("tcp", e.proxy.String(), &tls.Config{
+		InsecureSkipVerify: true, //nolint:gosec // only the server's protocol handling is tested
+		Certificates:       []tls.Certificate{tlsCert(svid.Certificates, svid.PrivateKey)},
+		MinVersion:         tls.VersionTLS13,
+		NextProtos:         []string{hbone.ALPN},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	if _, err := io.WriteString(c, "GET / HTTP/1.1\r\nHost: "+e.target.String()+"\r\nConnection: close\r\n\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	got, err := io.ReadAll(c)
+	if len(got) != 0 {
+		t.Errorf("server answered HTTP/1.1 with %q (read error %v), want the connection closed", got, err)
 	}
 }
