@@ -3,10 +3,12 @@ package hbone_test
 import (
 	"context"
 	"crypto/tls"
+	"errors"
 	"io"
 	"net"
 	"sync"
 	"testing"
+	"time"
 
 	"aether.io/node/proxy/hbone"
 	"aether.io/node/proxy/hbone/hbonetest"
@@ -99,5 +101,31 @@ func TestServerSpeaksOnlyHTTP2(t *testing.T) {
 	got, err := io.ReadAll(c)
 	if len(got) != 0 {
 		t.Errorf("server answered HTTP/1.1 with %q (read error %v), want the connection closed", got, err)
+	}
+}
+
+// TestPrefaceTimeout: a peer that completes the mTLS handshake but never
+// sends the HTTP/2 client preface is closed after HandshakeTimeout.
+func TestPrefaceTimeout(t *testing.T) {
+	e := newEnv(t, func(c *hbone.ServerConfig) { c.HandshakeTimeout = 50 * time.Millisecond })
+	svid, _ := e.certs.SVID(clientID)
+	c, err := tls.Dial("tcp", e.proxy.String(), &tls.Config{
+		InsecureSkipVerify: true, //nolint:gosec // only the server's preface wait is tested
+		Certificates:       []tls.Certificate{tlsCert(svid.Certificates, svid.PrivateKey)},
+		MinVersion:         tls.VersionTLS13,
+		NextProtos:         []string{hbone.ALPN},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	// The server's SETTINGS come only after the preface; the read ends when
+	// the server closes the connection (the deadline only keeps a server
+	// that never does from hanging the test).
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	got, err := io.ReadAll(c)
+	var ne net.Error
+	if len(got) != 0 || errors.As(err, &ne) && ne.Timeout() {
+		t.Errorf("server sent %d bytes (read error %v) to a client without preface, want the connection closed", len(got), err)
 	}
 }

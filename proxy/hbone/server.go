@@ -136,6 +136,9 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		Handler:     http.HandlerFunc(s.serveHTTP),
 		Protocols:   &protos,
 		IdleTimeout: cfg.IdleTimeout,
+		// Bounds the wait for the HTTP/2 client preface after the
+		// handshake (net/http's HTTP/2 server does not use it otherwise).
+		ReadHeaderTimeout: cfg.HandshakeTimeout,
 		ConnContext: func(ctx context.Context, c net.Conn) context.Context {
 			if sc, ok := c.(serverConn); ok {
 				ctx = context.WithValue(ctx, connCtx{}, sc.hc)
