@@ -140,7 +140,7 @@ func (c *hboneConn) Write(p []byte) (int, error) {
 // unblocks that Write.
 func (c *hboneConn) Close() error {
 	if c.writing.Load() > 0 {
-		_ = c.raw.Conn.Close()
+		_ = c.raw.Close() // the TCP socket
 	}
 	return c.tc.Close()
 }
