@@ -84,17 +84,7 @@ func TestOneWritePerDataFrame(t *testing.T) {
 // connection is closed.
 func TestServerSpeaksOnlyHTTP2(t *testing.T) {
 	e := newEnv(t, nil)
-	svid, _ := e.certs.SVID(clientID)
-	c, err := tls.Dial("tcp", e.proxy.String(), &tls.Config{
-		InsecureSkipVerify: true, //nolint:gosec // only the server's protocol handling is tested
-		Certificates:       []tls.Certificate{tlsCert(svid.Certificates, svid.PrivateKey)},
-		MinVersion:         tls.VersionTLS13,
-		NextProtos:         []string{hbone.ALPN},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = c.Close() })
+	c := dialRawTLS(t, e)
 	if _, err := io.WriteString(c, "GET / HTTP/1.1\r\nHost: "+e.target.String()+"\r\nConnection: close\r\n\r\n"); err != nil {
 		t.Fatal(err)
 	}
@@ -108,17 +98,7 @@ func TestServerSpeaksOnlyHTTP2(t *testing.T) {
 // sends the HTTP/2 client preface is closed after HandshakeTimeout.
 func TestPrefaceTimeout(t *testing.T) {
 	e := newEnv(t, func(c *hbone.ServerConfig) { c.HandshakeTimeout = 50 * time.Millisecond })
-	svid, _ := e.certs.SVID(clientID)
-	c, err := tls.Dial("tcp", e.proxy.String(), &tls.Config{
-		InsecureSkipVerify: true, //nolint:gosec // only the server's preface wait is tested
-		Certificates:       []tls.Certificate{tlsCert(svid.Certificates, svid.PrivateKey)},
-		MinVersion:         tls.VersionTLS13,
-		NextProtos:         []string{hbone.ALPN},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = c.Close() })
+	c := dialRawTLS(t, e)
 	// The server's SETTINGS come only after the preface; the read ends when
 	// the server closes the connection (the deadline only keeps a server
 	// that never does from hanging the test).
@@ -128,4 +108,22 @@ func TestPrefaceTimeout(t *testing.T) {
 	if len(got) != 0 || errors.As(err, &ne) && ne.Timeout() {
 		t.Errorf("server sent %d bytes (read error %v) to a client without preface, want the connection closed", len(got), err)
 	}
+}
+
+// dialRawTLS completes the client's mTLS handshake (ALPN h2) with e's server
+// and returns the connection without speaking HTTP/2 on it.
+func dialRawTLS(t *testing.T, e *env) *tls.Conn {
+	t.Helper()
+	svid, _ := e.certs.SVID(clientID)
+	c, err := tls.Dial("tcp", e.proxy.String(), &tls.Config{
+		InsecureSkipVerify: true, //nolint:gosec // only the server's protocol handling is tested
+		Certificates:       []tls.Certificate{tlsCert(svid.Certificates, svid.PrivateKey)},
+		MinVersion:         tls.VersionTLS13,
+		NextProtos:         []string{hbone.ALPN},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	return c
 }
