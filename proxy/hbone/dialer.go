@@ -108,12 +108,14 @@ func NewDialer(cfg DialerConfig) (*Dialer, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	d := &Dialer{cfg: cfg, log: log, pool: map[poolKey]*poolEntry{}}
+	// HTTP/2 "without TLS" over the mTLS connection dialTLS returns (see
+	// hboneConn): the wire is HTTP/2 over TLS with ALPN h2.
 	var protos http.Protocols
-	protos.SetHTTP2(true)
+	protos.SetUnencryptedHTTP2(true)
 	d.tr = &http.Transport{
-		Protocols:      &protos,
-		DialTLSContext: d.dialTLS,
-		HTTP2:          h2Config(0, cfg.MaxFrameSize, cfg.ConnWindow, cfg.StreamWindow, cfg.PingInterval, cfg.PingTimeout),
+		Protocols:   &protos,
+		DialContext: d.dialTLS,
+		HTTP2:       h2Config(0, cfg.MaxFrameSize, cfg.ConnWindow, cfg.StreamWindow, cfg.PingInterval, cfg.PingTimeout),
 	}
 	return d, nil
 }
@@ -132,16 +134,17 @@ func (d *Dialer) dialTLS(ctx context.Context, network, address string) (net.Conn
 	if err != nil {
 		return nil, fmt.Errorf("failed to dial hbone proxy %q: %w", address, err)
 	}
-	tc := tls.Client(c, clientTLSConfig(d.cfg.Certs, key.source, key.expected))
-	if err := tc.HandshakeContext(ctx); err != nil {
+	raw := &recordBatcher{Conn: c}
+	hc, err := handshake(ctx, raw, tls.Client(raw, clientTLSConfig(d.cfg.Certs, key.source, key.expected)))
+	if err != nil {
 		_ = c.Close()
 		return nil, fmt.Errorf("failed to handshake with hbone proxy %q: %w", address, err)
 	}
-	if p := tc.ConnectionState().NegotiatedProtocol; p != ALPN {
-		_ = tc.Close()
+	if p := hc.ConnectionState().NegotiatedProtocol; p != ALPN {
+		_ = hc.Close()
 		return nil, fmt.Errorf("failed to negotiate alpn %q with hbone proxy %q: got %q", ALPN, address, p)
 	}
-	return tc, nil
+	return hc, nil
 }
 
 // OriginFrom returns the Request.Origin of the connection DialContext is
@@ -273,7 +276,7 @@ func (d *Dialer) reserve(ctx context.Context, key poolKey) (*http.ClientConn, bo
 func (d *Dialer) open(ctx context.Context, key poolKey) (*http.ClientConn, error) {
 	hctx, cancel := context.WithTimeout(context.WithValue(ctx, keyCtx{}, key), d.cfg.HandshakeTimeout)
 	defer cancel()
-	cc, err := d.tr.NewClientConn(hctx, "https", key.proxy.String())
+	cc, err := d.tr.NewClientConn(hctx, "http", key.proxy.String())
 	if err != nil {
 		d.stat.connsFailed.Add(1)
 		return nil, fmt.Errorf("failed to open hbone connection %q from %q: %w", key.proxy, key.source, err)
@@ -313,7 +316,7 @@ func (d *Dialer) connect(ctx context.Context, cc *http.ClientConn, req Request) 
 	stop := context.AfterFunc(ctx, cancel)
 	hreq := (&http.Request{
 		Method: http.MethodConnect,
-		URL:    &url.URL{Scheme: "https", Host: req.Proxy.String()},
+		URL:    &url.URL{Scheme: "http", Host: req.Proxy.String()},
 		Host:   req.Target.String(),
 		Header: http.Header{},
 		Body:   pr,

@@ -128,13 +128,24 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		pending:   map[net.Conn]struct{}{},
 		served:    make(chan error, 1),
 	}
+	// HTTP/2 "without TLS" over the mTLS connections handshake hands over
+	// (see hboneConn): the wire is HTTP/2 over TLS with ALPN h2.
 	var protos http.Protocols
-	protos.SetHTTP2(true)
+	protos.SetUnencryptedHTTP2(true)
 	s.hs = &http.Server{
 		Handler:     http.HandlerFunc(s.serveHTTP),
 		Protocols:   &protos,
 		IdleTimeout: cfg.IdleTimeout,
-		ErrorLog:    slog.NewLogLogger(log.Handler(), slog.LevelDebug),
+		// Bounds the wait for the HTTP/2 client preface after the
+		// handshake (net/http's HTTP/2 server does not use it otherwise).
+		ReadHeaderTimeout: cfg.HandshakeTimeout,
+		ConnContext: func(ctx context.Context, c net.Conn) context.Context {
+			if sc, ok := c.(serverConn); ok {
+				ctx = context.WithValue(ctx, connCtx{}, sc.hc)
+			}
+			return ctx
+		},
+		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug),
 		HTTP2: h2Config(cfg.MaxConcurrentStreams, cfg.MaxFrameSize, cfg.ConnWindow, cfg.StreamWindow,
 			cfg.PingInterval, cfg.PingTimeout),
 	}
@@ -218,10 +229,10 @@ func (s *Server) handshake(c net.Conn) {
 		s.mu.Unlock()
 	}
 	_ = c.SetDeadline(time.Now().Add(s.cfg.HandshakeTimeout))
-	tc := tls.Server(c, s.tls)
-	err := tc.Handshake()
-	if err == nil && tc.ConnectionState().NegotiatedProtocol != ALPN {
-		err = fmt.Errorf("failed to negotiate alpn %q: got %q", ALPN, tc.ConnectionState().NegotiatedProtocol)
+	raw := &recordBatcher{Conn: c}
+	hc, err := handshake(context.Background(), raw, tls.Server(raw, s.tls))
+	if err == nil && hc.ConnectionState().NegotiatedProtocol != ALPN {
+		err = fmt.Errorf("failed to negotiate alpn %q: got %q", ALPN, hc.ConnectionState().NegotiatedProtocol)
 	}
 	if err != nil {
 		var ne net.Error
@@ -238,8 +249,8 @@ func (s *Server) handshake(c net.Conn) {
 	_ = c.SetDeadline(time.Time{})
 	s.stat.handshakes.Add(1)
 	untrack()
-	if !s.conn.push(tc) {
-		_ = tc.Close()
+	if !s.conn.push(serverConn{hc, hc}) {
+		_ = hc.Close()
 	}
 }
 
@@ -270,13 +281,9 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "authority must be ip:port", http.StatusBadRequest)
 		return
 	}
-	if r.TLS == nil {
-		s.stat.streamsBadRequest.Add(1)
-		w.WriteHeader(http.StatusForbidden)
-		return
-	}
-	src, err := peerID(r.TLS.PeerCertificates)
-	if err != nil {
+	// The peer's SPIFFE ID was verified and read once, at the handshake.
+	hc, ok := r.Context().Value(connCtx{}).(*hboneConn)
+	if !ok || hc.peer.IsZero() {
 		s.stat.streamsBadRequest.Add(1)
 		w.WriteHeader(http.StatusForbidden)
 		return
@@ -285,7 +292,7 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 	if ap, err := netip.ParseAddrPort(r.RemoteAddr); err == nil {
 		ctx = context.WithValue(ctx, peerAddrCtx{}, netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()))
 	}
-	up, err := s.cfg.Deliver(ctx, src, target)
+	up, err := s.cfg.Deliver(ctx, hc.peer, target)
 	if err != nil {
 		s.stat.streamsDeliverFailed.Add(1)
 		code := http.StatusServiceUnavailable
@@ -293,7 +300,7 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 		if errors.As(err, &se) {
 			code = se.Code
 		}
-		s.log.Error("failed to deliver hbone stream", "source_id", src.String(), "target", target.String(), "error", err)
+		s.log.Error("failed to deliver hbone stream", "source_id", hc.peer.String(), "target", target.String(), "error", err)
 		w.WriteHeader(code)
 		return
 	}
@@ -336,6 +343,9 @@ func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 type peerAddrCtx struct{}
+
+// connCtx carries a stream's *hboneConn in its request context.
+type connCtx struct{}
 
 // PeerAddr returns, inside a DeliverFunc, the TCP address the stream's
 // HBONE connection came from (the source pod's address when the source
