@@ -171,18 +171,21 @@ func (p *pod) proxyTCP(down *net.TCPConn, l *tcpListener) {
 const accountChunk = 4 << 20
 
 // copyConn copies src to dst until EOF or an error, reporting the bytes as
-// they move (pipePool.splice). It splices between the sockets; a socket the
-// kernel cannot splice from is copied through a buffer instead.
+// they move (pipePool.splice). It splices between the sockets; when it
+// cannot (a socket the kernel cannot splice from, no pipe to be had) the
+// rest is copied through a buffer.
 func copyConn(pool *pipePool, dst, src net.Conn, add func(int64)) (int64, error) {
+	var n int64
 	d, dok := dst.(syscall.Conn)
 	s, sok := src.(syscall.Conn)
 	if dok && sok {
-		n, err := pool.splice(d, s, add)
-		if !errors.Is(err, errNoSplice) {
+		var err error
+		if n, err = pool.splice(d, s, add); !errors.Is(err, errNoSplice) {
 			return n, err
 		}
 	}
-	return copyCounted(dst, src, add)
+	m, err := copyCounted(dst, src, add)
+	return n + m, err
 }
 
 // copyCounted copies src to dst through a buffer until EOF or an error,

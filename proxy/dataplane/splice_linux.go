@@ -2,6 +2,7 @@ package dataplane
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"sync"
 	"syscall"
@@ -23,8 +24,9 @@ const maxIdlePipes = 64
 // and never blocks in the kernel: the Go netpoller waits instead.
 const spliceFlags = unix.SPLICE_F_MOVE | unix.SPLICE_F_NONBLOCK
 
-// errNoSplice reports that the kernel cannot splice from a socket; nothing
-// was moved, so the caller may copy through a buffer instead.
+// errNoSplice reports that a splice copy cannot go on (the kernel cannot
+// splice from the socket, or no pipe could be made: EMFILE) with no byte left
+// in a pipe, so the caller may copy the rest through a buffer instead.
 var errNoSplice = errors.New("splice not supported")
 
 // splicePipe is one pipe and the bytes it holds.
@@ -60,6 +62,9 @@ func (p *splicePipe) close() {
 // bytes are in flight and gives it back once the pipe is drained, so an
 // idle connection holds no pipe.
 type pipePool struct {
+	// newPipe makes a pipe when none is free; nil: newSplicePipe.
+	newPipe func() (*splicePipe, error)
+
 	mu     sync.Mutex
 	free   []*splicePipe
 	closed bool
@@ -74,6 +79,9 @@ func (pp *pipePool) get() (*splicePipe, error) {
 		return p, nil
 	}
 	pp.mu.Unlock()
+	if pp.newPipe != nil {
+		return pp.newPipe()
+	}
 	return newSplicePipe()
 }
 
@@ -115,7 +123,7 @@ func (pp *pipePool) close() {
 // (syscall.RawConn Read/Write) whenever a socket would block. Moved bytes
 // are passed to add every accountChunk bytes, whenever the copy waits for
 // src (the connection went idle) and at the end. It returns errNoSplice,
-// having moved nothing, when the kernel cannot splice from src.
+// with every byte it took from src delivered to dst, when it cannot go on.
 func (pp *pipePool) splice(dst, src syscall.Conn, add func(int64)) (int64, error) {
 	rrc, err := src.SyscallConn()
 	if err != nil {
@@ -147,7 +155,9 @@ func (pp *pipePool) splice(dst, src syscall.Conn, add func(int64)) (int64, error
 	// with an empty pipe, which then goes back to the pool first.
 	fill := func(fd uintptr) bool {
 		if p == nil {
-			if p, serr = pp.get(); serr != nil {
+			var err error
+			if p, err = pp.get(); err != nil {
+				serr = fmt.Errorf("%w: %w", errNoSplice, err)
 				return true
 			}
 		}
@@ -165,8 +175,8 @@ func (pp *pipePool) splice(dst, src syscall.Conn, add func(int64)) (int64, error
 				return false
 			case err != nil:
 				serr = os.NewSyscallError("splice", err)
-				if (err == unix.EINVAL || err == unix.ENOSYS) && total == 0 && p.inflight == 0 {
-					serr = errNoSplice
+				if (err == unix.EINVAL || err == unix.ENOSYS) && p.inflight == 0 {
+					serr = fmt.Errorf("%w: %w", errNoSplice, serr)
 				}
 			case n == 0:
 				eof = true

@@ -157,3 +157,37 @@ func TestSpliceUnixSocket(t *testing.T) {
 		})
 	}
 }
+
+// TestSpliceFallsBackWithoutPipes: with no pipe to be had (EMFILE) the
+// copy goes on through a buffer: every byte arrives and is counted, EOF
+// ends it cleanly.
+func TestSpliceFallsBackWithoutPipes(t *testing.T) {
+	pool := pipePool{newPipe: func() (*splicePipe, error) { return nil, unix.EMFILE }}
+	srcW, srcR := tcpPairLoopback(t)
+	dstW, dstR := tcpPairLoopback(t)
+	msg := bytes.Repeat([]byte("fallback"), 32<<10)
+	var counted int64
+	done := make(chan error, 1)
+	go func() {
+		n, err := copyConn(&pool, dstW, srcR, func(k int64) { counted += k })
+		if err == nil && n != int64(len(msg)) {
+			t.Errorf("copyConn = %d bytes, want %d", n, len(msg))
+		}
+		done <- err
+	}()
+	go func() { _, _ = srcW.Write(msg); _ = srcW.CloseWrite() }()
+	got := make([]byte, len(msg))
+	_ = dstR.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(dstR, got); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, msg) {
+		t.Fatal("bytes changed on the way")
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("copy = %v, want a clean EOF", err)
+	}
+	if counted != int64(len(msg)) {
+		t.Errorf("counted %d bytes, want %d", counted, len(msg))
+	}
+}
