@@ -28,7 +28,8 @@ var procSuffix = regexp.MustCompile(`-\d+$`)
 
 // Parse reads benchmark lines ("BenchmarkX/ours-2  10  123 ns/op  4 p50-ns").
 // Other lines are ignored. The GOMAXPROCS suffix is dropped from names; when
-// a name repeats (-count N), each metric is the median of its values.
+// a name repeats (rounds of make bench BENCHCOUNT=N, -count N), each metric
+// is the median of its values.
 func Parse(r io.Reader) (map[string]Result, error) {
 	samples := map[string]map[string][]float64{}
 	runs := map[string]int{}
