@@ -3,6 +3,7 @@ package dataplane
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"sync"
 	"syscall"
@@ -197,6 +198,9 @@ func (pp *pipePool) splice(dst, src syscall.Conn, add func(int64)) (int64, error
 				return false
 			case err != nil:
 				serr = os.NewSyscallError("splice", err)
+				return true
+			case n == 0: // never from a non-empty pipe; do not spin on it
+				serr = io.ErrShortWrite
 				return true
 			}
 			p.inflight -= int(n)
