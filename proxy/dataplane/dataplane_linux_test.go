@@ -460,8 +460,8 @@ func TestUpstreamConnectTimeout(t *testing.T) {
 	}
 }
 
-// TestBytesCountedWhileOpen: a long-lived connection's bytes show in the
-// metrics before it ends (every 4 MiB).
+// TestBytesCountedWhileOpen: a busy long-lived connection's bytes show in
+// the metrics before it ends (at least every 4 MiB).
 func TestBytesCountedWhileOpen(t *testing.T) {
 	e := setup(t, dataplane.Config{})
 	e.server.Handle(t, 8083, func(c net.Conn) { _, _ = io.Copy(io.Discard, c) })
@@ -478,6 +478,46 @@ func TestBytesCountedWhileOpen(t *testing.T) {
 	match := map[string]string{"source_workload": "client", "destination_workload": "server"}
 	if err := proxytest.WaitFor(ctx, func() bool { return sum(e.metrics, "aether_tcp_received_bytes_total", match) >= 4<<20 }); err != nil {
 		t.Fatalf("received bytes of an open connection = %v, want >= 4 MiB", sum(e.metrics, "aether_tcp_received_bytes_total", match))
+	}
+	if got := sum(e.metrics, "aether_tcp_connections_closed_total", match); got != 0 {
+		t.Errorf("connection counted closed while open: %v", got)
+	}
+}
+
+// TestBytesCountedWhenIdle: the bytes of an open connection that went idle
+// (far less than 4 MiB, both ways) are in the metrics, exactly, before it
+// ends.
+func TestBytesCountedWhenIdle(t *testing.T) {
+	e := setup(t, dataplane.Config{})
+	const up, down = 1000, 300
+	e.server.Handle(t, 8084, func(c net.Conn) {
+		if _, err := io.ReadFull(c, make([]byte, up)); err != nil {
+			return
+		}
+		_, _ = c.Write(make([]byte, down))
+		_, _ = io.Copy(io.Discard, c) // stays open until the client closes
+	})
+	ctx := ctx10(t)
+	c, err := e.client.Dial(ctx, netip.AddrPortFrom(e.server.IP4, 8084))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Write(make([]byte, up)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(c, make([]byte, down)); err != nil {
+		t.Fatal(err)
+	}
+	match := map[string]string{"source_workload": "client", "destination_workload": "server"}
+	counted := func() bool {
+		return sum(e.metrics, "aether_tcp_received_bytes_total", match) == up &&
+			sum(e.metrics, "aether_tcp_sent_bytes_total", match) == down
+	}
+	if err := proxytest.WaitFor(ctx, counted); err != nil {
+		t.Fatalf("bytes of an idle open connection: received %v, sent %v, want %d and %d",
+			sum(e.metrics, "aether_tcp_received_bytes_total", match), sum(e.metrics, "aether_tcp_sent_bytes_total", match), up, down)
 	}
 	if got := sum(e.metrics, "aether_tcp_connections_closed_total", match); got != 0 {
 		t.Errorf("connection counted closed while open: %v", got)

@@ -162,7 +162,7 @@ func (p *pod) proxyTCP(down *net.TCPConn, l *tcpListener) {
 	defer p.untrack(pair)
 	srcPeer, dstPeer := p.lookup(src.Addr()), p.lookup(dst.Addr())
 	tc := p.m.metrics.Open(telemetry.Labels(directionOutbound, srcPeer, dstPeer))
-	pipe(pair, tc)
+	pipe(&p.m.pipes, pair, tc)
 	tc.Close()
 }
 
@@ -170,10 +170,26 @@ func (p *pod) proxyTCP(down *net.TCPConn, l *tcpListener) {
 // so long-lived connections show their bytes before they end.
 const accountChunk = 4 << 20
 
-// copyCounted copies src to dst until EOF or an error, reporting progress
-// every accountChunk bytes. ReadFrom of a *net.TCPConn from an
-// *io.LimitedReader over a *net.TCPConn or *net.UnixConn is still
-// splice(2) on Linux; a unix socket destination copies through a buffer.
+// copyConn copies src to dst until EOF or an error, reporting the bytes as
+// they move (pipePool.splice). It splices between the sockets; when it
+// cannot (a socket the kernel cannot splice from, no pipe to be had) the
+// rest is copied through a buffer.
+func copyConn(pool *pipePool, dst, src net.Conn, add func(int64)) (int64, error) {
+	var n int64
+	d, dok := dst.(syscall.Conn)
+	s, sok := src.(syscall.Conn)
+	if dok && sok {
+		var err error
+		if n, err = pool.splice(d, s, add); !errors.Is(err, errNoSplice) {
+			return n, err
+		}
+	}
+	m, err := copyCounted(dst, src, add)
+	return n + m, err
+}
+
+// copyCounted copies src to dst through a buffer until EOF or an error,
+// reporting progress every accountChunk bytes and at the end.
 func copyCounted(dst io.Writer, src io.Reader, add func(int64)) (int64, error) {
 	var total int64
 	for {
@@ -194,20 +210,21 @@ func copyCounted(dst io.Writer, src io.Reader, add func(int64)) (int64, error) {
 
 // pipe copies both ways until both are done. A clean EOF on one side is
 // passed on as a half-close (FIN); an error on either side resets both. The
-// copies are splice(2) between the two sockets. Bytes received from the
-// downstream (source) and sent to it are reported as they move.
-func pipe(t *tcpPair, tc *telemetry.Conn) {
+// copies are splice(2) between the two sockets through pipes of pool.
+// Bytes received from the downstream (source) and sent to it are reported
+// as they move and whenever the connection goes idle.
+func pipe(pool *pipePool, t *tcpPair, tc *telemetry.Conn) {
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		if _, err := copyCounted(t.up, t.down, tc.Received); err != nil {
+		if _, err := copyConn(pool, t.up, t.down, tc.Received); err != nil {
 			t.abort()
 			return
 		}
 		_ = t.up.CloseWrite()
 	}()
-	if _, err := copyCounted(t.down, t.up, tc.Sent); err != nil {
+	if _, err := copyConn(pool, t.down, t.up, tc.Sent); err != nil {
 		t.abort()
 	} else {
 		_ = t.down.CloseWrite()

@@ -202,6 +202,9 @@ type Manager struct {
 	// tcpConns and udpFlows count the node's open connections and flows
 	// (the caps of Config).
 	tcpConns, udpFlows atomic.Int64
+
+	// pipes are the splice pipes of the TCP copies (closed with Close).
+	pipes pipePool
 }
 
 // New returns a manager. It opens the process's own netns (to return to
@@ -483,6 +486,7 @@ func (m *Manager) Close() error {
 	if m.tunnel != nil {
 		_ = m.tunnel.Close()
 	}
+	m.pipes.close()
 	return closeFd(m.home)
 }
 

@@ -102,6 +102,6 @@ func (p *pod) serveInbound(down *net.TCPConn, l *tcpListener) {
 	}
 	defer p.untrack(pair)
 	tc := p.m.metrics.Open(telemetry.Labels(directionInbound, p.lookup(src.Addr()), p.lookup(dst.Addr())))
-	pipe(pair, tc)
+	pipe(&p.m.pipes, pair, tc)
 	tc.Close()
 }

@@ -5,6 +5,9 @@
 // the same rows as JSON.
 //
 // Usage: go test -run '^$' -bench . ./... | go run ./tools/benchreport -goals bench/goals -out bench/out
+//
+// A benchmark that appears more than once (make bench BENCHCOUNT=N, or go
+// test -count N) is reported as the median of each of its metrics.
 package main
 
 import (

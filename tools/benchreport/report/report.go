@@ -16,19 +16,23 @@ import (
 	"text/tabwriter"
 )
 
-// Result is one benchmark line: its full name and its metrics by unit.
+// Result is one benchmark: its full name, its metrics by unit and how many
+// runs (`go test -count N`) they are the median of.
 type Result struct {
 	Name    string
 	Metrics map[string]float64
+	Runs    int
 }
 
 var procSuffix = regexp.MustCompile(`-\d+$`)
 
 // Parse reads benchmark lines ("BenchmarkX/ours-2  10  123 ns/op  4 p50-ns").
 // Other lines are ignored. The GOMAXPROCS suffix is dropped from names; when
-// a name repeats (-count), the last value wins.
+// a name repeats (rounds of make bench BENCHCOUNT=N, -count N), each metric
+// is the median of its values.
 func Parse(r io.Reader) (map[string]Result, error) {
-	out := map[string]Result{}
+	samples := map[string]map[string][]float64{}
+	runs := map[string]int{}
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
@@ -39,17 +43,42 @@ func Parse(r io.Reader) (map[string]Result, error) {
 		if _, err := strconv.ParseInt(f[1], 10, 64); err != nil {
 			continue
 		}
-		res := Result{Name: procSuffix.ReplaceAllString(f[0], ""), Metrics: map[string]float64{}}
+		name := procSuffix.ReplaceAllString(f[0], "")
+		if samples[name] == nil {
+			samples[name] = map[string][]float64{}
+		}
 		for i := 2; i+1 < len(f); i += 2 {
 			v, err := strconv.ParseFloat(f[i], 64)
 			if err != nil {
 				return nil, fmt.Errorf("bad value %q in %q", f[i], sc.Text())
 			}
-			res.Metrics[f[i+1]] = v
+			samples[name][f[i+1]] = append(samples[name][f[i+1]], v)
 		}
-		out[res.Name] = res
+		runs[name]++
 	}
-	return out, sc.Err()
+	if err := sc.Err(); err != nil {
+		return nil, err
+	}
+	out := make(map[string]Result, len(samples))
+	for name, ms := range samples {
+		res := Result{Name: name, Metrics: make(map[string]float64, len(ms)), Runs: runs[name]}
+		for unit, vs := range ms {
+			res.Metrics[unit] = median(vs)
+		}
+		out[name] = res
+	}
+	return out, nil
+}
+
+// median of vs (the mean of the middle two for an even count); vs is
+// sorted in place.
+func median(vs []float64) float64 {
+	slices.Sort(vs)
+	n := len(vs)
+	if n%2 == 1 {
+		return vs[n/2]
+	}
+	return (vs[n/2-1] + vs[n/2]) / 2
 }
 
 // Goal is the judged metric of one comparison and the allowed ratio ours/peer.
@@ -97,6 +126,8 @@ type Row struct {
 	Ratio   float64 `json:"ratio"`
 	Goal    string  `json:"goal,omitempty"`
 	Verdict string  `json:"verdict"`
+	// Runs is how many runs of ours the values are the median of.
+	Runs int `json:"runs"`
 }
 
 // Rows pairs every "<name>/ours" with "<name>/peer" and emits one row per
@@ -112,7 +143,7 @@ func Rows(results map[string]Result, goals map[string]Goal) []Row {
 		peer, hasPeer := results[base+"/peer"]
 		goal, hasGoal := findGoal(goals, base)
 		for _, metric := range metrics(ours) {
-			r := Row{Name: base, Metric: metric, Ours: ours.Metrics[metric], Verdict: "info"}
+			r := Row{Name: base, Metric: metric, Ours: ours.Metrics[metric], Verdict: "info", Runs: ours.Runs}
 			if hasPeer {
 				p, ok := peer.Metrics[metric]
 				if !ok {
@@ -193,9 +224,9 @@ func judge(g Goal, ratio float64) (goal, verdict string) {
 func PrintTable(w io.Writer, rows []Row) error {
 	tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
 	var b strings.Builder
-	b.WriteString("NAME\tMETRIC\tOURS\tPEER\tRATIO\tGOAL\tVERDICT\n")
+	b.WriteString("NAME\tMETRIC\tOURS\tPEER\tRATIO\tGOAL\tVERDICT\tRUNS\n")
 	for _, r := range rows {
-		fmt.Fprintf(&b, "%s\t%s\t%s\t%s\t%.3f\t%s\t%s\n", r.Name, r.Metric, num(r.Ours), num(r.Peer), r.Ratio, r.Goal, r.Verdict)
+		fmt.Fprintf(&b, "%s\t%s\t%s\t%s\t%.3f\t%s\t%s\t%d\n", r.Name, r.Metric, num(r.Ours), num(r.Peer), r.Ratio, r.Goal, r.Verdict, r.Runs)
 	}
 	if _, err := io.WriteString(tw, b.String()); err != nil {
 		return err

@@ -49,3 +49,34 @@ func TestRowsAndVerdicts(t *testing.T) {
 		}
 	}
 }
+
+// TestMedianOfRuns: a benchmark run -count N times is reported as the
+// median of each metric, with the number of runs.
+func TestMedianOfRuns(t *testing.T) {
+	const runs = `BenchmarkT/ours-2  1  900 MB/s  2.0 cpu-ns/B
+BenchmarkT/peer-2  1  1000 MB/s  1.0 cpu-ns/B
+BenchmarkT/ours-2  1  500 MB/s  9.0 cpu-ns/B
+BenchmarkT/peer-2  1  1200 MB/s  1.5 cpu-ns/B
+BenchmarkT/ours-2  1  800 MB/s  2.5 cpu-ns/B
+BenchmarkT/peer-2  1  1100 MB/s  1.2 cpu-ns/B
+BenchmarkE/ours-2  1  10 MB/s
+BenchmarkE/ours-2  1  30 MB/s
+`
+	res, err := Parse(strings.NewReader(runs))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := res["BenchmarkT/ours"]; r.Metrics["MB/s"] != 800 || r.Metrics["cpu-ns/B"] != 2.5 || r.Runs != 3 {
+		t.Errorf("ours: %+v, want MB/s 800, cpu-ns/B 2.5, 3 runs", r)
+	}
+	if r := res["BenchmarkE/ours"]; r.Metrics["MB/s"] != 20 || r.Runs != 2 {
+		t.Errorf("even count: %+v, want the mean of the middle two (20)", r)
+	}
+	half := 0.5
+	rows := Rows(res, map[string]Goal{"BenchmarkT": {Metric: "MB/s", MinRatio: &half}})
+	for _, r := range rows {
+		if r.Name == "BenchmarkT" && r.Metric == "MB/s" && (r.Ours != 800 || r.Peer != 1100 || r.Runs != 3 || r.Verdict != "pass") {
+			t.Errorf("row of medians: %+v", r)
+		}
+	}
+}
