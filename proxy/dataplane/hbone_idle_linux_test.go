@@ -21,6 +21,26 @@ func hboneIdleHits(e *hboneEnv) float64 {
 	return sum(e.metrics, "aether_proxy_limit_hits_total", map[string]string{"limit": telemetry.LimitTCPIdle})
 }
 
+// awaitHBONESettled waits up to 10 s until the proxy holds no connection:
+// no CONNECT stream served on :15008 and every captured connection counted
+// closed.
+func awaitHBONESettled(t *testing.T, e *hboneEnv) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		streams := sum(e.metrics, "aether_proxy_hbone_server_streams_active", nil)
+		opened := sum(e.metrics, "aether_tcp_connections_opened_total", nil)
+		closed := sum(e.metrics, "aether_tcp_connections_closed_total", nil)
+		if streams == 0 && opened == closed {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the proxy still holds connections after 10 s: %v CONNECT streams served, %v of %v captured connections closed", streams, closed, opened)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 // awaitClosed waits up to 10 s for read to return (an idle close) and
 // returns its error; a read that is still blocked fails the test.
 func awaitClosed(t *testing.T, read func() error, unblock func()) error {
@@ -69,6 +89,11 @@ func TestHBONEIdleTimeout(t *testing.T) {
 			t.Fatalf("outbound path=hbone = %v, want 2 (both connections tunnelled)", got)
 		}
 		idleClosedWhileActive(t, idle, active)
+		_ = active.Close()
+		// Both legs of the idle connection time out at about the same
+		// moment, so the destination's leg may be counted too; wait until
+		// every leg is closed so that no hit lands in the next subtest.
+		awaitHBONESettled(t, e)
 		if got := hboneIdleHits(e); got < before+1 {
 			t.Errorf("tcp_idle hits = %v, want at least %v", got, before+1)
 		}
