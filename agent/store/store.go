@@ -83,6 +83,10 @@ type Options struct {
 	// LockTimeout is how long Open waits for another process's lock on the
 	// state directory; 0 means DefaultLockTimeout.
 	LockTimeout time.Duration
+
+	// beforeAppend, when set, runs before each commit's write: tests slow
+	// the disk down with it to widen the window a kill can land in.
+	beforeAppend func()
 }
 
 // Store is the durable record store.
@@ -439,6 +443,9 @@ func (s *Store) compact() error {
 // append writes b at the log's end and syncs it, extending the zero-filled
 // space first when b does not fit.
 func (s *Store) append(b []byte) error {
+	if s.opts.beforeAppend != nil {
+		s.opts.beforeAppend()
+	}
 	if end := s.off + int64(len(b)); end > s.alloc {
 		alloc := roundUp(end, s.opts.Preallocate) + s.opts.Preallocate
 		if err := preallocate(s.f, s.alloc, alloc-s.alloc); err != nil {
