@@ -33,7 +33,7 @@ func (s *Store) importLegacy() (bool, error) {
 	if err != nil {
 		return false, fmt.Errorf("failed to open the bbolt store %q to import it: %w", path, err)
 	}
-	defer db.Close()
+	defer func() { _ = db.Close() }() // read-only: nothing to flush
 	// agent.db is the authority: a log beside it holds the same records
 	// (an import cut before agent.db was removed) or older ones (written
 	// before a downgrade to a bbolt agent).

@@ -405,3 +405,30 @@ func TestNotALog(t *testing.T) {
 		t.Fatal("the foreign file was changed")
 	}
 }
+
+// TestWriteFailureRefusesLaterWrites: once a commit's write fails the file's
+// state is unknown; that write and every later one fail until a reopen,
+// which reads back what is on disk.
+func TestWriteFailureRefusesLaterWrites(t *testing.T) {
+	dir := t.TempDir()
+	s := open(t, dir, Options{})
+	put(t, s, rec(1))
+	// The committer is idle (Put returned); the next commit finds the
+	// file closed under it, as a write error would.
+	if err := s.f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Put(context.Background(), rec(2)); err == nil {
+		t.Fatal("Put on a failed file succeeded")
+	}
+	err := s.Put(context.Background(), rec(3))
+	if err == nil || !strings.Contains(err.Error(), "store failed, restart to recover") {
+		t.Fatalf("Put after a failed write = %v, want the store refusing", err)
+	}
+	if got, _ := s.Get("c-0002"); got != nil {
+		t.Fatal("a failed write is readable")
+	}
+	s.Close()
+	s = open(t, dir, Options{})
+	wantKeys(t, s, "c-0001")
+}

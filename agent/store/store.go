@@ -161,7 +161,7 @@ func Open(dir string, opts Options) (*Store, error) {
 	}
 	s.lock = lock
 	if err := s.load(); err != nil {
-		s.closeFiles()
+		_ = s.closeFiles() // the load error is the one to report
 		return nil, err
 	}
 	go s.commitLoop()
