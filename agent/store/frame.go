@@ -68,11 +68,13 @@ func parseFrame(b []byte) (kind byte, body []byte, size int64, err error) {
 		return 0, nil, 0, fmt.Errorf("frame length %d runs past the end or the %d-byte limit", n, maxPayload)
 	}
 	payload := b[frameHeader : frameHeader+int(n)]
-	if got, want := crc32.Update(crc32.Checksum(b[:4], castagnoli), castagnoli, payload), binary.BigEndian.Uint32(b[4:]); got != want {
-		return 0, nil, 0, fmt.Errorf("frame checksum %08x does not match stored %08x", got, want)
-	}
+	// The kind first: it rules out most offsets resync tries without a
+	// checksum over up to maxPayload bytes.
 	if payload[0] != kindPut && payload[0] != kindDelete {
 		return 0, nil, 0, fmt.Errorf("frame of unknown kind %q", payload[0])
+	}
+	if got, want := crc32.Update(crc32.Checksum(b[:4], castagnoli), castagnoli, payload), binary.BigEndian.Uint32(b[4:]); got != want {
+		return 0, nil, 0, fmt.Errorf("frame checksum %08x does not match stored %08x", got, want)
 	}
 	return payload[0], payload[1:], frameHeader + int64(n), nil
 }
