@@ -84,6 +84,16 @@ func parseFrame(b []byte) (kind byte, body []byte, size int64, err error) {
 // torn tail.
 func resync(b []byte) int64 {
 	for q := 1; q+frameHeader < len(b); q++ {
+		if b[q]|b[q+1]|b[q+2]|b[q+3] == 0 {
+			// A frame's length has a non-zero byte: skip the zero run (the
+			// preallocated space after the last frame) in one tight loop.
+			nz := q + 4
+			for nz < len(b) && b[nz] == 0 {
+				nz++
+			}
+			q = nz - 4 // the next try's length ends with b[nz]
+			continue
+		}
 		if _, _, _, err := parseFrame(b[q:]); err == nil {
 			return int64(q)
 		}
