@@ -95,8 +95,8 @@ func assertNoSockets(t *testing.T, paths ...string) {
 	}
 }
 
-// assertStoreFree checks Run closed the store: it opens again (bbolt's
-// flock would otherwise time out).
+// assertStoreFree checks Run closed the store: it opens again (the
+// store's flock on agent.lock would otherwise time out).
 func assertStoreFree(t *testing.T, dir string) {
 	t.Helper()
 	if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {

@@ -122,7 +122,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	var uids, sysNS, etcdEndpoints, locality string
 	fs.StringVar(&c.CNISocket, "cni-socket", SocketDir+"/cni.sock", "unix socket serving aether.cni.v1.CNIService (mode 0600; its directory must be 0700)")
 	fs.StringVar(&c.AdminSocket, "admin-socket", SocketDir+"/admin.sock", "unix socket serving the read-only admin API used by aetherctl (mode 0600); empty disables it")
-	fs.StringVar(&c.StateDir, "state-dir", "/var/lib/aether", "directory of the durable pod store (agent.db)")
+	fs.StringVar(&c.StateDir, "state-dir", "/var/lib/aether", "directory of the durable pod store (agent.log, locked by agent.lock)")
 	fs.StringVar(&c.PodManifests, "pod-manifests", "", "directory of Pod manifests (YAML/JSON) to use as the pod source instead of the Kubernetes API")
 	fs.DurationVar(&c.ManifestInterval, "pod-manifests-interval", time.Second, "how often --pod-manifests is rescanned (a lookup miss also rescans)")
 	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig for the Kubernetes pod source; empty means in-cluster config")

@@ -84,7 +84,7 @@ func benchAddPod(b *testing.B, c cniv1grpc.CNIServiceClient) {
 
 // BenchmarkAgentAddPod is AddPod warm (connection established) over the
 // real unix socket: the aether-agent process (pod from the manifest source,
-// bbolt group commit, registration) vs a peer CNIService in its own process
+// record log with group commit, registration) vs a peer CNIService in its own process
 // that persists a JSON file per pod with write+fsync+rename+dir fsync, on
 // the same disk.
 func BenchmarkAgentAddPod(b *testing.B) {

@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -8,12 +9,11 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 	"sync"
 	"testing"
 	"time"
-
-	bolt "go.etcd.io/bbolt"
 
 	"aether.io/node/agent/app"
 	"aether.io/node/agent/store"
@@ -123,8 +123,9 @@ func TestKill9During100ConcurrentAddPods(t *testing.T) {
 	}
 }
 
-// TestCorruptRecordQuarantined: a damaged record is moved aside, counted
-// and logged, and the agent still starts and serves the good ones.
+// TestCorruptRecordQuarantined: damaged records followed by intact ones
+// are moved aside, counted and logged at ERROR; the agent still starts and
+// serves every intact record, also those written after the damage.
 func TestCorruptRecordQuarantined(t *testing.T) {
 	harness.RequireRoot(t)
 	dir := newAgentDirs(t)
@@ -132,49 +133,67 @@ func TestCorruptRecordQuarantined(t *testing.T) {
 	if err := os.Mkdir(mdir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	writeManifest(t, mdir, "good.yaml", podYAML("shop", "good", "uid-good", true, "", ""))
+	names := []string{"bad-1", "good-1", "bad-2", "good-2"}
+	var docs []string
+	for _, n := range names {
+		docs = append(docs, podYAML("shop", n, "uid-"+n, true, "", ""))
+	}
+	writeManifest(t, mdir, "pods.yaml", strings.Join(docs, "---\n"))
 	a := startAgent(t, dir, "--pod-manifests", mdir)
 	a.waitReady(t)
-	if r, err := a.client(t).AddPod(ctxT(t, 10*time.Second), &cniv1.AddPodRequest{Pod: cniPod("shop", "good", "cid-good", "10.3.0.1")}); err != nil || r.GetResult() != cniv1.AddPodResponse_RESULT_SUCCESS {
-		t.Fatalf("AddPod = %v, %v", r, err)
+	for i, n := range names {
+		r, err := a.client(t).AddPod(ctxT(t, 10*time.Second), &cniv1.AddPodRequest{Pod: cniPod("shop", n, "cid-"+n, fmt.Sprintf("10.3.0.%d", i+1))})
+		if err != nil || r.GetResult() != cniv1.AddPodResponse_RESULT_SUCCESS {
+			t.Fatalf("AddPod %s = %v, %v", n, r, err)
+		}
 	}
 	a.terminate(t)
 
-	// Damage: one record with a flipped byte, one that is not even framed.
-	db, err := bolt.Open(filepath.Join(a.state, store.FileName), 0o600, nil)
+	// Damage: one flipped bit in every frame of the bad pods; the good
+	// pods' frames follow each of them.
+	path := filepath.Join(a.state, store.FileName)
+	data, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	err = db.Update(func(tx *bolt.Tx) error {
-		b := tx.Bucket([]byte("pods"))
-		v := append([]byte(nil), b.Get([]byte("cid-good"))...)
-		v[len(v)/2] ^= 0x20
-		if err := b.Put([]byte("cid-flipped"), v); err != nil {
-			return err
+	hits := 0
+	for _, id := range []string{`"cid-bad-1"`, `"cid-bad-2"`} {
+		for off := 0; ; {
+			i := bytes.Index(data[off:], []byte(id))
+			if i < 0 {
+				break
+			}
+			data[off+i+2] ^= 0x20 // "cid" → "cId": the frame's checksum no longer matches
+			off += i + len(id)
+			hits++
 		}
-		return b.Put([]byte("cid-junk"), []byte("{not a record"))
-	})
-	db.Close()
-	if err != nil {
+	}
+	if hits < 2 {
+		t.Fatalf("found %d frames of the bad pods in %s", hits, path)
+	}
+	if err := os.WriteFile(path, data, 0o600); err != nil {
 		t.Fatal(err)
 	}
 
 	a = startAgent(t, dir, "--pod-manifests", mdir)
 	views := a.adminPods(t)
-	if len(views) != 1 || views[0].ContainerID != "cid-good" {
-		t.Fatalf("records after quarantine = %+v, want only cid-good", views)
+	var got []string
+	for _, v := range views {
+		got = append(got, v.ContainerID)
 	}
-	if v := a.metric(t, "aether_agent_store_quarantined_records_total"); v != 2 {
-		t.Fatalf("quarantined count = %v, want 2", v)
+	sort.Strings(got)
+	if strings.Join(got, ",") != "cid-good-1,cid-good-2" {
+		t.Fatalf("records after quarantine = %v, want cid-good-1,cid-good-2", got)
 	}
+	v := a.metric(t, "aether_agent_store_quarantined_records_total")
 	n := 0
 	for _, l := range a.logs.logLines() {
 		if l["msg"] == "quarantined corrupt pod record" && l["level"] == "ERROR" {
 			n++
 		}
 	}
-	if n != 2 {
-		t.Fatalf("%d quarantine log lines, want 2", n)
+	if v < 2 || float64(n) != v {
+		t.Fatalf("quarantined count = %v with %d ERROR lines; want at least 2 (one per damaged run of frames), one line each", v, n)
 	}
 	// The next start finds nothing new to quarantine.
 	a.terminate(t)

@@ -1,25 +1,30 @@
-// Package store keeps the agent's durable pod records in a bbolt database
-// under the state directory: one record per sandbox (container) ID, holding
-// everything needed to rebuild the pod's endpoint and xDS resources without
-// the API server.
+// Package store keeps the agent's durable pod records in an append-only
+// record log under the state directory (agent.log): one record per sandbox
+// (container) ID, holding everything needed to rebuild the pod's endpoint
+// and xDS resources without the API server.
 //
-// Writes from concurrent callers share commits (group commit): one goroutine
-// owns the write transaction and folds every request queued while the
-// previous commit was syncing into the next one, so eight concurrent AddPods
-// cost about one fsync, not eight, and a lone writer waits for no timer.
+// Every Put appends the record's frame (length, CRC-32C, payload) and every
+// Delete a tombstone. Writes from concurrent callers share commits (group
+// commit): one goroutine owns the file and writes every request queued while
+// the previous commit was syncing with one write and one fdatasync, so eight
+// concurrent AddPods cost about one sync, not eight, and a lone writer waits
+// for no timer. A caller is answered only once its frame is on disk.
 //
-// Each value is framed with a CRC-32C checksum. On Open every record is
-// decoded; a record that does not decode is moved to the quarantine bucket,
-// counted and logged, and never stops the agent.
+// The file's space is allocated ahead (zero-filled) so an append changes
+// neither the size nor the allocation: fdatasync has only data to flush.
+// When dead frames (replaced records, tombstones) outweigh the live ones the
+// log is compacted: the live records are written to a new file, synced and
+// renamed over the log. On Open the log is read up to its end; a torn tail
+// (a commit cut by a crash, never acknowledged) is cut off, damage followed
+// by intact frames is quarantined and logged at ERROR, and the intact frames
+// after it are kept (README.md). An agent.db of the bbolt store this package
+// used before is imported once and removed.
 package store
 
 import (
 	"context"
-	"encoding/binary"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"hash/crc32"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -27,183 +32,81 @@ import (
 	"sort"
 	"sync"
 	"time"
-
-	bolt "go.etcd.io/bbolt"
-	"google.golang.org/protobuf/encoding/protojson"
-
-	cniv1 "aether.io/node/api/aether/cni/v1"
-	"aether.io/node/registry"
 )
 
-// FileName is the database file inside the state directory.
-const FileName = "agent.db"
+// FileName is the record log inside the state directory.
+const FileName = "agent.log"
 
-var (
-	bucketPods       = []byte("pods")
-	bucketQuarantine = []byte("quarantine")
-	castagnoli       = crc32.MakeTable(crc32.Castagnoli)
+// LockFileName is the file whose flock keeps a second agent out of the
+// state directory.
+const LockFileName = "agent.lock"
+
+// LegacyFileName is the bbolt database of agents before the record log;
+// Open imports it and removes it.
+const LegacyFileName = "agent.db"
+
+// QuarantineDir is the directory, inside the state directory, that keeps
+// the bytes of every damaged or undecodable frame Open moved aside.
+const QuarantineDir = "quarantine"
+
+// compactName is the file a compaction writes before renaming it over the
+// log; one left by a crash is removed on Open.
+const compactName = FileName + ".compact"
+
+// Defaults of Options.
+const (
+	DefaultPreallocate   = 4 << 20
+	DefaultCompactMin    = 4 << 20
+	DefaultLockTimeout   = 10 * time.Second
+	lockRetryInterval    = 50 * time.Millisecond
+	quarantineFileSuffix = ".bin"
 )
-
-// recordVersion is the envelope version written by this code.
-const recordVersion = 1
-
-// Record is one stored pod sandbox.
-type Record struct {
-	// Pod is the CNIPod as the agent completed it on AddPod (identity, IPs,
-	// netns, labels, annotations, uid, service account, volumes, terminating).
-	Pod *cniv1.CNIPod
-	// Node is the node the pod runs on.
-	Node string
-	// Owner is the pod's controlling owner reference, if any.
-	Owner *registry.Owner
-	// HostNetwork is true for host-network pods.
-	HostNetwork bool
-	// FixedName is true when the pod's name was not generated
-	// (podsource.Pod.FixedName); false on records written before it existed,
-	// which the workload builder then treats as generated (as every
-	// controller-created pod is).
-	FixedName bool
-	// Uncaptured is true when the last ReportAddResult carried a
-	// capture_divert_error: the pod runs without the mesh.
-	Uncaptured bool
-	// UncapturedError is that capture_divert_error.
-	UncapturedError string
-	// LastTimings are the plugin's timings of the last ADD, if any: those of
-	// AddPod (started, pre_call), replaced by ReportAddResult's (every field).
-	LastTimings *cniv1.PluginTimings
-	// AddedAt is when AddPod first stored the record.
-	AddedAt time.Time
-	// Locality is the node's topology when the agent last wrote the record
-	// knowing it (read from its Node): what the pod's endpoint and WDS
-	// workload carry while a restarted agent cannot read its Node (the API
-	// server down). Zero on records written before it existed.
-	Locality registry.Locality
-}
-
-// Key returns the record's key: the sandbox (container) ID.
-func (r *Record) Key() string { return r.Pod.GetContainerId() }
-
-// Clone returns a deep copy.
-func (r *Record) Clone() *Record {
-	if r == nil {
-		return nil
-	}
-	c := *r
-	if r.Pod != nil {
-		c.Pod = cloneProto(r.Pod)
-	}
-	if r.LastTimings != nil {
-		c.LastTimings = cloneProto(r.LastTimings)
-	}
-	if r.Owner != nil {
-		o := *r.Owner
-		c.Owner = &o
-	}
-	return &c
-}
-
-type envelope struct {
-	Version         int             `json:"v"`
-	Pod             json.RawMessage `json:"pod"`
-	Node            string          `json:"node,omitempty"`
-	Owner           *registry.Owner `json:"owner,omitempty"`
-	HostNetwork     bool            `json:"host_network,omitempty"`
-	FixedName       bool            `json:"fixed_name,omitempty"`
-	Uncaptured      bool            `json:"uncaptured,omitempty"`
-	UncapturedError string          `json:"uncaptured_error,omitempty"`
-	LastTimings     json.RawMessage `json:"last_timings,omitempty"`
-	AddedAt         time.Time       `json:"added_at"`
-	// Locality is omitted when zero; an agent that predates it ignores it.
-	Locality *registry.Locality `json:"locality,omitempty"`
-}
-
-// Encode frames r as stored on disk: 4 bytes CRC-32C (big endian) of the
-// JSON envelope that follows.
-func Encode(r *Record) ([]byte, error) {
-	if r == nil || r.Pod == nil || r.Pod.GetContainerId() == "" {
-		return nil, errors.New("failed to encode record: a record needs a pod with a container_id")
-	}
-	pod, err := protojson.Marshal(r.Pod)
-	if err != nil {
-		return nil, fmt.Errorf("failed to encode pod %q: %w", r.Pod.GetContainerId(), err)
-	}
-	env := envelope{
-		Version: recordVersion, Pod: pod, Node: r.Node, Owner: r.Owner, HostNetwork: r.HostNetwork, FixedName: r.FixedName,
-		Uncaptured: r.Uncaptured, UncapturedError: r.UncapturedError, AddedAt: r.AddedAt.UTC(),
-	}
-	if r.Locality != (registry.Locality{}) {
-		l := r.Locality
-		env.Locality = &l
-	}
-	if r.LastTimings != nil {
-		if env.LastTimings, err = protojson.Marshal(r.LastTimings); err != nil {
-			return nil, fmt.Errorf("failed to encode timings of %q: %w", r.Pod.GetContainerId(), err)
-		}
-	}
-	body, err := json.Marshal(&env)
-	if err != nil {
-		return nil, fmt.Errorf("failed to encode record %q: %w", r.Pod.GetContainerId(), err)
-	}
-	out := make([]byte, 4+len(body))
-	binary.BigEndian.PutUint32(out, crc32.Checksum(body, castagnoli))
-	copy(out[4:], body)
-	return out, nil
-}
-
-// Decode parses a stored value. It fails on a bad checksum, an unknown
-// version, or a pod without a container ID.
-func Decode(b []byte) (*Record, error) {
-	if len(b) < 4 {
-		return nil, fmt.Errorf("failed to decode record: %d bytes is shorter than the 4-byte checksum", len(b))
-	}
-	body := b[4:]
-	if got, want := crc32.Checksum(body, castagnoli), binary.BigEndian.Uint32(b); got != want {
-		return nil, fmt.Errorf("failed to decode record: checksum %08x does not match stored %08x", got, want)
-	}
-	var env envelope
-	if err := json.Unmarshal(body, &env); err != nil {
-		return nil, fmt.Errorf("failed to decode record envelope: %w", err)
-	}
-	if env.Version != recordVersion {
-		return nil, fmt.Errorf("failed to decode record: version %d, this agent reads version %d", env.Version, recordVersion)
-	}
-	r := &Record{
-		Pod: &cniv1.CNIPod{}, Node: env.Node, Owner: env.Owner, HostNetwork: env.HostNetwork, FixedName: env.FixedName,
-		Uncaptured: env.Uncaptured, UncapturedError: env.UncapturedError, AddedAt: env.AddedAt,
-	}
-	if env.Locality != nil {
-		r.Locality = *env.Locality
-	}
-	opts := protojson.UnmarshalOptions{DiscardUnknown: true}
-	if err := opts.Unmarshal(env.Pod, r.Pod); err != nil {
-		return nil, fmt.Errorf("failed to decode record pod: %w", err)
-	}
-	if r.Pod.GetContainerId() == "" {
-		return nil, errors.New("failed to decode record: pod has no container_id")
-	}
-	if len(env.LastTimings) > 0 {
-		r.LastTimings = &cniv1.PluginTimings{}
-		if err := opts.Unmarshal(env.LastTimings, r.LastTimings); err != nil {
-			return nil, fmt.Errorf("failed to decode record timings: %w", err)
-		}
-	}
-	return r, nil
-}
 
 // Options tune a Store.
 type Options struct {
-	// Logger receives quarantine and commit logs; nil discards.
+	// Logger receives quarantine, recovery and commit logs; nil discards.
 	Logger *slog.Logger
-	// NoSync skips fsync (tests and benchmarks of the non-durable path only).
+	// NoSync skips fsync and fdatasync (tests and benchmarks of the
+	// non-durable path only).
 	NoSync bool
-	// OnQuarantine is called once per record moved aside on Open.
+	// OnQuarantine is called once per frame or damaged region Open moved
+	// aside, with the record's key when it is known.
 	OnQuarantine func(key string, err error)
+	// Preallocate is how many bytes the log is extended by at a time
+	// (zero-filled and synced ahead of the commits that use them);
+	// 0 means DefaultPreallocate.
+	Preallocate int64
+	// CompactMin is how many dead bytes (replaced records and tombstones)
+	// the log may hold before it is compacted, once they also outweigh the
+	// live records; 0 means DefaultCompactMin.
+	CompactMin int64
+	// LockTimeout is how long Open waits for another process's lock on the
+	// state directory; 0 means DefaultLockTimeout.
+	LockTimeout time.Duration
+
+	// beforeAppend, when set, runs before each commit's write: tests slow
+	// the disk down with it to widen the window a kill can land in.
+	beforeAppend func()
 }
 
 // Store is the durable record store.
 type Store struct {
-	db   *bolt.DB
+	dir  string
+	opts Options
 	log  *slog.Logger
+	lock *os.File
+
+	// Owned by the committer goroutine once Open returned.
+	f      *os.File
+	off    int64  // where the next frame goes
+	alloc  int64  // bytes of the file zero-filled and synced
+	failed error  // a failed write or sync: the file's state is unknown
+	buf    []byte // the commit being written
+
+	mu        sync.RWMutex
+	recs      map[string][]byte // key → JSON envelope of the live record
+	liveBytes int64             // frame bytes of the live records
+
 	reqs chan *writeReq
 	done chan struct{}
 
@@ -212,105 +115,204 @@ type Store struct {
 	closed    bool
 
 	quarantined int
+	compactions int
 }
 
 type writeReq struct {
-	put *Record
-	del string
-	err chan error
+	key  string
+	body []byte // the JSON envelope of a put; nil for a delete
+	err  chan error
 }
 
 // ErrClosed is returned by writes after Close.
 var ErrClosed = errors.New("store is closed")
 
-// Open opens (creating if needed) the database in dir, checks every record
-// and quarantines the ones that do not decode, then starts the committer.
+// ErrLocked is returned by Open when another process holds the state
+// directory's lock.
+var ErrLocked = errors.New("state dir is in use by another process")
+
+// Open opens (creating if needed) the record log in dir: it takes the
+// directory's lock, reads every frame (cutting a torn tail, quarantining
+// damage and undecodable records), imports a bbolt agent.db, then starts
+// the committer.
 func Open(dir string, opts Options) (*Store, error) {
-	log := opts.Logger
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	if opts.Preallocate <= 0 {
+		opts.Preallocate = DefaultPreallocate
+	}
+	if opts.CompactMin <= 0 {
+		opts.CompactMin = DefaultCompactMin
+	}
+	if opts.LockTimeout <= 0 {
+		opts.LockTimeout = DefaultLockTimeout
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("failed to create state dir %q: %w", dir, err)
 	}
-	path := filepath.Join(dir, FileName)
-	db, err := bolt.Open(path, 0o600, &bolt.Options{Timeout: 10 * time.Second, NoSync: opts.NoSync, NoFreelistSync: true, FreelistType: bolt.FreelistMapType})
-	if err != nil {
-		return nil, fmt.Errorf("failed to open store %q: %w", path, err)
+	s := &Store{
+		dir: dir, opts: opts, log: opts.Logger, recs: map[string][]byte{},
+		reqs: make(chan *writeReq, 1024), done: make(chan struct{}),
 	}
-	s := &Store{db: db, log: log, reqs: make(chan *writeReq, 1024), done: make(chan struct{})}
-	if err := s.check(opts.OnQuarantine); err != nil {
-		_ = db.Close()
+	lock, err := lockDir(dir, opts.LockTimeout)
+	if err != nil {
+		return nil, err
+	}
+	s.lock = lock
+	if err := s.load(); err != nil {
+		_ = s.closeFiles() // the load error is the one to report
 		return nil, err
 	}
 	go s.commitLoop()
 	return s, nil
 }
 
-// check creates the buckets and moves undecodable records to quarantine.
-func (s *Store) check(onQ func(string, error)) error {
-	return s.db.Update(func(tx *bolt.Tx) error {
-		pods, err := tx.CreateBucketIfNotExists(bucketPods)
-		if err != nil {
-			return fmt.Errorf("failed to create bucket %q: %w", bucketPods, err)
+// load reads the log, recovers it and imports a legacy database.
+func (s *Store) load() error {
+	if err := os.Remove(filepath.Join(s.dir, compactName)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("failed to remove an unfinished compaction: %w", err)
+	}
+	path := filepath.Join(s.dir, FileName)
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return fmt.Errorf("failed to open store %q: %w", path, err)
+	}
+	s.f = f
+	data, err := readAll(f)
+	if err != nil {
+		return fmt.Errorf("failed to read store %q: %w", path, err)
+	}
+	rewrite, err := s.recover(data)
+	if err != nil {
+		return err
+	}
+	imported, err := s.importLegacy()
+	if err != nil {
+		return err
+	}
+	if rewrite || imported {
+		// A new log, damage moved aside or records imported: start from a
+		// clean, synced log.
+		if err := s.compact(); err != nil {
+			return err
 		}
-		q, err := tx.CreateBucketIfNotExists(bucketQuarantine)
-		if err != nil {
-			return fmt.Errorf("failed to create bucket %q: %w", bucketQuarantine, err)
-		}
-		type bad struct {
-			k, v []byte
-			err  error
-		}
-		var bads []bad
-		err = pods.ForEach(func(k, v []byte) error {
-			r, derr := Decode(v)
-			if derr == nil && r.Key() != string(k) {
-				derr = fmt.Errorf("record for container %q is stored under key %q", r.Key(), k)
-			}
-			if derr != nil {
-				bads = append(bads, bad{append([]byte(nil), k...), append([]byte(nil), v...), derr})
-			}
-			return nil
-		})
-		if err != nil {
-			return fmt.Errorf("failed to scan records: %w", err)
-		}
-		for _, b := range bads {
-			qk := fmt.Appendf(nil, "%s@%d", b.k, time.Now().UnixNano())
-			if err := q.Put(qk, b.v); err != nil {
-				return fmt.Errorf("failed to quarantine record %q: %w", b.k, err)
-			}
-			if err := pods.Delete(b.k); err != nil {
-				return fmt.Errorf("failed to remove corrupt record %q: %w", b.k, err)
-			}
-			s.quarantined++
-			s.log.Error("quarantined corrupt pod record", "container_id", string(b.k), "quarantine_key", string(qk), "error", b.err.Error())
-			if onQ != nil {
-				onQ(string(b.k), b.err)
-			}
-		}
-		return nil
-	})
+	}
+	if imported {
+		return s.removeLegacy()
+	}
+	return nil
 }
 
-// Quarantined returns how many records Open moved aside.
+// recover replays data, the whole log, into the index. It returns true when
+// the log must be rewritten (a new or damaged file). A torn tail is cut off
+// and the space after the last frame zeroed before any write.
+func (s *Store) recover(data []byte) (rewrite bool, err error) {
+	if len(data) == 0 || (len(data) >= int(headerSize) && allZero(data[:headerSize])) {
+		return true, nil // new, or created by a crash before its header was synced
+	}
+	if len(data) < int(headerSize) || string(data[:headerSize]) != fileMagic {
+		return false, fmt.Errorf("failed to open store %q: it is not an agent record log (no %q header)", filepath.Join(s.dir, FileName), fileMagic[:len(fileMagic)-1])
+	}
+	off := headerSize
+	for off < int64(len(data)) {
+		kind, body, size, ferr := parseFrame(data[off:])
+		if ferr == nil {
+			s.replay(kind, body, size, off, &rewrite)
+			off += size
+			continue
+		}
+		next := resync(data[off:])
+		if next < 0 {
+			if tail := data[off:]; !allZero(tail) {
+				// Cut by a crash: that commit was never acknowledged.
+				s.log.Warn("cut the torn tail of the record log", "offset", off, "bytes", len(tail), "error", ferr.Error())
+				if err := s.cutTail(off); err != nil {
+					return false, err
+				}
+				data = data[:off]
+			}
+			break
+		}
+		derr := fmt.Errorf("damaged record log: %d bytes at offset %d do not hold an intact frame (%w); intact frames follow", next, off, ferr)
+		s.quarantine("", data[off:off+next], derr)
+		rewrite = true
+		off += next
+	}
+	s.off = off
+	s.alloc = int64(len(data))
+	return rewrite, nil
+}
+
+// replay applies one intact frame to the index.
+func (s *Store) replay(kind byte, body []byte, size, off int64, rewrite *bool) {
+	switch kind {
+	case kindDelete:
+		s.remove(string(body))
+	case kindPut:
+		r, err := decodeEnvelope(body)
+		if err != nil {
+			s.quarantine("", body, fmt.Errorf("undecodable record at offset %d: %w", off, err))
+			*rewrite = true
+			return
+		}
+		s.set(r.Key(), append([]byte(nil), body...), size)
+	}
+}
+
+// set makes body key's live record; callers hold mu or own the store.
+func (s *Store) set(key string, body []byte, size int64) {
+	if old, ok := s.recs[key]; ok {
+		s.liveBytes -= frameSize(len(old))
+	}
+	s.recs[key] = body
+	s.liveBytes += size
+}
+
+// remove drops key's live record; callers hold mu or own the store.
+func (s *Store) remove(key string) {
+	if old, ok := s.recs[key]; ok {
+		s.liveBytes -= frameSize(len(old))
+		delete(s.recs, key)
+	}
+}
+
+// quarantine keeps b in the quarantine directory, counts it and logs it at
+// ERROR. A failure to keep the bytes is logged; the record is lost either
+// way, and the agent starts.
+func (s *Store) quarantine(key string, b []byte, err error) {
+	s.quarantined++
+	name := fmt.Sprintf("%d-%d%s", time.Now().UnixNano(), s.quarantined, quarantineFileSuffix)
+	qdir := filepath.Join(s.dir, QuarantineDir)
+	path := filepath.Join(qdir, name)
+	if werr := writeFileSynced(qdir, path, b, s.opts.NoSync); werr != nil {
+		s.log.Error("failed to keep quarantined bytes", "path", path, "error", werr.Error())
+	}
+	s.log.Error("quarantined corrupt pod record", "container_id", key, "quarantine_file", path, "error", err.Error())
+	if s.opts.OnQuarantine != nil {
+		s.opts.OnQuarantine(key, err)
+	}
+}
+
+// Quarantined returns how many frames or damaged regions Open moved aside.
 func (s *Store) Quarantined() int { return s.quarantined }
 
-// QuarantineCount returns how many records the quarantine bucket holds
+// QuarantineCount returns how many files the quarantine directory holds
 // (including those moved aside by earlier runs).
 func (s *Store) QuarantineCount() (int, error) {
-	n := 0
-	err := s.db.View(func(tx *bolt.Tx) error {
-		n = tx.Bucket(bucketQuarantine).Stats().KeyN
-		return nil
-	})
-	return n, err
+	ents, err := os.ReadDir(filepath.Join(s.dir, QuarantineDir))
+	if errors.Is(err, os.ErrNotExist) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("failed to list the quarantine: %w", err)
+	}
+	return len(ents), nil
 }
 
 func (s *Store) commitLoop() {
 	defer close(s.done)
-	batch := make([]*writeReq, 0, 64)
+	batch := make([]*writeReq, 0, 256)
 	for first := range s.reqs {
 		batch = append(batch[:0], first)
 		// Writers answered by the previous commit are usually about to
@@ -338,33 +340,149 @@ func (s *Store) commitLoop() {
 	}
 }
 
+// commit writes batch as one write and one fdatasync, applies it to the
+// index, answers every caller, then compacts if the dead frames call for it.
 func (s *Store) commit(batch []*writeReq) {
-	results := make([]error, len(batch))
-	err := s.db.Update(func(tx *bolt.Tx) error {
-		b := tx.Bucket(bucketPods)
-		for i, r := range batch {
-			if r.put != nil {
-				v, err := Encode(r.put)
-				if err != nil {
-					results[i] = err
-					continue
-				}
-				if err := b.Put([]byte(r.put.Key()), v); err != nil {
-					return fmt.Errorf("failed to put record %q: %w", r.put.Key(), err)
-				}
-			} else if err := b.Delete([]byte(r.del)); err != nil {
-				return fmt.Errorf("failed to delete record %q: %w", r.del, err)
+	err := s.failed
+	if err == nil {
+		s.buf = s.buf[:0]
+		for _, r := range batch {
+			if r.body != nil {
+				s.buf = appendFrame(s.buf, kindPut, r.body)
+			} else {
+				s.buf = appendFrame(s.buf, kindDelete, []byte(r.key))
 			}
 		}
-		return nil
-	})
-	for i, r := range batch {
+		if err = s.append(s.buf); err != nil {
+			// The file's state past the last sync is unknown (a failed
+			// fsync may have dropped the pages): refuse every later write;
+			// a restart reads back what is on disk.
+			s.failed = fmt.Errorf("store failed, restart to recover: %w", err)
+			s.log.Error("record log write failed; the store refuses writes until restarted", "error", err.Error())
+		}
+	}
+	if err == nil {
+		s.mu.Lock()
+		for _, r := range batch {
+			if r.body != nil {
+				s.set(r.key, r.body, frameSize(len(r.body)))
+			} else {
+				s.remove(r.key)
+			}
+		}
+		s.mu.Unlock()
+	}
+	for _, r := range batch {
 		if err != nil {
 			r.err <- fmt.Errorf("failed to commit %d records: %w", len(batch), err)
 		} else {
-			r.err <- results[i]
+			r.err <- nil
 		}
 	}
+	if err == nil && s.shouldCompact() {
+		if cerr := s.compact(); cerr != nil {
+			s.failed = fmt.Errorf("store failed, restart to recover: %w", cerr)
+			s.log.Error("record log compaction failed; the store refuses writes until restarted", "error", cerr.Error())
+		}
+	}
+}
+
+// shouldCompact is true when the dead bytes pass CompactMin and outweigh
+// the live records.
+func (s *Store) shouldCompact() bool {
+	dead := s.off - headerSize - s.liveBytes
+	return dead >= s.opts.CompactMin && dead > s.liveBytes
+}
+
+// compact writes the live records to a new log, syncs it, renames it over
+// the log and syncs the directory. A crash before the rename leaves the old
+// log (and a compact file Open removes); after it, the new one: either
+// holds the same records.
+func (s *Store) compact() error {
+	keys := make([]string, 0, len(s.recs))
+	for k := range s.recs {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	buf := append(make([]byte, 0, headerSize+s.liveBytes), fileMagic...)
+	for _, k := range keys {
+		buf = appendFrame(buf, kindPut, s.recs[k])
+	}
+	path := filepath.Join(s.dir, compactName)
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return fmt.Errorf("failed to create %q: %w", path, err)
+	}
+	alloc := roundUp(int64(len(buf)), s.opts.Preallocate) + s.opts.Preallocate
+	err = preallocate(f, 0, alloc)
+	if err == nil {
+		_, err = f.WriteAt(buf, 0)
+	}
+	if err == nil && !s.opts.NoSync {
+		err = f.Sync()
+	}
+	if err == nil {
+		err = os.Rename(path, filepath.Join(s.dir, FileName))
+	}
+	if err == nil && !s.opts.NoSync {
+		err = syncDir(s.dir)
+	}
+	if err != nil {
+		_ = f.Close()
+		return fmt.Errorf("failed to compact the record log: %w", err)
+	}
+	if s.f != nil {
+		_ = s.f.Close()
+	}
+	s.f, s.off, s.alloc = f, int64(len(buf)), alloc
+	s.compactions++
+	s.log.Info("compacted the record log", "records", len(keys), "bytes", len(buf))
+	return nil
+}
+
+// append writes b at the log's end and syncs it, extending the zero-filled
+// space first when b does not fit.
+func (s *Store) append(b []byte) error {
+	if s.opts.beforeAppend != nil {
+		s.opts.beforeAppend()
+	}
+	if end := s.off + int64(len(b)); end > s.alloc {
+		alloc := roundUp(end, s.opts.Preallocate) + s.opts.Preallocate
+		if err := preallocate(s.f, s.alloc, alloc-s.alloc); err != nil {
+			return fmt.Errorf("failed to extend the record log to %d bytes: %w", alloc, err)
+		}
+		if !s.opts.NoSync {
+			// The new size and allocation, once, ahead of the commits.
+			if err := s.f.Sync(); err != nil {
+				return fmt.Errorf("failed to sync the extended record log: %w", err)
+			}
+		}
+		s.alloc = alloc
+	}
+	if _, err := s.f.WriteAt(b, s.off); err != nil {
+		return fmt.Errorf("failed to write %d bytes to the record log: %w", len(b), err)
+	}
+	if !s.opts.NoSync {
+		if err := syncData(s.f); err != nil {
+			return fmt.Errorf("failed to sync the record log: %w", err)
+		}
+	}
+	s.off += int64(len(b))
+	return nil
+}
+
+// cutTail zeroes the log from off to its end and syncs it, so no byte of a
+// torn commit is ever read as a frame after later appends.
+func (s *Store) cutTail(off int64) error {
+	if err := s.f.Truncate(off); err != nil {
+		return fmt.Errorf("failed to cut the record log at %d: %w", off, err)
+	}
+	if !s.opts.NoSync {
+		if err := s.f.Sync(); err != nil {
+			return fmt.Errorf("failed to sync the cut record log: %w", err)
+		}
+	}
+	return nil
 }
 
 func (s *Store) submit(ctx context.Context, r *writeReq) error {
@@ -398,15 +516,16 @@ func (s *Store) Put(ctx context.Context, r *Record) error {
 	return s.PutAsync(ctx, r)()
 }
 
-// PutAsync is Put in two halves: it queues r for the next commit and
-// returns at once; the returned wait blocks until that commit is on disk
+// PutAsync is Put in two halves: it encodes r, queues it for the next
+// commit and returns; the returned wait blocks until that commit is on disk
 // and returns what Put would. The caller can work while the commit syncs,
 // but only wait's nil says r is durable. Call wait once.
 func (s *Store) PutAsync(ctx context.Context, r *Record) (wait func() error) {
-	if r == nil || r.Pod == nil || r.Pod.GetContainerId() == "" {
-		return func() error { return errors.New("failed to put record: a record needs a pod with a container_id") }
+	body, err := encodeEnvelope(r)
+	if err != nil {
+		return func() error { return fmt.Errorf("failed to put record: %w", err) }
 	}
-	req := &writeReq{put: r.Clone()}
+	req := &writeReq{key: r.Key(), body: body}
 	if err := s.enqueue(ctx, req); err != nil {
 		return func() error { return err }
 	}
@@ -417,52 +536,49 @@ func (s *Store) PutAsync(ctx context.Context, r *Record) (wait func() error) {
 
 // Delete durably removes the record with key; an unknown key is not an error.
 func (s *Store) Delete(ctx context.Context, key string) error {
-	return s.submit(ctx, &writeReq{del: key})
+	if key == "" {
+		return errors.New("failed to delete record: empty key")
+	}
+	return s.submit(ctx, &writeReq{key: key})
 }
 
 // Get returns the record with key, or nil when there is none.
 func (s *Store) Get(key string) (*Record, error) {
-	var r *Record
-	err := s.db.View(func(tx *bolt.Tx) error {
-		v := tx.Bucket(bucketPods).Get([]byte(key))
-		if v == nil {
-			return nil
-		}
-		var err error
-		r, err = Decode(v)
-		return err
-	})
+	s.mu.RLock()
+	body, ok := s.recs[key]
+	s.mu.RUnlock()
+	if !ok {
+		return nil, nil
+	}
+	r, err := decodeEnvelope(body)
 	if err != nil {
 		return nil, fmt.Errorf("failed to read record %q: %w", key, err)
 	}
 	return r, nil
 }
 
-// List returns every record, sorted by key. Records that fail to decode
-// (only possible if the file is damaged while running) are skipped and
-// logged.
+// List returns every record, sorted by key.
 func (s *Store) List() ([]*Record, error) {
-	var out []*Record
-	err := s.db.View(func(tx *bolt.Tx) error {
-		return tx.Bucket(bucketPods).ForEach(func(k, v []byte) error {
-			r, err := Decode(v)
-			if err != nil {
-				s.log.Error("skipped undecodable pod record", "container_id", string(k), "error", err.Error())
-				return nil
-			}
-			out = append(out, r)
-			return nil
-		})
-	})
-	if err != nil {
-		return nil, fmt.Errorf("failed to list records: %w", err)
+	s.mu.RLock()
+	bodies := make([][]byte, 0, len(s.recs))
+	for _, b := range s.recs {
+		bodies = append(bodies, b)
+	}
+	s.mu.RUnlock()
+	out := make([]*Record, 0, len(bodies))
+	for _, b := range bodies {
+		r, err := decodeEnvelope(b)
+		if err != nil {
+			return nil, fmt.Errorf("failed to list records: %w", err)
+		}
+		out = append(out, r)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Key() < out[j].Key() })
 	return out, nil
 }
 
-// Close stops accepting writes, commits what is queued and closes the
-// database.
+// Close stops accepting writes, commits what is queued and closes the log
+// and the lock.
 func (s *Store) Close() error {
 	var err error
 	s.closeOnce.Do(func() {
@@ -471,7 +587,32 @@ func (s *Store) Close() error {
 		close(s.reqs)
 		s.closeMu.Unlock()
 		<-s.done
-		err = s.db.Close()
+		err = s.closeFiles()
 	})
 	return err
 }
+
+// closeFiles closes the log, then releases the lock.
+func (s *Store) closeFiles() error {
+	var err error
+	if s.f != nil {
+		if cerr := s.f.Close(); cerr != nil {
+			err = fmt.Errorf("failed to close the record log: %w", cerr)
+		}
+	}
+	if s.lock != nil {
+		_ = s.lock.Close() // closing the file releases the flock
+	}
+	return err
+}
+
+func allZero(b []byte) bool {
+	for _, c := range b {
+		if c != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+func roundUp(n, to int64) int64 { return (n + to - 1) / to * to }

@@ -4,14 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"hash/crc32"
-	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	bolt "go.etcd.io/bbolt"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 
@@ -105,78 +102,20 @@ func TestLocalityOptional(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			r := rec(1)
 			r.Locality = tc.loc
-			b, err := Encode(r)
+			b, err := encodeEnvelope(r)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if has := strings.Contains(string(b[4:]), `"locality"`); has != tc.wantKey {
-				t.Fatalf("encoded %s: has the locality key %v, want %v", b[4:], has, tc.wantKey)
+			if has := strings.Contains(string(b), `"locality"`); has != tc.wantKey {
+				t.Fatalf("encoded %s: has the locality key %v, want %v", b, has, tc.wantKey)
 			}
-			got, err := Decode(b)
+			got, err := decodeEnvelope(b)
 			if err != nil {
 				t.Fatal(err)
 			}
 			equal(t, got, r)
 		})
 	}
-}
-
-func TestQuarantine(t *testing.T) {
-	dir := t.TempDir()
-	s, err := Open(dir, Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Put(context.Background(), rec(1)); err != nil {
-		t.Fatal(err)
-	}
-	s.Close()
-	good, _ := Encode(rec(2))
-	flipped := append([]byte(nil), good...)
-	flipped[10] ^= 1
-	wrongKey, _ := Encode(rec(3))
-	db, err := bolt.Open(filepath.Join(dir, FileName), 0o600, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	err = db.Update(func(tx *bolt.Tx) error {
-		b := tx.Bucket(bucketPods)
-		for k, v := range map[string][]byte{"short": {1, 2}, "c-0002": flipped, "elsewhere": wrongKey, "nopod": mustFrame(`{"v":1,"pod":{}}`), "v9": mustFrame(`{"v":9}`)} {
-			if err := b.Put([]byte(k), v); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	db.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var seen []string
-	s, err = Open(dir, Options{OnQuarantine: func(k string, _ error) { seen = append(seen, k) }})
-	if err != nil {
-		t.Fatalf("Open with corrupt records: %v", err)
-	}
-	defer s.Close()
-	if s.Quarantined() != 5 || len(seen) != 5 {
-		t.Fatalf("quarantined %d (%v), want 5", s.Quarantined(), seen)
-	}
-	if n, _ := s.QuarantineCount(); n != 5 {
-		t.Fatalf("quarantine bucket holds %d, want 5", n)
-	}
-	all, _ := s.List()
-	if len(all) != 1 || all[0].Key() != "c-0001" {
-		t.Fatalf("records left: %v", all)
-	}
-}
-
-func mustFrame(body string) []byte {
-	out := make([]byte, 4+len(body))
-	b := []byte(body)
-	sum := crc32.Checksum(b, castagnoli)
-	out[0], out[1], out[2], out[3] = byte(sum>>24), byte(sum>>16), byte(sum>>8), byte(sum)
-	copy(out[4:], b)
-	return out
 }
 
 // TestPutAsync: wait answers as Put would, and a record is readable (and
