@@ -230,7 +230,6 @@ func TestHBONE(t *testing.T) {
 	})
 }
 
-
 // TestHBONEDeliversToUDS: a destination pod whose listeners name a UDS
 // socket gets the HBONE stream on that socket; once the socket is gone the
 // stream goes over TCP (counted uds_fallback).

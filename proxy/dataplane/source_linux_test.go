@@ -101,4 +101,3 @@ func TestInboundSourceTwoNodes(t *testing.T) {
 		}
 	})
 }
-
