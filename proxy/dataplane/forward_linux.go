@@ -76,7 +76,7 @@ func (p *pod) dialTCPFrom(ctx context.Context, dst, from netip.AddrPort) (c *net
 			return fmt.Errorf("failed to set SO_MARK %#x: %w", mark, err)
 		}
 		if preserved {
-			if err := bindTransparent(fd, from); err != nil {
+			if err := bindTransparent(fd, from, dst); err != nil {
 				unix.Close(fd)
 				return err
 			}

@@ -2,6 +2,7 @@ package dataplane
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
 	"net"
 	"net/netip"
@@ -56,53 +57,78 @@ func (p *pod) sourceRuleInstalled(client netip.Addr) bool {
 	return ok
 }
 
+// bindAttempts bounds how many kernel-chosen ports bindTransparent tries
+// before it gives up (EADDRINUSE: the delivery falls back to the pod's
+// address).
+const bindAttempts = 8
+
 // bindTransparent makes fd transparent and binds it to from's address with
-// a port the kernel chooses. If that port is from's own, the four-tuple to
-// the app would be the client's connection to the proxy (the plaintext
-// inbound path: the accepted socket is local app address, remote from), so
-// another port is taken while the first is held.
-func bindTransparent(fd int, from netip.AddrPort) error {
-	level, opt := unix.SOL_IP, unix.IP_TRANSPARENT
-	if from.Addr().Is6() {
-		level, opt = unix.SOL_IPV6, unix.IPV6_TRANSPARENT
-	}
-	if err := unix.SetsockoptInt(fd, level, opt, 1); err != nil {
-		return fmt.Errorf("failed to set IP_TRANSPARENT: %w", err)
-	}
+// a port the kernel chooses, then moves on to another port while the one
+// chosen would repeat the four-tuple (from's address and that port, to
+// target) of a socket already in the pod: the client's own connection to
+// the proxy (from's port, on the plaintext path) or to the app, or another
+// of the client's connections the proxy accepted. The kernel checks only
+// its own sockets bound the same way, so the lookup (sock_diag) is ours.
+// It runs on a thread inside the pod's netns.
+func bindTransparent(fd int, from, target netip.AddrPort) error {
+	family, level, opt := unix.AF_INET6, unix.SOL_IPV6, unix.IPV6_TRANSPARENT
 	var sa unix.Sockaddr = &unix.SockaddrInet6{Addr: from.Addr().As16()}
 	if from.Addr().Is4() {
+		family, level, opt = unix.AF_INET, unix.SOL_IP, unix.IP_TRANSPARENT
 		sa = &unix.SockaddrInet4{Addr: from.Addr().As4()}
 	}
-	if err := unix.Bind(fd, sa); err != nil {
-		return fmt.Errorf("failed to bind to the client address %s: %w", from.Addr(), os.NewSyscallError("bind", err))
-	}
-	if from.Port() == 0 || boundPort(fd) != from.Port() {
-		return nil
-	}
-	// Hold the colliding port while the kernel picks another for a fresh
-	// socket, then move that socket onto fd.
-	nfd, err := unix.Socket(map[bool]int{true: unix.AF_INET6, false: unix.AF_INET}[from.Addr().Is6()], unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return os.NewSyscallError("socket", err)
-	}
-	defer unix.Close(nfd)
 	mark, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK)
-	if err == nil {
-		err = unix.SetsockoptInt(nfd, unix.SOL_SOCKET, unix.SO_MARK, mark)
-	}
-	if err == nil {
-		err = unix.SetsockoptInt(nfd, level, opt, 1)
-	}
-	if err == nil {
-		err = unix.Bind(nfd, sa)
-	}
-	if err == nil {
-		err = unix.Dup3(nfd, fd, unix.O_CLOEXEC)
-	}
 	if err != nil {
-		return fmt.Errorf("failed to bind to the client address %s: %w", from.Addr(), err)
+		return fmt.Errorf("failed to read SO_MARK: %w", err)
 	}
-	return nil
+	var held []int // ports in use elsewhere, held so the kernel picks others
+	defer func() {
+		for _, h := range held {
+			unix.Close(h)
+		}
+	}()
+	cur := fd
+	for range bindAttempts {
+		if cur != fd {
+			if err := unix.SetsockoptInt(cur, unix.SOL_SOCKET, unix.SO_MARK, mark); err != nil {
+				return fmt.Errorf("failed to set SO_MARK %#x: %w", mark, err)
+			}
+		}
+		if err := unix.SetsockoptInt(cur, level, opt, 1); err != nil {
+			return fmt.Errorf("failed to set IP_TRANSPARENT: %w", err)
+		}
+		if err := unix.Bind(cur, sa); err != nil {
+			return fmt.Errorf("failed to bind to the client address %s: %w", from.Addr(), os.NewSyscallError("bind", err))
+		}
+		port := boundPort(cur)
+		inUse := port == from.Port()
+		if !inUse {
+			if inUse, err = socketInUse(target, netip.AddrPortFrom(from.Addr(), port)); err != nil {
+				return err
+			}
+		}
+		if !inUse {
+			if cur != fd {
+				err := unix.Dup3(cur, fd, unix.O_CLOEXEC)
+				unix.Close(cur)
+				if err != nil {
+					return fmt.Errorf("failed to move the delivery socket: %w", err)
+				}
+			}
+			return nil
+		}
+		if cur != fd {
+			held = append(held, cur)
+		}
+		if cur, err = unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0); err != nil {
+			return os.NewSyscallError("socket", err)
+		}
+		if cur == fd {
+			return fmt.Errorf("failed to create a delivery socket: reused fd %d", fd)
+		}
+	}
+	held = append(held, cur)
+	return fmt.Errorf("failed to bind to the client address %s: %d ports in a row repeat a connection in the pod: %w", from.Addr(), bindAttempts, unix.EADDRINUSE)
 }
 
 // boundPort is the local port of fd (0 if unknown).
@@ -118,6 +144,65 @@ func boundPort(fd int) uint16 {
 		return uint16(a.Port)
 	}
 	return 0
+}
+
+// socketInUse reports whether the calling thread's netns holds a TCP socket,
+// other than a listener, whose local address is local and remote address
+// remote: a packet from remote to local would be delivered to it. One
+// sock_diag request without NLM_F_DUMP (the kernel's exact socket lookup:
+// established and time-wait sockets, then listeners).
+func socketInUse(local, remote netip.AddrPort) (bool, error) {
+	const (
+		nlmsgLen     = unix.SizeofNlMsghdr
+		reqLen       = 56 // struct inet_diag_req_v2
+		tcpListen    = 10 // TCP_LISTEN
+		diagNoCookie = 0xffffffff
+	)
+	s, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_SOCK_DIAG)
+	if err != nil {
+		return false, fmt.Errorf("failed to open sock_diag: %w", os.NewSyscallError("socket", err))
+	}
+	defer unix.Close(s)
+	b := make([]byte, nlmsgLen+reqLen)
+	ne := binary.NativeEndian
+	ne.PutUint32(b[0:], uint32(len(b)))
+	ne.PutUint16(b[4:], unix.SOCK_DIAG_BY_FAMILY)
+	ne.PutUint16(b[6:], unix.NLM_F_REQUEST)
+	r := b[nlmsgLen:]
+	r[0] = unix.AF_INET
+	if local.Addr().Is6() {
+		r[0] = unix.AF_INET6
+	}
+	r[1] = unix.IPPROTO_TCP
+	ne.PutUint32(r[4:], 0xffffffff) // every state
+	binary.BigEndian.PutUint16(r[8:], local.Port())
+	binary.BigEndian.PutUint16(r[10:], remote.Port())
+	copy(r[12:28], local.Addr().AsSlice())
+	copy(r[28:44], remote.Addr().AsSlice())
+	ne.PutUint32(r[48:], diagNoCookie)
+	ne.PutUint32(r[52:], diagNoCookie)
+	if err := unix.Sendto(s, b, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+		return false, fmt.Errorf("failed to query sock_diag: %w", os.NewSyscallError("sendto", err))
+	}
+	buf := make([]byte, 4096)
+	n, _, err := unix.Recvfrom(s, buf, 0)
+	if err != nil {
+		return false, fmt.Errorf("failed to read sock_diag: %w", os.NewSyscallError("recvfrom", err))
+	}
+	if n < nlmsgLen+4 {
+		return false, fmt.Errorf("failed to read sock_diag: short answer (%d bytes)", n)
+	}
+	switch ne.Uint16(buf[4:]) {
+	case unix.NLMSG_ERROR:
+		errno := -int32(ne.Uint32(buf[nlmsgLen:]))
+		if errno == 0 || unix.Errno(errno) == unix.ENOENT {
+			return false, nil
+		}
+		return false, fmt.Errorf("failed to look up socket %s -> %s: %w", local, remote, unix.Errno(errno))
+	case unix.SOCK_DIAG_BY_FAMILY:
+		return buf[nlmsgLen+1] != tcpListen, nil // inet_diag_msg.idiag_state
+	}
+	return false, fmt.Errorf("failed to read sock_diag: message type %d", ne.Uint16(buf[4:]))
 }
 
 // deliverTCP connects an inbound connection from client to the app at
