@@ -47,9 +47,9 @@ func (p *pod) dialTCP(ctx context.Context, dst netip.AddrPort) (*net.TCPConn, er
 // delivery, same family as dst), tries to preserve the client's address:
 // if the divert's deliver rule is in place (sourceRuleInstalled) the socket
 // is transparent, carries the deliver mark instead of the bypass mark and is
-// bound to from's address (a kernel-chosen port, never from's own port: the
-// client's connection to the proxy holds that four-tuple). preserved says
-// which it did.
+// bound to from's address (a kernel-chosen port whose four-tuple to dst no
+// other socket in the pod holds: bindTransparent). preserved says which it
+// did.
 func (p *pod) dialTCPFrom(ctx context.Context, dst, from netip.AddrPort) (c *net.TCPConn, preserved bool, err error) {
 	var sa unix.Sockaddr
 	family := unix.AF_INET6
