@@ -220,11 +220,12 @@ func (p *pod) deliverTCP(ctx context.Context, target, client netip.AddrPort) (*n
 		return p.dialTCP(ctx, target)
 	}
 	var c *net.TCPConn
-	preserved, err := false, error(nil)
+	preserved, noRule, err := false, false, error(nil)
 	if client.Addr().Is4() == target.Addr().Is4() {
 		c, preserved, err = p.dialTCPFrom(ctx, target, client)
+		noRule = !preserved
 		if preserved && err != nil && ctx.Err() == nil {
-			p.log.Warn("source-preserving delivery failed; delivering from the pod's address", "client", client.Addr().String(), "target", target.String(), "error", err.Error())
+			p.log.Debug("source-preserving delivery failed; delivering from the pod's address", "client", client.Addr().String(), "target", target.String(), "error", err.Error())
 			c, preserved, err = nil, false, nil
 		}
 	}
@@ -239,8 +240,8 @@ func (p *pod) deliverTCP(ctx context.Context, target, client netip.AddrPort) (*n
 		return c, nil
 	}
 	p.m.metrics.InboundSource(telemetry.SourceFallback)
-	if client.Addr().Is4() == target.Addr().Is4() && !p.srcLogged.Swap(true) {
-		p.log.Error("the capture divert's deliver rule is missing in the pod: inbound connections reach the app from the pod's own address, not the client's (aether-cni older than the proxy, or deliver_mark differs from -deliver-mark); checked again at every connection",
+	if noRule && !p.srcLogged.Swap(true) {
+		p.log.Error("the capture divert's deliver rule is missing in the pod: inbound connections reach the app from the pod's own address, not the client's (aether-cni has not installed the divert yet, is older than the proxy, or its deliver_mark differs from -deliver-mark); checked again at every connection",
 			"deliver_mark", fmt.Sprintf("%#x", p.m.cfg.DeliverMark), "client", client.Addr().String())
 	}
 	return c, nil
