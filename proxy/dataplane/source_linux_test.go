@@ -3,11 +3,14 @@ package dataplane_test
 import (
 	"net/netip"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
 	"aether.io/node/meshcni/capture"
+	"aether.io/node/pkg/meshcontract"
+	"aether.io/node/proxy/dataplane"
 	"aether.io/node/proxy/hbone/hbonetest"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/proxytest"
@@ -100,4 +103,24 @@ func TestInboundSourceTwoNodes(t *testing.T) {
 			t.Errorf("inbound source preserved %v, fallback %v; want 4, 2", p, f)
 		}
 	})
+}
+
+// TestDeliverMarkValidated: a deliver mark equal to the bypass mark or the
+// divert mark is refused at New, naming the values.
+func TestDeliverMarkValidated(t *testing.T) {
+	for _, cfg := range []dataplane.Config{
+		{DeliverMark: dataplane.DefaultBypassMark},
+		{BypassMark: 7, DeliverMark: 7},
+		{DeliverMark: meshcontract.DivertMark},
+	} {
+		_, err := dataplane.New(cfg, peers.NewIndex(), nil, nil)
+		if err == nil || !strings.Contains(err.Error(), "invalid DeliverMark") || !strings.Contains(err.Error(), "must differ") {
+			t.Errorf("New(%+v) = %v, want the deliver mark refused", cfg, err)
+		}
+	}
+	m, err := dataplane.New(dataplane.Config{DeliverMark: 0xae7c}, peers.NewIndex(), nil, nil)
+	if err != nil {
+		t.Fatalf("New with a distinct deliver mark: %v", err)
+	}
+	_ = m.Close()
 }
