@@ -93,6 +93,9 @@ type CaptureConf struct {
 	BypassMark *uint32 `json:"bypass_mark,omitempty"`
 	// DivertMark is the fwmark of diverted packets (0xae7f).
 	DivertMark *uint32 `json:"divert_mark,omitempty"`
+	// DeliverMark is the SO_MARK of the proxy's source-preserving inbound
+	// delivery sockets (0xae7d); must equal aether-proxy's -deliver-mark.
+	DeliverMark *uint32 `json:"deliver_mark,omitempty"`
 	// RouteTable is the policy routing table (133).
 	RouteTable *int `json:"route_table,omitempty"`
 	// RulePriority is the ip rule priority (133).
@@ -344,6 +347,9 @@ func parseCapture(cc CaptureConf) (capture.Config, error) {
 	if cc.DivertMark != nil {
 		c.DivertMark = *cc.DivertMark
 	}
+	if cc.DeliverMark != nil {
+		c.DeliverMark = *cc.DeliverMark
+	}
 	c.RouteTable = intOr(cc.RouteTable, 0)
 	c.RulePriority = intOr(cc.RulePriority, 0)
 	if c.RouteTable < 0 || c.RouteTable == 253 || c.RouteTable == 254 || c.RouteTable == 255 {
@@ -352,8 +358,8 @@ func parseCapture(cc CaptureConf) (capture.Config, error) {
 	if c.RulePriority < 0 || c.RulePriority >= 32766 {
 		return c, cniutil.InvalidConfigf("invalid capture.rule_priority %d: must be 1-32765 (before the main table's rule)", c.RulePriority)
 	}
-	if cc.BypassMark != nil && *cc.BypassMark == 0 || cc.DivertMark != nil && *cc.DivertMark == 0 {
-		return c, cniutil.InvalidConfigf("invalid capture.bypass_mark/divert_mark 0: marks must be non-zero")
+	if cc.BypassMark != nil && *cc.BypassMark == 0 || cc.DivertMark != nil && *cc.DivertMark == 0 || cc.DeliverMark != nil && *cc.DeliverMark == 0 {
+		return c, cniutil.InvalidConfigf("invalid capture.bypass_mark/divert_mark/deliver_mark 0: marks must be non-zero")
 	}
 	return c, nil
 }

@@ -28,6 +28,7 @@ func main() {
 	flag.StringVar(&cfg.NodeID, "node-id", host, "node id sent to the agent (the node name)")
 	flag.StringVar(&cfg.AdminAddress, "admin-address", "127.0.0.1:18090", "address of /metrics, /healthz and /debug/pods (empty disables)")
 	bypass := flag.Uint("bypass-mark", dataplane.DefaultBypassMark, "SO_MARK of upstream sockets; must equal aether-cni's capture bypass mark")
+	deliver := flag.Uint("deliver-mark", dataplane.DefaultDeliverMark, "SO_MARK of inbound delivery sockets bound to the client's address (the app sees the client, not the pod); must equal aether-cni's capture deliver_mark")
 	flag.DurationVar(&cfg.Dataplane.ConnectTimeout, "connect-timeout", dataplane.DefaultConnectTimeout, "upstream TCP connect timeout")
 	flag.DurationVar(&cfg.Dataplane.DrainTimeout, "drain-timeout", dataplane.DefaultDrainTimeout, "how long a removed pod's open connections may run")
 	flag.DurationVar(&cfg.Dataplane.CheckInterval, "netns-check-interval", dataplane.DefaultCheckInterval, "how often pinned netns paths are checked and failed binds retried")
@@ -45,6 +46,7 @@ func main() {
 	level := flag.String("log-level", "info", "debug, info, warn or error")
 	flag.Parse()
 	cfg.Dataplane.BypassMark = uint32(*bypass)
+	cfg.Dataplane.DeliverMark = uint32(*deliver)
 	if *hbonePort == 0 || *hbonePort > 65535 {
 		fmt.Fprintf(os.Stderr, "aether-proxy: invalid -hbone-port %d: must be 1-65535\n", *hbonePort)
 		os.Exit(2)

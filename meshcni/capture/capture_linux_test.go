@@ -17,6 +17,7 @@ import (
 	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/google/nftables"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"aether.io/node/meshcni/capture"
 	"aether.io/node/meshcni/capture/capturetest"
@@ -244,6 +245,22 @@ func TestInstallVerifyIdempotent(t *testing.T) {
 	})
 	if err := inst.Verify(pod.Path(), rs); err == nil {
 		t.Fatal("Verify passed after the ip rule was deleted")
+	}
+	if err := inst.Install(pod.Path(), rs); err != nil {
+		t.Fatal(err)
+	}
+	if err := inst.Verify(pod.Path(), rs); err != nil {
+		t.Fatalf("verify after reinstall: %v", err)
+	}
+	// And the deliver mark's rule (IPv6 here).
+	pod.MustDo(t, func() error {
+		r := netlink.NewRule()
+		r.Family = unix.AF_INET6
+		r.Table, r.Priority, r.Mark = capture.DefaultRouteTable, capture.DefaultRulePriority, capture.DefaultDeliverMark
+		return netlink.RuleDel(r)
+	})
+	if err := inst.Verify(pod.Path(), rs); err == nil || !strings.Contains(err.Error(), "0xae7d") {
+		t.Fatalf("Verify after the deliver rule was deleted = %v, want it named", err)
 	}
 	if err := inst.Install(pod.Path(), rs); err != nil {
 		t.Fatal(err)

@@ -155,6 +155,9 @@ func replaceInPlace(c *nftables.Conn, t *nftables.Table, chains map[string]*nfta
 	}
 }
 
+// localRoutes renders c's policy routing in the namespace of h: per
+// family, the local default route of the route table, and the fwmark rules
+// that look it up (the divert mark, then the deliver mark).
 func localRoutes(h netlinksafe.Handle, c Config) ([]*netlink.Route, []*netlink.Rule, error) {
 	lo, err := h.LinkByName("lo")
 	if err != nil {
@@ -173,14 +176,16 @@ func localRoutes(h netlinksafe.Handle, c Config) ([]*netlink.Route, []*netlink.R
 			LinkIndex: lo.Attrs().Index, Dst: dst, Table: c.RouteTable, Type: unix.RTN_LOCAL,
 			Scope: scope, Family: fam,
 		})
-		rule := netlink.NewRule()
-		rule.Family = fam
-		rule.Mark = c.DivertMark
-		m := uint32(0xffffffff)
-		rule.Mask = &m
-		rule.Table = c.RouteTable
-		rule.Priority = c.RulePriority
-		rules = append(rules, rule)
+		for _, mark := range []uint32{c.DivertMark, c.DeliverMark} {
+			rule := netlink.NewRule()
+			rule.Family = fam
+			rule.Mark = mark
+			m := uint32(0xffffffff)
+			rule.Mask = &m
+			rule.Table = c.RouteTable
+			rule.Priority = c.RulePriority
+			rules = append(rules, rule)
+		}
 	}
 	return routes, rules, nil
 }
@@ -224,15 +229,20 @@ func installRouting(fd int, c Config) error {
 	}
 	defer h.Close()
 	no6 := ipv6Disabled(*h)
-	for i := range routes {
-		if routes[i].Family == unix.AF_INET6 && no6 {
+	for _, rt := range routes {
+		if rt.Family == unix.AF_INET6 && no6 {
 			continue
 		}
-		if err := h.RouteReplace(routes[i]); err != nil {
+		if err := h.RouteReplace(rt); err != nil {
 			return fmt.Errorf("failed to add local route to table %d: %w", c.RouteTable, err)
 		}
-		if err := h.RuleAdd(rules[i]); err != nil && !errors.Is(err, unix.EEXIST) {
-			return fmt.Errorf("failed to add fwmark rule %#x lookup %d: %w", c.DivertMark, c.RouteTable, err)
+	}
+	for _, rule := range rules {
+		if rule.Family == unix.AF_INET6 && no6 {
+			continue
+		}
+		if err := h.RuleAdd(rule); err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("failed to add fwmark rule %#x lookup %d: %w", rule.Mark, c.RouteTable, err)
 		}
 	}
 	return removeStale(*h, c, false)
@@ -241,7 +251,7 @@ func installRouting(fd int, c Config) error {
 // removeStale deletes the divert's fwmark rules left by an earlier
 // configuration (another divert mark or route table at this rule
 // priority), with the local default route of a table that only such a rule
-// used; all includes the rule of c itself (Remove). A rule is the divert's
+// used; all includes the rules of c itself (Remove). A rule is the divert's
 // when it sits at c.RulePriority, matches a full-mask fwmark and looks a
 // table up.
 func removeStale(h netlinksafe.Handle, c Config, all bool) error {
@@ -259,7 +269,8 @@ func removeStale(h netlinksafe.Handle, c Config, all bool) error {
 			r := &have[i]
 			divert := r.Priority == c.RulePriority && r.Mark != 0 && r.Mask != nil && *r.Mask == 0xffffffff && r.Table > 0 &&
 				r.Table != unix.RT_TABLE_MAIN && r.Table != unix.RT_TABLE_LOCAL && r.Table != unix.RT_TABLE_DEFAULT
-			if !divert || (!all && r.Mark == c.DivertMark && r.Table == c.RouteTable) {
+			ours := r.Table == c.RouteTable && (r.Mark == c.DivertMark || r.Mark == c.DeliverMark)
+			if !divert || (!all && ours) {
 				continue
 			}
 			r.Family = fam
@@ -390,6 +401,16 @@ func sameExprs(a, b []expr.Any) bool {
 		return false
 	}
 	for i := range a {
+		// Nor does it decode a ct statement's source register ("ct mark
+		// set"): it reads back as a ct load into register 0. The key is
+		// compared; the value is the immediate before it.
+		if set, ok := a[i].(*expr.Ct); ok && set.SourceRegister {
+			got, ok := b[i].(*expr.Ct)
+			if !ok || got.Key != set.Key || got.Register != 0 && got.Register != set.Register {
+				return false
+			}
+			continue
+		}
 		ab, err1 := expr.Marshal(unix.NFPROTO_INET, a[i])
 		bb, err2 := expr.Marshal(unix.NFPROTO_INET, b[i])
 		if err1 != nil || err2 != nil || !bytes.Equal(ab, bb) {
@@ -410,7 +431,7 @@ func verifyRouting(fd int, c Config) error {
 		return err
 	}
 	no6 := ipv6Disabled(h)
-	for i, want := range rules {
+	for _, want := range rules {
 		if want.Family == unix.AF_INET6 && no6 {
 			continue
 		}
@@ -425,15 +446,20 @@ func verifyRouting(fd int, c Config) error {
 			}
 		}
 		if !found {
-			return fmt.Errorf("ip rule fwmark %#x lookup %d (family %d) missing", c.DivertMark, c.RouteTable, want.Family)
+			return fmt.Errorf("ip rule fwmark %#x lookup %d (family %d) missing", want.Mark, c.RouteTable, want.Family)
+		}
+	}
+	for _, want := range routes {
+		if want.Family == unix.AF_INET6 && no6 {
+			continue
 		}
 		rt, err := h.RouteListFiltered(want.Family, &netlink.Route{Table: c.RouteTable}, netlink.RT_FILTER_TABLE)
 		if err != nil {
 			return fmt.Errorf("failed to list routes of table %d: %w", c.RouteTable, err)
 		}
-		found = false
+		found := false
 		for _, r := range rt {
-			if r.Type == unix.RTN_LOCAL && r.LinkIndex == routes[i].LinkIndex && (r.Dst == nil || isDefault(r.Dst)) {
+			if r.Type == unix.RTN_LOCAL && r.LinkIndex == want.LinkIndex && (r.Dst == nil || isDefault(r.Dst)) {
 				found = true
 			}
 		}
@@ -475,11 +501,13 @@ func removeRouting(fd int, c Config) error {
 		return err == nil || errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ESRCH) || errors.Is(err, unix.EAFNOSUPPORT)
 	}
 	var errs []error
-	for i := range rules {
-		if err := h.RuleDel(rules[i]); !gone(err) {
-			errs = append(errs, fmt.Errorf("failed to delete fwmark rule %#x lookup %d: %w", c.DivertMark, c.RouteTable, err))
+	for _, rule := range rules {
+		if err := h.RuleDel(rule); !gone(err) {
+			errs = append(errs, fmt.Errorf("failed to delete fwmark rule %#x lookup %d: %w", rule.Mark, c.RouteTable, err))
 		}
-		if err := h.RouteDel(routes[i]); !gone(err) {
+	}
+	for _, rt := range routes {
+		if err := h.RouteDel(rt); !gone(err) {
 			errs = append(errs, fmt.Errorf("failed to delete local route of table %d: %w", c.RouteTable, err))
 		}
 	}

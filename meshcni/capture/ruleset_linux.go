@@ -36,6 +36,10 @@ const (
 	// DefaultDivertMark is the fwmark set on diverted packets; the ip rule
 	// sends it to DefaultRouteTable.
 	DefaultDivertMark = meshcontract.DivertMark
+	// DefaultDeliverMark is the SO_MARK of the proxy's source-preserving
+	// inbound delivery sockets; the divert routes the app's replies to
+	// them back over lo.
+	DefaultDeliverMark = meshcontract.DeliverMark
 	// DefaultRouteTable holds "local default dev lo" for IPv4 and IPv6.
 	DefaultRouteTable = meshcontract.RouteTable
 	// DefaultRulePriority is the priority of the fwmark ip rules.
@@ -68,7 +72,13 @@ type Config struct {
 	BypassMark uint32
 	// DivertMark is the fwmark of diverted packets.
 	DivertMark uint32
-	// RouteTable is the policy routing table of diverted packets.
+	// DeliverMark is the SO_MARK of the proxy's inbound delivery sockets
+	// bound to the client's address: saved in the conntrack mark of the
+	// connections they open, restored on the app's replies, which the
+	// fwmark rule sends to RouteTable (back over lo to the proxy).
+	DeliverMark uint32
+	// RouteTable is the policy routing table of diverted packets and of
+	// the replies to source-preserving deliveries.
 	RouteTable int
 	// RulePriority is the priority of the fwmark ip rules.
 	RulePriority int
@@ -107,6 +117,9 @@ func (c Config) Normalize() Config {
 	}
 	if c.DivertMark == 0 {
 		c.DivertMark = DefaultDivertMark
+	}
+	if c.DeliverMark == 0 {
+		c.DeliverMark = DefaultDeliverMark
 	}
 	if c.RouteTable == 0 {
 		c.RouteTable = DefaultRouteTable
@@ -163,6 +176,9 @@ func (c Config) Validate() error {
 	}
 	if c.DivertMark == 0 || c.DivertMark == c.BypassMark {
 		return fmt.Errorf("divert mark %#x must be non-zero and differ from the bypass mark %#x", c.DivertMark, c.BypassMark)
+	}
+	if c.DeliverMark == 0 || c.DeliverMark == c.BypassMark || c.DeliverMark == c.DivertMark {
+		return fmt.Errorf("deliver mark %#x must be non-zero and differ from the bypass mark %#x and the divert mark %#x", c.DeliverMark, c.BypassMark, c.DivertMark)
 	}
 	for _, p := range c.Ports {
 		if p == 0 {
@@ -246,6 +262,39 @@ func (b *ruleBuilder) metaMarkEq(mark uint32) *ruleBuilder {
 		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: u32(mark)})
 }
 
+func (b *ruleBuilder) ctDirection(dir byte, name string) *ruleBuilder {
+	return b.add("ct direction "+name,
+		&expr.Ct{Key: expr.CtKeyDIRECTION, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{dir}})
+}
+
+func (b *ruleBuilder) ctMarkEq(mark uint32) *ruleBuilder {
+	return b.add(fmt.Sprintf("ct mark 0x%08x", mark),
+		&expr.Ct{Key: expr.CtKeyMARK, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: u32(mark)})
+}
+
+// ctStateNew matches the first packet of a connection conntrack has not
+// seen before.
+func (b *ruleBuilder) ctStateNew() *ruleBuilder {
+	return b.add("ct state new",
+		&expr.Ct{Key: expr.CtKeySTATE, Register: 1},
+		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4, Mask: u32(expr.CtStateBitNEW), Xor: u32(0)},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: u32(0)})
+}
+
+func (b *ruleBuilder) setMetaMark(mark uint32) *ruleBuilder {
+	return b.add(fmt.Sprintf("meta mark set 0x%08x", mark),
+		&expr.Immediate{Register: 1, Data: u32(mark)},
+		&expr.Meta{Key: expr.MetaKeyMARK, SourceRegister: true, Register: 1})
+}
+
+func (b *ruleBuilder) setCtMark(mark uint32) *ruleBuilder {
+	return b.add(fmt.Sprintf("ct mark set 0x%08x", mark),
+		&expr.Immediate{Register: 1, Data: u32(mark)},
+		&expr.Ct{Key: expr.CtKeyMARK, SourceRegister: true, Register: 1})
+}
+
 func (b *ruleBuilder) l4proto(proto byte, name string) *ruleBuilder {
 	return b.add("meta l4proto "+name,
 		&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
@@ -310,6 +359,16 @@ func Build(c Config) Ruleset {
 		Priority: nftables.ChainPriorityMangle,
 		Header:   "type route hook output priority mangle; policy accept;",
 	}
+	// Source-preserving inbound delivery: the proxy's transparent socket,
+	// bound to the client's address, opens the connection to the app with
+	// the deliver mark; its conntrack entry keeps it (new connections
+	// only, so a direct connection with the same four-tuple is never
+	// marked), and the app's replies get it back, so the fwmark rule
+	// routes them to lo and into the proxy's socket instead of out of
+	// the pod towards the real client.
+	output.Rules = append(output.Rules,
+		new(ruleBuilder).ctDirection(1, "reply").ctMarkEq(c.DeliverMark).setMetaMark(c.DeliverMark).rule(),
+		new(ruleBuilder).metaMarkEq(c.DeliverMark).ctStateNew().setCtMark(c.DeliverMark).rule())
 	// The proxy's own upstream sockets carry the bypass mark.
 	output.Rules = append(output.Rules, new(ruleBuilder).metaMarkEq(c.BypassMark).verdict(expr.VerdictReturn, "").rule())
 	for _, p := range []struct {
@@ -324,9 +383,7 @@ func Build(c Config) Ruleset {
 	// proxy's inbound listener) belong to an existing flow and must leave
 	// as they are: diverting them would hand a reply to the capture
 	// listener and break every inbound connection of a captured pod.
-	dv.Rules = append(dv.Rules, new(ruleBuilder).add("ct direction reply",
-		&expr.Ct{Key: expr.CtKeyDIRECTION, Register: 1},
-		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{1}}).verdict(expr.VerdictReturn, "").rule())
+	dv.Rules = append(dv.Rules, new(ruleBuilder).ctDirection(1, "reply").verdict(expr.VerdictReturn, "").rule())
 	// Loopback, the pod's own addresses and the replies of the proxy's
 	// transparent sockets (sourced from the original destination, sent to
 	// the pod) are local destinations.
@@ -342,11 +399,7 @@ func Build(c Config) Ruleset {
 	for _, port := range c.ExcludePorts {
 		dv.Rules = append(dv.Rules, new(ruleBuilder).thDport(port).verdict(expr.VerdictReturn, "").rule())
 	}
-	setMark := func(b *ruleBuilder) *ruleBuilder {
-		return b.add(fmt.Sprintf("meta mark set 0x%08x", c.DivertMark),
-			&expr.Immediate{Register: 1, Data: u32(c.DivertMark)},
-			&expr.Meta{Key: expr.MetaKeyMARK, SourceRegister: true, Register: 1})
-	}
+	setMark := func(b *ruleBuilder) *ruleBuilder { return b.setMetaMark(c.DivertMark) }
 	if c.RedirectAll {
 		dv.Rules = append(dv.Rules, setMark(new(ruleBuilder)).rule())
 	} else {
@@ -403,9 +456,7 @@ func inbound(c Config) Chain {
 		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: ifname("lo")}))
 	// Replies of the pod's own outbound connections (and of the proxy's
 	// upstream sockets).
-	ret(new(ruleBuilder).add("ct direction reply",
-		&expr.Ct{Key: expr.CtKeyDIRECTION, Register: 1},
-		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{1}}))
+	ret(new(ruleBuilder).ctDirection(1, "reply"))
 	// HBONE (the proxy's :15008 authenticates it) and the proxy's own
 	// listeners, then the operator's exclusions.
 	for _, port := range sortedPorts([]uint16{c.HBONEPort, c.CapturePort, c.InboundPort, c.OutboundPort}) {
@@ -457,6 +508,8 @@ func (r Ruleset) Text() string {
 	c := r.Config
 	fmt.Fprintf(&sb, "# ip -4 rule: %d: from all fwmark 0x%x lookup %d\n", c.RulePriority, c.DivertMark, c.RouteTable)
 	fmt.Fprintf(&sb, "# ip -6 rule: %d: from all fwmark 0x%x lookup %d\n", c.RulePriority, c.DivertMark, c.RouteTable)
+	fmt.Fprintf(&sb, "# ip -4 rule: %d: from all fwmark 0x%x lookup %d\n", c.RulePriority, c.DeliverMark, c.RouteTable)
+	fmt.Fprintf(&sb, "# ip -6 rule: %d: from all fwmark 0x%x lookup %d\n", c.RulePriority, c.DeliverMark, c.RouteTable)
 	fmt.Fprintf(&sb, "# ip -4 route table %d: local default dev lo scope host\n", c.RouteTable)
 	fmt.Fprintf(&sb, "# ip -6 route table %d: local default dev lo\n", c.RouteTable)
 	return sb.String()

@@ -15,6 +15,11 @@
 //   - every upstream socket carries SO_MARK = the bypass mark (0xae7e), which
 //     the divert's output chain returns on, so proxied traffic is not
 //     captured again;
+//   - an inbound delivery to the app (HBONE, plaintext inbound) is made from
+//     the client's address by a transparent socket with SO_MARK = the
+//     deliver mark (0xae7d) when the divert's deliver rule routes the app's
+//     replies back over lo (checked per connection, source_linux.go), else
+//     from the pod's address;
 //   - the readiness endpoint is GET http://127.0.0.1:18081/aether/readyz
 //     (and [::1] when the pod has IPv6) inside the pod netns.
 //

@@ -39,6 +39,18 @@ func addrPort(a net.Addr) netip.AddrPort {
 // wait for it happen on the calling goroutine, so no locked thread ever
 // parks on the network.
 func (p *pod) dialTCP(ctx context.Context, dst netip.AddrPort) (*net.TCPConn, error) {
+	c, _, err := p.dialTCPFrom(ctx, dst, netip.AddrPort{})
+	return c, err
+}
+
+// dialTCPFrom is dialTCP that, when from is valid (the client of an inbound
+// delivery, same family as dst), tries to preserve the client's address:
+// if the divert's deliver rule is in place (sourceRuleInstalled) the socket
+// is transparent, carries the deliver mark instead of the bypass mark and is
+// bound to from's address (a kernel-chosen port whose four-tuple to dst no
+// other socket in the pod holds: bindTransparent). preserved says which it
+// did.
+func (p *pod) dialTCPFrom(ctx context.Context, dst, from netip.AddrPort) (c *net.TCPConn, preserved bool, err error) {
 	var sa unix.Sockaddr
 	family := unix.AF_INET6
 	if dst.Addr().Is4() {
@@ -48,24 +60,35 @@ func (p *pod) dialTCP(ctx context.Context, dst netip.AddrPort) (*net.TCPConn, er
 		sa = &unix.SockaddrInet6{Port: int(dst.Port()), Addr: dst.Addr().As16()}
 	}
 	fd := -1
-	err := p.netns.do(func() error {
+	err = p.netns.do(func() error {
+		preserved = from.IsValid() && p.sourceRuleInstalled(from.Addr())
 		var err error
 		fd, err = unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 		if err != nil {
 			return os.NewSyscallError("socket", err)
 		}
-		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, int(p.m.cfg.BypassMark)); err != nil {
+		mark := p.m.cfg.BypassMark
+		if preserved {
+			mark = p.m.cfg.DeliverMark
+		}
+		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, int(mark)); err != nil {
 			unix.Close(fd)
-			return fmt.Errorf("failed to set SO_MARK %#x: %w", p.m.cfg.BypassMark, err)
+			return fmt.Errorf("failed to set SO_MARK %#x: %w", mark, err)
+		}
+		if preserved {
+			if err := bindTransparent(fd, from, dst); err != nil {
+				unix.Close(fd)
+				return err
+			}
 		}
 		return nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("failed to create a socket in netns %q: %w", p.netns.path, err)
+		return nil, preserved, fmt.Errorf("failed to create a socket in netns %q: %w", p.netns.path, err)
 	}
 	if err := unix.Connect(fd, sa); err != nil && !errors.Is(err, unix.EINPROGRESS) {
 		unix.Close(fd)
-		return nil, fmt.Errorf("failed to connect to %s from netns %q: %w", dst, p.netns.path, err)
+		return nil, preserved, fmt.Errorf("failed to connect to %s from netns %q: %w", dst, p.netns.path, err)
 	}
 	f := os.NewFile(uintptr(fd), "upstream")
 	defer f.Close()
@@ -77,7 +100,7 @@ func (p *pod) dialTCP(ctx context.Context, dst netip.AddrPort) (*net.TCPConn, er
 	defer stop()
 	rc, err := f.SyscallConn()
 	if err != nil {
-		return nil, err
+		return nil, preserved, err
 	}
 	var cerr error
 	err = rc.Write(func(fd uintptr) bool {
@@ -98,13 +121,13 @@ func (p *pod) dialTCP(ctx context.Context, dst netip.AddrPort) (*net.TCPConn, er
 		err = cerr
 	}
 	if err != nil {
-		return nil, fmt.Errorf("failed to connect to %s from netns %q: %w", dst, p.netns.path, err)
+		return nil, preserved, fmt.Errorf("failed to connect to %s from netns %q: %w", dst, p.netns.path, err)
 	}
-	c, err := net.FileConn(f)
+	nc, err := net.FileConn(f)
 	if err != nil {
-		return nil, fmt.Errorf("failed to wrap the connection to %s: %w", dst, err)
+		return nil, preserved, fmt.Errorf("failed to wrap the connection to %s: %w", dst, err)
 	}
-	return c.(*net.TCPConn), nil
+	return nc.(*net.TCPConn), preserved, nil
 }
 
 // upstream is the proxy's side towards the destination: a TCP connection,

@@ -267,7 +267,11 @@ func (p *pod) deliverHBONE(ctx context.Context, src spiffeid.ID, target netip.Ad
 		p.m.metrics.Failed(limit)
 		return nil, &hbone.StatusError{Code: http.StatusServiceUnavailable, Err: fmt.Errorf("failed to admit a stream to pod %q: %s limit", p.key, limit)}
 	}
-	up, err := p.deliverInbound(ctx, target)
+	var client netip.AddrPort // the source pod's address: the source proxy dials from its netns
+	if a, ok := hbone.PeerAddr(ctx); ok {
+		client = netip.AddrPortFrom(a.Addr().Unmap(), 0)
+	}
+	up, err := p.deliverInbound(ctx, target, client)
 	if err != nil {
 		release()
 		if errors.Is(err, ErrNotThisPod) {
@@ -276,8 +280,8 @@ func (p *pod) deliverHBONE(ctx context.Context, src spiffeid.ID, target netip.Ad
 		return nil, err
 	}
 	var srcPeer peers.Peer
-	if a, ok := hbone.PeerAddr(ctx); ok {
-		srcPeer = p.lookup(a.Addr())
+	if client.IsValid() {
+		srcPeer = p.lookup(client.Addr())
 	}
 	dstPeer := p.lookup(target.Addr().Unmap())
 	tc := p.m.metrics.Open(telemetry.TunnelLabels(directionInbound, srcPeer, dstPeer, src.String(), p.hb.id.String()))

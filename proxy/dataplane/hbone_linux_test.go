@@ -1,9 +1,7 @@
 package dataplane_test
 
 import (
-	"bytes"
 	"context"
-	"encoding/binary"
 	"fmt"
 	"io"
 	"net"
@@ -123,7 +121,9 @@ func TestHBONE(t *testing.T) {
 	plain := e.plain.Serve(t, 8080)
 
 	t.Run("managed to managed", func(t *testing.T) {
-		wire := sniffTCP4(t, e.server, e.client.IP4)
+		// What the server's eth0 carries (the proxy's delivery to the
+		// app, from the client's address, stays on the netns's lo).
+		wire := sniffLink(t, e.server.NS, "eth0")
 		for i, dst := range []netip.Addr{e.server.IP4, e.server.IP6} {
 			ctx := ctx10(t)
 			payload := fmt.Sprintf("secret-%d", i)
@@ -132,21 +132,43 @@ func TestHBONE(t *testing.T) {
 				t.Fatal(err)
 			}
 			// The destination proxy dials the app from the server's own
-			// netns: the app sees its own address, not the client's.
-			if want := fmt.Sprintf("got %d from %s", len(payload), dst); reply != want {
+			// netns with the client's address (the divert's deliver
+			// rule): the app sees the client, not its own address.
+			src := e.client.IP4
+			if dst.Is6() {
+				src = e.client.IP6
+			}
+			if want := fmt.Sprintf("got %d from %s", len(payload), src); reply != want {
 				t.Errorf("reply %q, want %q", reply, want)
 			}
-			if got := <-srv.Got; got != dst.String()+" "+payload {
+			if got := <-srv.Got; got != src.String()+" "+payload {
 				t.Errorf("server got %q", got)
 			}
 		}
-		// On the wire (IPv4, what the server's netns received from the
-		// client): TLS records to :15008, nothing to the app's port, and
-		// never the payload in plaintext.
-		seen := wire()
-		if seen.tls15008 == 0 || seen.toApp != 0 || seen.plaintext != 0 {
+		if got := sum(e.metrics, "aether_inbound_source_total", map[string]string{"outcome": telemetry.SourcePreserved}); got != 2 {
+			t.Errorf("inbound source preserved = %v, want 2", got)
+		}
+		// On the wire (what the server's eth0 received from the client,
+		// both families): TLS records to :15008, nothing to the app's
+		// port, and never the payload in plaintext.
+		var tls, toApp, plaintext int
+		for _, seg := range wire() {
+			if seg.src != e.client.IP4 && seg.src != e.client.IP6 {
+				continue
+			}
+			if seg.dst.Port() == dataplane.DefaultHBONEPort && seg.tlsRecord {
+				tls++
+			}
+			if seg.dst.Port() == 8080 {
+				toApp++
+			}
+			if seg.secret {
+				plaintext++
+			}
+		}
+		if tls == 0 || toApp != 0 || plaintext != 0 {
 			t.Errorf("wire from the client: %d segments to :15008 starting a TLS record, %d to :8080, %d with the plaintext payload; want >0, 0, 0",
-				seen.tls15008, seen.toApp, seen.plaintext)
+				tls, toApp, plaintext)
 		}
 		if got := sum(e.metrics, "aether_outbound_connections_total", map[string]string{"path": "hbone"}); got != 2 {
 			t.Errorf("outbound path=hbone = %v, want 2", got)
@@ -208,56 +230,6 @@ func TestHBONE(t *testing.T) {
 	})
 }
 
-// wireSeen counts the TCP segments a sniffer saw from one address.
-type wireSeen struct{ tls15008, toApp, plaintext int }
-
-// sniffTCP4 reads, in p's netns, copies of the IPv4 TCP segments p receives
-// from src (a raw socket: no tcpdump needed) until the returned function is
-// called, which reports what was seen.
-func sniffTCP4(t *testing.T, p *proxytest.Pod, src netip.Addr) func() wireSeen {
-	t.Helper()
-	var pc net.PacketConn
-	p.NS.MustDo(t, func() error {
-		var err error
-		pc, err = net.ListenPacket("ip4:tcp", p.IP4.String())
-		return err
-	})
-	t.Cleanup(func() { _ = pc.Close() })
-	var seen wireSeen
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		b := make([]byte, 65536)
-		for {
-			n, from, err := pc.ReadFrom(b)
-			if err != nil {
-				return
-			}
-			if from.(*net.IPAddr).IP.String() != src.String() || n < 20 {
-				continue
-			}
-			seg := b[:n] // the TCP header and payload (the IP header is stripped)
-			payload := seg[min(int(seg[12]>>4)*4, n):]
-			switch binary.BigEndian.Uint16(seg[2:4]) {
-			case dataplane.DefaultHBONEPort:
-				if len(payload) >= 2 && payload[0] == 0x16 && payload[1] == 0x03 {
-					seen.tls15008++
-				}
-			case 8080:
-				seen.toApp++
-			}
-			if bytes.Contains(payload, []byte("secret-")) {
-				seen.plaintext++
-			}
-		}
-	}()
-	return func() wireSeen {
-		_ = pc.Close()
-		<-done
-		return seen
-	}
-}
-
 // TestHBONEDeliversToUDS: a destination pod whose listeners name a UDS
 // socket gets the HBONE stream on that socket; once the socket is gone the
 // stream goes over TCP (counted uds_fallback).
@@ -308,7 +280,7 @@ func TestHBONEDeliversToUDS(t *testing.T) {
 	}
 	_ = ln.Close() // removes the socket file
 	reply, err = roundTrip(ctx10(t), e.client, dst, "fallback")
-	if err != nil || reply != fmt.Sprintf("got 8 from %s", e.server.IP4) {
+	if err != nil || reply != fmt.Sprintf("got 8 from %s", e.client.IP4) {
 		t.Errorf("after the socket is gone: %q, %v; want the TCP app's answer", reply, err)
 	}
 	if got := sum(e.metrics, "aether_inbound_deliveries_total", map[string]string{"via": telemetry.ViaUDSFallback}); got != 1 {

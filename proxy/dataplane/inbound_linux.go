@@ -36,10 +36,13 @@ func (m *Manager) DeliverInbound(ctx context.Context, key string, target netip.A
 	if p == nil || p.draining.Load() {
 		return nil, fmt.Errorf("failed to deliver to %s: pod %q: %w", target, key, ErrNotServing)
 	}
-	return p.deliverInbound(ctx, target)
+	return p.deliverInbound(ctx, target, netip.AddrPort{})
 }
 
-func (p *pod) deliverInbound(ctx context.Context, target netip.AddrPort) (net.Conn, error) {
+// deliverInbound is DeliverInbound for a connection from client (zero:
+// unknown); over TCP the app sees client's address where the divert allows
+// it (deliverTCP).
+func (p *pod) deliverInbound(ctx context.Context, target, client netip.AddrPort) (net.Conn, error) {
 	target = netip.AddrPortFrom(target.Addr().Unmap(), target.Port())
 	if !slices.Contains(p.ips, target.Addr()) {
 		return nil, fmt.Errorf("failed to deliver to %s in pod %s/%s (addresses %v): %w", target, p.namespace, p.name, p.ips, ErrNotThisPod)
@@ -55,7 +58,7 @@ func (p *pod) deliverInbound(ctx context.Context, target netip.AddrPort) (net.Co
 		p.log.Error("inbound delivery over the pod's UDS socket failed; falling back to TCP", "socket", sock, "target", target.String(), "error", err.Error())
 		via = telemetry.ViaUDSFallback
 	}
-	c, err := p.dialTCP(ctx, target)
+	c, err := p.deliverTCP(ctx, target, client)
 	if err != nil {
 		p.m.metrics.Delivered(telemetry.ViaFailed)
 		return nil, fmt.Errorf("failed to deliver to %s in pod %s/%s: %w", target, p.namespace, p.name, err)

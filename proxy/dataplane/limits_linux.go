@@ -9,6 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/proxy/telemetry"
 )
 
@@ -18,6 +19,9 @@ import (
 
 // validate rejects limits that make no sense (after defaults).
 func (c Config) validate() error {
+	if c.DeliverMark == c.BypassMark || c.DeliverMark == meshcontract.DivertMark {
+		return fmt.Errorf("invalid DeliverMark %#x: must differ from the bypass mark %#x and the divert mark %#x", c.DeliverMark, c.BypassMark, uint32(meshcontract.DivertMark))
+	}
 	for _, v := range []struct {
 		name string
 		n    int

@@ -23,6 +23,7 @@ import (
 // Defaults of Config.
 const (
 	DefaultBypassMark     = meshcontract.BypassMark
+	DefaultDeliverMark    = meshcontract.DeliverMark
 	DefaultConnectTimeout = 10 * time.Second
 	DefaultDrainTimeout   = 30 * time.Second
 	DefaultCheckInterval  = time.Second
@@ -52,6 +53,11 @@ type Config struct {
 	// BypassMark is the SO_MARK of every upstream socket (the divert's
 	// bypass mark).
 	BypassMark uint32
+	// DeliverMark is the SO_MARK of inbound delivery sockets bound to the
+	// client's address (the divert's deliver mark): the app sees the
+	// client's address, not the pod's, where the divert's deliver rule is
+	// in place.
+	DeliverMark uint32
 	// ConnectTimeout bounds an upstream TCP connect.
 	ConnectTimeout time.Duration
 	// DrainTimeout bounds how long a removed pod's open connections may
@@ -97,6 +103,9 @@ type Config struct {
 func (c Config) withDefaults() Config {
 	if c.BypassMark == 0 {
 		c.BypassMark = DefaultBypassMark
+	}
+	if c.DeliverMark == 0 {
+		c.DeliverMark = DefaultDeliverMark
 	}
 	if c.ConnectTimeout == 0 {
 		c.ConnectTimeout = DefaultConnectTimeout

@@ -62,6 +62,12 @@ type pod struct {
 	done      chan struct{}
 
 	hb *podHBONE // HBONE side (hbone_linux.go); nil without identity
+
+	// srcRule caches, per family (IPv4, IPv6), that the divert's deliver
+	// rule is in place (source_linux.go); srcLogged: the missing rule was
+	// logged.
+	srcRule   [2]atomic.Bool
+	srcLogged atomic.Bool
 }
 
 type closer interface{ abort() }

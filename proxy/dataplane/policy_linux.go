@@ -80,7 +80,7 @@ func (p *pod) serveInbound(down *net.TCPConn, l *tcpListener) {
 		return
 	}
 	ctx, cancel := context.WithTimeout(p.ctx, p.m.cfg.ConnectTimeout)
-	up, err := p.deliverInbound(ctx, dst)
+	up, err := p.deliverInbound(ctx, dst, src)
 	cancel()
 	if err != nil {
 		p.m.metrics.Failed(reasonInboundDeliver)

@@ -134,13 +134,21 @@ func TestHBONETwoNodes(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			// B's proxy dials the app from the server's own netns.
-			if want := "got 8 from " + dst.String(); reply != want {
+			// B's proxy dials the app from the server's own netns, with
+			// the client pod's address as source.
+			src := client.IP4
+			if dst.Is6() {
+				src = client.IP6
+			}
+			if want := "got 8 from " + src.String(); reply != want {
 				t.Errorf("reply %q, want %q", reply, want)
 			}
-			if got := <-srv.Got; got != dst.String()+" "+payload {
+			if got := <-srv.Got; got != src.String()+" "+payload {
 				t.Errorf("server got %q", got)
 			}
+		}
+		if got := sum(b.metrics, "aether_inbound_source_total", map[string]string{"outcome": telemetry.SourcePreserved}); got != 2 {
+			t.Errorf("B: inbound source preserved = %v, want 2", got)
 		}
 		var tls, other, app, secret int
 		for _, s := range wire() {
@@ -248,7 +256,7 @@ func TestHBONETwoNodes(t *testing.T) {
 		}
 		// HBONE from A's managed pod still reaches the app.
 		reply, err := roundTrip(ctx10(t), client, netip.AddrPortFrom(server.IP4, appPort), "secret-x")
-		if err != nil || reply != "got 8 from "+server.IP4.String() {
+		if err != nil || reply != "got 8 from "+client.IP4.String() {
 			t.Fatalf("HBONE under strict = %q, %v; want the app's answer", reply, err)
 		}
 		<-srv.Got

@@ -37,6 +37,7 @@ type Metrics struct {
 	failed   *prometheus.CounterVec
 	udp      *prometheus.CounterVec
 	inbound  *prometheus.CounterVec
+	source   *prometheus.CounterVec
 	limits   *prometheus.CounterVec
 	outbound *prometheus.CounterVec
 	pods     prometheus.Gauge
@@ -79,6 +80,10 @@ func New() *Metrics {
 			Name: "aether_inbound_deliveries_total",
 			Help: "Inbound connections handed to the app, by how: uds (the pod's unix socket), tcp (the pod's address; no socket declared), uds_fallback (the socket was missing or refused: delivered over TCP instead), failed (no connection to the app).",
 		}, []string{"via"}),
+		source: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "aether_inbound_source_total",
+			Help: "Inbound TCP deliveries to the app by the source address it sees: preserved (the client's address, through the divert's deliver mark) or fallback (the pod's own address: the divert's deliver rule is missing, the families differ, or the source-preserving connect failed).",
+		}, []string{"outcome"}),
 		limits: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "aether_proxy_limit_hits_total",
 			Help: "Limits the proxy enforced, by limit: pod_connections and node_connections (a TCP connection reset), pod_udp_flows and node_udp_flows (a UDP flow evicted or refused), tcp_idle (an idle TCP connection closed).",
@@ -92,7 +97,7 @@ func New() *Metrics {
 			Help: "Pods whose listeners are bound and served.",
 		}),
 	}
-	m.Registry.MustRegister(m.opened, m.closed, m.sent, m.received, m.duration, m.failed, m.udp, m.limits, m.inbound, m.outbound, m.pods,
+	m.Registry.MustRegister(m.opened, m.closed, m.sent, m.received, m.duration, m.failed, m.udp, m.limits, m.inbound, m.source, m.outbound, m.pods,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -173,6 +178,16 @@ const (
 
 // Delivered counts one inbound delivery to the app.
 func (m *Metrics) Delivered(via string) { m.inbound.WithLabelValues(via).Inc() }
+
+// Values of aether_inbound_source_total{outcome}.
+const (
+	SourcePreserved = "preserved"
+	SourceFallback  = "fallback"
+)
+
+// InboundSource counts one TCP delivery to the app by the source address
+// it carries: SourcePreserved (the client's) or SourceFallback (the pod's).
+func (m *Metrics) InboundSource(outcome string) { m.source.WithLabelValues(outcome).Inc() }
 
 // Values of aether_proxy_limit_hits_total{limit}.
 const (

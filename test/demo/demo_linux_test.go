@@ -565,10 +565,11 @@ func TestNodeDemo(t *testing.T) {
 				return "", fmt.Errorf("shop/client -> %s: %w", dst, talkErr)
 			}
 			// Over HBONE the destination proxy delivers from inside the
-			// server pod, so the app sees the pod's own address (proxy
-			// README: the client's address is not preserved yet).
-			if want := map[bool]netip.Addr{false: client.ip, true: server.ip}[hbone]; !slices.Contains(echo.seen(), want) {
-				return "", fmt.Errorf("the server saw peers %v, not %s", echo.seen(), want)
+			// server pod with the client's address as source (the
+			// divert's deliver rule routes the app's replies back to it),
+			// so the app sees the client, as without the mesh.
+			if !slices.Contains(echo.seen(), client.ip) {
+				return "", fmt.Errorf("the server saw peers %v, not the client's address %s", echo.seen(), client.ip)
 			}
 			var ms []Metric
 			deadline := time.Now().Add(10 * time.Second)
@@ -591,7 +592,18 @@ func TestNodeDemo(t *testing.T) {
 			if sum(ms, "aether_tcp_received_bytes_total", pair) == 0 || sum(ms, "aether_tcp_sent_bytes_total", pair) == 0 {
 				return "", fmt.Errorf("aether-proxy counted the connection but no bytes both ways")
 			}
-			return "both managed pods hold the divert; the client's connection was diverted into aether-proxy in its netns, forwarded to the (captured) server, and counted with both workloads named", nil
+			via := "plain"
+			if hbone {
+				via = "HBONE"
+				preserved := sum(ms, "aether_inbound_source_total", map[string]string{"outcome": "preserved"})
+				fallback := sum(ms, "aether_inbound_source_total", map[string]string{"outcome": "fallback"})
+				r.printf("    aether_inbound_source_total{outcome=\"preserved\"} %g, {outcome=\"fallback\"} %g", preserved, fallback)
+				if preserved < 1 {
+					return "", fmt.Errorf("the server saw the client's address but aether-proxy counted no preserved-source delivery (fallback %g)", fallback)
+				}
+			}
+			r.printf("  shop/server's app saw the connection from %s (shop/client's own address, delivered over %s)", client.ip, via)
+			return fmt.Sprintf("both managed pods hold the divert; the client's connection was diverted into aether-proxy in its netns, forwarded to the (captured) server over %s, counted with both workloads named, and the server saw the client's address %s (source preserved)", via, client.ip), nil
 		})
 		r.check("mTLS between pods", func() (string, error) {
 			if !hbone {
