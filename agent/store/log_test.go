@@ -11,6 +11,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -491,5 +493,93 @@ func TestRandomDamage(t *testing.T) {
 			}
 		}
 		_ = s.Close()
+	}
+}
+
+// TestFullDiskFailsOnlyTheCommit: a commit that cannot extend the log's
+// space (a full disk) fails its callers with the cause, writes nothing and
+// leaves the store working: the next commit, once space is back, succeeds,
+// and a reopen finds every acknowledged record and none of the failed one.
+func TestFullDiskFailsOnlyTheCommit(t *testing.T) {
+	dir := t.TempDir()
+	var full atomic.Bool
+	s := open(t, dir, Options{Preallocate: 4 << 10, preallocate: func(f *os.File, off, n int64) error {
+		if full.Load() {
+			return syscall.ENOSPC
+		}
+		return preallocate(f, off, n)
+	}})
+	put(t, s, rec(1))
+	full.Store(true)
+	big := rec(2)
+	big.UncapturedError = strings.Repeat("x", 8<<10) // does not fit in the space left
+	err := s.Put(context.Background(), big)
+	if !errors.Is(err, syscall.ENOSPC) {
+		t.Fatalf("Put with the disk full = %v, want ENOSPC", err)
+	}
+	if got, _ := s.Get(big.Key()); got != nil {
+		t.Fatal("the failed record is readable")
+	}
+	full.Store(false)
+	put(t, s, rec(3), big)
+	s.Close()
+	s = open(t, dir, Options{})
+	wantKeys(t, s, "c-0001", "c-0002", "c-0003")
+}
+
+// TestCompactionFailureKeepsTheLog: a compaction that fails before its
+// rename leaves the log in use and the store writing; it is not retried at
+// every commit but once another CompactMin of dead bytes piled up, and then
+// succeeds. No compact file is left behind.
+func TestCompactionFailureKeepsTheLog(t *testing.T) {
+	dir := t.TempDir()
+	var armed, fail atomic.Bool
+	var tries atomic.Int32
+	s := open(t, dir, Options{CompactMin: 8 << 10, Preallocate: 4 << 10, beforeRename: func() error {
+		if !armed.Load() { // Open's compaction of a new log
+			return nil
+		}
+		tries.Add(1)
+		if fail.Load() {
+			return syscall.EIO
+		}
+		return nil
+	}})
+	armed.Store(true)
+	fail.Store(true)
+	r := rec(1)
+	for i := 0; tries.Load() == 0; i++ {
+		if i > 1000 {
+			t.Fatal("no compaction tried after 1000 replacements of one record")
+		}
+		r.Pod.Name = fmt.Sprintf("p-1-round-%d", i)
+		put(t, s, r)
+	}
+	// The committer is serial: this commit runs after the failed
+	// compaction ended.
+	put(t, s, rec(2)) // the store still writes
+	if _, err := os.Stat(filepath.Join(dir, compactName)); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("compact file after a failed compaction: %v, want none", err)
+	}
+	if got := tries.Load(); got != 1 {
+		t.Fatalf("compaction tried %d times right after failing, want once", got)
+	}
+	fail.Store(false)
+	for i := 0; tries.Load() < 2; i++ {
+		if i > 1000 {
+			t.Fatal("compaction not tried again after the failure, 1000 replacements later")
+		}
+		r.Pod.Name = fmt.Sprintf("p-1-again-%d", i)
+		put(t, s, r)
+	}
+	s.Close() // waits for the committer
+	if s.compactions == 0 {
+		t.Fatal("the retried compaction did not complete")
+	}
+	s.Close()
+	s = open(t, dir, Options{})
+	wantKeys(t, s, "c-0001", "c-0002")
+	if got, _ := s.Get(r.Key()); got == nil || got.Pod.Name != r.Pod.Name {
+		t.Fatalf("record after compaction = %v, want the last put (%s)", got, r.Pod.Name)
 	}
 }

@@ -87,6 +87,12 @@ type Options struct {
 	// beforeAppend, when set, runs before each commit's write: tests slow
 	// the disk down with it to widen the window a kill can land in.
 	beforeAppend func()
+	// preallocate, when set, replaces the extension of a file's
+	// zero-filled space (tests fail it, as a full disk would).
+	preallocate func(f *os.File, off, n int64) error
+	// beforeRename, when set, runs before a compaction renames its file
+	// over the log; an error fails the compaction there (tests).
+	beforeRename func() error
 }
 
 // Store is the durable record store.
@@ -102,6 +108,10 @@ type Store struct {
 	alloc  int64  // bytes of the file zero-filled and synced
 	failed error  // a failed write or sync: the file's state is unknown
 	buf    []byte // the commit being written
+	// compactAt is the dead bytes at which the next compaction is tried:
+	// raised after a compaction failed before its rename (the log is
+	// unchanged), so a full disk is not retried at every commit.
+	compactAt int64
 
 	mu        sync.RWMutex
 	recs      map[string][]byte // key → JSON envelope of the live record
@@ -194,7 +204,7 @@ func (s *Store) load() error {
 	if rewrite || imported {
 		// A new log, damage moved aside or records imported: start from a
 		// clean, synced log.
-		if err := s.compact(); err != nil {
+		if _, err := s.compact(); err != nil {
 			return err
 		}
 	}
@@ -353,12 +363,17 @@ func (s *Store) commit(batch []*writeReq) {
 				s.buf = appendFrame(s.buf, kindDelete, []byte(r.key))
 			}
 		}
-		if err = s.append(s.buf); err != nil {
+		var extend bool
+		if extend, err = s.append(s.buf); err != nil && !extend {
 			// The file's state past the last sync is unknown (a failed
 			// fsync may have dropped the pages): refuse every later write;
 			// a restart reads back what is on disk.
 			s.failed = fmt.Errorf("store failed, restart to recover: %w", err)
 			s.log.Error("record log write failed; the store refuses writes until restarted", "error", err.Error())
+		} else if err != nil {
+			// Nothing of this commit was written (a full disk): fail its
+			// callers, keep the store; the next commit tries again.
+			s.log.Error("record log is out of space; this commit failed, the next one tries again", "error", err.Error())
 		}
 	}
 	if err == nil {
@@ -380,25 +395,44 @@ func (s *Store) commit(batch []*writeReq) {
 		}
 	}
 	if err == nil && s.shouldCompact() {
-		if cerr := s.compact(); cerr != nil {
-			s.failed = fmt.Errorf("store failed, restart to recover: %w", cerr)
-			s.log.Error("record log compaction failed; the store refuses writes until restarted", "error", cerr.Error())
-		}
+		s.tryCompact()
 	}
 }
 
-// shouldCompact is true when the dead bytes pass CompactMin and outweigh
-// the live records.
+// deadBytes is the frame bytes of replaced records and tombstones.
+func (s *Store) deadBytes() int64 { return s.off - headerSize - s.liveBytes }
+
+// shouldCompact is true when the dead bytes pass CompactMin (or the mark a
+// failed compaction left) and outweigh the live records.
 func (s *Store) shouldCompact() bool {
-	dead := s.off - headerSize - s.liveBytes
-	return dead >= s.opts.CompactMin && dead > s.liveBytes
+	dead := s.deadBytes()
+	return dead >= max(s.opts.CompactMin, s.compactAt) && dead > s.liveBytes
+}
+
+// tryCompact compacts the log. A compaction that failed before its rename
+// left the log as it was: the store goes on with it and tries again once
+// another CompactMin of dead bytes has piled up. One that failed after it
+// cannot tell which file a restart will find: the store refuses writes.
+func (s *Store) tryCompact() {
+	renamed, err := s.compact()
+	switch {
+	case err == nil:
+		s.compactAt = 0
+	case !renamed:
+		s.compactAt = s.deadBytes() + s.opts.CompactMin
+		s.log.Error("record log compaction failed; the log is unchanged and compaction is tried again later", "error", err.Error(), "retry_at_dead_bytes", s.compactAt)
+	default:
+		s.failed = fmt.Errorf("store failed, restart to recover: %w", err)
+		s.log.Error("record log compaction failed after its rename; the store refuses writes until restarted", "error", err.Error())
+	}
 }
 
 // compact writes the live records to a new log, syncs it, renames it over
 // the log and syncs the directory. A crash before the rename leaves the old
 // log (and a compact file Open removes); after it, the new one: either
-// holds the same records.
-func (s *Store) compact() error {
+// holds the same records. renamed says whether a failure came after the
+// rename; one before it removes the compact file and leaves the log in use.
+func (s *Store) compact() (renamed bool, err error) {
 	keys := make([]string, 0, len(s.recs))
 	for k := range s.recs {
 		keys = append(keys, k)
@@ -411,25 +445,35 @@ func (s *Store) compact() error {
 	path := filepath.Join(s.dir, compactName)
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
 	if err != nil {
-		return fmt.Errorf("failed to create %q: %w", path, err)
+		return false, fmt.Errorf("failed to create %q: %w", path, err)
 	}
 	alloc := roundUp(int64(len(buf)), s.opts.Preallocate) + s.opts.Preallocate
-	err = preallocate(f, 0, alloc)
+	err = s.preallocate(f, 0, alloc)
 	if err == nil {
 		_, err = f.WriteAt(buf, 0)
 	}
 	if err == nil && !s.opts.NoSync {
 		err = f.Sync()
 	}
+	if err == nil && s.opts.beforeRename != nil {
+		err = s.opts.beforeRename()
+	}
 	if err == nil {
 		err = os.Rename(path, filepath.Join(s.dir, FileName))
-	}
-	if err == nil && !s.opts.NoSync {
-		err = syncDir(s.dir)
+		if err != nil {
+			err = fmt.Errorf("failed to rename the compacted log: %w", err)
+		}
 	}
 	if err != nil {
 		_ = f.Close()
-		return fmt.Errorf("failed to compact the record log: %w", err)
+		_ = os.Remove(path)
+		return false, fmt.Errorf("failed to compact the record log: %w", err)
+	}
+	if !s.opts.NoSync {
+		if err := syncDir(s.dir); err != nil {
+			_ = f.Close()
+			return true, fmt.Errorf("failed to compact the record log: %w", err)
+		}
 	}
 	if s.f != nil {
 		_ = s.f.Close()
@@ -437,38 +481,48 @@ func (s *Store) compact() error {
 	s.f, s.off, s.alloc = f, int64(len(buf)), alloc
 	s.compactions++
 	s.log.Info("compacted the record log", "records", len(keys), "bytes", len(buf))
-	return nil
+	return false, nil
+}
+
+// preallocate extends f's zero-filled space (Options.preallocate in tests).
+func (s *Store) preallocate(f *os.File, off, n int64) error {
+	if s.opts.preallocate != nil {
+		return s.opts.preallocate(f, off, n)
+	}
+	return preallocate(f, off, n)
 }
 
 // append writes b at the log's end and syncs it, extending the zero-filled
-// space first when b does not fit.
-func (s *Store) append(b []byte) error {
+// space first when b does not fit. extend says that an error came from
+// that extension, before anything of b was written: the log holds what it
+// held (only zeros past its end may have changed).
+func (s *Store) append(b []byte) (extend bool, err error) {
 	if s.opts.beforeAppend != nil {
 		s.opts.beforeAppend()
 	}
 	if end := s.off + int64(len(b)); end > s.alloc {
 		alloc := roundUp(end, s.opts.Preallocate) + s.opts.Preallocate
-		if err := preallocate(s.f, s.alloc, alloc-s.alloc); err != nil {
-			return fmt.Errorf("failed to extend the record log to %d bytes: %w", alloc, err)
+		if err := s.preallocate(s.f, s.alloc, alloc-s.alloc); err != nil {
+			return true, fmt.Errorf("failed to extend the record log to %d bytes: %w", alloc, err)
 		}
 		if !s.opts.NoSync {
 			// The new size and allocation, once, ahead of the commits.
 			if err := s.f.Sync(); err != nil {
-				return fmt.Errorf("failed to sync the extended record log: %w", err)
+				return false, fmt.Errorf("failed to sync the extended record log: %w", err)
 			}
 		}
 		s.alloc = alloc
 	}
 	if _, err := s.f.WriteAt(b, s.off); err != nil {
-		return fmt.Errorf("failed to write %d bytes to the record log: %w", len(b), err)
+		return false, fmt.Errorf("failed to write %d bytes to the record log: %w", len(b), err)
 	}
 	if !s.opts.NoSync {
 		if err := syncData(s.f); err != nil {
-			return fmt.Errorf("failed to sync the record log: %w", err)
+			return false, fmt.Errorf("failed to sync the record log: %w", err)
 		}
 	}
 	s.off += int64(len(b))
-	return nil
+	return false, nil
 }
 
 // cutTail zeroes the log from off to its end and syncs it, so no byte of a
