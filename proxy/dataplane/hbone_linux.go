@@ -295,6 +295,8 @@ func (p *pod) deliverHBONE(ctx context.Context, src spiffeid.ID, target netip.Ad
 	return c, nil
 }
 
+var _ hbone.SocketConn = (*inboundConn)(nil)
+
 // inboundConn is the app side of one HBONE stream: it counts the bytes and
 // the connection, and gives the pod's slot back when the server closes it.
 type inboundConn struct {
@@ -319,11 +321,20 @@ func (c *inboundConn) Write(b []byte) (int, error) {
 // Read carries bytes from the app back to the source.
 func (c *inboundConn) Read(b []byte) (int, error) {
 	n, err := c.Conn.Read(b)
+	c.SocketRead(n)
+	return n, err
+}
+
+// Socket returns the app connection: the HBONE server reads it directly
+// (hbone.SocketConn) and reports each read to SocketRead.
+func (c *inboundConn) Socket() net.Conn { return c.Conn }
+
+// SocketRead counts n bytes carried from the app back to the source.
+func (c *inboundConn) SocketRead(n int) {
 	if n > 0 {
 		c.act.touch()
 		c.tc.Sent(int64(n))
 	}
-	return n, err
 }
 
 // idle is the time since data last moved between the stream and the app

@@ -124,6 +124,7 @@ func TestHBONE(t *testing.T) {
 		// What the server's eth0 carries (the proxy's delivery to the
 		// app, from the client's address, stays on the netns's lo).
 		wire := sniffLink(t, e.server.NS, "eth0")
+		replied := 0 // bytes the app sent back, over both streams
 		for i, dst := range []netip.Addr{e.server.IP4, e.server.IP6} {
 			ctx := ctx10(t)
 			payload := fmt.Sprintf("secret-%d", i)
@@ -141,6 +142,7 @@ func TestHBONE(t *testing.T) {
 			if want := fmt.Sprintf("got %d from %s", len(payload), src); reply != want {
 				t.Errorf("reply %q, want %q", reply, want)
 			}
+			replied += len(reply)
 			if got := <-srv.Got; got != src.String()+" "+payload {
 				t.Errorf("server got %q", got)
 			}
@@ -183,10 +185,14 @@ func TestHBONE(t *testing.T) {
 		}
 		for _, m := range []map[string]string{in, out} {
 			if err := proxytest.WaitFor(ctx10(t), func() bool {
+				// Sent: on the inbound side the HBONE server reads the app
+				// socket itself (hbone.SocketConn) and reports every read.
 				return sum(e.metrics, "aether_tcp_connections_closed_total", m) == 2 &&
-					sum(e.metrics, "aether_tcp_received_bytes_total", m) == float64(2*len("secret-0"))
+					sum(e.metrics, "aether_tcp_received_bytes_total", m) == float64(2*len("secret-0")) &&
+					sum(e.metrics, "aether_tcp_sent_bytes_total", m) == float64(replied)
 			}); err != nil {
-				t.Errorf("connections/bytes %v: closed %v, received %v", m, sum(e.metrics, "aether_tcp_connections_closed_total", m), sum(e.metrics, "aether_tcp_received_bytes_total", m))
+				t.Errorf("connections/bytes %v: closed %v, received %v, sent %v (want %d)", m, sum(e.metrics, "aether_tcp_connections_closed_total", m),
+					sum(e.metrics, "aether_tcp_received_bytes_total", m), sum(e.metrics, "aether_tcp_sent_bytes_total", m), replied)
 			}
 		}
 		if got := sum(e.metrics, "aether_inbound_deliveries_total", map[string]string{"via": telemetry.ViaTCP}); got != 2 {

@@ -48,6 +48,22 @@ func BenchmarkHBONEThroughput(b *testing.B) {
 	}
 }
 
+// BenchmarkHBONEDownload: bulk download through HBONE (the app → our
+// Server → our Dialer, loopback) vs a direct TCP connection from the same
+// app: the direction whose frame size the Dialer sets.
+func BenchmarkHBONEDownload(b *testing.B) {
+	e := newEnv(b, nil)
+	d := hbonetest.NewDialer(b, e.certs)
+	src := hbonetest.Source(b)
+	for _, mode := range []string{"ours", "peer"} {
+		b.Run(mode, func(b *testing.B) {
+			c := benchDial(b, mode, d, e.proxy, src)
+			defer c.Close()
+			hbonetest.Download(b, c)
+		})
+	}
+}
+
 // BenchmarkHBONEConnect: a new stream on a warm pooled connection plus a
 // one-byte round trip (ours) vs a new direct TCP connection plus the same
 // round trip (peer); p50/p99. Issue 13 asks the added p50 ≤ 0.3 ms.

@@ -3,8 +3,23 @@ package hbone
 import (
 	"errors"
 	"io"
+	"net"
 	"sync"
 )
+
+// SocketConn is implemented by a DeliverFunc's connection that wraps a
+// socket only to observe what is read from it (the data plane counts the
+// bytes and stamps activity). The server then reads Socket() (a
+// *net.TCPConn or *net.UnixConn) itself, on Linux with large reads that
+// hold no buffer while the socket is idle, and calls SocketRead with the
+// size of every read; writes and Close still go through the wrapper.
+type SocketConn interface {
+	net.Conn
+	// Socket returns the wrapped socket.
+	Socket() net.Conn
+	// SocketRead is called with the byte count of each read from Socket.
+	SocketRead(n int)
+}
 
 // Copy buffers: an idle tunnel holds only a small buffer per direction; a
 // busy one borrows a large pooled buffer once a read fills the small one,
@@ -18,8 +33,12 @@ const (
 var largeBufs = sync.Pool{New: func() any { b := make([]byte, largeBuf); return &b }}
 
 // copyAdaptive copies src to dst until src's EOF (nil) or an error, calling
-// flush after every write when it is not nil.
+// flush after every write when it is not nil. A socket src is read by
+// copyFromSocket (Linux): large reads, no buffer held while idle.
 func copyAdaptive(dst io.Writer, src io.Reader, flush func() error) error {
+	if done, err := copyFromSocket(dst, src, flush); done {
+		return err
+	}
 	var small [smallBuf]byte
 	buf := small[:]
 	var large *[]byte

@@ -36,7 +36,9 @@ type DialerConfig struct {
 	HandshakeTimeout time.Duration
 	// StreamWindow and ConnWindow are the receive flow-control windows.
 	StreamWindow, ConnWindow int
-	// MaxFrameSize is SETTINGS_MAX_FRAME_SIZE.
+	// MaxFrameSize is SETTINGS_MAX_FRAME_SIZE: the largest DATA frame the
+	// server may send (DefaultDialerMaxFrameSize). Frames the dialer sends
+	// are bounded by the server's setting instead.
 	MaxFrameSize int
 	// PingInterval and PingTimeout detect dead peers; a connection whose
 	// ping is not answered is closed and evicted.
@@ -99,7 +101,7 @@ func NewDialer(cfg DialerConfig) (*Dialer, error) {
 	orDefault(&cfg.PingTimeout, DefaultPingTimeout)
 	orDefault(&cfg.StreamWindow, DefaultStreamWindow)
 	orDefault(&cfg.ConnWindow, DefaultConnWindow)
-	orDefault(&cfg.MaxFrameSize, DefaultMaxFrameSize)
+	orDefault(&cfg.MaxFrameSize, DefaultDialerMaxFrameSize)
 	if cfg.DialContext == nil {
 		cfg.DialContext = (&net.Dialer{}).DialContext
 	}

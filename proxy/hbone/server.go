@@ -23,6 +23,7 @@ const (
 	DefaultStreamWindow         = 4 << 20
 	DefaultConnWindow           = 16 << 20
 	DefaultMaxFrameSize         = 16 << 10
+	DefaultDialerMaxFrameSize   = 256 << 10
 	DefaultPingInterval         = time.Minute
 	DefaultPingTimeout          = 15 * time.Second
 )
@@ -66,7 +67,9 @@ type ServerConfig struct {
 	MaxConcurrentStreams int
 	// StreamWindow and ConnWindow are the receive flow-control windows.
 	StreamWindow, ConnWindow int
-	// MaxFrameSize is SETTINGS_MAX_FRAME_SIZE.
+	// MaxFrameSize is SETTINGS_MAX_FRAME_SIZE: the largest DATA frame a
+	// client may send. net/http's client holds a buffer of this size (at
+	// most 512 KiB) per open stream, idle or not (README.md).
 	MaxFrameSize int
 	// PingInterval and PingTimeout detect dead peers on idle connections.
 	PingInterval, PingTimeout time.Duration

@@ -29,6 +29,54 @@ func Sink(tb testing.TB) netip.AddrPort {
 	})
 }
 
+// Source serves on loopback until the test ends: each connection sends an
+// 8-byte big-endian length n; the source answers n bytes (whole 256 KiB
+// writes, so n is rounded up to a multiple of 256 KiB) and keeps the
+// connection open until the client closes it.
+func Source(tb testing.TB) netip.AddrPort {
+	tb.Helper()
+	chunk := make([]byte, sourceChunk)
+	return Serve(tb, func(c net.Conn) {
+		var n int64
+		if err := binary.Read(c, binary.BigEndian, &n); err != nil {
+			return
+		}
+		for ; n > 0; n -= sourceChunk {
+			if _, err := c.Write(chunk); err != nil {
+				return
+			}
+		}
+		_, _ = io.Copy(io.Discard, c)
+	})
+}
+
+// sourceChunk is the size of Source's writes.
+const sourceChunk = 256 << 10
+
+// Download asks a Source behind c for b.N × 256 KiB, reads all of it and
+// reports MB/s and cpu-ns/B (this process's CPU, as Throughput).
+func Download(b *testing.B, c io.ReadWriter) {
+	b.Helper()
+	total := int64(b.N) * sourceChunk
+	buf := make([]byte, sourceChunk)
+	b.ResetTimer()
+	start, cpu := time.Now(), CPUTime()
+	if err := binary.Write(c, binary.BigEndian, total); err != nil {
+		b.Fatal(err)
+	}
+	for got := int64(0); got < total; {
+		n, err := c.Read(buf[:min(sourceChunk, total-got)])
+		got += int64(n)
+		if err != nil {
+			b.Fatalf("failed after %d of %d bytes: %v", got, total, err)
+		}
+	}
+	el, used := time.Since(start), CPUTime()-cpu
+	b.StopTimer()
+	b.ReportMetric(float64(total)/el.Seconds()/1e6, "MB/s")
+	b.ReportMetric(float64(used.Nanoseconds())/float64(total), "cpu-ns/B")
+}
+
 // Echo serves on loopback until the test ends, echoing each connection until
 // EOF.
 func Echo(tb testing.TB) netip.AddrPort {

@@ -1,0 +1,99 @@
+package hbone
+
+import (
+	"bytes"
+	"io"
+	"net"
+	"testing"
+)
+
+// tcpPair returns the two ends of a loopback TCP connection.
+func tcpPair(t *testing.T) (a, b *net.TCPConn) {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	c, err := net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := l.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close(); _ = s.Close() })
+	return c.(*net.TCPConn), s.(*net.TCPConn)
+}
+
+// counted wraps a socket as the data plane does: SocketConn, counting reads.
+type counted struct {
+	net.Conn
+	read int
+}
+
+func (c *counted) Socket() net.Conn { return c.Conn }
+func (c *counted) SocketRead(n int) { c.read += n }
+
+// embedded wraps a socket without SocketConn: its Read must be kept.
+type embedded struct{ *net.TCPConn }
+
+// TestCopyFromSocket: a socket (and a SocketConn over one) is copied by
+// its raw reads until EOF, every byte observed; another wrapper is left to
+// copyAdaptive's Read; a socket closed under the copy is an error, not EOF.
+func TestCopyFromSocket(t *testing.T) {
+	src := make([]byte, 3<<20+123)
+	for i := range src {
+		src[i] = byte(i * 13)
+	}
+	for _, wrap := range []string{"socket", "SocketConn"} {
+		t.Run(wrap, func(t *testing.T) {
+			w, r := tcpPair(t)
+			go func() {
+				_, _ = w.Write(src)
+				_ = w.CloseWrite()
+			}()
+			var from io.Reader = r
+			c := &counted{Conn: r}
+			if wrap == "SocketConn" {
+				from = c
+			}
+			var got bytes.Buffer
+			done, err := copyFromSocket(&got, from, nil)
+			if !done || err != nil {
+				t.Fatalf("copyFromSocket = (%v, %v), want (true, nil)", done, err)
+			}
+			if !bytes.Equal(got.Bytes(), src) {
+				t.Fatalf("copied %d bytes, differ from the %d sent", got.Len(), len(src))
+			}
+			if wrap == "SocketConn" && c.read != len(src) {
+				t.Fatalf("SocketRead saw %d bytes, want %d", c.read, len(src))
+			}
+		})
+	}
+	t.Run("other wrapper", func(t *testing.T) {
+		_, r := tcpPair(t)
+		if done, err := copyFromSocket(io.Discard, embedded{r}, nil); done || err != nil {
+			t.Fatalf("copyFromSocket = (%v, %v), want (false, nil)", done, err)
+		}
+	})
+	t.Run("closed under the copy", func(t *testing.T) {
+		w, r := tcpPair(t)
+		if _, err := w.Write([]byte("x")); err != nil {
+			t.Fatal(err)
+		}
+		errc := make(chan error, 1)
+		flush := func() error {
+			_ = r.Close() // after the first read: the copy then waits on a closed socket
+			return nil
+		}
+		go func() {
+			_, err := copyFromSocket(io.Discard, r, flush)
+			errc <- err
+		}()
+		if err := <-errc; err == nil {
+			t.Fatal("copy of a socket closed under it ended without an error")
+		}
+	})
+}
