@@ -118,9 +118,8 @@ func (c *Client) retry(ctx context.Context, rpc string, attempts int, call func(
 func (c *Client) AddPod(ctx context.Context, req *cniv1.AddPodRequest) (cniv1.AddPodResponse_Result, error) {
 	var res cniv1.AddPodResponse_Result
 	err := c.retry(ctx, "AddPod", c.opts.Attempts, func(ctx context.Context) error {
-		var r cniv1.AddPodResponse
-		err := c.conn.Invoke(ctx, MethodAddPod, req, &r)
-		res = r.GetResult()
+		r, err := c.callResult(ctx, MethodAddPod, marshalAddPod(req))
+		res = cniv1.AddPodResponse_Result(r)
 		return err
 	})
 	if err != nil && !errors.Is(err, ErrUnavailable) {
@@ -135,9 +134,8 @@ func (c *Client) AddPod(ctx context.Context, req *cniv1.AddPodRequest) (cniv1.Ad
 func (c *Client) RemovePod(ctx context.Context, req *cniv1.RemovePodRequest) (cniv1.RemovePodResponse_Result, error) {
 	var res cniv1.RemovePodResponse_Result
 	err := c.retry(ctx, "RemovePod", c.opts.Attempts, func(ctx context.Context) error {
-		var r cniv1.RemovePodResponse
-		err := c.conn.Invoke(ctx, MethodRemovePod, req, &r)
-		res = r.GetResult()
+		r, err := c.callResult(ctx, MethodRemovePod, marshalRemovePod(req))
+		res = cniv1.RemovePodResponse_Result(r)
 		return err
 	})
 	if err != nil && !errors.Is(err, ErrUnavailable) {
@@ -151,11 +149,26 @@ func (c *Client) RemovePod(ctx context.Context, req *cniv1.RemovePodRequest) (cn
 func (c *Client) ReportAddResult(ctx context.Context, req *cniv1.ReportAddResultRequest) error {
 	ctx, cancel := context.WithTimeout(ctx, c.opts.ReportTimeout)
 	defer cancel()
-	err := c.conn.Invoke(ctx, MethodReportAddResult, req, &cniv1.ReportAddResultResponse{})
+	// The answer is empty; only its status matters.
+	_, err := c.conn.Call(ctx, MethodReportAddResult, marshalReport(req))
 	if err == nil || grpcwire.CodeOf(err) == grpcwire.Unimplemented {
 		return nil
 	}
 	return fmt.Errorf("failed to report add result of %q: %s: %s", req.GetContainerId(), grpcwire.CodeOf(err), grpcwire.MessageOf(err))
+}
+
+// callResult calls method with the encoded request msg and decodes the
+// answer's result field (AddPodResponse and RemovePodResponse).
+func (c *Client) callResult(ctx context.Context, method string, msg []byte) (int32, error) {
+	body, err := c.conn.Call(ctx, method, msg)
+	if err != nil {
+		return 0, err
+	}
+	r, err := resultField(body)
+	if err != nil {
+		return 0, &grpcwire.Status{Code: grpcwire.Internal, Message: "failed to unmarshal response: " + err.Error()}
+	}
+	return r, nil
 }
 
 // GetPod reads the agent's record of a container; ErrNotFound when none.
