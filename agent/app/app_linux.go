@@ -61,6 +61,7 @@ func NewLogger(w *os.File, level string) (*slog.Logger, error) {
 // has returned before the store closes. A part that fails to start stops
 // every part started before it.
 func Run(ctx context.Context, c *Config, log *slog.Logger) error {
+	log.Debug("gc target", "gc_percent", applyGCPercent(c.GCPercent))
 	err := newAgent(c, log).lc.Run(ctx)
 	log.Info("stopped")
 	return err

@@ -51,6 +51,9 @@ type Config struct {
 	OTLPEndpoint     string
 	LogLevel         string
 	Locality         registry.Locality
+	// GCPercent is the Go GC target percentage the agent runs with (as
+	// GOGC; DefaultGCPercent) unless the GOGC environment variable is set.
+	GCPercent int
 	// RemoveNotReadyTaint removes nodegate.TaintKey from this node's Node
 	// once the CNI socket serves and the pod source has synced (Kubernetes
 	// pod source only).
@@ -137,6 +140,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", 10*time.Second, "how long shutdown waits for in-flight RPCs")
 	fs.StringVar(&c.OTLPEndpoint, "otlp-endpoint", "", "OTLP/gRPC collector (host:port) for traces; empty disables export")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
+	fs.IntVar(&c.GCPercent, "gc-percent", DefaultGCPercent, "Go GC target percentage (as GOGC, at least 1); the GOGC environment variable, when set, takes precedence")
 	fs.StringVar(&c.XDSSocket, "xds-socket", SocketDir+"/xds.sock", "unix socket serving workload discovery ("+resource.WorkloadType+", delta and SotW ADS); empty disables it")
 	fs.StringVar(&c.XDSAddress, "xds-address", "", "optional TCP host:port also serving workload discovery; beyond loopback it requires --xds-tls-cert, --xds-tls-key and --xds-client-ca (mutual TLS)")
 	fs.StringVar(&c.XDSTLS.Cert, "xds-tls-cert", "", "PEM certificate chain --xds-address presents (reloaded when the file changes)")
@@ -173,6 +177,9 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	}
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments %q: aether-agent takes flags only", fs.Args())
+	}
+	if c.GCPercent < 1 {
+		return nil, fmt.Errorf("invalid --gc-percent %d: want at least 1", c.GCPercent)
 	}
 	for _, s := range strings.Split(uids, ",") {
 		s = strings.TrimSpace(s)

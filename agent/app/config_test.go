@@ -6,6 +6,7 @@ import (
 	"flag"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"testing"
@@ -24,7 +25,7 @@ func TestParseFlags(t *testing.T) {
 	}
 	if len(c.AllowedUIDs) != 2 || c.AllowedUIDs[1] != 1000 || strings.Join(c.SystemNamespaces, ",") != "a,b" ||
 		c.Locality != (registry.Locality{Region: "r", Zone: "z"}) || c.CNISocket != "/run/aether/agent/cni.sock" || c.NodeName != "n1" ||
-		c.InboundPolicy != "permissive" {
+		c.InboundPolicy != "permissive" || c.GCPercent != DefaultGCPercent {
 		t.Fatalf("config = %+v", c)
 	}
 	for _, tc := range []struct {
@@ -38,6 +39,7 @@ func TestParseFlags(t *testing.T) {
 		{[]string{"extra"}, "unexpected arguments"},
 		{[]string{"--inbound-policy", "mtls"}, `invalid --inbound-policy "mtls": want permissive or strict`},
 		{[]string{"--liveness-interval", "0s"}, "must be positive"},
+		{[]string{"--gc-percent", "0"}, "invalid --gc-percent 0: want at least 1"},
 		{[]string{"--registry=etcd", "--etcd-endpoints", "http://10.0.0.1:2379"}, `endpoint "http://10.0.0.1:2379" is http://`},
 		{[]string{"--registry=etcd", "--etcd-endpoints", "http://10.0.0.1:2379"}, "pass --etcd-insecure"},
 		{[]string{"--registry=etcd", "--etcd-endpoints", "https://10.0.0.1:2379"}, "pass --etcd-insecure"},
@@ -161,4 +163,23 @@ func mkdir(t *testing.T, parent, name string) string {
 		t.Fatal(err)
 	}
 	return d
+}
+
+// TestApplyGCPercent checks --gc-percent sets the GC target and that a
+// GOGC environment variable wins over it.
+func TestApplyGCPercent(t *testing.T) {
+	prev := debug.SetGCPercent(100)
+	t.Cleanup(func() { debug.SetGCPercent(prev) })
+	t.Setenv("GOGC", "")
+	if err := os.Unsetenv("GOGC"); err != nil {
+		t.Fatal(err)
+	}
+	if got := applyGCPercent(250); got != 250 || debug.SetGCPercent(250) != 250 {
+		t.Fatalf("applyGCPercent(250) without GOGC = %d, runtime at %d", got, debug.SetGCPercent(250))
+	}
+	t.Setenv("GOGC", "150")
+	debug.SetGCPercent(150) // what the runtime read from GOGC at start
+	if got := applyGCPercent(400); got != 150 || debug.SetGCPercent(150) != 150 {
+		t.Fatalf("applyGCPercent(400) with GOGC=150 = %d, want the runtime left at 150", got)
+	}
 }

@@ -182,7 +182,8 @@ func ListenerName(containerID string, r Role) string {
 }
 
 // Build returns the pod's listeners, in the order of Roles, each passing
-// ValidateAll.
+// ValidateAll. The listeners share one Metadata message (the pod's
+// identity): they are read-only once built.
 func Build(p Pod) ([]*listenerv3.Listener, error) {
 	if err := p.Validate(); err != nil {
 		return nil, fmt.Errorf("failed to build listeners for pod %s/%s: %w", p.Namespace, p.Name, err)
@@ -192,9 +193,14 @@ func Build(p Pod) ([]*listenerv3.Listener, error) {
 	for i, ip := range p.IPs {
 		ips[i] = ip.String()
 	}
+	// One Metadata for all of the pod's listeners: the agent keeps every
+	// pod's listeners for as long as the pod lives, and a copy per listener
+	// made this pointer-rich map of structpb values most of the heap the
+	// GC marks on each cycle (agent/README.md, 'AddPod cost').
+	meta := podMetadata(p, ips)
 	out := make([]*listenerv3.Listener, 0, len(Roles))
 	for _, r := range Roles {
-		l, err := buildOne(p, ports, r, podMetadata(p, ips))
+		l, err := buildOne(p, ports, r, meta)
 		if err != nil {
 			return nil, err
 		}
@@ -206,10 +212,9 @@ func Build(p Pod) ([]*listenerv3.Listener, error) {
 	return out, nil
 }
 
-// podMetadata returns a new Metadata carrying the pod's identity: built
-// directly for each listener (a proto.Clone of one shared message costs
-// several times more through reflection). ips are the pod's addresses as
-// strings.
+// podMetadata returns a new Metadata carrying the pod's identity, built
+// directly (a reflective proto.Clone costs several times more). ips are
+// the pod's addresses as strings.
 func podMetadata(p Pod, ips []string) *core.Metadata {
 	list := make([]*structpb.Value, len(ips))
 	for i, ip := range ips {
