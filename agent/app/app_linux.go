@@ -61,7 +61,9 @@ func NewLogger(w *os.File, level string) (*slog.Logger, error) {
 // has returned before the store closes. A part that fails to start stops
 // every part started before it.
 func Run(ctx context.Context, c *Config, log *slog.Logger) error {
-	log.Debug("gc target", "gc_percent", applyGCPercent(c.GCPercent))
+	gcPercent := applyGCPercent(c.GCPercent)
+	self, _ := os.ReadFile("/proc/self/cgroup")
+	log.Info("go runtime memory settings", "gc_percent", gcPercent, "memory_limit_bytes", applyMemoryLimit("/sys/fs/cgroup", self))
 	err := newAgent(c, log).lc.Run(ctx)
 	log.Info("stopped")
 	return err

@@ -183,3 +183,69 @@ func TestApplyGCPercent(t *testing.T) {
 		t.Fatalf("applyGCPercent(400) with GOGC=150 = %d, want the runtime left at 150", got)
 	}
 }
+
+// TestCgroupMemoryLimit reads the memory limit of the process's cgroup from
+// cgroup v2 and v1 layouts, at the process's path or the mount's root, and
+// treats "max", v1's huge "unlimited" and missing files as no limit.
+func TestCgroupMemoryLimit(t *testing.T) {
+	write := func(t *testing.T, root, rel, body string) {
+		t.Helper()
+		p := filepath.Join(root, rel)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte(body), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const v2self = "0::/kubepods/pod1/agent\n"
+	const v1self = "12:pids:/x\n4:memory:/kubepods/pod1/agent\n1:name=systemd:/y\n"
+	for _, tc := range []struct {
+		name  string
+		files map[string]string
+		self  string
+		want  int64
+	}{
+		{"v2 at the process's path", map[string]string{"kubepods/pod1/agent/memory.max": "268435456\n", "memory.max": "max\n"}, v2self, 256 << 20},
+		{"v2 at the root (own cgroup namespace)", map[string]string{"memory.max": "134217728\n"}, "0::/\n", 128 << 20},
+		{"v2 unlimited", map[string]string{"kubepods/pod1/agent/memory.max": "max\n"}, v2self, 0},
+		{"v1 at the process's path", map[string]string{"memory/kubepods/pod1/agent/memory.limit_in_bytes": "536870912\n"}, v1self, 512 << 20},
+		{"v1 unlimited", map[string]string{"memory/kubepods/pod1/agent/memory.limit_in_bytes": "9223372036854771712\n"}, v1self, 0},
+		{"no file", nil, v2self, 0},
+		{"garbage", map[string]string{"memory.max": "lots\n"}, "0::/\n", 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			root := t.TempDir()
+			for rel, body := range tc.files {
+				write(t, root, rel, body)
+			}
+			if got := cgroupMemoryLimit(root, []byte(tc.self)); got != tc.want {
+				t.Fatalf("cgroupMemoryLimit = %d, want %d", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestApplyMemoryLimit: with a cgroup limit the runtime's soft limit is set
+// to memoryLimitShare of it; a GOMEMLIMIT environment variable wins.
+func TestApplyMemoryLimit(t *testing.T) {
+	prev := debug.SetMemoryLimit(-1)
+	t.Cleanup(func() { debug.SetMemoryLimit(prev) })
+	root := t.TempDir()
+	if err := os.WriteFile(filepath.Join(root, "memory.max"), []byte("268435456\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("GOMEMLIMIT", "")
+	if err := os.Unsetenv("GOMEMLIMIT"); err != nil {
+		t.Fatal(err)
+	}
+	want := int64(float64(256<<20) * memoryLimitShare)
+	if got := applyMemoryLimit(root, []byte("0::/\n")); got != want || debug.SetMemoryLimit(-1) != want {
+		t.Fatalf("applyMemoryLimit = %d, runtime at %d; want %d", got, debug.SetMemoryLimit(-1), want)
+	}
+	debug.SetMemoryLimit(prev)
+	t.Setenv("GOMEMLIMIT", "1GiB")
+	if got := applyMemoryLimit(root, []byte("0::/\n")); got != 0 || debug.SetMemoryLimit(-1) != prev {
+		t.Fatalf("applyMemoryLimit with GOMEMLIMIT set = %d, runtime at %d; want 0 and the runtime untouched", got, debug.SetMemoryLimit(-1))
+	}
+}
