@@ -47,8 +47,11 @@ const (
 	// (agents of other nodes only while its own agent is alive).
 	phaseLive
 	// phaseTerminating: marked terminating; gone from every other agent
-	// within the bound and never back there; its own agent keeps serving
-	// it until DEL.
+	// within the bound and, once its own agent has seen the mark (its own
+	// xDS serves it UNHEALTHY), never back there; its own agent keeps
+	// serving it until DEL. Before that its agent may still register it
+	// (a lease re-grant racing the pod source's next poll): the agent
+	// cannot skip what it has not seen.
 	phaseTerminating
 	// phaseDeleted: DEL was issued; gone from every agent within the bound
 	// and never back.
@@ -59,6 +62,8 @@ const (
 type podState struct {
 	p     *pod
 	phase phase
+	// marked: its own agent has seen it terminating (served UNHEALTHY).
+	marked bool
 }
 
 // view is one agent's workload discovery as the checker sees it across
@@ -77,8 +82,9 @@ type view struct {
 // (on every response) and at settle points (within a bound):
 //   - a live or terminating pod is never removed from its own agent's xDS,
 //     across restarts: the first response of a restarted agent holds it;
-//   - a deleted pod, or a terminating one on another agent, never comes back
-//     after the agent dropped it;
+//   - a deleted pod, or a terminating one (once its own agent serves it
+//     UNHEALTHY) on another agent, never comes back after the agent dropped
+//     it;
 //   - nothing the test did not add is served;
 //   - within the bound after a change: every live pod is served by every
 //     running agent (a pod of a dead agent by none but its own), every
@@ -193,6 +199,15 @@ func (c *checker) apply(v *view, stream int, up *client.Update) {
 			c.violate("%s serves %s, which the test never added", v.n.name, uid)
 		case v.gone[uid]:
 			c.violate("%s serves %s again (%s) after dropping it", v.n.name, uid, w.GetStatus())
+		case ps.p.node == v.n && ps.phase == phaseTerminating && !ps.marked && w.GetStatus() == workloadpb.WorkloadStatus_UNHEALTHY:
+			// Its own agent has seen the mark: from now on no other agent
+			// may serve it once it dropped it (or while it lacks it).
+			ps.marked = true
+			for _, o := range c.views {
+				if _, held := o.held[uid]; o != v && !held {
+					o.gone[uid] = true
+				}
+			}
 		}
 		v.held[uid] = w.GetStatus()
 	}
@@ -213,7 +228,7 @@ func (c *checker) removed(v *view, uid, how string) {
 	switch {
 	case own && (ps.phase == phaseLive || ps.phase == phaseTerminating):
 		c.violate("%s dropped its own pod %s (%s) before DEL", v.n.name, uid, how)
-	case ps.phase == phaseDeleted || ps.phase == phaseTerminating && !own:
+	case ps.phase == phaseDeleted || ps.phase == phaseTerminating && !own && ps.marked:
 		v.gone[uid] = true
 	case ps.phase == phaseLive && !c.dead[ps.p.node]:
 		c.remoteGaps++
@@ -264,6 +279,9 @@ func (c *checker) unmet() (miss []string, pairs int) {
 				want, check = own || !c.dead[ps.p.node], true
 			case phaseTerminating:
 				want, check = own, !own
+				if own && !ps.marked {
+					miss = append(miss, fmt.Sprintf("%s: its terminating pod %s is not served UNHEALTHY", v.n.name, uid))
+				}
 			case phaseDeleted:
 				want, check = false, true
 			}
