@@ -132,6 +132,12 @@ func FuzzDecode(f *testing.F) {
 	})
 }
 
+// retryBudget bounds the lookups that retry until their context ends. It
+// is long enough that the first answer arrives within it on a loaded
+// machine (the error must carry that answer); the backoff (1–5 ms) makes
+// it many attempts.
+const retryBudget = 300 * time.Millisecond
+
 func TestLookupAgainstAgent(t *testing.T) {
 	a := enivlantest.StartAgent(t)
 	c := spiderpool.New(a.Socket)
@@ -166,7 +172,7 @@ func TestLookupAgainstAgent(t *testing.T) {
 		b := binding()
 		b.Answer = enivlantest.MissingVLAN
 		a.Set(b)
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
+		ctx, cancel := context.WithTimeout(context.Background(), retryBudget)
 		defer cancel()
 		_, err := c.Lookup(ctx, query())
 		var le *spiderpool.LookupError
@@ -188,7 +194,7 @@ func TestLookupAgainstAgent(t *testing.T) {
 			b := binding()
 			b.Answer = tt.ans
 			a.Set(b)
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
+			ctx, cancel := context.WithTimeout(context.Background(), retryBudget)
 			defer cancel()
 			_, err := c.Lookup(ctx, query())
 			var le *spiderpool.LookupError

@@ -553,14 +553,22 @@ func TestBindFailureRetried(t *testing.T) {
 	if err != nil {
 		t.Fatalf("status with a squatted port: %+v", mgr.Status())
 	}
-	// Nothing of the pod stayed bound: the capture port is free.
-	client.NS.MustDo(t, func() error {
-		l, err := net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", listener.DefaultCapturePort))
-		if err != nil {
-			return fmt.Errorf("capture port left bound after a failed start: %w", err)
-		}
-		return l.Close()
-	})
+	// Nothing of the pod stayed bound: the capture port is free between
+	// attempts. A retry (every CheckInterval) holds it while it tries, so
+	// one refused listen is not a leak; one that never succeeds is.
+	var freeErr error
+	if err := proxytest.WaitFor(wctx, func() bool {
+		client.NS.MustDo(t, func() error {
+			l, err := net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", listener.DefaultCapturePort))
+			if freeErr = err; err == nil {
+				return l.Close()
+			}
+			return nil
+		})
+		return freeErr == nil
+	}); err != nil {
+		t.Fatalf("capture port left bound after a failed start: %v", freeErr)
+	}
 	squat.Close()
 	if err := proxytest.WaitFor(wctx, func() bool { return client.ReadyCode(wctx) == 200 }); err != nil {
 		t.Fatalf("pod not serving after the port was freed: %+v", mgr.Status())
