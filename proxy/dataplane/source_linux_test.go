@@ -1,6 +1,7 @@
 package dataplane_test
 
 import (
+	"log/slog"
 	"net/netip"
 	"strconv"
 	"strings"
@@ -16,6 +17,10 @@ import (
 	"aether.io/node/proxy/proxytest"
 	"aether.io/node/proxy/telemetry"
 )
+
+// missingRuleLog starts the proxy's ERROR for a pod whose divert lacks the
+// deliver rule.
+const missingRuleLog = "the capture divert's deliver rule is missing"
 
 // TestInboundSourceTwoNodes: the destination proxy delivers to the app with
 // the client's address as source, over HBONE and the plaintext inbound
@@ -78,6 +83,10 @@ func TestInboundSourceTwoNodes(t *testing.T) {
 		if p, f := source(telemetry.SourcePreserved), source(telemetry.SourceFallback); p != 0 || f != 2 {
 			t.Errorf("inbound source preserved %v, fallback %v; want 0, 2", p, f)
 		}
+		// Two fallbacks (one per family), one ERROR for the pod.
+		if n := b.logs.count(slog.LevelError, missingRuleLog); n != 1 {
+			t.Errorf("%d ERROR records %q for one pod, want 1", n, missingRuleLog)
+		}
 	})
 
 	// aether-cni's ADD reaches the divert step after the proxy bound the pod.
@@ -92,6 +101,9 @@ func TestInboundSourceTwoNodes(t *testing.T) {
 		}
 		if p, f := source(telemetry.SourcePreserved), source(telemetry.SourceFallback); p != 2 || f != 2 {
 			t.Errorf("inbound source preserved %v, fallback %v; want 2, 2", p, f)
+		}
+		if n := b.logs.count(slog.LevelError, missingRuleLog); n != 1 {
+			t.Errorf("%d ERROR records %q after the divert, want still 1", n, missingRuleLog)
 		}
 	})
 

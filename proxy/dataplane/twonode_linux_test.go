@@ -5,9 +5,11 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"log/slog"
 	"net"
 	"net/netip"
 	"os"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -32,9 +34,51 @@ import (
 type nodeProxy struct {
 	mgr     *dataplane.Manager
 	metrics *telemetry.Metrics
+	logs    *logCount
 	// stop ends Run (as SIGTERM does), waits for it and closes the
 	// manager; later calls do nothing.
 	stop func()
+}
+
+// logCount is a slog handler that counts the records at each level and
+// message.
+type logCount struct {
+	mu sync.Mutex
+	n  map[string]int // "LEVEL message"
+}
+
+// Enabled implements slog.Handler: every level is counted.
+func (*logCount) Enabled(context.Context, slog.Level) bool { return true }
+
+// Handle implements slog.Handler.
+func (l *logCount) Handle(_ context.Context, r slog.Record) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.n == nil {
+		l.n = map[string]int{}
+	}
+	l.n[r.Level.String()+" "+r.Message]++
+	return nil
+}
+
+// WithAttrs implements slog.Handler (attributes are not counted).
+func (l *logCount) WithAttrs([]slog.Attr) slog.Handler { return l }
+
+// WithGroup implements slog.Handler.
+func (l *logCount) WithGroup(string) slog.Handler { return l }
+
+// count returns how many records at level had a message starting with
+// prefix.
+func (l *logCount) count(level slog.Level, prefix string) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for k, v := range l.n {
+		if strings.HasPrefix(k, level.String()+" "+prefix) {
+			n += v
+		}
+	}
+	return n
 }
 
 // startNodeProxy runs a manager with its own peers index (filled by
@@ -53,11 +97,11 @@ func startNodeProxy(t *testing.T, ca *hbonetest.CA, fill func(*peers.Index), pod
 		}
 		certs.SetSVID(svid)
 	}
-	n := &nodeProxy{metrics: telemetry.New()}
+	n := &nodeProxy{metrics: telemetry.New(), logs: &logCount{}}
 	idx := peers.NewIndex()
 	fill(idx)
 	var err error
-	n.mgr, err = dataplane.New(dataplane.Config{Certs: certs, ConnectTimeout: 3 * time.Second, ShutdownDrain: time.Second}, idx, n.metrics, nil)
+	n.mgr, err = dataplane.New(dataplane.Config{Certs: certs, ConnectTimeout: 3 * time.Second, ShutdownDrain: time.Second}, idx, n.metrics, slog.New(n.logs))
 	if err != nil {
 		t.Fatal(err)
 	}
