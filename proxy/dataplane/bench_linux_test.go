@@ -171,16 +171,18 @@ func BenchmarkProxyConnect(b *testing.B) {
 // pod's app over the same three TCP hops (app → source side → destination
 // side → app): through both proxies over HBONE (ours) against the bare mTLS
 // relay (peer, relay_linux_test.go: TLS 1.3 with the same SVIDs and cipher
-// suite, 256 KiB copies, no HTTP/2), with a direct connection between the
-// same pods (direct) and the AES-GCM seal + open cost per byte (aes-gcm) in
-// the same run; MB/s and cpu-ns/B of the whole process.
+// suite, 256 KiB copies, no HTTP/2), with the same relay sending the records
+// of each chunk in one write(2) (relay-batched), a direct connection between
+// the same pods (direct) and the AES-GCM seal + open cost per byte (aes-gcm)
+// in the same run; MB/s and cpu-ns/B of the whole process.
 func BenchmarkHBONERelayThroughput(b *testing.B) {
 	e := setupHBONE(b)
 	sink(b, e.server, 9000)
 	dst := netip.AddrPortFrom(e.server.IP4, 9000)
-	r := startRelay(b, e, dst)
+	r := startRelay(b, e, dst, false)
+	rb := startRelay(b, e, dst, true)
 	chunk := make([]byte, 256<<10)
-	for _, mode := range []string{"ours", "peer", "direct", "aes-gcm"} {
+	for _, mode := range []string{"ours", "peer", "relay-batched", "direct", "aes-gcm"} {
 		b.Run(mode, func(b *testing.B) {
 			var c *net.TCPConn
 			var err error
@@ -192,6 +194,8 @@ func BenchmarkHBONERelayThroughput(b *testing.B) {
 				c, err = e.client.Dial(context.Background(), dst)
 			case "peer":
 				c, err = markedDial(context.Background(), e.client, r.Addr)
+			case "relay-batched":
+				c, err = markedDial(context.Background(), e.client, rb.Addr)
 			case "direct":
 				c, err = markedDial(context.Background(), e.client, dst)
 			}

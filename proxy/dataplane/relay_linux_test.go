@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -24,11 +25,13 @@ import (
 // the app's TCP, dials the destination relay in the server pod over TLS 1.3
 // (the pods' SVIDs, the same TLS settings as HBONE) and copies both ways;
 // the destination relay terminates TLS and copies to the app. No HTTP/2,
-// no framing: io.CopyBuffer with 256 KiB buffers each way.
+// no framing: io.CopyBuffer with 256 KiB buffers each way. crypto/tls
+// writes each record (16 KiB) with its own write(2); the batched variant
+// sends the records of one copied chunk with one write(2), as HBONE's
+// record batcher does per HTTP/2 flush.
 const (
-	relaySrcPort = 15010 // source relay, on the client pod's address
-	relayDstPort = 15009 // destination relay, on the server pod's address
-	relayBuf     = 256 << 10
+	relayPort = 15010 // source relay (client pod), destination relay (server pod); +1 batched
+	relayBuf  = 256 << 10
 )
 
 // relay is a running pair of relays; Suite is the cipher suite the last
@@ -86,20 +89,36 @@ func relayTLS(c *tls.Config) *tls.Config {
 }
 
 // startRelay runs the two relays of e: from the client pod to the app at
-// app (in the server pod).
-func startRelay(tb testing.TB, e *hboneEnv, app netip.AddrPort) *relay {
+// app (in the server pod); batched sends the TLS records of each copied
+// chunk with one write(2).
+func startRelay(tb testing.TB, e *hboneEnv, app netip.AddrPort, batched bool) *relay {
 	tb.Helper()
 	clientSVID, _ := e.certs.SVID(podID(e.client))
 	serverSVID, _ := e.certs.SVID(podID(e.server))
 	bundle := e.ca.Bundle()
 	serverCfg := relayTLS(tlsconfig.MTLSServerConfig(serverSVID, bundle, tlsconfig.AuthorizeID(podID(e.client))))
 	clientCfg := relayTLS(tlsconfig.MTLSClientConfig(clientSVID, bundle, tlsconfig.AuthorizeID(podID(e.server))))
-	r := &relay{Addr: netip.AddrPortFrom(e.client.IP4, relaySrcPort), suite: make(chan uint16, 16)}
-	dstAddr := netip.AddrPortFrom(e.server.IP4, relayDstPort)
+	port := uint16(relayPort)
+	if batched {
+		port++
+	}
+	r := &relay{Addr: netip.AddrPortFrom(e.client.IP4, port), suite: make(chan uint16, 16)}
+	dstAddr := netip.AddrPortFrom(e.server.IP4, port)
+	// wrap returns the TLS side's writer: the records of each Write in
+	// one write(2) when batched.
+	wrap := func(raw net.Conn, tlsConn func(net.Conn) *tls.Conn) (*tls.Conn, io.Writer) {
+		if !batched {
+			tc := tlsConn(raw)
+			return tc, onlyWriter{tc}
+		}
+		bc := &batchConn{Conn: raw}
+		tc := tlsConn(bc)
+		return tc, batchWriter{tc, bc}
+	}
 
 	dst := listenIn(tb, e.server, dstAddr)
 	go acceptLoop(dst, func(c net.Conn) {
-		tc := tls.Server(c, serverCfg)
+		tc, tw := wrap(c, func(c net.Conn) *tls.Conn { return tls.Server(c, serverCfg) })
 		if err := tc.HandshakeContext(context.Background()); err != nil {
 			return
 		}
@@ -107,7 +126,7 @@ func startRelay(tb testing.TB, e *hboneEnv, app netip.AddrPort) *relay {
 		if err != nil {
 			return
 		}
-		pipeBoth(tc, up)
+		pipeBoth(tc, up, tw, onlyWriter{up})
 	})
 	src := listenIn(tb, e.client, r.Addr)
 	go acceptLoop(src, func(c net.Conn) {
@@ -115,7 +134,7 @@ func startRelay(tb testing.TB, e *hboneEnv, app netip.AddrPort) *relay {
 		if err != nil {
 			return
 		}
-		tc := tls.Client(raw, clientCfg)
+		tc, tw := wrap(raw, func(c net.Conn) *tls.Conn { return tls.Client(c, clientCfg) })
 		if err := tc.HandshakeContext(context.Background()); err != nil {
 			_ = raw.Close()
 			return
@@ -124,9 +143,52 @@ func startRelay(tb testing.TB, e *hboneEnv, app netip.AddrPort) *relay {
 		case r.suite <- tc.ConnectionState().CipherSuite:
 		default:
 		}
-		pipeBoth(c, tc)
+		pipeBoth(c, tc, onlyWriter{c}, tw)
 	})
 	return r
+}
+
+// batchConn is the TCP connection under a batched relay's tls.Conn: while
+// a batch is open (one Write of the tls.Conn by batchWriter) it collects
+// the records; otherwise (handshake, alerts) writes pass through.
+type batchConn struct {
+	net.Conn
+	mu  sync.Mutex
+	on  bool
+	buf []byte
+}
+
+func (c *batchConn) Write(p []byte) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.on {
+		return c.Conn.Write(p)
+	}
+	c.buf = append(c.buf, p...)
+	return len(p), nil
+}
+
+// batchWriter writes to a tls.Conn over a batchConn: one write(2) per Write.
+type batchWriter struct {
+	tc *tls.Conn
+	bc *batchConn
+}
+
+func (w batchWriter) Write(p []byte) (int, error) {
+	w.bc.mu.Lock()
+	w.bc.on = true
+	w.bc.mu.Unlock()
+	n, err := w.tc.Write(p)
+	w.bc.mu.Lock()
+	defer w.bc.mu.Unlock()
+	w.bc.on = false
+	if len(w.bc.buf) > 0 {
+		if _, werr := w.bc.Conn.Write(w.bc.buf); err == nil {
+			err = werr
+		}
+		w.bc.buf = w.bc.buf[:0]
+	}
+	return n, err
 }
 
 // acceptLoop serves every connection of ln on its own goroutine and closes
@@ -151,12 +213,13 @@ type (
 	onlyWriter struct{ io.Writer }
 )
 
-// pipeBoth copies a → b and b → a with 256 KiB buffers, passing each EOF
-// on as a half-close, and closes both when both directions are done.
-func pipeBoth(a, b net.Conn) {
+// pipeBoth copies a → b (written through wb) and b → a (through wa) with
+// 256 KiB buffers, passing each EOF on as a half-close, and closes both
+// when both directions are done.
+func pipeBoth(a, b net.Conn, wa, wb io.Writer) {
 	done := make(chan struct{})
-	one := func(dst, src net.Conn) {
-		_, err := io.CopyBuffer(onlyWriter{dst}, onlyReader{src}, make([]byte, relayBuf))
+	one := func(dst net.Conn, w io.Writer, src net.Conn) {
+		_, err := io.CopyBuffer(w, onlyReader{src}, make([]byte, relayBuf))
 		if err == nil {
 			if cw, ok := dst.(interface{ CloseWrite() error }); ok {
 				_ = cw.CloseWrite()
@@ -167,8 +230,8 @@ func pipeBoth(a, b net.Conn) {
 		}
 		done <- struct{}{}
 	}
-	go one(b, a)
-	go one(a, b)
+	go one(b, wb, a)
+	go one(a, wa, b)
 	<-done
 	<-done
 	_ = a.Close()
@@ -205,8 +268,16 @@ func hboneSuite(tb testing.TB, e *hboneEnv) uint16 {
 func TestRelay(t *testing.T) {
 	e := setupHBONE(t)
 	srv := e.server.Serve(t, 9000)
-	r := startRelay(t, e, netip.AddrPortFrom(e.server.IP4, 9000))
 	want := hboneSuite(t, e)
+	t.Logf("cipher suite %s", tls.CipherSuiteName(want))
+	for _, batched := range []bool{false, true} {
+		t.Run(map[bool]string{false: "bare", true: "batched"}[batched], func(t *testing.T) {
+			testRelay(t, e, srv, startRelay(t, e, netip.AddrPortFrom(e.server.IP4, 9000), batched), want)
+		})
+	}
+}
+
+func testRelay(t *testing.T, e *hboneEnv, srv *proxytest.Server, r *relay, want uint16) {
 	ctx := ctx10(t)
 	c, err := markedDial(ctx, e.client, r.Addr)
 	if err != nil {
@@ -233,5 +304,4 @@ func TestRelay(t *testing.T) {
 	if got := <-r.suite; got != want {
 		t.Fatalf("relay negotiated %s, HBONE %s", tls.CipherSuiteName(got), tls.CipherSuiteName(want))
 	}
-	t.Logf("cipher suite %s", tls.CipherSuiteName(want))
 }
