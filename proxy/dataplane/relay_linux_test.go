@@ -66,21 +66,6 @@ func markedDial(ctx context.Context, p *proxytest.Pod, dst netip.AddrPort) (*net
 	return c.(*net.TCPConn), nil
 }
 
-// listenIn listens on addr inside p; the listener closes with the test.
-func listenIn(tb testing.TB, p *proxytest.Pod, addr netip.AddrPort) net.Listener {
-	tb.Helper()
-	var ln net.Listener
-	if err := p.NS.Do(func() error {
-		var err error
-		ln, err = net.Listen("tcp", addr.String())
-		return err
-	}); err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { _ = ln.Close() })
-	return ln
-}
-
 // relayTLS is HBONE's TLS: TLS 1.3 only, ALPN h2, SPIFFE mTLS.
 func relayTLS(c *tls.Config) *tls.Config {
 	c.MinVersion = tls.VersionTLS13
@@ -116,8 +101,7 @@ func startRelay(tb testing.TB, e *hboneEnv, app netip.AddrPort, batched bool) *r
 		return tc, batchWriter{tc, bc}
 	}
 
-	dst := listenIn(tb, e.server, dstAddr)
-	go acceptLoop(dst, func(c net.Conn) {
+	e.server.Handle(tb, port, func(c net.Conn) {
 		tc, tw := wrap(c, func(c net.Conn) *tls.Conn { return tls.Server(c, serverCfg) })
 		if err := tc.HandshakeContext(context.Background()); err != nil {
 			return
@@ -128,8 +112,7 @@ func startRelay(tb testing.TB, e *hboneEnv, app netip.AddrPort, batched bool) *r
 		}
 		pipeBoth(tc, up, tw, onlyWriter{up})
 	})
-	src := listenIn(tb, e.client, r.Addr)
-	go acceptLoop(src, func(c net.Conn) {
+	e.client.Handle(tb, port, func(c net.Conn) {
 		raw, err := markedDial(context.Background(), e.client, dstAddr)
 		if err != nil {
 			return
@@ -189,21 +172,6 @@ func (w batchWriter) Write(p []byte) (int, error) {
 		w.bc.buf = w.bc.buf[:0]
 	}
 	return n, err
-}
-
-// acceptLoop serves every connection of ln on its own goroutine and closes
-// it afterwards, until ln closes.
-func acceptLoop(ln net.Listener, serve func(net.Conn)) {
-	for {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		go func() {
-			defer func() { _ = c.Close() }()
-			serve(c)
-		}()
-	}
 }
 
 // onlyReader and onlyWriter hide ReaderFrom / WriterTo, so that
