@@ -493,7 +493,9 @@ func (t *streamPair) pipe(tc *telemetry.Conn) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		if _, err := io.Copy(countWriter{t.up, tc.Received, &t.act}, t.down); err != nil {
+		// Large raw reads of the client's socket, no buffer while idle:
+		// each Write of the stream costs net/http one hand-off.
+		if err := hbone.Copy(countWriter{t.up, tc.Received, &t.act}, t.down); err != nil {
 			t.abort()
 			return
 		}

@@ -32,6 +32,16 @@ const (
 
 var largeBufs = sync.Pool{New: func() any { b := make([]byte, largeBuf); return &b }}
 
+// Copy copies src to dst until src's EOF (nil) or an error, as the server
+// copies an upstream into a stream: a *net.TCPConn or *net.UnixConn src (or
+// a SocketConn over one) is read, on Linux, in reads of up to 256 KiB into a
+// pooled buffer taken only while data is there, so an idle copy holds no
+// buffer; any other src through a 2 KiB buffer that grows to 32 KiB while
+// busy. Copy into a Stream with it: net/http's request writer takes each
+// Write frame by frame with one goroutine hand-off per Write, so large
+// writes cost less per byte than io.Copy's 32 KiB ones.
+func Copy(dst io.Writer, src io.Reader) error { return copyAdaptive(dst, src, nil) }
+
 // copyAdaptive copies src to dst until src's EOF (nil) or an error, calling
 // flush after every write when it is not nil. A socket src is read by
 // copyFromSocket (Linux): large reads, no buffer held while idle.
