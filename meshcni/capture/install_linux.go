@@ -50,17 +50,18 @@ func InstallFd(fd int, r Ruleset) error {
 
 // installNFT makes the namespace's capture table exactly r, in one
 // nftables batch (atomic). A retried ADD finds the table from the first
-// attempt. When the stamp of its first rule (stamp_linux.go) holds r's
-// digest and the current generation, the table is r and nothing is read
-// further or written. Otherwise, unless the stamp's generation is the
-// current one (the table then is the other ruleset the stamp names), its
-// rules are read back and compared with r; a table that is r is left as it
-// is, any other is rewritten in place (rules flushed and re-added, chains
-// kept). Every write stamps the first rule with r's digest and the
-// generation its commit produces. Deleting the table or a base chain is
-// avoided unless a base chain's hook, type or priority changed; a commit
-// that removes anything (also a flush) makes the release of the netfilter
-// socket wait for an RCU grace period (see meshcni/README.md).
+// attempt. When a stamp on its rules (stamp_linux.go) holds r's digest and
+// the current generation, the table is r: nothing is read further or
+// written. Otherwise the table is read back and compared with r: a table
+// that is r is left as it is; one that lacks rules or chains of r but has
+// nothing r lacks gets the missing ones inserted in place; any other is
+// rewritten in place (rules flushed and re-added, chains kept). A commit
+// that removes anything, a rule included, makes the release of the
+// netfilter socket wait for an RCU grace period (meshcni/README.md), which
+// the first three cases never pay; the table or a base chain is deleted
+// only when a base chain's hook, type or priority changed. Every write
+// stamps its first new rule with r's digest and the generation its commit
+// produces.
 func installNFT(fd int, r Ruleset) error {
 	digest, err := digestOf(r)
 	if err != nil {
@@ -79,45 +80,147 @@ func installNFT(fd int, r Ruleset) error {
 	if err != nil {
 		return err
 	}
+	if present {
+		// A stamp that cannot be read is no stamp: the comparison decides.
+		stamps, _ := q.stamps()
+		if slices.Contains(stamps, stamp{digest: digest, gen: gen}) {
+			return nil
+		}
+	}
 	c, err := nftables.New(nftables.WithNetNSFd(fd), nftables.AsLasting())
 	if err != nil {
 		return fmt.Errorf("failed to open nftables in netns: %w", err)
 	}
 	defer c.CloseLasting()
 	t := &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
-	if present {
-		// A stamp that cannot be read is no stamp: the comparison decides.
-		s, stamped, _ := q.stamp(r.Chains[0].Name)
-		current := stamped && s.gen == gen
-		if current && s.digest == digest {
-			return nil
-		}
-		chains, err := tableChains(c)
-		if err != nil {
-			return err
-		}
-		if !current && verifyChains(c, t, chains, r) == nil {
-			return nil
-		}
-		replaceInPlace(c, t, chains, r)
-	} else {
+	ud := stamp{digest: digest, gen: nextGen(gen)}.userData()
+	if !present {
 		c.AddTable(t)
 		for _, ch := range r.Chains {
 			c.AddChain(newChain(t, ch))
 		}
+		addRules(c, t, r, ud)
+		return flush(c)
 	}
-	// Rules last: they jump to chains declared anywhere in the table.
-	ud := stamp{digest: digest, gen: nextGen(gen)}.userData()
+	chains, err := tableChains(c)
+	if err != nil {
+		return err
+	}
+	rules, err := chainRules(c, t, chains)
+	if err != nil {
+		return err
+	}
+	if ins, ok := insertions(chains, rules, r); ok {
+		if len(ins.chains) == 0 && len(ins.rules) == 0 {
+			return nil
+		}
+		for _, ch := range ins.chains {
+			c.AddChain(newChain(t, ch))
+		}
+		for _, in := range ins.rules {
+			in.UserData, ud = ud, nil
+			if in.Position != 0 {
+				c.InsertRule(in)
+			} else {
+				c.AddRule(in)
+			}
+		}
+		return flush(c)
+	}
+	replaceInPlace(c, t, chains, r)
+	addRules(c, t, r, ud)
+	return flush(c)
+}
+
+// addRules queues every rule of r, in order, the first one stamped with ud.
+// Rules go after every chain: they jump to chains declared anywhere in the
+// table.
+func addRules(c *nftables.Conn, t *nftables.Table, r Ruleset, ud []byte) {
 	for _, ch := range r.Chains {
 		for _, rl := range ch.Rules {
 			c.AddRule(&nftables.Rule{Table: t, Chain: &nftables.Chain{Name: ch.Name, Table: t}, Exprs: rl.Exprs, UserData: ud})
 			ud = nil
 		}
 	}
+}
+
+// flush sends the queued batch.
+func flush(c *nftables.Conn) error {
 	if err := c.Flush(); err != nil {
 		return fmt.Errorf("failed to install nftables table %q: %w", TableName, err)
 	}
 	return nil
+}
+
+// chainRules lists the rules of each of chains, by chain name.
+func chainRules(c *nftables.Conn, t *nftables.Table, chains map[string]*nftables.Chain) (map[string][]*nftables.Rule, error) {
+	out := make(map[string][]*nftables.Rule, len(chains))
+	for name, ch := range chains {
+		rules, err := c.GetRules(t, ch)
+		if err != nil {
+			return nil, fmt.Errorf("failed to list rules of chain %q: %w", name, err)
+		}
+		out[name] = rules
+	}
+	return out, nil
+}
+
+// insertion is what turns a table into r without removing anything: chains
+// to add, then rules to add, each at the end of its chain (Position 0) or
+// before the rule whose handle is Position.
+type insertion struct {
+	chains []Chain
+	rules  []*nftables.Rule
+}
+
+// insertions computes the insertion that turns the table holding chains
+// (with rules) into r. ok is false when there is none: a chain r lacks or
+// declares differently, or a rule that is not, in order, one of r's.
+func insertions(chains map[string]*nftables.Chain, rules map[string][]*nftables.Rule, r Ruleset) (insertion, bool) {
+	var ins insertion
+	want := map[string]Chain{}
+	for _, ch := range r.Chains {
+		want[ch.Name] = ch
+	}
+	for name, got := range chains {
+		if ch, ok := want[name]; !ok || !sameBase(ch, got) {
+			return insertion{}, false
+		}
+	}
+	for _, ch := range r.Chains {
+		nch := &nftables.Chain{Name: ch.Name, Table: &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}}
+		have := rules[ch.Name]
+		if _, ok := chains[ch.Name]; !ok {
+			ins.chains = append(ins.chains, ch)
+		}
+		// Match the rules there, in order, to r's (the leftmost match
+		// decides whether they are a subsequence); each unmatched rule of
+		// r goes before the next matched one, or at the end.
+		matched := make([]int, 0, len(have))
+		i := 0
+		for j, rl := range ch.Rules {
+			if i < len(have) && sameExprs(rl.Exprs, have[i].Exprs) {
+				matched = append(matched, j)
+				i++
+			}
+		}
+		if i < len(have) {
+			return insertion{}, false
+		}
+		next := 0
+		for j, rl := range ch.Rules {
+			if next < len(matched) && matched[next] == j {
+				next++
+				continue
+			}
+			var pos uint64
+			if next < len(have) {
+				pos = have[next].Handle
+			}
+			ins.rules = append(ins.rules, &nftables.Rule{Table: nch.Table, Chain: nch, Exprs: rl.Exprs, Position: pos})
+		}
+	}
+	return ins, true
 }
 
 // newChain is the nftables chain of ch in t.

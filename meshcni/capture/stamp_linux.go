@@ -11,15 +11,18 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The stamp lets a retried ADD see, in two small netlink requests, that the
-// namespace still holds exactly the ruleset it wants: the first rule of the
-// table carries, in its userdata, a digest of the ruleset it was written
-// with and the nftables generation that write's commit produced. The
+// The stamp lets a retried ADD see, in three small netlink requests, that
+// the namespace still holds exactly the ruleset it wants: a rule of the
+// table (the first one after a whole write, the first inserted one after an
+// insertion) carries, in its userdata, a digest of the ruleset the write
+// made and the nftables generation that write's commit produced. The
 // generation (NFT_MSG_GETGEN) moves with every commit in the namespace, so
 // a stamp whose generation is the current one proves that nothing, neither
 // another configuration nor a rule changed by hand, was committed since our
-// write; its digest then says which ruleset the table holds. Any other case
-// falls back to reading the table back and comparing it rule by rule.
+// write; its digest then says which ruleset the table holds. Stamps of
+// earlier writes may stay on other rules: their generation is never the
+// current one. Any other case falls back to reading the table back and
+// comparing it rule by rule.
 
 // stampType is the userdata TLV type of the stamp. nft prints only a rule's
 // comment (type 0) and skips other types, so the stamp never shows in
@@ -105,7 +108,7 @@ func digestOf(r Ruleset) ([16]byte, error) {
 
 // nftQuery is a netfilter netlink socket in the pod namespace for the
 // requests google/nftables does not make (the generation) or makes with
-// more work than needed (the first rule's userdata only).
+// more work than needed (the rules' userdata only).
 type nftQuery struct {
 	c *netlink.Conn
 }
@@ -182,30 +185,34 @@ func (q *nftQuery) hasTable() (bool, error) {
 	return true, nil
 }
 
-// stamp returns the stamp of the first rule of chain, if it has one.
-func (q *nftQuery) stamp(chain string) (stamp, bool, error) {
+// stamps returns the stamps found on the rules of the capture table (one
+// dump of the table's rules; only their userdata is decoded).
+func (q *nftQuery) stamps() ([]stamp, error) {
 	req, err := request(unix.NFT_MSG_GETRULE, unix.NFPROTO_INET, netlink.Dump,
-		netlink.Attribute{Type: unix.NFTA_RULE_TABLE, Data: []byte(TableName + "\x00")},
-		netlink.Attribute{Type: unix.NFTA_RULE_CHAIN, Data: []byte(chain + "\x00")})
+		netlink.Attribute{Type: unix.NFTA_RULE_TABLE, Data: []byte(TableName + "\x00")})
 	if err != nil {
-		return stamp{}, false, err
+		return nil, err
 	}
 	msgs, err := q.c.Execute(req)
 	if err != nil {
-		return stamp{}, false, fmt.Errorf("failed to list rules of chain %q: %w", chain, err)
+		return nil, fmt.Errorf("failed to list rules of table %q: %w", TableName, err)
 	}
-	if len(msgs) == 0 || len(msgs[0].Data) < 4 {
-		return stamp{}, false, nil
-	}
-	ad, err := netlink.NewAttributeDecoder(msgs[0].Data[4:])
-	if err != nil {
-		return stamp{}, false, fmt.Errorf("failed to decode a rule of chain %q: %w", chain, err)
-	}
-	for ad.Next() {
-		if ad.Type() == unix.NFTA_RULE_USERDATA {
-			s, ok := parseStamp(ad.Bytes())
-			return s, ok, nil
+	var out []stamp
+	for _, m := range msgs {
+		if len(m.Data) < 4 {
+			continue
+		}
+		ad, err := netlink.NewAttributeDecoder(m.Data[4:])
+		if err != nil {
+			return nil, fmt.Errorf("failed to decode a rule of table %q: %w", TableName, err)
+		}
+		for ad.Next() {
+			if ad.Type() == unix.NFTA_RULE_USERDATA {
+				if s, ok := parseStamp(ad.Bytes()); ok {
+					out = append(out, s)
+				}
+			}
 		}
 	}
-	return stamp{}, false, nil
+	return out, nil
 }
