@@ -91,7 +91,9 @@ func installNFT(fd int, r Ruleset) error {
 	if err != nil {
 		return fmt.Errorf("failed to open nftables in netns: %w", err)
 	}
-	defer c.CloseLasting()
+	// Closing waits for an RCU grace period after a commit that removed
+	// anything (see above); a close error leaves nothing to act on.
+	defer func() { _ = c.CloseLasting() }()
 	t := &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
 	ud := stamp{digest: digest, gen: nextGen(gen)}.userData()
 	if !present {

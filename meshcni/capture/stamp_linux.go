@@ -122,8 +122,8 @@ func dialQuery(fd int) (*nftQuery, error) {
 	return &nftQuery{c: c}, nil
 }
 
-// Close closes the socket.
-func (q *nftQuery) Close() error { return q.c.Close() }
+// Close closes the socket; an error closing it leaves nothing to act on.
+func (q *nftQuery) Close() { _ = q.c.Close() }
 
 // request is an nftables request of type msg for family fam with attrs.
 func request(msg uint16, fam byte, flags netlink.HeaderFlags, attrs ...netlink.Attribute) (netlink.Message, error) {

@@ -9,15 +9,21 @@ import (
 	"aether.io/node/test/harness"
 )
 
-// genOf reads the nftables generation of pod's namespace.
-func genOf(t *testing.T, pod *harness.NS) uint32 {
+// query opens a netfilter socket in pod's namespace, closed at cleanup.
+func query(t *testing.T, pod *harness.NS) *nftQuery {
 	t.Helper()
 	q, err := dialQuery(int(pod.Fd()))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer q.Close()
-	g, err := q.gen()
+	t.Cleanup(q.Close)
+	return q
+}
+
+// genOf reads the nftables generation of pod's namespace.
+func genOf(t *testing.T, pod *harness.NS) uint32 {
+	t.Helper()
+	g, err := query(t, pod).gen()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -54,12 +60,7 @@ func handles(t *testing.T, pod *harness.NS) []uint64 {
 // current generation (the next retry with r then reads nothing else).
 func stamped(t *testing.T, pod *harness.NS, r Ruleset) bool {
 	t.Helper()
-	q, err := dialQuery(int(pod.Fd()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer q.Close()
-	stamps, err := q.stamps()
+	stamps, err := query(t, pod).stamps()
 	if err != nil {
 		t.Fatal(err)
 	}
