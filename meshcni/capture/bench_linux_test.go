@@ -40,14 +40,22 @@ func BenchmarkCaptureInstall(b *testing.B) {
 	})
 	// A retried ADD (issue: replacing must cost no more than a fresh
 	// install): the namespace already holds the divert of the first attempt,
-	// the same one or one of another configuration.
+	// the same one or one of another configuration: one with an exclusion
+	// fewer (the retry inserts a rule) or one more (the retry removes one,
+	// and the release of the nftables socket then waits for an RCU grace
+	// period: see meshcni/README.md).
 	other := capture.Build(capture.Config{RedirectAll: true, ExcludePorts: []uint16{22}})
+	more := capture.Build(capture.Config{RedirectAll: true, ExcludePorts: []uint16{22, 3306, 5432}})
 	b.Run("ours_retry_same", func(b *testing.B) {
 		runPrepared(b, func(ns *harness.FdNS) error { return capture.InstallFd(ns.Fd, rs) },
 			func(ns *harness.FdNS) error { return capture.InstallFd(ns.Fd, rs) })
 	})
 	b.Run("ours_retry_changed", func(b *testing.B) {
 		runPrepared(b, func(ns *harness.FdNS) error { return capture.InstallFd(ns.Fd, other) },
+			func(ns *harness.FdNS) error { return capture.InstallFd(ns.Fd, rs) })
+	})
+	b.Run("ours_retry_removing", func(b *testing.B) {
+		runPrepared(b, func(ns *harness.FdNS) error { return capture.InstallFd(ns.Fd, more) },
 			func(ns *harness.FdNS) error { return capture.InstallFd(ns.Fd, rs) })
 	})
 	b.Run("peer", func(b *testing.B) {

@@ -30,7 +30,8 @@ func TestMain(m *testing.M) { harness.Main(m) }
 
 // TestInstallReplacesInPlace: a retried ADD whose configuration changed
 // (every ordered pair of golden configurations) leaves exactly the new
-// ruleset in the kernel, as a fresh install would, also when someone added
+// ruleset in the kernel, as a fresh install would, whether the retry only
+// inserts rules and chains or rewrites the table, also when someone added
 // a chain to our table meanwhile.
 func TestInstallReplacesInPlace(t *testing.T) {
 	if _, err := exec.LookPath("nft"); err != nil {
@@ -41,36 +42,45 @@ func TestInstallReplacesInPlace(t *testing.T) {
 			if from == to {
 				continue
 			}
-			t.Run(from+"->"+to, func(t *testing.T) {
-				pod := harness.NewNS(t, "repl")
-				inst := capture.Installer{}
-				if err := inst.Install(pod.Path(), capture.Build(fromCfg)); err != nil {
-					t.Fatal(err)
+			for _, stray := range []bool{false, true} {
+				name := from + "->" + to
+				if stray {
+					name += "+stray"
 				}
-				pod.MustDo(t, func() error {
-					out, err := exec.Command("nft", "add", "chain", "inet", capture.TableName, "stray").CombinedOutput()
-					if err != nil {
-						return fmt.Errorf("nft add chain: %w: %s", err, out)
+				t.Run(name, func(t *testing.T) {
+					pod := harness.NewNS(t, "repl")
+					inst := capture.Installer{}
+					if err := inst.Install(pod.Path(), capture.Build(fromCfg)); err != nil {
+						t.Fatal(err)
 					}
-					return nil
+					pod.MustDo(t, func() error {
+						if !stray {
+							return nil
+						}
+						out, err := exec.Command("nft", "add", "chain", "inet", capture.TableName, "stray").CombinedOutput()
+						if err != nil {
+							return fmt.Errorf("nft add chain: %w: %s", err, out)
+						}
+						return nil
+					})
+					rs := capture.Build(toCfg)
+					if err := inst.Install(pod.Path(), rs); err != nil {
+						t.Fatal(err)
+					}
+					if err := inst.Verify(pod.Path(), rs); err != nil {
+						t.Fatalf("Verify after the replacement: %v", err)
+					}
+					var out []byte
+					pod.MustDo(t, func() error {
+						var err error
+						out, err = exec.Command("nft", "list", "table", "inet", capture.TableName).CombinedOutput()
+						return err
+					})
+					if want := goldenTable(t, to); string(out) != want {
+						t.Fatalf("kernel ruleset after %s differs from golden %s:\n--- nft list\n%s--- golden\n%s", name, to, out, want)
+					}
 				})
-				rs := capture.Build(toCfg)
-				if err := inst.Install(pod.Path(), rs); err != nil {
-					t.Fatal(err)
-				}
-				if err := inst.Verify(pod.Path(), rs); err != nil {
-					t.Fatalf("Verify after the replacement: %v", err)
-				}
-				var out []byte
-				pod.MustDo(t, func() error {
-					var err error
-					out, err = exec.Command("nft", "list", "table", "inet", capture.TableName).CombinedOutput()
-					return err
-				})
-				if want := goldenTable(t, to); string(out) != want {
-					t.Fatalf("kernel ruleset after %s -> %s differs from golden %s:\n--- nft list\n%s--- golden\n%s", from, to, to, out, want)
-				}
-			})
+			}
 		}
 	}
 }

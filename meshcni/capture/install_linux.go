@@ -50,46 +50,179 @@ func InstallFd(fd int, r Ruleset) error {
 
 // installNFT makes the namespace's capture table exactly r, in one
 // nftables batch (atomic). A retried ADD finds the table from the first
-// attempt: when it already is r nothing is written; otherwise it is
-// rewritten in place (rules flushed and re-added, chains kept). Deleting
-// the table or a base chain makes the commit wait for an RCU grace period
-// (5-25 ms here, against well under 1 ms for a whole fresh install), so
-// that happens only for a base chain whose hook, type or priority changed.
+// attempt. When a stamp on its rules (stamp_linux.go) holds r's digest and
+// the current generation, the table is r: nothing is read further or
+// written. Otherwise the table is read back and compared with r: a table
+// that is r is left as it is; one that lacks rules or chains of r but has
+// nothing r lacks gets the missing ones inserted in place; any other is
+// rewritten in place (rules flushed and re-added, chains kept). A commit
+// that removes anything, a rule included, makes the release of the
+// netfilter socket wait for an RCU grace period (meshcni/README.md), which
+// the first three cases never pay; the table or a base chain is deleted
+// only when a base chain's hook, type or priority changed. Every write
+// stamps its first new rule with r's digest and the generation its commit
+// produces.
 func installNFT(fd int, r Ruleset) error {
-	c, err := nftables.New(nftables.WithNetNSFd(fd))
+	digest, err := digestOf(r)
+	if err != nil {
+		return err
+	}
+	q, err := dialQuery(fd)
+	if err != nil {
+		return err
+	}
+	defer q.Close()
+	gen, err := q.gen()
+	if err != nil {
+		return err
+	}
+	present, err := q.hasTable()
+	if err != nil {
+		return err
+	}
+	if present {
+		// A stamp that cannot be read is no stamp: the comparison decides.
+		stamps, _ := q.stamps()
+		if slices.Contains(stamps, stamp{digest: digest, gen: gen}) {
+			return nil
+		}
+	}
+	c, err := nftables.New(nftables.WithNetNSFd(fd), nftables.AsLasting())
 	if err != nil {
 		return fmt.Errorf("failed to open nftables in netns: %w", err)
 	}
+	// Closing waits for an RCU grace period after a commit that removed
+	// anything (see above); a close error leaves nothing to act on.
+	defer func() { _ = c.CloseLasting() }()
 	t := &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
-	existing, err := c.ListTableOfFamily(TableName, nftables.TableFamilyINet)
-	switch {
-	case err == nil:
-		chains, err := tableChains(c)
-		if err != nil {
-			return err
-		}
-		if verifyChains(c, existing, chains, r) == nil {
-			return nil
-		}
-		replaceInPlace(c, t, chains, r)
-	case errors.Is(err, unix.ENOENT):
+	ud := stamp{digest: digest, gen: nextGen(gen)}.userData()
+	if !present {
 		c.AddTable(t)
 		for _, ch := range r.Chains {
 			c.AddChain(newChain(t, ch))
 		}
-	default:
-		return fmt.Errorf("failed to look up table %q: %w", TableName, err)
+		addRules(c, t, r, ud)
+		return flush(c)
 	}
-	// Rules last: they jump to chains declared anywhere in the table.
+	chains, err := tableChains(c)
+	if err != nil {
+		return err
+	}
+	rules, err := chainRules(c, t, chains)
+	if err != nil {
+		return err
+	}
+	if ins, ok := insertions(chains, rules, r); ok {
+		if len(ins.chains) == 0 && len(ins.rules) == 0 {
+			return nil
+		}
+		for _, ch := range ins.chains {
+			c.AddChain(newChain(t, ch))
+		}
+		for _, in := range ins.rules {
+			in.UserData, ud = ud, nil
+			if in.Position != 0 {
+				c.InsertRule(in)
+			} else {
+				c.AddRule(in)
+			}
+		}
+		return flush(c)
+	}
+	replaceInPlace(c, t, chains, r)
+	addRules(c, t, r, ud)
+	return flush(c)
+}
+
+// addRules queues every rule of r, in order, the first one stamped with ud.
+// Rules go after every chain: they jump to chains declared anywhere in the
+// table.
+func addRules(c *nftables.Conn, t *nftables.Table, r Ruleset, ud []byte) {
 	for _, ch := range r.Chains {
 		for _, rl := range ch.Rules {
-			c.AddRule(&nftables.Rule{Table: t, Chain: &nftables.Chain{Name: ch.Name, Table: t}, Exprs: rl.Exprs})
+			c.AddRule(&nftables.Rule{Table: t, Chain: &nftables.Chain{Name: ch.Name, Table: t}, Exprs: rl.Exprs, UserData: ud})
+			ud = nil
 		}
 	}
+}
+
+// flush sends the queued batch.
+func flush(c *nftables.Conn) error {
 	if err := c.Flush(); err != nil {
 		return fmt.Errorf("failed to install nftables table %q: %w", TableName, err)
 	}
 	return nil
+}
+
+// chainRules lists the rules of each of chains, by chain name.
+func chainRules(c *nftables.Conn, t *nftables.Table, chains map[string]*nftables.Chain) (map[string][]*nftables.Rule, error) {
+	out := make(map[string][]*nftables.Rule, len(chains))
+	for name, ch := range chains {
+		rules, err := c.GetRules(t, ch)
+		if err != nil {
+			return nil, fmt.Errorf("failed to list rules of chain %q: %w", name, err)
+		}
+		out[name] = rules
+	}
+	return out, nil
+}
+
+// insertion is what turns a table into r without removing anything: chains
+// to add, then rules to add, each at the end of its chain (Position 0) or
+// before the rule whose handle is Position.
+type insertion struct {
+	chains []Chain
+	rules  []*nftables.Rule
+}
+
+// insertions computes the insertion that turns the table holding chains
+// (with rules) into r. ok is false when there is none: a chain r lacks or
+// declares differently, or a rule that is not, in order, one of r's.
+func insertions(chains map[string]*nftables.Chain, rules map[string][]*nftables.Rule, r Ruleset) (insertion, bool) {
+	var ins insertion
+	want := map[string]Chain{}
+	for _, ch := range r.Chains {
+		want[ch.Name] = ch
+	}
+	for name, got := range chains {
+		if ch, ok := want[name]; !ok || !sameBase(ch, got) {
+			return insertion{}, false
+		}
+	}
+	for _, ch := range r.Chains {
+		nch := &nftables.Chain{Name: ch.Name, Table: &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}}
+		have := rules[ch.Name]
+		if _, ok := chains[ch.Name]; !ok {
+			ins.chains = append(ins.chains, ch)
+		}
+		// Match the rules there, in order, to r's (the leftmost match
+		// decides whether they are a subsequence); each unmatched rule of
+		// r goes before the next matched one, or at the end.
+		matched := make([]int, 0, len(have))
+		i := 0
+		for j, rl := range ch.Rules {
+			if i < len(have) && sameExprs(rl.Exprs, have[i].Exprs) {
+				matched = append(matched, j)
+				i++
+			}
+		}
+		if i < len(have) {
+			return insertion{}, false
+		}
+		next := 0
+		for j, rl := range ch.Rules {
+			if next < len(matched) && matched[next] == j {
+				next++
+				continue
+			}
+			var pos uint64
+			if next < len(have) {
+				pos = have[next].Handle
+			}
+			ins.rules = append(ins.rules, &nftables.Rule{Table: nch.Table, Chain: nch, Exprs: rl.Exprs, Position: pos})
+		}
+	}
+	return ins, true
 }
 
 // newChain is the nftables chain of ch in t.
@@ -155,14 +288,19 @@ func replaceInPlace(c *nftables.Conn, t *nftables.Table, chains map[string]*nfta
 	}
 }
 
-// localRoutes renders c's policy routing in the namespace of h: per
-// family, the local default route of the route table, and the fwmark rules
-// that look it up (the divert mark, then the deliver mark).
-func localRoutes(h netlinksafe.Handle, c Config) ([]*netlink.Route, []*netlink.Rule, error) {
+// loIndex is the index of lo in the namespace of h.
+func loIndex(h netlinksafe.Handle) (int, error) {
 	lo, err := h.LinkByName("lo")
 	if err != nil {
-		return nil, nil, fmt.Errorf("failed to find lo in netns: %w", err)
+		return 0, fmt.Errorf("failed to find lo in netns: %w", err)
 	}
+	return lo.Attrs().Index, nil
+}
+
+// localRoutes renders c's policy routing on lo (its index): per family, the
+// local default route of the route table, and the fwmark rules that look
+// it up (the divert mark, then the deliver mark).
+func localRoutes(lo int, c Config) ([]*netlink.Route, []*netlink.Rule) {
 	var routes []*netlink.Route
 	var rules []*netlink.Rule
 	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
@@ -173,7 +311,7 @@ func localRoutes(h netlinksafe.Handle, c Config) ([]*netlink.Route, []*netlink.R
 			scope = netlink.SCOPE_UNIVERSE
 		}
 		routes = append(routes, &netlink.Route{
-			LinkIndex: lo.Attrs().Index, Dst: dst, Table: c.RouteTable, Type: unix.RTN_LOCAL,
+			LinkIndex: lo, Dst: dst, Table: c.RouteTable, Type: unix.RTN_LOCAL,
 			Scope: scope, Family: fam,
 		})
 		for _, mark := range []uint32{c.DivertMark, c.DeliverMark} {
@@ -187,18 +325,15 @@ func localRoutes(h netlinksafe.Handle, c Config) ([]*netlink.Route, []*netlink.R
 			rules = append(rules, rule)
 		}
 	}
-	return routes, rules, nil
+	return routes, rules
 }
 
-// ipv6Disabled reports whether IPv6 is off in the namespace: lo then
-// carries no ::1.
-func ipv6Disabled(h netlinksafe.Handle) bool {
-	lo, err := h.LinkByName("lo")
-	if err != nil {
-		return true
-	}
+// ipv6Disabled reports whether IPv6 is off in the namespace: lo (its
+// index) then carries no ::1.
+func ipv6Disabled(h netlinksafe.Handle, lo int) bool {
+	link := &netlink.Device{LinkAttrs: netlink.LinkAttrs{Index: lo}}
 	for range 5 {
-		addrs, err := h.AddrList(lo, unix.AF_INET6)
+		addrs, err := h.AddrList(link, unix.AF_INET6)
 		if errors.Is(err, netlink.ErrDumpInterrupted) {
 			continue
 		}
@@ -209,26 +344,32 @@ func ipv6Disabled(h netlinksafe.Handle) bool {
 
 // routing opens netlink on the namespace fd and renders c's local routes
 // and fwmark rules there; the caller closes the handle.
-func routing(fd int, c Config) (*netlinksafe.Handle, []*netlink.Route, []*netlink.Rule, error) {
+func routing(fd int, c Config) (*netlinksafe.Handle, int, []*netlink.Route, []*netlink.Rule, error) {
 	h, err := netlinksafe.NewHandleAt(netns.NsHandle(fd), unix.NETLINK_ROUTE)
 	if err != nil {
-		return nil, nil, nil, fmt.Errorf("failed to open netlink in netns: %w", err)
+		return nil, 0, nil, nil, fmt.Errorf("failed to open netlink in netns: %w", err)
 	}
-	routes, rules, err := localRoutes(h, c)
+	lo, err := loIndex(h)
 	if err != nil {
 		h.Close()
-		return nil, nil, nil, err
+		return nil, 0, nil, nil, err
 	}
-	return &h, routes, rules, nil
+	routes, rules := localRoutes(lo, c)
+	return &h, lo, routes, rules, nil
 }
 
+// installRouting puts c's local routes and fwmark rules in the namespace
+// of fd and removes the divert's rules of an earlier configuration. The ip
+// rules at the divert's priority are read once (one dump for both
+// families): a rule already there is not added again, and the same list
+// names the stale ones.
 func installRouting(fd int, c Config) error {
-	h, routes, rules, err := routing(fd, c)
+	h, lo, routes, rules, err := routing(fd, c)
 	if err != nil {
 		return err
 	}
 	defer h.Close()
-	no6 := ipv6Disabled(*h)
+	no6 := ipv6Disabled(*h, lo)
 	for _, rt := range routes {
 		if rt.Family == unix.AF_INET6 && no6 {
 			continue
@@ -237,64 +378,73 @@ func installRouting(fd int, c Config) error {
 			return fmt.Errorf("failed to add local route to table %d: %w", c.RouteTable, err)
 		}
 	}
+	have, err := rulesAt(*h, c.RulePriority)
+	if err != nil {
+		return err
+	}
 	for _, rule := range rules {
-		if rule.Family == unix.AF_INET6 && no6 {
+		if rule.Family == unix.AF_INET6 && no6 || slices.ContainsFunc(have, func(r netlink.Rule) bool { return sameRule(r, rule) }) {
 			continue
 		}
 		if err := h.RuleAdd(rule); err != nil && !errors.Is(err, unix.EEXIST) {
 			return fmt.Errorf("failed to add fwmark rule %#x lookup %d: %w", rule.Mark, c.RouteTable, err)
 		}
 	}
-	return removeStale(*h, c, false)
+	return removeStale(*h, lo, c, have, false)
 }
 
-// removeStale deletes the divert's fwmark rules left by an earlier
-// configuration (another divert mark or route table at this rule
-// priority), with the local default route of a table that only such a rule
-// used; all includes the rules of c itself (Remove). A rule is the divert's
-// when it sits at c.RulePriority, matches a full-mask fwmark and looks a
-// table up.
-func removeStale(h netlinksafe.Handle, c Config, all bool) error {
+// rulesAt lists the IPv4 and IPv6 ip rules at priority prio, in one dump.
+func rulesAt(h netlinksafe.Handle, prio int) ([]netlink.Rule, error) {
+	have, err := h.RuleListFiltered(unix.AF_UNSPEC, &netlink.Rule{Priority: prio}, netlink.RT_FILTER_PRIORITY)
+	if err != nil {
+		return nil, fmt.Errorf("failed to list ip rules: %w", err)
+	}
+	return slices.DeleteFunc(have, func(r netlink.Rule) bool {
+		return r.Family != unix.AF_INET && r.Family != unix.AF_INET6
+	}), nil
+}
+
+// sameRule reports whether the kernel's rule r is want: the same family,
+// priority, full-mask fwmark and table, and no other selector.
+func sameRule(r netlink.Rule, want *netlink.Rule) bool {
+	return r.Family == want.Family && r.Priority == want.Priority && r.Mark == want.Mark &&
+		r.Mask != nil && *r.Mask == *want.Mask && r.Table == want.Table && !r.Invert &&
+		r.Src == nil && r.Dst == nil && r.IifName == "" && r.OifName == "" && r.Goto <= 0 &&
+		r.TunID == 0 && r.IPProto == 0 && r.Dport == nil && r.Sport == nil && r.UIDRange == nil
+}
+
+// removeStale deletes, among have (the ip rules at c.RulePriority), the
+// divert's fwmark rules left by an earlier configuration (another divert
+// mark or route table), with the local default route of a table that only
+// such a rule used; all includes the rules of c itself (Remove). A rule is
+// the divert's when it sits at c.RulePriority, matches a full-mask fwmark
+// and looks a table up.
+func removeStale(h netlinksafe.Handle, lo int, c Config, have []netlink.Rule, all bool) error {
 	var errs []error
-	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
-		have, err := h.RuleListFiltered(fam, &netlink.Rule{Priority: c.RulePriority}, netlink.RT_FILTER_PRIORITY)
-		if err != nil {
-			if errors.Is(err, unix.EAFNOSUPPORT) {
-				continue
-			}
-			errs = append(errs, fmt.Errorf("failed to list ip rules: %w", err))
+	for i := range have {
+		r := &have[i]
+		divert := r.Priority == c.RulePriority && r.Mark != 0 && r.Mask != nil && *r.Mask == 0xffffffff && r.Table > 0 &&
+			r.Table != unix.RT_TABLE_MAIN && r.Table != unix.RT_TABLE_LOCAL && r.Table != unix.RT_TABLE_DEFAULT
+		ours := r.Table == c.RouteTable && (r.Mark == c.DivertMark || r.Mark == c.DeliverMark)
+		if !divert || (!all && ours) {
 			continue
 		}
-		for i := range have {
-			r := &have[i]
-			divert := r.Priority == c.RulePriority && r.Mark != 0 && r.Mask != nil && *r.Mask == 0xffffffff && r.Table > 0 &&
-				r.Table != unix.RT_TABLE_MAIN && r.Table != unix.RT_TABLE_LOCAL && r.Table != unix.RT_TABLE_DEFAULT
-			ours := r.Table == c.RouteTable && (r.Mark == c.DivertMark || r.Mark == c.DeliverMark)
-			if !divert || (!all && ours) {
+		if err := h.RuleDel(r); err != nil && !errors.Is(err, unix.ENOENT) {
+			errs = append(errs, fmt.Errorf("failed to delete stale fwmark rule %#x lookup %d: %w", r.Mark, r.Table, err))
+			continue
+		}
+		if r.Table == c.RouteTable {
+			continue
+		}
+		old := c
+		old.RouteTable = r.Table
+		routes, _ := localRoutes(lo, old)
+		for _, rt := range routes {
+			if rt.Family != r.Family {
 				continue
 			}
-			r.Family = fam
-			if err := h.RuleDel(r); err != nil && !errors.Is(err, unix.ENOENT) {
-				errs = append(errs, fmt.Errorf("failed to delete stale fwmark rule %#x lookup %d: %w", r.Mark, r.Table, err))
-				continue
-			}
-			if r.Table == c.RouteTable {
-				continue
-			}
-			old := c
-			old.RouteTable = r.Table
-			routes, _, err := localRoutes(h, old)
-			if err != nil {
-				errs = append(errs, err)
-				continue
-			}
-			for _, rt := range routes {
-				if rt.Family != fam {
-					continue
-				}
-				if err := h.RouteDel(rt); err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
-					errs = append(errs, fmt.Errorf("failed to delete the local route of stale table %d: %w", r.Table, err))
-				}
+			if err := h.RouteDel(rt); err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
+				errs = append(errs, fmt.Errorf("failed to delete the local route of stale table %d: %w", r.Table, err))
 			}
 		}
 	}
@@ -426,11 +576,12 @@ func verifyRouting(fd int, c Config) error {
 		return fmt.Errorf("failed to open netlink in netns: %w", err)
 	}
 	defer h.Close()
-	routes, rules, err := localRoutes(h, c)
+	lo, err := loIndex(h)
 	if err != nil {
 		return err
 	}
-	no6 := ipv6Disabled(h)
+	routes, rules := localRoutes(lo, c)
+	no6 := ipv6Disabled(h, lo)
 	for _, want := range rules {
 		if want.Family == unix.AF_INET6 && no6 {
 			continue
@@ -492,7 +643,7 @@ func RemoveFd(fd int, c Config) error {
 }
 
 func removeRouting(fd int, c Config) error {
-	h, routes, rules, err := routing(fd, c)
+	h, lo, routes, rules, err := routing(fd, c)
 	if err != nil {
 		return err
 	}
@@ -513,7 +664,11 @@ func removeRouting(fd int, c Config) error {
 	}
 	// Rules an earlier configuration left (a DEL with another netconf
 	// than its ADD) go too.
-	if err := removeStale(*h, c, true); err != nil {
+	have, err := rulesAt(*h, c.RulePriority)
+	if err == nil {
+		err = removeStale(*h, lo, c, have, true)
+	}
+	if err != nil {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)

@@ -1,0 +1,218 @@
+package capture
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+
+	"github.com/google/nftables/expr"
+	"github.com/mdlayher/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// The stamp lets a retried ADD see, in three small netlink requests, that
+// the namespace still holds exactly the ruleset it wants: a rule of the
+// table (the first one after a whole write, the first inserted one after an
+// insertion) carries, in its userdata, a digest of the ruleset the write
+// made and the nftables generation that write's commit produced. The
+// generation (NFT_MSG_GETGEN) moves with every commit in the namespace, so
+// a stamp whose generation is the current one proves that nothing, neither
+// another configuration nor a rule changed by hand, was committed since our
+// write; its digest then says which ruleset the table holds. Stamps of
+// earlier writes may stay on other rules: their generation is never the
+// current one. Any other case falls back to reading the table back and
+// comparing it rule by rule.
+
+// stampType is the userdata TLV type of the stamp. nft prints only a rule's
+// comment (type 0) and skips other types, so the stamp never shows in
+// `nft list` and the golden text stays the kernel's.
+const stampType = 0xae
+
+// stampLen is the stamp's value length: a 16-byte digest and the 4-byte
+// generation.
+const stampLen = 20
+
+// stamp identifies a ruleset written by Install and the generation of the
+// commit that wrote it.
+type stamp struct {
+	digest [16]byte
+	gen    uint32
+}
+
+// userData is s as a rule's userdata (one TLV).
+func (s stamp) userData() []byte {
+	b := append(make([]byte, 0, 2+stampLen), stampType, stampLen)
+	b = append(b, s.digest[:]...)
+	return binary.BigEndian.AppendUint32(b, s.gen)
+}
+
+// parseStamp finds the stamp among the userdata TLVs of a rule.
+func parseStamp(ud []byte) (stamp, bool) {
+	for len(ud) >= 2 {
+		typ, n := ud[0], int(ud[1])
+		if len(ud) < 2+n {
+			break
+		}
+		if typ == stampType && n == stampLen {
+			var s stamp
+			copy(s.digest[:], ud[2:18])
+			s.gen = binary.BigEndian.Uint32(ud[18:22])
+			return s, true
+		}
+		ud = ud[2+n:]
+	}
+	return stamp{}, false
+}
+
+// nextGen is the generation the commit after gen produces (the kernel
+// skips 0 when it wraps).
+func nextGen(gen uint32) uint32 {
+	if gen+1 == 0 {
+		return 1
+	}
+	return gen + 1
+}
+
+// digestOf is a digest of what the kernel gets for r: every chain's name
+// and declaration, every rule's expressions as they are marshalled.
+func digestOf(r Ruleset) ([16]byte, error) {
+	h := sha256.New()
+	var buf []byte
+	for _, ch := range r.Chains {
+		buf = append(buf[:0], "chain\x00"...)
+		buf = append(buf, ch.Name...)
+		buf = append(buf, 0)
+		if ch.Hook != nil {
+			buf = append(buf, ch.Type...)
+			buf = binary.BigEndian.AppendUint32(buf, uint32(*ch.Hook))
+			buf = binary.BigEndian.AppendUint32(buf, uint32(*ch.Priority))
+		}
+		h.Write(buf)
+		for _, rl := range ch.Rules {
+			h.Write([]byte("rule\x00"))
+			for _, e := range rl.Exprs {
+				b, err := expr.Marshal(unix.NFPROTO_INET, e)
+				if err != nil {
+					return [16]byte{}, fmt.Errorf("failed to marshal an expression of chain %q: %w", ch.Name, err)
+				}
+				h.Write(binary.BigEndian.AppendUint32(buf[:0], uint32(len(b))))
+				h.Write(b)
+			}
+		}
+	}
+	var d [16]byte
+	copy(d[:], h.Sum(nil))
+	return d, nil
+}
+
+// nftQuery is a netfilter netlink socket in the pod namespace for the
+// requests google/nftables does not make (the generation) or makes with
+// more work than needed (the rules' userdata only).
+type nftQuery struct {
+	c *netlink.Conn
+}
+
+// dialQuery opens a netfilter netlink socket in the namespace of fd.
+func dialQuery(fd int) (*nftQuery, error) {
+	c, err := netlink.Dial(unix.NETLINK_NETFILTER, &netlink.Config{NetNS: fd})
+	if err != nil {
+		return nil, fmt.Errorf("failed to open nftables in netns: %w", err)
+	}
+	return &nftQuery{c: c}, nil
+}
+
+// Close closes the socket; an error closing it leaves nothing to act on.
+func (q *nftQuery) Close() { _ = q.c.Close() }
+
+// request is an nftables request of type msg for family fam with attrs.
+func request(msg uint16, fam byte, flags netlink.HeaderFlags, attrs ...netlink.Attribute) (netlink.Message, error) {
+	data := []byte{fam, unix.NFNETLINK_V0, 0, 0}
+	if len(attrs) > 0 {
+		b, err := netlink.MarshalAttributes(attrs)
+		if err != nil {
+			return netlink.Message{}, err
+		}
+		data = append(data, b...)
+	}
+	return netlink.Message{
+		Header: netlink.Header{Type: netlink.HeaderType(unix.NFNL_SUBSYS_NFTABLES<<8 | msg), Flags: netlink.Request | flags},
+		Data:   data,
+	}, nil
+}
+
+// gen returns the namespace's nftables generation.
+func (q *nftQuery) gen() (uint32, error) {
+	req, err := request(unix.NFT_MSG_GETGEN, unix.AF_UNSPEC, 0)
+	if err != nil {
+		return 0, err
+	}
+	msgs, err := q.c.Execute(req)
+	if err != nil {
+		return 0, fmt.Errorf("failed to get the nftables generation: %w", err)
+	}
+	for _, m := range msgs {
+		if len(m.Data) < 4 {
+			continue
+		}
+		ad, err := netlink.NewAttributeDecoder(m.Data[4:])
+		if err != nil {
+			return 0, fmt.Errorf("failed to decode the nftables generation: %w", err)
+		}
+		ad.ByteOrder = binary.BigEndian
+		for ad.Next() {
+			if ad.Type() == unix.NFTA_GEN_ID {
+				return ad.Uint32(), nil
+			}
+		}
+	}
+	return 0, errors.New("no generation in the nftables answer")
+}
+
+// hasTable reports whether the namespace holds the capture table.
+func (q *nftQuery) hasTable() (bool, error) {
+	req, err := request(unix.NFT_MSG_GETTABLE, unix.NFPROTO_INET, 0,
+		netlink.Attribute{Type: unix.NFTA_TABLE_NAME, Data: []byte(TableName + "\x00")})
+	if err != nil {
+		return false, err
+	}
+	if _, err := q.c.Execute(req); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return false, nil
+		}
+		return false, fmt.Errorf("failed to look up table %q: %w", TableName, err)
+	}
+	return true, nil
+}
+
+// stamps returns the stamps found on the rules of the capture table (one
+// dump of the table's rules; only their userdata is decoded).
+func (q *nftQuery) stamps() ([]stamp, error) {
+	req, err := request(unix.NFT_MSG_GETRULE, unix.NFPROTO_INET, netlink.Dump,
+		netlink.Attribute{Type: unix.NFTA_RULE_TABLE, Data: []byte(TableName + "\x00")})
+	if err != nil {
+		return nil, err
+	}
+	msgs, err := q.c.Execute(req)
+	if err != nil {
+		return nil, fmt.Errorf("failed to list rules of table %q: %w", TableName, err)
+	}
+	var out []stamp
+	for _, m := range msgs {
+		if len(m.Data) < 4 {
+			continue
+		}
+		ad, err := netlink.NewAttributeDecoder(m.Data[4:])
+		if err != nil {
+			return nil, fmt.Errorf("failed to decode a rule of table %q: %w", TableName, err)
+		}
+		for ad.Next() {
+			if ad.Type() == unix.NFTA_RULE_USERDATA {
+				if s, ok := parseStamp(ad.Bytes()); ok {
+					out = append(out, s)
+				}
+			}
+		}
+	}
+	return out, nil
+}

@@ -1,0 +1,186 @@
+package capture
+
+import (
+	"slices"
+	"testing"
+
+	"github.com/google/nftables"
+
+	"aether.io/node/test/harness"
+)
+
+// query opens a netfilter socket in pod's namespace, closed at cleanup.
+func query(t *testing.T, pod *harness.NS) *nftQuery {
+	t.Helper()
+	q, err := dialQuery(int(pod.Fd()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(q.Close)
+	return q
+}
+
+// genOf reads the nftables generation of pod's namespace.
+func genOf(t *testing.T, pod *harness.NS) uint32 {
+	t.Helper()
+	g, err := query(t, pod).gen()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return g
+}
+
+// handles lists the handles of every rule of the capture table.
+func handles(t *testing.T, pod *harness.NS) []uint64 {
+	t.Helper()
+	c, err := nftables.New(nftables.WithNetNSFd(int(pod.Fd())))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tbl := &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
+	chains, err := tableChains(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rules, err := chainRules(c, tbl, chains)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []uint64
+	for _, rs := range rules {
+		for _, r := range rs {
+			out = append(out, r.Handle)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// stamped reports whether a rule of the table carries r's digest with the
+// current generation (the next retry with r then reads nothing else).
+func stamped(t *testing.T, pod *harness.NS, r Ruleset) bool {
+	t.Helper()
+	stamps, err := query(t, pod).stamps()
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := digestOf(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return slices.Contains(stamps, stamp{digest: d, gen: genOf(t, pod)})
+}
+
+// install installs r, verifies it, and requires a current stamp of r.
+func install(t *testing.T, pod *harness.NS, r Ruleset) {
+	t.Helper()
+	if err := InstallFd(int(pod.Fd()), r); err != nil {
+		t.Fatal(err)
+	}
+	if err := VerifyFd(int(pod.Fd()), r); err != nil {
+		t.Fatalf("Verify after install: %v", err)
+	}
+	if !stamped(t, pod, r) {
+		t.Fatal("no current stamp of the installed ruleset")
+	}
+}
+
+// TestRetryWritesOnlyWhatChanged: a retry with the same divert commits
+// nothing (its stamp is current); one whose divert only adds rules inserts
+// them and removes none (every earlier rule keeps its handle), in one
+// commit, and stamps them so that the next retry commits nothing either; a
+// rule deleted or added by hand moves the generation, so the retry reads
+// the table back and repairs it.
+func TestRetryWritesOnlyWhatChanged(t *testing.T) {
+	pod := harness.NewNS(t, "stamp")
+	small := Build(Config{RedirectAll: true, ExcludePorts: []uint16{22}})
+	big := Build(Config{RedirectAll: true, ExcludePorts: []uint16{22, 3306}, InboundCapture: true})
+
+	install(t, pod, small)
+	g := genOf(t, pod)
+	install(t, pod, small)
+	if got := genOf(t, pod); got != g {
+		t.Fatalf("a retry with the same divert committed (generation %d -> %d)", g, got)
+	}
+
+	before := handles(t, pod)
+	install(t, pod, big)
+	if got := genOf(t, pod); got != nextGen(g) {
+		t.Fatalf("the insertion took generation %d -> %d, want one commit", g, got)
+	}
+	after := handles(t, pod)
+	for _, h := range before {
+		if !slices.Contains(after, h) {
+			t.Fatalf("rule handle %d gone after a retry that only adds rules (before %v, after %v)", h, before, after)
+		}
+	}
+	g = genOf(t, pod)
+	install(t, pod, big)
+	if got := genOf(t, pod); got != g {
+		t.Fatalf("a retry after an insertion committed again (generation %d -> %d)", g, got)
+	}
+
+	// By hand: one rule deleted (the retry inserts it back in place),
+	// then one rule added (the retry rewrites the table).
+	c, err := nftables.New(nftables.WithNetNSFd(int(pod.Fd())))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tbl := &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
+	divert := &nftables.Chain{Name: "divert", Table: tbl}
+	rules, err := c.GetRules(tbl, divert)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.DelRule(rules[3]); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if VerifyFd(int(pod.Fd()), big) == nil || stamped(t, pod, big) {
+		t.Fatal("Verify passed, or the stamp stayed current, after a rule was deleted by hand")
+	}
+	install(t, pod, big)
+	c.AddRule(&nftables.Rule{Table: tbl, Chain: divert, Exprs: big.Chains[1].Rules[0].Exprs})
+	if err := c.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if VerifyFd(int(pod.Fd()), big) == nil || stamped(t, pod, big) {
+		t.Fatal("Verify passed, or the stamp stayed current, after a rule was added by hand")
+	}
+	install(t, pod, big)
+
+	// Back to the smaller divert: rules go, the table is rewritten.
+	install(t, pod, small)
+	g = genOf(t, pod)
+	install(t, pod, small)
+	if got := genOf(t, pod); got != g {
+		t.Fatalf("a retry after a rewrite committed again (generation %d -> %d)", g, got)
+	}
+}
+
+func TestParseStamp(t *testing.T) {
+	s := stamp{digest: [16]byte{1, 2, 3}, gen: 0xdeadbeef}
+	comment := []byte{0, 4, 'a', 'b', 'c', 0}
+	for _, tc := range []struct {
+		name string
+		ud   []byte
+		ok   bool
+	}{
+		{"alone", s.userData(), true},
+		{"after a comment", append(slices.Clone(comment), s.userData()...), true},
+		{"comment only", comment, false},
+		{"truncated", s.userData()[:10], false},
+		{"wrong length", append([]byte{stampType, 3, 1, 2, 3}, comment...), false},
+		{"empty", nil, false},
+	} {
+		got, ok := parseStamp(tc.ud)
+		if ok != tc.ok || ok && got != s {
+			t.Errorf("%s: parseStamp = %v, %v; want ok=%v", tc.name, got, ok, tc.ok)
+		}
+	}
+	if nextGen(^uint32(0)) != 1 || nextGen(7) != 8 {
+		t.Error("nextGen must skip 0 when the generation wraps")
+	}
+}
