@@ -11,7 +11,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -20,19 +19,46 @@ import (
 	"aether.io/node/meshcni/internal/pbwire"
 )
 
-var procNetns = regexp.MustCompile(`^/proc/([0-9]+)/(?:task/[0-9]+/)?ns/net$`)
-
-// FromNetnsPath returns the PID a netns path names, if it names one.
+// FromNetnsPath returns the PID a netns path names, if it names one:
+// /proc/<pid>/ns/net or /proc/<pid>/task/<tid>/ns/net. (Parsed by hand: a
+// package-level regexp is compiled at every plugin start.)
 func FromNetnsPath(path string) (uint32, bool) {
-	m := procNetns.FindStringSubmatch(path)
-	if m == nil {
+	rest, ok := strings.CutPrefix(path, "/proc/")
+	if !ok {
 		return 0, false
 	}
-	pid, err := strconv.ParseUint(m[1], 10, 32)
+	pidText, rest, ok := strings.Cut(rest, "/")
+	if !ok || !decimal(pidText) {
+		return 0, false
+	}
+	if task, ok := strings.CutPrefix(rest, "task/"); ok {
+		tid, after, ok := strings.Cut(task, "/")
+		if !ok || !decimal(tid) {
+			return 0, false
+		}
+		rest = after
+	}
+	if rest != "ns/net" {
+		return 0, false
+	}
+	pid, err := strconv.ParseUint(pidText, 10, 32)
 	if err != nil || pid == 0 {
 		return 0, false
 	}
 	return uint32(pid), true
+}
+
+// decimal reports whether s is one or more ASCII digits.
+func decimal(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := range len(s) {
+		if s[i] < '0' || s[i] > '9' {
+			return false
+		}
+	}
+	return true
 }
 
 // ErrNoPID means the runtime reported no PID for the sandbox (yet).
