@@ -5,8 +5,10 @@
 //
 // It speaks gRPC through meshcni/internal/grpcwire, not grpc-go: the plugin is
 // exec'd per pod and verb, and grpc-go's packages cost every exec more than
-// its calls (meshcni/README.md, "Start-up"). Its tests run it against a
-// grpc-go server.
+// its calls (meshcni/README.md, "Start-up"). For the same reason its
+// messages are plain Go types (messages.go) encoded and decoded by hand
+// (wire.go), not the generated aether.cni.v1 ones: the plugin links no
+// protobuf runtime. Its tests run it against a grpc-go server.
 package agentclient
 
 import (

@@ -186,9 +186,9 @@ func decodePod(b []byte, p *Pod) error {
 		case 5:
 			return f.AppendTo(&p.IPs)
 		case 6:
-			return f.Message(func(b []byte) error { return decodeMapEntry(b, &p.Labels) })
+			return f.StringMapEntry(&p.Labels)
 		case 7:
-			return f.Message(func(b []byte) error { return decodeMapEntry(b, &p.Annotations) })
+			return f.StringMapEntry(&p.Annotations)
 		case 8:
 			return f.Message(func(b []byte) error {
 				if p.PID == nil {
@@ -216,29 +216,6 @@ func decodePod(b []byte, p *Pod) error {
 		}
 		return nil
 	})
-}
-
-// decodeMapEntry adds one map<string, string> entry to *m (a missing key
-// or value is "").
-func decodeMapEntry(b []byte, m *map[string]string) error {
-	var k, v string
-	err := pbwire.Decode(b, func(f pbwire.Field) error {
-		switch f.Num {
-		case 1:
-			return f.String(&k)
-		case 2:
-			return f.String(&v)
-		}
-		return nil
-	})
-	if err != nil {
-		return err
-	}
-	if *m == nil {
-		*m = map[string]string{}
-	}
-	(*m)[k] = v
-	return nil
 }
 
 // decodeSecondsNanos decodes a Duration or Timestamp's fields.

@@ -141,20 +141,7 @@ func (wireCodec) Unmarshal(data []byte, v any) error {
 		if f.Num != 2 {
 			return nil
 		}
-		return f.Message(func(b []byte) error {
-			var k, e string
-			err := pbwire.Decode(b, func(f pbwire.Field) error {
-				switch f.Num {
-				case 1:
-					return f.String(&k)
-				case 2:
-					return f.String(&e)
-				}
-				return nil
-			})
-			r.info[k] = e
-			return err
-		})
+		return f.StringMapEntry(&r.info)
 	})
 	if err != nil {
 		return fmt.Errorf("failed to decode CRI response: %w", err)

@@ -201,6 +201,33 @@ func (f Field) Bool(dst *bool) {
 	}
 }
 
+// StringMapEntry adds the map<string, string> entry a BytesType field
+// holds to *m, creating the map (a missing key or value is ""; a key seen
+// again takes the later value); other wire types are left alone.
+func (f Field) StringMapEntry(m *map[string]string) error {
+	if f.Type != BytesType {
+		return nil
+	}
+	var k, v string
+	err := Decode(f.Bytes, func(f Field) error {
+		switch f.Num {
+		case 1:
+			return f.String(&k)
+		case 2:
+			return f.String(&v)
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	if *m == nil {
+		*m = map[string]string{}
+	}
+	(*m)[k] = v
+	return nil
+}
+
 // Message decodes a BytesType field's payload with decode; other wire
 // types are left alone.
 func (f Field) Message(decode func([]byte) error) error {
