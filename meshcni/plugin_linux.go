@@ -16,11 +16,7 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/containernetworking/cni/pkg/version"
-	"google.golang.org/protobuf/types/known/durationpb"
-	"google.golang.org/protobuf/types/known/timestamppb"
-	"google.golang.org/protobuf/types/known/wrapperspb"
 
-	cniv1 "aether.io/node/api/aether/cni/v1"
 	"aether.io/node/meshcni/agentclient"
 	"aether.io/node/meshcni/capture"
 	"aether.io/node/meshcni/podpid"
@@ -30,10 +26,10 @@ import (
 // Agent is aether-agent's CNIService as the plugin uses it
 // (agentclient.Client; a fake in unit tests).
 type Agent interface {
-	AddPod(ctx context.Context, req *cniv1.AddPodRequest) (cniv1.AddPodResponse_Result, error)
-	RemovePod(ctx context.Context, req *cniv1.RemovePodRequest) (cniv1.RemovePodResponse_Result, error)
-	ReportAddResult(ctx context.Context, req *cniv1.ReportAddResultRequest) error
-	GetPod(ctx context.Context, containerID string) (*cniv1.GetPodResponse, error)
+	AddPod(ctx context.Context, req *agentclient.AddPodRequest) (agentclient.AddResult, error)
+	RemovePod(ctx context.Context, req *agentclient.RemovePodRequest) (agentclient.RemoveResult, error)
+	ReportAddResult(ctx context.Context, req *agentclient.ReportRequest) error
+	GetPod(ctx context.Context, containerID string) (*agentclient.Record, error)
 	Ready(ctx context.Context) error
 	// Connect starts connecting in the background, so that the connection
 	// is set up while the plugin does its work before the first call.
@@ -232,15 +228,15 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 
 	// PID: from the path when it names one; else a short, bounded CRI call.
 	step := p.Now()
-	var pid *wrapperspb.UInt32Value
+	var pid *uint32
 	if v, ok := podpid.FromNetnsPath(args.Netns); ok {
-		pid = wrapperspb.UInt32(v)
+		pid = &v
 	} else if cfg.CRISocket != "" && p.PIDs != nil {
 		cctx, cancel := context.WithTimeout(ctx, cfg.CRITimeout)
 		v, err := p.PIDs.Lookup(cctx, cfg.CRISocket, id.sandboxID)
 		cancel()
 		if err == nil {
-			pid = wrapperspb.UInt32(v)
+			pid = &v
 		} else {
 			log.Debug("no sandbox pid from CRI (normal during ADD under containerd)", "error", err)
 		}
@@ -267,11 +263,11 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	log.Debug("step done", "step", "pin", "duration", p.Now().Sub(step))
 
 	sent := p.callTimings()
-	preCall := sent.GetPreCall().AsDuration()
+	preCall := sent.PreCall.AsDuration()
 	step = p.Now()
-	res, err := agent.AddPod(ctx, &cniv1.AddPodRequest{Pod: &cniv1.CNIPod{
-		Name: id.name, Namespace: id.namespace, Uid: id.uid, NetworkNamespace: registered,
-		ContainerId: id.sandboxID, Ips: ips, Pid: pid,
+	res, err := agent.AddPod(ctx, &agentclient.AddPodRequest{Pod: &agentclient.Pod{
+		Name: id.name, Namespace: id.namespace, UID: id.uid, NetworkNamespace: registered,
+		ContainerID: id.sandboxID, IPs: ips, PID: pid,
 	}, PluginTimings: sent})
 	log.Debug("step done", "step", "add_pod", "duration", p.Now().Sub(step))
 	if err != nil {
@@ -279,8 +275,8 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		return agentErr(err, fmt.Sprintf("failed to register pod %s/%s with aether-agent", id.namespace, id.name))
 	}
 	switch res {
-	case cniv1.AddPodResponse_RESULT_SUCCESS:
-	case cniv1.AddPodResponse_RESULT_IGNORED:
+	case agentclient.AddSuccess:
+	case agentclient.AddIgnored:
 		// Not mesh-managed: nothing installed, nothing pinned.
 		unpin()
 		log.Info("pod not mesh-managed; nothing installed")
@@ -290,7 +286,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		return fmt.Errorf("aether-agent refused pod %s/%s: AddPod answered %s", id.namespace, id.name, res)
 	}
 
-	t := &cniv1.PluginTimings{Started: sent.GetStarted(), PreCall: sent.GetPreCall()}
+	t := &agentclient.Timings{Started: sent.Started, PreCall: sent.PreCall}
 	// failure is why the ADD fails under capture_failure "fail"; under
 	// "open" the same errors are warnings and the pod starts uncaptured.
 	var failure error
@@ -305,7 +301,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 					cfg.ProbeURL, id.namespace, id.name, cfg.ProbeBudget, CaptureFailureFail, CaptureFailureOpen, err)
 			}
 		}
-		t.ReadinessProbe = durationpb.New(p.Now().Sub(step))
+		t.ReadinessProbe = agentclient.NewDuration(p.Now().Sub(step))
 	}
 
 	pc, warns := cfg.PodCapture(cfg.Raw.RuntimeConfig.PodAnnotations)
@@ -324,12 +320,12 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 					id.namespace, id.name, CaptureFailureFail, CaptureFailureOpen, err)
 			}
 		}
-		t.CaptureDivert = durationpb.New(p.Now().Sub(step))
+		t.CaptureDivert = agentclient.NewDuration(p.Now().Sub(step))
 	}
 
-	t.Total = durationpb.New(p.Now().Sub(p.Started))
-	if err := agent.ReportAddResult(ctx, &cniv1.ReportAddResultRequest{
-		ContainerId: id.sandboxID, Name: id.name, Namespace: id.namespace, Timings: t,
+	t.Total = agentclient.NewDuration(p.Now().Sub(p.Started))
+	if err := agent.ReportAddResult(ctx, &agentclient.ReportRequest{
+		ContainerID: id.sandboxID, Name: id.name, Namespace: id.namespace, Timings: t,
 	}); err != nil {
 		log.Warn("add result not reported", "error", err)
 	}
@@ -350,8 +346,8 @@ func (p *Plugin) rollback(ctx context.Context, c *call, agent Agent, netns strin
 	if err := p.Capture.Remove(netns, cc); err != nil {
 		log.Warn("failed to remove the capture divert after a failed ADD", "error", err)
 	}
-	res, err := agent.RemovePod(ctx, &cniv1.RemovePodRequest{
-		Name: id.name, Namespace: id.namespace, ContainerId: id.sandboxID, PluginTimings: p.callTimings(),
+	res, err := agent.RemovePod(ctx, &agentclient.RemovePodRequest{
+		Name: id.name, Namespace: id.namespace, ContainerID: id.sandboxID, PluginTimings: p.callTimings(),
 	})
 	if err != nil {
 		log.Warn("failed to withdraw the pod from aether-agent after a failed ADD (the runtime's DEL retries)", "error", err)
@@ -363,8 +359,8 @@ func (p *Plugin) rollback(ctx context.Context, c *call, agent Agent, netns strin
 
 // callTimings are the PluginTimings every agent RPC of an invocation
 // carries: started, and pre_call = started -> now (the RPC is sent next).
-func (p *Plugin) callTimings() *cniv1.PluginTimings {
-	return &cniv1.PluginTimings{Started: timestamppb.New(p.Started), PreCall: durationpb.New(p.Now().Sub(p.Started))}
+func (p *Plugin) callTimings() *agentclient.Timings {
+	return &agentclient.Timings{Started: agentclient.NewTimestamp(p.Started), PreCall: agentclient.NewDuration(p.Now().Sub(p.Started))}
 }
 
 // printPrev writes prevResult, unchanged, in the netconf's version.
@@ -398,14 +394,14 @@ func (p *Plugin) Del(args *skel.CmdArgs) error {
 			return err
 		}
 		defer func() { _ = agent.Close() }()
-		res, err := agent.RemovePod(context.Background(), &cniv1.RemovePodRequest{
-			Name: id.name, Namespace: id.namespace, ContainerId: id.sandboxID, PluginTimings: p.callTimings(),
+		res, err := agent.RemovePod(context.Background(), &agentclient.RemovePodRequest{
+			Name: id.name, Namespace: id.namespace, ContainerID: id.sandboxID, PluginTimings: p.callTimings(),
 		})
 		if err != nil {
 			return agentErr(err, fmt.Sprintf("failed to withdraw pod %s/%s from aether-agent (the runtime retries DEL)", id.namespace, id.name))
 		}
 		switch res {
-		case cniv1.RemovePodResponse_RESULT_SUCCESS, cniv1.RemovePodResponse_RESULT_IGNORED:
+		case agentclient.RemoveSuccess, agentclient.RemoveIgnored:
 		default:
 			return fmt.Errorf("aether-agent could not remove pod %s/%s: RemovePod answered %s", id.namespace, id.name, res)
 		}
@@ -441,7 +437,7 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	}
 	defer func() { _ = agent.Close() }()
 	rec, err := agent.GetPod(context.Background(), id.sandboxID)
-	managed := err == nil && rec.GetManaged()
+	managed := err == nil && rec.Managed
 	if err != nil && !errors.Is(err, agentclient.ErrNotFound) {
 		return agentErr(err, fmt.Sprintf("failed to read aether-agent's record of pod %s/%s", id.namespace, id.name))
 	}
@@ -455,23 +451,26 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 		}
 		return nil
 	}
-	pod := rec.GetPod()
-	if pod.GetName() != id.name || pod.GetNamespace() != id.namespace {
-		return fmt.Errorf("aether-agent's record of container %q is pod %s/%s, want %s/%s", id.sandboxID, pod.GetNamespace(), pod.GetName(), id.namespace, id.name)
+	pod := rec.Pod
+	if pod == nil {
+		pod = &agentclient.Pod{}
+	}
+	if pod.Name != id.name || pod.Namespace != id.namespace {
+		return fmt.Errorf("aether-agent's record of container %q is pod %s/%s, want %s/%s", id.sandboxID, pod.Namespace, pod.Name, id.namespace, id.name)
 	}
 	wantNS := []string{args.Netns}
 	if cfg.PinDir != "" {
 		wantNS = append(wantNS, p.Pins.Path(cfg.PinDir, args.ContainerID))
 	}
-	if !slices.Contains(wantNS, pod.GetNetworkNamespace()) {
-		return fmt.Errorf("aether-agent's record of pod %s/%s names netns %q, want one of %v", id.namespace, id.name, pod.GetNetworkNamespace(), wantNS)
+	if !slices.Contains(wantNS, pod.NetworkNamespace) {
+		return fmt.Errorf("aether-agent's record of pod %s/%s names netns %q, want one of %v", id.namespace, id.name, pod.NetworkNamespace, wantNS)
 	}
 	ips, err := podIPs(cfg.Raw.PrevResult)
 	if err != nil {
 		return err
 	}
-	if !sameIPs(ips, pod.GetIps()) {
-		return fmt.Errorf("aether-agent's record of pod %s/%s has IPs %v, prevResult has %v", id.namespace, id.name, pod.GetIps(), ips)
+	if !sameIPs(ips, pod.IPs) {
+		return fmt.Errorf("aether-agent's record of pod %s/%s has IPs %v, prevResult has %v", id.namespace, id.name, pod.IPs, ips)
 	}
 	pc, _ := cfg.PodCapture(cfg.Raw.RuntimeConfig.PodAnnotations)
 	if err := p.Capture.Verify(args.Netns, capture.Build(pc)); err != nil {

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -19,7 +20,6 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	cniv1 "aether.io/node/api/aether/cni/v1"
@@ -32,44 +32,44 @@ import (
 // recorder is every fake at once; it logs calls in order.
 type recorder struct {
 	calls     []string
-	addResult cniv1.AddPodResponse_Result
+	addResult agentclient.AddResult
 	addErr    error
 	removeErr error
-	added     *cniv1.CNIPod
+	added     *agentclient.Pod
 	// addTimings and removeTimings are the plugin_timings of the last
 	// AddPod and RemovePod.
-	addTimings, removeTimings *cniv1.PluginTimings
-	report                    *cniv1.ReportAddResultRequest
+	addTimings, removeTimings *agentclient.Timings
+	report                    *agentclient.ReportRequest
 	installErr                error
 	probeErr                  error
 	verifyErr                 error
 	present                   bool
-	record                    *cniv1.GetPodResponse
+	record                    *agentclient.Record
 	pins                      map[string]bool
 	pidErr                    error
 }
 
 func (r *recorder) log(f string, a ...any) { r.calls = append(r.calls, fmt.Sprintf(f, a...)) }
 
-func (r *recorder) AddPod(_ context.Context, req *cniv1.AddPodRequest) (cniv1.AddPodResponse_Result, error) {
+func (r *recorder) AddPod(_ context.Context, req *agentclient.AddPodRequest) (agentclient.AddResult, error) {
 	r.log("AddPod")
-	r.added, r.addTimings = req.GetPod(), req.GetPluginTimings()
+	r.added, r.addTimings = req.Pod, req.PluginTimings
 	return r.addResult, r.addErr
 }
 
-func (r *recorder) RemovePod(_ context.Context, req *cniv1.RemovePodRequest) (cniv1.RemovePodResponse_Result, error) {
-	r.log("RemovePod %s/%s %s", req.GetNamespace(), req.GetName(), req.GetContainerId())
-	r.removeTimings = req.GetPluginTimings()
-	return cniv1.RemovePodResponse_RESULT_SUCCESS, r.removeErr
+func (r *recorder) RemovePod(_ context.Context, req *agentclient.RemovePodRequest) (agentclient.RemoveResult, error) {
+	r.log("RemovePod %s/%s %s", req.Namespace, req.Name, req.ContainerID)
+	r.removeTimings = req.PluginTimings
+	return agentclient.RemoveSuccess, r.removeErr
 }
 
-func (r *recorder) ReportAddResult(_ context.Context, req *cniv1.ReportAddResultRequest) error {
+func (r *recorder) ReportAddResult(_ context.Context, req *agentclient.ReportRequest) error {
 	r.log("Report")
 	r.report = req
 	return nil
 }
 
-func (r *recorder) GetPod(_ context.Context, cid string) (*cniv1.GetPodResponse, error) {
+func (r *recorder) GetPod(_ context.Context, cid string) (*agentclient.Record, error) {
 	r.log("GetPod")
 	if r.record == nil {
 		return nil, agentclient.ErrNotFound
@@ -149,7 +149,7 @@ func args(netns string, stdin []byte) *skel.CmdArgs {
 }
 
 func TestAddManagedOrderAndTimings(t *testing.T) {
-	r := &recorder{addResult: cniv1.AddPodResponse_RESULT_SUCCESS, pins: map[string]bool{}}
+	r := &recorder{addResult: agentclient.AddSuccess, pins: map[string]bool{}}
 	p, out := newTestPlugin(r)
 	if err := p.Add(args("/run/netns/pod", conf(""))); err != nil {
 		t.Fatal(err)
@@ -161,55 +161,55 @@ func TestAddManagedOrderAndTimings(t *testing.T) {
 	if !slices.Equal(r.calls, want) {
 		t.Fatalf("calls = %q, want %q", r.calls, want)
 	}
-	if r.added.GetContainerId() != "sandbox" || r.added.GetNetworkNamespace() != "/pins/cid" ||
-		!slices.Equal(r.added.GetIps(), []string{"10.1.0.5"}) || r.added.GetPid().GetValue() != 99 {
+	if r.added.ContainerID != "sandbox" || r.added.NetworkNamespace != "/pins/cid" ||
+		!slices.Equal(r.added.IPs, []string{"10.1.0.5"}) || r.added.PID == nil || *r.added.PID != 99 {
 		t.Fatalf("AddPod got %v", r.added)
 	}
-	tm := r.report.GetTimings()
-	if tm.GetStarted() == nil || tm.GetPreCall() == nil || tm.GetReadinessProbe() == nil || tm.GetCaptureDivert() == nil || tm.GetTotal() == nil {
+	tm := r.report.Timings
+	if tm == nil || tm.Started == nil || tm.PreCall == nil || tm.ReadinessProbe == nil || tm.CaptureDivert == nil || tm.Total == nil {
 		t.Fatalf("timings incomplete: %v", tm)
 	}
-	if tm.GetReadinessProbeError() != "" || tm.GetCaptureDivertError() != "" {
+	if tm.ReadinessProbeError != "" || tm.CaptureDivertError != "" {
 		t.Fatalf("unexpected errors in timings: %v", tm)
 	}
-	if tm.GetTotal().AsDuration() <= tm.GetPreCall().AsDuration() {
-		t.Fatalf("total %v not after pre_call %v", tm.GetTotal().AsDuration(), tm.GetPreCall().AsDuration())
+	if tm.Total.AsDuration() <= tm.PreCall.AsDuration() {
+		t.Fatalf("total %v not after pre_call %v", tm.Total.AsDuration(), tm.PreCall.AsDuration())
 	}
 	// AddPod carried started and pre_call (the same as the report's), and
 	// nothing AddPod could not know yet.
-	wantT := &cniv1.PluginTimings{Started: timestamppb.New(time.Unix(1000, 0)), PreCall: tm.GetPreCall()}
-	if !proto.Equal(r.addTimings, wantT) || tm.GetPreCall().AsDuration() <= 0 {
+	wantT := &agentclient.Timings{Started: agentclient.NewTimestamp(time.Unix(1000, 0)), PreCall: tm.PreCall}
+	if !reflect.DeepEqual(r.addTimings, wantT) || tm.PreCall.AsDuration() <= 0 {
 		t.Fatalf("AddPod plugin_timings = %v, want %v", r.addTimings, wantT)
 	}
 }
 
 func TestAddPidFromPathSkipsCRI(t *testing.T) {
-	r := &recorder{addResult: cniv1.AddPodResponse_RESULT_SUCCESS, pins: map[string]bool{}}
+	r := &recorder{addResult: agentclient.AddSuccess, pins: map[string]bool{}}
 	p, _ := newTestPlugin(r)
 	if err := p.Add(args("/proc/4321/ns/net", conf(`"readiness_probe_disabled":true,`))); err != nil {
 		t.Fatal(err)
 	}
-	if slices.Contains(r.calls, "CRI") || r.added.GetPid().GetValue() != 4321 {
-		t.Fatalf("calls %q pid %v", r.calls, r.added.GetPid())
+	if slices.Contains(r.calls, "CRI") || r.added.PID == nil || *r.added.PID != 4321 {
+		t.Fatalf("calls %q pid %v", r.calls, r.added.PID)
 	}
-	if r.report.GetTimings().GetReadinessProbe() != nil {
+	if r.report.Timings.ReadinessProbe != nil {
 		t.Fatal("readiness_probe set although the probe is disabled")
 	}
 }
 
 func TestAddCRIFailureIsNormal(t *testing.T) {
-	r := &recorder{addResult: cniv1.AddPodResponse_RESULT_SUCCESS, pins: map[string]bool{}, pidErr: errors.New("sandbox not found")}
+	r := &recorder{addResult: agentclient.AddSuccess, pins: map[string]bool{}, pidErr: errors.New("sandbox not found")}
 	p, _ := newTestPlugin(r)
 	if err := p.Add(args("/run/netns/pod", conf(""))); err != nil {
 		t.Fatal(err)
 	}
-	if r.added.GetPid() != nil {
-		t.Fatalf("pid = %v, want unset", r.added.GetPid())
+	if r.added.PID != nil {
+		t.Fatalf("pid = %v, want unset", *r.added.PID)
 	}
 }
 
 func TestAddIgnoredInstallsNothing(t *testing.T) {
-	r := &recorder{addResult: cniv1.AddPodResponse_RESULT_IGNORED, pins: map[string]bool{}}
+	r := &recorder{addResult: agentclient.AddIgnored, pins: map[string]bool{}}
 	p, out := newTestPlugin(r)
 	if err := p.Add(args("/run/netns/pod", conf(""))); err != nil {
 		t.Fatal(err)
@@ -224,13 +224,13 @@ func TestAddIgnoredInstallsNothing(t *testing.T) {
 }
 
 func TestAddDivertFailureFailOpen(t *testing.T) {
-	r := &recorder{addResult: cniv1.AddPodResponse_RESULT_SUCCESS, pins: map[string]bool{}, installErr: errors.New("nft: no tproxy"), probeErr: errors.New("503")}
+	r := &recorder{addResult: agentclient.AddSuccess, pins: map[string]bool{}, installErr: errors.New("nft: no tproxy"), probeErr: errors.New("503")}
 	p, _ := newTestPlugin(r)
 	if err := p.Add(args("/run/netns/pod", conf(`"capture_failure":"open",`))); err != nil {
 		t.Fatalf("ADD failed on a divert failure under capture_failure=open: %v", err)
 	}
-	tm := r.report.GetTimings()
-	if !strings.Contains(tm.GetCaptureDivertError(), "no tproxy") || !strings.Contains(tm.GetReadinessProbeError(), "503") {
+	tm := r.report.Timings
+	if !strings.Contains(tm.CaptureDivertError, "no tproxy") || !strings.Contains(tm.ReadinessProbeError, "503") {
 		t.Fatalf("errors not reported: %v", tm)
 	}
 	if !r.pins["cid"] || slices.ContainsFunc(r.calls, func(c string) bool { return strings.HasPrefix(c, "RemovePod") || c == "Remove" }) {
@@ -251,23 +251,23 @@ func TestAddCaptureFailureFail(t *testing.T) {
 		installErr error
 		wantCode   uint
 		wantCalls  []string
-		wantReport func(*cniv1.PluginTimings) bool
+		wantReport func(*agentclient.Timings) bool
 	}{
 		{
 			name: "probe never answers", probeErr: errors.New("connection refused"), wantCode: types.ErrTryAgainLater,
 			wantCalls: []string{"CRI", "Pin", "AddPod", "Probe http://127.0.0.1:18081/aether/readyz", "Report", "Remove /run/netns/pod", "RemovePod shop/web sandbox", "Unpin"},
-			wantReport: func(tm *cniv1.PluginTimings) bool {
-				return strings.Contains(tm.GetReadinessProbeError(), "refused") && tm.GetCaptureDivert() == nil
+			wantReport: func(tm *agentclient.Timings) bool {
+				return strings.Contains(tm.ReadinessProbeError, "refused") && tm.CaptureDivert == nil
 			},
 		},
 		{
 			name: "divert fails (explicit fail)", conf: `"capture_failure":"fail",`, installErr: errors.New("nft: no tproxy"), wantCode: types.ErrInternal,
 			wantCalls:  []string{"CRI", "Pin", "AddPod", "Probe http://127.0.0.1:18081/aether/readyz", "Install /run/netns/pod", "Report", "Remove /run/netns/pod", "RemovePod shop/web sandbox", "Unpin"},
-			wantReport: func(tm *cniv1.PluginTimings) bool { return strings.Contains(tm.GetCaptureDivertError(), "no tproxy") },
+			wantReport: func(tm *agentclient.Timings) bool { return strings.Contains(tm.CaptureDivertError, "no tproxy") },
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			r := &recorder{addResult: cniv1.AddPodResponse_RESULT_SUCCESS, pins: map[string]bool{}, installErr: tc.installErr, probeErr: tc.probeErr}
+			r := &recorder{addResult: agentclient.AddSuccess, pins: map[string]bool{}, installErr: tc.installErr, probeErr: tc.probeErr}
 			p, out := newTestPlugin(r)
 			err := p.Add(args("/run/netns/pod", conf(tc.conf)))
 			ce := cniutil.AsCNIError(err)
@@ -277,8 +277,8 @@ func TestAddCaptureFailureFail(t *testing.T) {
 			if !slices.Equal(r.calls, tc.wantCalls) {
 				t.Fatalf("calls = %q, want %q", r.calls, tc.wantCalls)
 			}
-			if !tc.wantReport(r.report.GetTimings()) {
-				t.Fatalf("report = %v", r.report.GetTimings())
+			if r.report == nil || !tc.wantReport(r.report.Timings) {
+				t.Fatalf("report = %+v", r.report)
 			}
 			if len(r.pins) != 0 || out.Len() != 0 {
 				t.Fatalf("failed ADD left pins %v, printed %q", r.pins, out)
@@ -290,14 +290,14 @@ func TestAddCaptureFailureFail(t *testing.T) {
 func TestAddAgentErrors(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
-		res      cniv1.AddPodResponse_Result
+		res      agentclient.AddResult
 		err      error
 		wantCode uint
 	}{
 		{"unavailable", 0, fmt.Errorf("%w: down", agentclient.ErrUnavailable), types.ErrTryAgainLater},
 		{"rpc error", 0, errors.New("InvalidArgument"), types.ErrInternal},
-		{"result error", cniv1.AddPodResponse_RESULT_ERROR, nil, types.ErrInternal},
-		{"result unspecified", cniv1.AddPodResponse_RESULT_UNSPECIFIED, nil, types.ErrInternal},
+		{"result error", agentclient.AddError, nil, types.ErrInternal},
+		{"result unspecified", agentclient.AddUnspecified, nil, types.ErrInternal},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := &recorder{addResult: tc.res, addErr: tc.err, pins: map[string]bool{}}
@@ -342,8 +342,8 @@ func TestDel(t *testing.T) {
 		t.Fatalf("calls = %q", r.calls)
 	}
 	// The test clock ticks 1ms per reading: started -> RemovePod sent.
-	want := &cniv1.PluginTimings{Started: timestamppb.New(time.Unix(1000, 0)), PreCall: durationpb.New(time.Millisecond)}
-	if !proto.Equal(r.removeTimings, want) {
+	want := &agentclient.Timings{Started: agentclient.NewTimestamp(time.Unix(1000, 0)), PreCall: agentclient.NewDuration(time.Millisecond)}
+	if !reflect.DeepEqual(r.removeTimings, want) {
 		t.Fatalf("RemovePod plugin_timings = %v, want %v", r.removeTimings, want)
 	}
 	r.removeErr = fmt.Errorf("%w: down", agentclient.ErrUnavailable)
@@ -354,8 +354,8 @@ func TestDel(t *testing.T) {
 }
 
 func TestCheck(t *testing.T) {
-	rec := &cniv1.GetPodResponse{Managed: true, Pod: &cniv1.CNIPod{
-		Name: "web", Namespace: "shop", ContainerId: "sandbox", NetworkNamespace: "/pins/cid", Ips: []string{"10.1.0.5"},
+	rec := &agentclient.Record{Managed: true, Pod: &agentclient.Pod{
+		Name: "web", Namespace: "shop", ContainerID: "sandbox", NetworkNamespace: "/pins/cid", IPs: []string{"10.1.0.5"},
 	}}
 	for _, tc := range []struct {
 		name    string
@@ -366,8 +366,8 @@ func TestCheck(t *testing.T) {
 		{"managed, rules changed", recorder{record: rec, verifyErr: errors.New("chain divert has 3 rules, want 4")}, "differs from what ADD installs"},
 		{"not managed, no table", recorder{}, ""},
 		{"not managed but table present", recorder{present: true}, "not mesh-managed"},
-		{"record of another pod", recorder{record: &cniv1.GetPodResponse{Managed: true, Pod: &cniv1.CNIPod{Name: "x", Namespace: "shop"}}}, "want shop/web"},
-		{"record with other IPs", recorder{record: &cniv1.GetPodResponse{Managed: true, Pod: &cniv1.CNIPod{Name: "web", Namespace: "shop", NetworkNamespace: "/pins/cid", Ips: []string{"10.1.0.6"}}}}, "IPs"},
+		{"record of another pod", recorder{record: &agentclient.Record{Managed: true, Pod: &agentclient.Pod{Name: "x", Namespace: "shop"}}}, "want shop/web"},
+		{"record with other IPs", recorder{record: &agentclient.Record{Managed: true, Pod: &agentclient.Pod{Name: "web", Namespace: "shop", NetworkNamespace: "/pins/cid", IPs: []string{"10.1.0.6"}}}}, "IPs"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := tc.r
@@ -449,14 +449,14 @@ func TestAddForwardsPodUID(t *testing.T) {
 		{"no K8S_POD_UID", "", ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			r := &recorder{addResult: cniv1.AddPodResponse_RESULT_SUCCESS, pins: map[string]bool{}}
+			r := &recorder{addResult: agentclient.AddSuccess, pins: map[string]bool{}}
 			p, _ := newTestPlugin(r)
 			a := args("/run/netns/pod", conf(""))
 			a.Args += tc.extraArgs
 			if err := p.Add(a); err != nil {
 				t.Fatal(err)
 			}
-			if got := r.added.GetUid(); got != tc.want {
+			if got := r.added.UID; got != tc.want {
 				t.Fatalf("AddPod uid = %q, want %q", got, tc.want)
 			}
 		})

@@ -5,8 +5,10 @@
 //
 // It speaks gRPC through meshcni/internal/grpcwire, not grpc-go: the plugin is
 // exec'd per pod and verb, and grpc-go's packages cost every exec more than
-// its calls (meshcni/README.md, "Start-up"). Its tests run it against a
-// grpc-go server.
+// its calls (meshcni/README.md, "Start-up"). For the same reason its
+// messages are plain Go types (messages.go) encoded and decoded by hand
+// (wire.go), not the generated aether.cni.v1 ones: the plugin links no
+// protobuf runtime. Its tests run it against a grpc-go server.
 package agentclient
 
 import (
@@ -15,7 +17,6 @@ import (
 	"fmt"
 	"time"
 
-	cniv1 "aether.io/node/api/aether/cni/v1"
 	"aether.io/node/meshcni/internal/grpcwire"
 )
 
@@ -115,38 +116,41 @@ func (c *Client) retry(ctx context.Context, rpc string, attempts int, call func(
 
 // AddPod sends req (the pod and, from a current plugin, its timings) and
 // returns the agent's verdict.
-func (c *Client) AddPod(ctx context.Context, req *cniv1.AddPodRequest) (cniv1.AddPodResponse_Result, error) {
-	var res cniv1.AddPodResponse_Result
+func (c *Client) AddPod(ctx context.Context, req *AddPodRequest) (AddResult, error) {
+	var res AddResult
 	err := c.retry(ctx, "AddPod", c.opts.Attempts, func(ctx context.Context) error {
 		r, err := c.callResult(ctx, MethodAddPod, marshalAddPod(req))
-		res = cniv1.AddPodResponse_Result(r)
+		res = AddResult(r)
 		return err
 	})
 	if err != nil && !errors.Is(err, ErrUnavailable) {
-		pod := req.GetPod()
-		return 0, fmt.Errorf("failed to add pod %s/%s: agent answered %s: %s", pod.GetNamespace(), pod.GetName(), grpcwire.CodeOf(err), grpcwire.MessageOf(err))
+		var ns, name string
+		if req.Pod != nil {
+			ns, name = req.Pod.Namespace, req.Pod.Name
+		}
+		return 0, fmt.Errorf("failed to add pod %s/%s: agent answered %s: %s", ns, name, grpcwire.CodeOf(err), grpcwire.MessageOf(err))
 	}
 	return res, err
 }
 
 // RemovePod withdraws the container of req (with the DEL's timings, from
 // a current plugin) and returns the agent's verdict.
-func (c *Client) RemovePod(ctx context.Context, req *cniv1.RemovePodRequest) (cniv1.RemovePodResponse_Result, error) {
-	var res cniv1.RemovePodResponse_Result
+func (c *Client) RemovePod(ctx context.Context, req *RemovePodRequest) (RemoveResult, error) {
+	var res RemoveResult
 	err := c.retry(ctx, "RemovePod", c.opts.Attempts, func(ctx context.Context) error {
 		r, err := c.callResult(ctx, MethodRemovePod, marshalRemovePod(req))
-		res = cniv1.RemovePodResponse_Result(r)
+		res = RemoveResult(r)
 		return err
 	})
 	if err != nil && !errors.Is(err, ErrUnavailable) {
-		return 0, fmt.Errorf("failed to remove pod %s/%s: agent answered %s: %s", req.GetNamespace(), req.GetName(), grpcwire.CodeOf(err), grpcwire.MessageOf(err))
+		return 0, fmt.Errorf("failed to remove pod %s/%s: agent answered %s: %s", req.Namespace, req.Name, grpcwire.CodeOf(err), grpcwire.MessageOf(err))
 	}
 	return res, err
 }
 
 // ReportAddResult sends the ADD's timings, once, within ReportTimeout. An
 // agent that predates the RPC (Unimplemented) is not an error.
-func (c *Client) ReportAddResult(ctx context.Context, req *cniv1.ReportAddResultRequest) error {
+func (c *Client) ReportAddResult(ctx context.Context, req *ReportRequest) error {
 	ctx, cancel := context.WithTimeout(ctx, c.opts.ReportTimeout)
 	defer cancel()
 	// The answer is empty; only its status matters.
@@ -154,33 +158,41 @@ func (c *Client) ReportAddResult(ctx context.Context, req *cniv1.ReportAddResult
 	if err == nil || grpcwire.CodeOf(err) == grpcwire.Unimplemented {
 		return nil
 	}
-	return fmt.Errorf("failed to report add result of %q: %s: %s", req.GetContainerId(), grpcwire.CodeOf(err), grpcwire.MessageOf(err))
+	return fmt.Errorf("failed to report add result of %q: %s: %s", req.ContainerID, grpcwire.CodeOf(err), grpcwire.MessageOf(err))
+}
+
+// call calls method with the encoded request msg and hands the answer to
+// decode; an answer decode rejects is an Internal status.
+func (c *Client) call(ctx context.Context, method string, msg []byte, decode func([]byte) error) error {
+	body, err := c.conn.Call(ctx, method, msg)
+	if err != nil {
+		return err
+	}
+	if err := decode(body); err != nil {
+		return &grpcwire.Status{Code: grpcwire.Internal, Message: "failed to unmarshal response: " + err.Error()}
+	}
+	return nil
 }
 
 // callResult calls method with the encoded request msg and decodes the
 // answer's result field (AddPodResponse and RemovePodResponse).
 func (c *Client) callResult(ctx context.Context, method string, msg []byte) (int32, error) {
-	body, err := c.conn.Call(ctx, method, msg)
-	if err != nil {
-		return 0, err
-	}
-	r, err := resultField(body)
-	if err != nil {
-		return 0, &grpcwire.Status{Code: grpcwire.Internal, Message: "failed to unmarshal response: " + err.Error()}
-	}
-	return r, nil
+	var r int32
+	err := c.call(ctx, method, msg, func(b []byte) (err error) {
+		r, err = resultField(b)
+		return err
+	})
+	return r, err
 }
 
 // GetPod reads the agent's record of a container; ErrNotFound when none.
-func (c *Client) GetPod(ctx context.Context, containerID string) (*cniv1.GetPodResponse, error) {
-	var out *cniv1.GetPodResponse
+func (c *Client) GetPod(ctx context.Context, containerID string) (*Record, error) {
+	var out *Record
 	err := c.retry(ctx, "GetPod", 1, func(ctx context.Context) error {
-		r := &cniv1.GetPodResponse{}
-		err := c.conn.Invoke(ctx, MethodGetPod, &cniv1.GetPodRequest{ContainerId: containerID}, r)
-		if err == nil {
-			out = r
-		}
-		return err
+		return c.call(ctx, MethodGetPod, marshalGetPod(containerID), func(b []byte) (err error) {
+			out, err = unmarshalRecord(b)
+			return err
+		})
 	})
 	switch {
 	case err == nil:

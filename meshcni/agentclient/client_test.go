@@ -137,13 +137,13 @@ func TestAddPodRetries(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			f := &fakeAgent{failN: tc.failN, failCode: tc.code, addResult: cniv1.AddPodResponse_RESULT_SUCCESS}
 			c := client(t, serve(t, f), tc.attempts)
-			res, err := c.AddPod(context.Background(), &cniv1.AddPodRequest{Pod: &cniv1.CNIPod{Name: "p", Namespace: "n"}})
+			res, err := c.AddPod(context.Background(), &agentclient.AddPodRequest{Pod: &agentclient.Pod{Name: "p", Namespace: "n"}})
 			if got := f.calls.Load(); got != tc.wantCalls {
 				t.Errorf("calls = %d, want %d", got, tc.wantCalls)
 			}
 			switch {
 			case tc.wantErr == nil:
-				if err != nil || res != cniv1.AddPodResponse_RESULT_SUCCESS {
+				if err != nil || res != agentclient.AddSuccess {
 					t.Fatalf("AddPod = %v, %v", res, err)
 				}
 			case errors.Is(tc.wantErr, errOther):
@@ -163,7 +163,7 @@ var errOther = errors.New("other")
 
 func TestAgentDownIsBoundedAndUnavailable(t *testing.T) {
 	c := client(t, filepath.Join(t.TempDir(), "absent.sock"), 3)
-	_, err := c.RemovePod(context.Background(), &cniv1.RemovePodRequest{Name: "p", Namespace: "n", ContainerId: "c"})
+	_, err := c.RemovePod(context.Background(), &agentclient.RemovePodRequest{Name: "p", Namespace: "n", ContainerID: "c"})
 	if !errors.Is(err, agentclient.ErrUnavailable) {
 		t.Fatalf("RemovePod with no agent = %v, want ErrUnavailable", err)
 	}
@@ -175,7 +175,7 @@ func TestAgentDownIsBoundedAndUnavailable(t *testing.T) {
 func TestHangingAgentHitsDeadline(t *testing.T) {
 	f := &fakeAgent{hang: true}
 	c := client(t, serve(t, f), 2)
-	_, err := c.AddPod(context.Background(), &cniv1.AddPodRequest{Pod: &cniv1.CNIPod{Name: "p", Namespace: "n"}})
+	_, err := c.AddPod(context.Background(), &agentclient.AddPodRequest{Pod: &agentclient.Pod{Name: "p", Namespace: "n"}})
 	if !errors.Is(err, agentclient.ErrUnavailable) {
 		t.Fatalf("AddPod on a hanging agent = %v, want ErrUnavailable after its deadlines", err)
 	}
@@ -186,14 +186,14 @@ func TestHangingAgentHitsDeadline(t *testing.T) {
 
 func TestReportUnimplementedIgnored(t *testing.T) {
 	c := client(t, serve(t, &fakeAgent{failCode: codes.Unimplemented}), 1)
-	if err := c.ReportAddResult(context.Background(), &cniv1.ReportAddResultRequest{ContainerId: "c"}); err != nil {
+	if err := c.ReportAddResult(context.Background(), &agentclient.ReportRequest{ContainerID: "c"}); err != nil {
 		t.Fatalf("ReportAddResult on an agent without it = %v, want nil", err)
 	}
 }
 
 func TestGetPod(t *testing.T) {
 	c := client(t, serve(t, &fakeAgent{}), 1)
-	if r, err := c.GetPod(context.Background(), "known"); err != nil || !r.GetManaged() {
+	if r, err := c.GetPod(context.Background(), "known"); err != nil || !r.Managed {
 		t.Fatalf("GetPod(known) = %v, %v", r, err)
 	}
 	if _, err := c.GetPod(context.Background(), "other"); !errors.Is(err, agentclient.ErrNotFound) {
@@ -225,10 +225,10 @@ func TestOneConnectionPerAdd(t *testing.T) {
 	sock, accepted := serveCounting(t, f)
 	c := client(t, sock, 3)
 	c.Connect()
-	if res, err := c.AddPod(context.Background(), &cniv1.AddPodRequest{Pod: &cniv1.CNIPod{Name: "p", Namespace: "n"}}); err != nil || res != cniv1.AddPodResponse_RESULT_SUCCESS {
+	if res, err := c.AddPod(context.Background(), &agentclient.AddPodRequest{Pod: &agentclient.Pod{Name: "p", Namespace: "n"}}); err != nil || res != agentclient.AddSuccess {
 		t.Fatalf("AddPod = %v, %v", res, err)
 	}
-	if err := c.ReportAddResult(context.Background(), &cniv1.ReportAddResultRequest{ContainerId: "c"}); err != nil {
+	if err := c.ReportAddResult(context.Background(), &agentclient.ReportRequest{ContainerID: "c"}); err != nil {
 		t.Fatalf("ReportAddResult = %v", err)
 	}
 	if n := f.reports.Load(); n != 1 {
@@ -259,8 +259,8 @@ func TestLargeResponse(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !maps.Equal(r.GetPod().GetAnnotations(), ann) {
-			t.Fatalf("GetPod returned %d annotations, want %d", len(r.GetPod().GetAnnotations()), len(ann))
+		if !maps.Equal(r.Pod.Annotations, ann) {
+			t.Fatalf("GetPod returned %d annotations, want %d", len(r.Pod.Annotations), len(ann))
 		}
 	}
 }
@@ -272,7 +272,7 @@ func TestManyCallsOneConnection(t *testing.T) {
 	f := &fakeAgent{}
 	sock, accepted := serveCounting(t, f)
 	c := client(t, sock, 1)
-	req := &cniv1.ReportAddResultRequest{ContainerId: "c", Timings: &cniv1.PluginTimings{
+	req := &agentclient.ReportRequest{ContainerID: "c", Timings: &agentclient.Timings{
 		ReadinessProbeError: strings.Repeat("r", 4096), CaptureDivertError: strings.Repeat("d", 4096),
 	}}
 	for i := range 40 { // 40 x 8 KiB: five times the 64 KiB window

@@ -22,6 +22,19 @@ import (
 // namespace).
 type Installer struct{}
 
+// openNFT opens one nftables netlink connection in the namespace of fd for
+// all of a caller's requests (the caller closes it): without AsLasting,
+// google/nftables dials a new socket for every request, and each dial into
+// another namespace runs on a goroutine of its own locked to a thread that
+// enters the namespace and comes back (two setns).
+func openNFT(fd int) (*nftables.Conn, error) {
+	c, err := nftables.New(nftables.AsLasting(), nftables.WithNetNSFd(fd))
+	if err != nil {
+		return nil, fmt.Errorf("failed to open nftables in netns: %w", err)
+	}
+	return c, nil
+}
+
 // inNS opens the namespace at path and runs fn with its fd.
 func inNS(path string, fn func(fd int) error) error {
 	f, err := os.Open(path)
@@ -87,9 +100,9 @@ func installNFT(fd int, r Ruleset) error {
 			return nil
 		}
 	}
-	c, err := nftables.New(nftables.WithNetNSFd(fd), nftables.AsLasting())
+	c, err := openNFT(fd)
 	if err != nil {
-		return fmt.Errorf("failed to open nftables in netns: %w", err)
+		return err
 	}
 	// Closing waits for an RCU grace period after a commit that removed
 	// anything (see above); a close error leaves nothing to act on.
@@ -288,19 +301,15 @@ func replaceInPlace(c *nftables.Conn, t *nftables.Table, chains map[string]*nfta
 	}
 }
 
-// loIndex is the index of lo in the namespace of h.
-func loIndex(h netlinksafe.Handle) (int, error) {
-	lo, err := h.LinkByName("lo")
-	if err != nil {
-		return 0, fmt.Errorf("failed to find lo in netns: %w", err)
-	}
-	return lo.Attrs().Index, nil
-}
+// loopbackIndex is lo's interface index in every network namespace (the
+// kernel's LOOPBACK_IFINDEX, fixed since Linux 3.7): no lookup of lo by
+// name, which costs a full RTM_GETLINK answer per call.
+const loopbackIndex = 1
 
 // localRoutes renders c's policy routing on lo (its index): per family, the
 // local default route of the route table, and the fwmark rules that look
 // it up (the divert mark, then the deliver mark).
-func localRoutes(lo int, c Config) ([]*netlink.Route, []*netlink.Rule) {
+func localRoutes(c Config) ([]*netlink.Route, []*netlink.Rule) {
 	var routes []*netlink.Route
 	var rules []*netlink.Rule
 	for _, fam := range []int{unix.AF_INET, unix.AF_INET6} {
@@ -311,7 +320,7 @@ func localRoutes(lo int, c Config) ([]*netlink.Route, []*netlink.Rule) {
 			scope = netlink.SCOPE_UNIVERSE
 		}
 		routes = append(routes, &netlink.Route{
-			LinkIndex: lo, Dst: dst, Table: c.RouteTable, Type: unix.RTN_LOCAL,
+			LinkIndex: loopbackIndex, Dst: dst, Table: c.RouteTable, Type: unix.RTN_LOCAL,
 			Scope: scope, Family: fam,
 		})
 		for _, mark := range []uint32{c.DivertMark, c.DeliverMark} {
@@ -330,8 +339,8 @@ func localRoutes(lo int, c Config) ([]*netlink.Route, []*netlink.Rule) {
 
 // ipv6Disabled reports whether IPv6 is off in the namespace: lo (its
 // index) then carries no ::1.
-func ipv6Disabled(h netlinksafe.Handle, lo int) bool {
-	link := &netlink.Device{LinkAttrs: netlink.LinkAttrs{Index: lo}}
+func ipv6Disabled(h netlinksafe.Handle) bool {
+	link := &netlink.Device{LinkAttrs: netlink.LinkAttrs{Index: loopbackIndex}}
 	for range 5 {
 		addrs, err := h.AddrList(link, unix.AF_INET6)
 		if errors.Is(err, netlink.ErrDumpInterrupted) {
@@ -344,18 +353,13 @@ func ipv6Disabled(h netlinksafe.Handle, lo int) bool {
 
 // routing opens netlink on the namespace fd and renders c's local routes
 // and fwmark rules there; the caller closes the handle.
-func routing(fd int, c Config) (*netlinksafe.Handle, int, []*netlink.Route, []*netlink.Rule, error) {
+func routing(fd int, c Config) (*netlinksafe.Handle, []*netlink.Route, []*netlink.Rule, error) {
 	h, err := netlinksafe.NewHandleAt(netns.NsHandle(fd), unix.NETLINK_ROUTE)
 	if err != nil {
-		return nil, 0, nil, nil, fmt.Errorf("failed to open netlink in netns: %w", err)
+		return nil, nil, nil, fmt.Errorf("failed to open netlink in netns: %w", err)
 	}
-	lo, err := loIndex(h)
-	if err != nil {
-		h.Close()
-		return nil, 0, nil, nil, err
-	}
-	routes, rules := localRoutes(lo, c)
-	return &h, lo, routes, rules, nil
+	routes, rules := localRoutes(c)
+	return &h, routes, rules, nil
 }
 
 // installRouting puts c's local routes and fwmark rules in the namespace
@@ -364,12 +368,12 @@ func routing(fd int, c Config) (*netlinksafe.Handle, int, []*netlink.Route, []*n
 // families): a rule already there is not added again, and the same list
 // names the stale ones.
 func installRouting(fd int, c Config) error {
-	h, lo, routes, rules, err := routing(fd, c)
+	h, routes, rules, err := routing(fd, c)
 	if err != nil {
 		return err
 	}
 	defer h.Close()
-	no6 := ipv6Disabled(*h, lo)
+	no6 := ipv6Disabled(*h)
 	for _, rt := range routes {
 		if rt.Family == unix.AF_INET6 && no6 {
 			continue
@@ -390,7 +394,7 @@ func installRouting(fd int, c Config) error {
 			return fmt.Errorf("failed to add fwmark rule %#x lookup %d: %w", rule.Mark, c.RouteTable, err)
 		}
 	}
-	return removeStale(*h, lo, c, have, false)
+	return removeStale(*h, c, have, false)
 }
 
 // rulesAt lists the IPv4 and IPv6 ip rules at priority prio, in one dump.
@@ -419,7 +423,7 @@ func sameRule(r netlink.Rule, want *netlink.Rule) bool {
 // such a rule used; all includes the rules of c itself (Remove). A rule is
 // the divert's when it sits at c.RulePriority, matches a full-mask fwmark
 // and looks a table up.
-func removeStale(h netlinksafe.Handle, lo int, c Config, have []netlink.Rule, all bool) error {
+func removeStale(h netlinksafe.Handle, c Config, have []netlink.Rule, all bool) error {
 	var errs []error
 	for i := range have {
 		r := &have[i]
@@ -438,7 +442,7 @@ func removeStale(h netlinksafe.Handle, lo int, c Config, have []netlink.Rule, al
 		}
 		old := c
 		old.RouteTable = r.Table
-		routes, _ := localRoutes(lo, old)
+		routes, _ := localRoutes(old)
 		for _, rt := range routes {
 			if rt.Family != r.Family {
 				continue
@@ -458,10 +462,11 @@ var ErrNotInstalled = errors.New("capture divert not installed")
 func (Installer) Present(nsPath string) (bool, error) {
 	present := false
 	err := inNS(nsPath, func(fd int) error {
-		c, err := nftables.New(nftables.WithNetNSFd(fd))
+		c, err := openNFT(fd)
 		if err != nil {
-			return fmt.Errorf("failed to open nftables in netns: %w", err)
+			return err
 		}
+		defer func() { _ = c.CloseLasting() }()
 		present, err = hasTable(c)
 		return err
 	})
@@ -490,10 +495,11 @@ func (Installer) Verify(nsPath string, r Ruleset) error {
 
 // VerifyFd is Verify on an open namespace fd.
 func VerifyFd(fd int, r Ruleset) error {
-	c, err := nftables.New(nftables.WithNetNSFd(fd))
+	c, err := openNFT(fd)
 	if err != nil {
-		return fmt.Errorf("failed to open nftables in netns: %w", err)
+		return err
 	}
+	defer func() { _ = c.CloseLasting() }()
 	t, err := c.ListTableOfFamily(TableName, nftables.TableFamilyINet)
 	if err != nil {
 		if errors.Is(err, unix.ENOENT) {
@@ -576,12 +582,8 @@ func verifyRouting(fd int, c Config) error {
 		return fmt.Errorf("failed to open netlink in netns: %w", err)
 	}
 	defer h.Close()
-	lo, err := loIndex(h)
-	if err != nil {
-		return err
-	}
-	routes, rules := localRoutes(lo, c)
-	no6 := ipv6Disabled(h, lo)
+	routes, rules := localRoutes(c)
+	no6 := ipv6Disabled(h)
 	for _, want := range rules {
 		if want.Family == unix.AF_INET6 && no6 {
 			continue
@@ -643,7 +645,7 @@ func RemoveFd(fd int, c Config) error {
 }
 
 func removeRouting(fd int, c Config) error {
-	h, lo, routes, rules, err := routing(fd, c)
+	h, routes, rules, err := routing(fd, c)
 	if err != nil {
 		return err
 	}
@@ -666,7 +668,7 @@ func removeRouting(fd int, c Config) error {
 	// than its ADD) go too.
 	have, err := rulesAt(*h, c.RulePriority)
 	if err == nil {
-		err = removeStale(*h, lo, c, have, true)
+		err = removeStale(*h, c, have, true)
 	}
 	if err != nil {
 		errs = append(errs, err)
@@ -675,10 +677,11 @@ func removeRouting(fd int, c Config) error {
 }
 
 func removeTable(fd int) error {
-	nc, err := nftables.New(nftables.WithNetNSFd(fd))
+	nc, err := openNFT(fd)
 	if err != nil {
-		return fmt.Errorf("failed to open nftables in netns: %w", err)
+		return err
 	}
+	defer func() { _ = nc.CloseLasting() }()
 	if ok, err := hasTable(nc); !ok || err != nil {
 		return err
 	}

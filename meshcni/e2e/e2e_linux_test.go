@@ -78,15 +78,15 @@ func TestManagedPod(t *testing.T) {
 			if err != nil {
 				t.Fatalf("GetPod: %v", err)
 			}
-			if !rec.GetManaged() || rec.GetUncaptured() || rec.GetPod().GetNetworkNamespace() != e.pinDir+"/"+p.ContainerID {
-				t.Fatalf("agent record: %v", rec)
+			if !rec.Managed || rec.Uncaptured || rec.Pod == nil || rec.Pod.NetworkNamespace != e.pinDir+"/"+p.ContainerID {
+				t.Fatalf("agent record: %+v", rec)
 			}
-			tm := rec.GetLastTimings()
-			if tm.GetStarted() == nil || tm.GetPreCall() == nil || tm.GetReadinessProbe() == nil || tm.GetCaptureDivert() == nil || tm.GetTotal() == nil {
-				t.Fatalf("timings not reported to the agent: %v", tm)
+			tm := rec.LastTimings
+			if tm == nil || tm.Started == nil || tm.PreCall == nil || tm.ReadinessProbe == nil || tm.CaptureDivert == nil || tm.Total == nil {
+				t.Fatalf("timings not reported to the agent: %+v", tm)
 			}
-			if tm.GetReadinessProbeError() != "" || tm.GetCaptureDivertError() != "" {
-				t.Fatalf("probe/divert errors reported: %v", tm)
+			if tm.ReadinessProbeError != "" || tm.CaptureDivertError != "" {
+				t.Fatalf("probe/divert errors reported: %+v", tm)
 			}
 			if _, err := os.Stat(e.pinDir + "/" + p.ContainerID); err != nil {
 				t.Fatalf("netns not pinned: %v", err)
@@ -400,10 +400,10 @@ func TestDivertFailureFailOpen(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !rec.GetUncaptured() || rec.GetLastTimings().GetCaptureDivertError() == "" {
-		t.Fatalf("divert failure not reported: uncaptured=%v timings=%v", rec.GetUncaptured(), rec.GetLastTimings())
+	if !rec.Uncaptured || rec.LastTimings == nil || rec.LastTimings.CaptureDivertError == "" {
+		t.Fatalf("divert failure not reported: uncaptured=%v timings=%+v", rec.Uncaptured, rec.LastTimings)
 	}
-	t.Logf("reported: %s", rec.GetLastTimings().GetCaptureDivertError())
+	t.Logf("reported: %s", rec.LastTimings.CaptureDivertError)
 	if err := e.rt.Check(ctx, p); err == nil {
 		t.Fatal("CHECK passed for a pod whose divert failed")
 	}

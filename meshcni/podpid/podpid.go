@@ -11,29 +11,54 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"regexp"
 	"strconv"
 	"strings"
 	"time"
 
-	"google.golang.org/protobuf/encoding/protowire"
-
 	"aether.io/node/meshcni/internal/grpcwire"
+	"aether.io/node/meshcni/internal/pbwire"
 )
 
-var procNetns = regexp.MustCompile(`^/proc/([0-9]+)/(?:task/[0-9]+/)?ns/net$`)
-
-// FromNetnsPath returns the PID a netns path names, if it names one.
+// FromNetnsPath returns the PID a netns path names, if it names one:
+// /proc/<pid>/ns/net or /proc/<pid>/task/<tid>/ns/net. (Parsed by hand: a
+// package-level regexp is compiled at every plugin start.)
 func FromNetnsPath(path string) (uint32, bool) {
-	m := procNetns.FindStringSubmatch(path)
-	if m == nil {
+	rest, ok := strings.CutPrefix(path, "/proc/")
+	if !ok {
 		return 0, false
 	}
-	pid, err := strconv.ParseUint(m[1], 10, 32)
+	pidText, rest, ok := strings.Cut(rest, "/")
+	if !ok || !decimal(pidText) {
+		return 0, false
+	}
+	if task, ok := strings.CutPrefix(rest, "task/"); ok {
+		tid, after, ok := strings.Cut(task, "/")
+		if !ok || !decimal(tid) {
+			return 0, false
+		}
+		rest = after
+	}
+	if rest != "ns/net" {
+		return 0, false
+	}
+	pid, err := strconv.ParseUint(pidText, 10, 32)
 	if err != nil || pid == 0 {
 		return 0, false
 	}
 	return uint32(pid), true
+}
+
+// decimal reports whether s is one or more ASCII digits.
+func decimal(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := range len(s) {
+		if s[i] < '0' || s[i] > '9' {
+			return false
+		}
+	}
+	return true
 }
 
 // ErrNoPID means the runtime reported no PID for the sandbox (yet).
@@ -102,14 +127,8 @@ func (wireCodec) Marshal(v any) ([]byte, error) {
 	if !ok {
 		return nil, fmt.Errorf("failed to marshal CRI request: unexpected type %T", v)
 	}
-	var b []byte
-	b = protowire.AppendTag(b, 1, protowire.BytesType)
-	b = protowire.AppendString(b, r.sandboxID)
-	if r.verbose {
-		b = protowire.AppendTag(b, 2, protowire.VarintType)
-		b = protowire.AppendVarint(b, 1)
-	}
-	return b, nil
+	b := pbwire.AppendBytesField(nil, 1, r.sandboxID)
+	return pbwire.AppendBool(b, 2, r.verbose), nil
 }
 
 func (wireCodec) Unmarshal(data []byte, v any) error {
@@ -118,52 +137,14 @@ func (wireCodec) Unmarshal(data []byte, v any) error {
 		return fmt.Errorf("failed to unmarshal CRI response: unexpected type %T", v)
 	}
 	r.info = map[string]string{}
-	return eachField(data, func(num protowire.Number, val []byte) error {
-		if num != 2 {
+	err := pbwire.Decode(data, func(f pbwire.Field) error {
+		if f.Num != 2 {
 			return nil
 		}
-		var k, e string
-		if err := eachField(val, func(num protowire.Number, val []byte) error {
-			switch num {
-			case 1:
-				k = string(val)
-			case 2:
-				e = string(val)
-			}
-			return nil
-		}); err != nil {
-			return err
-		}
-		r.info[k] = e
-		return nil
+		return f.StringMapEntry(&r.info)
 	})
-}
-
-// eachField calls fn with the number and payload of every length-delimited
-// field of the message in b, skipping the other wire types.
-func eachField(b []byte, fn func(protowire.Number, []byte) error) error {
-	for len(b) > 0 {
-		num, typ, n := protowire.ConsumeTag(b)
-		if n < 0 {
-			return fmt.Errorf("failed to decode CRI response: %w", protowire.ParseError(n))
-		}
-		b = b[n:]
-		if typ == protowire.BytesType {
-			val, m := protowire.ConsumeBytes(b)
-			if m < 0 {
-				return fmt.Errorf("failed to decode CRI response: %w", protowire.ParseError(m))
-			}
-			if err := fn(num, val); err != nil {
-				return err
-			}
-			b = b[m:]
-			continue
-		}
-		m := protowire.ConsumeFieldValue(num, typ, b)
-		if m < 0 {
-			return fmt.Errorf("failed to decode CRI response: %w", protowire.ParseError(m))
-		}
-		b = b[m:]
+	if err != nil {
+		return fmt.Errorf("failed to decode CRI response: %w", err)
 	}
 	return nil
 }

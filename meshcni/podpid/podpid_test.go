@@ -21,6 +21,15 @@ func TestFromNetnsPath(t *testing.T) {
 		"/var/run/netns/cni-1234":    0,
 		"/proc/self/ns/net":          0,
 		"/proc/1234/ns/net/../../1/": 0,
+		"/proc/0/ns/net":             0,
+		"/proc/4294967296/ns/net":    0,
+		"/proc//ns/net":              0,
+		"/proc/12a/ns/net":           0,
+		"/proc/77/task//ns/net":      0,
+		"/proc/77/task/7x/ns/net":    0,
+		"/proc/77/task/78/ns/mnt":    0,
+		"/proc/77/ns/net2":           0,
+		"proc/77/ns/net":             0,
 	} {
 		got, ok := FromNetnsPath(path)
 		if got != want || ok != (want != 0) {

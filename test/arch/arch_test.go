@@ -235,7 +235,14 @@ var notForMeshCNI = []string{
 	// imports validate.proto as an option import only (tools/protogen), so
 	// a client links neither its types nor descriptor.proto's.
 	"buf.build/gen/go/bufbuild/protovalidate",
-	"google.golang.org/protobuf/types/descriptorpb",
+	// no protobuf runtime at all, protowire included (its internal/errors
+	// imports internal/detrand, which reads the executable at every start):
+	// the plugin's messages are plain Go types encoded and decoded by
+	// meshcni/agentclient and meshcni/podpid through meshcni/internal/pbwire,
+	// so it imports neither the generated aether.cni.v1 package nor the
+	// well-known types.
+	"google.golang.org/protobuf",
+	module + "/api",
 	// it calls the agent (and the CRI runtime) through
 	// meshcni/internal/grpcwire: grpc-go's init and size cost every exec.
 	"google.golang.org/grpc",

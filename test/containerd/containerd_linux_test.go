@@ -129,14 +129,14 @@ func TestRunPodSandboxThroughConflist(t *testing.T) {
 				if !present {
 					t.Fatal("managed pod has no capture table")
 				}
-				if recErr != nil || !rec.GetManaged() || rec.GetPod().GetUid() != uid || rec.GetPod().GetNetworkNamespace() != filepath.Join(pinDir, id) {
-					t.Fatalf("agent record = %v, %v", rec, recErr)
+				if recErr != nil || !rec.Managed || rec.Pod == nil || rec.Pod.UID != uid || rec.Pod.NetworkNamespace != filepath.Join(pinDir, id) {
+					t.Fatalf("agent record = %+v, %v", rec, recErr)
 				}
-				if rec.GetLastTimings().GetTotal() == nil || rec.GetLastTimings().GetCaptureDivertError() != "" {
-					t.Fatalf("timings = %v", rec.GetLastTimings())
+				if rec.LastTimings == nil || rec.LastTimings.Total == nil || rec.LastTimings.CaptureDivertError != "" {
+					t.Fatalf("timings = %+v", rec.LastTimings)
 				}
-				if rec.GetPod().GetPid() != nil {
-					t.Logf("sandbox pid reported during ADD: %v", rec.GetPod().GetPid())
+				if rec.Pod.PID != nil {
+					t.Logf("sandbox pid reported during ADD: %d", *rec.Pod.PID)
 				}
 				if pinErr != nil {
 					t.Fatalf("managed pod not pinned: %v", pinErr)

@@ -29,7 +29,6 @@ import (
 	"time"
 
 	"golang.org/x/net/http2/hpack"
-	"google.golang.org/protobuf/proto"
 )
 
 // HTTP/2 frame types and flags (RFC 9113 section 6) this client uses.
@@ -147,26 +146,11 @@ func (c *Conn) drop() error {
 	return nil
 }
 
-// Invoke calls the unary method (a full method name, "/package.Service/Method")
-// with req and decodes the answer into resp. A call that the server answers
-// with a non-OK status, or that fails, returns a *Status (see CodeOf).
-func (c *Conn) Invoke(ctx context.Context, method string, req, resp proto.Message) error {
-	msg, err := proto.Marshal(req)
-	if err != nil {
-		return &Status{Code: Internal, Message: "failed to marshal request: " + err.Error()}
-	}
-	body, err := c.Call(ctx, method, msg)
-	if err != nil {
-		return err
-	}
-	if err := proto.Unmarshal(body, resp); err != nil {
-		return &Status{Code: Internal, Message: "failed to unmarshal response: " + err.Error()}
-	}
-	return nil
-}
-
-// Call is Invoke with the request and the response message in the protobuf
-// wire format, for callers that encode their own messages.
+// Call calls the unary method (a full method name,
+// "/package.Service/Method") with the request message msg, encoded by the
+// caller in the protobuf wire format, and returns the answer's message,
+// still encoded. A call that the server answers with a non-OK status, or
+// that fails, returns a *Status (see CodeOf).
 func (c *Conn) Call(ctx context.Context, method string, msg []byte) ([]byte, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
