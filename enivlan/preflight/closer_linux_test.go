@@ -17,6 +17,7 @@ import (
 	"github.com/mdlayher/packet"
 	"golang.org/x/sys/unix"
 
+	"aether.io/node/pkg/sockcloser"
 	"aether.io/node/test/harness"
 )
 
@@ -41,7 +42,7 @@ func loopback(tb testing.TB) (*harness.NS, *net.Interface) {
 
 // openBoth opens a Conn on lo in n, handing its sockets to cl, with its ARP
 // and IPv6 packet sockets open.
-func openBoth(tb testing.TB, n *harness.NS, lo *net.Interface, cl Closer) *Conn {
+func openBoth(tb testing.TB, n *harness.NS, lo *net.Interface, cl sockcloser.Taker) *Conn {
 	tb.Helper()
 	c := OpenWithCloser(lo, cl)
 	n.MustDo(tb, func() error {
@@ -57,7 +58,7 @@ func openBoth(tb testing.TB, n *harness.NS, lo *net.Interface, cl Closer) *Conn 
 
 // openSockets returns a Conn on lo in a fresh netns with its ARP and IPv6
 // packet sockets open, and their identities ("socket:[inode]").
-func openSockets(t *testing.T, cl Closer) (*Conn, []string) {
+func openSockets(t *testing.T, cl sockcloser.Taker) (*Conn, []string) {
 	t.Helper()
 	n, lo := loopback(t)
 	c := openBoth(t, n, lo, cl)
@@ -111,7 +112,7 @@ func holders(t *testing.T, ids []string) []int {
 	return out
 }
 
-// TestExecCloserTakesSockets: Close hands both sockets to a closer // fdTargets returns what each descriptor of process pid is open on.
+// fdTargets returns what each descriptor of process pid is open on.
 func fdTargets(t *testing.T, pid int) map[int]string {
 	t.Helper()
 	dir := fmt.Sprintf("/proc/%d/fd", pid)
@@ -152,15 +153,17 @@ func waitHeld(t *testing.T, pid int, ids []string) map[int]string {
 }
 
 // closerPID waits for cl's closer to be started and returns its pid.
-func closerPID(t *testing.T, cl *ExecCloser) int {
+func closerPID(t *testing.T, cl *sockcloser.ExecCloser) int {
 	t.Helper()
-	cl.Start()
-	<-cl.done
-	if cl.err != nil {
-		t.Fatalf("closer not started: %v", cl.err)
+	pid, err := cl.Started()
+	if err != nil {
+		t.Fatalf("closer not started: %v", err)
 	}
-	return cl.pid
+	return pid
 }
+
+// closerFD is the descriptor the closer holds its end of the pair on.
+const closerFD = 3
 
 // waitExit reaps the closer (a child of the test until it exits).
 func waitExit(t *testing.T, pid int) syscall.WaitStatus {
@@ -178,8 +181,8 @@ func waitExit(t *testing.T, pid int) syscall.WaitStatus {
 // (not a descriptor its parent leaked to it, no environment), until the
 // plugin's end of the pair closes; it then exits 0 and nothing holds them.
 func TestExecCloserTakesSockets(t *testing.T) {
-	if !CloserSupported() {
-		t.Fatalf("no closer image for %s: add one to closerArchs", runtime.GOARCH)
+	if !sockcloser.Supported() {
+		t.Fatalf("no closer image for %s: add one to sockcloser", runtime.GOARCH)
 	}
 	// A descriptor without close-on-exec, as a runtime may leak to a plugin.
 	leaked, err := unix.Open(os.DevNull, unix.O_RDONLY, 0)
@@ -187,7 +190,7 @@ func TestExecCloserTakesSockets(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = unix.Close(leaked) })
-	cl := &ExecCloser{}
+	cl := NewExecCloser()
 	t.Cleanup(func() { _ = cl.Close() })
 	cl.Start() // as ADD does, before the pre-flight
 	c, ids := openSockets(t, cl)
@@ -217,8 +220,8 @@ func TestExecCloserTakesSockets(t *testing.T) {
 	if env, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid)); err != nil || len(env) != 0 {
 		t.Errorf("closer environment = %q, %v; want empty", env, err)
 	}
-	if cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err != nil || string(cmd) != closerArg0+"\x00" {
-		t.Errorf("closer command line = %q, %v; want %s", cmd, err, closerArg0)
+	if cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err != nil || string(cmd) != CloserName+"\x00" {
+		t.Errorf("closer command line = %q, %v; want %s", cmd, err, CloserName)
 	}
 	if sid, err := unix.Getsid(pid); err != nil || sid != pid {
 		t.Errorf("closer session = %d, %v; want its own (%d)", sid, err, pid)
@@ -233,66 +236,6 @@ func TestExecCloserTakesSockets(t *testing.T) {
 	}
 	if h := holders(t, ids); len(h) > 0 {
 		t.Errorf("sockets still held by %v after the closer exited", h)
-	}
-}
-
-// TestCloserHolds: the closer keeps every descriptor it is sent, over one
-// message or several, until EOF on the pair (then exits 0) or until its life
-// is over (then SIGALRM ends it), whichever comes first.
-func TestCloserHolds(t *testing.T) {
-	if !CloserSupported() {
-		t.Fatalf("no closer image for %s: add one to closerArchs", runtime.GOARCH)
-	}
-	for _, tt := range []struct {
-		name     string
-		messages []int // descriptors per Take
-		eof      bool  // the plugin's end closes (else life ends the hold)
-	}{
-		{name: "EOF", eof: true},
-		{name: "descriptors then EOF", messages: []int{2}, eof: true},
-		{name: "several messages then EOF", messages: []int{1, 3, 2}, eof: true},
-		{name: "life", messages: []int{1}},
-	} {
-		t.Run(tt.name, func(t *testing.T) {
-			cl := &ExecCloser{life: time.Second}
-			t.Cleanup(func() { _ = cl.Close() })
-			cl.Start()
-			var ids []string
-			for _, n := range tt.messages {
-				var files []*os.File
-				for range n {
-					r, w, err := os.Pipe()
-					if err != nil {
-						t.Fatal(err)
-					}
-					_ = w.Close()
-					files = append(files, r)
-					ids = append(ids, fdTarget(t, os.Getpid(), int(r.Fd())))
-				}
-				err := cl.Take(files)
-				for _, f := range files {
-					_ = f.Close()
-				}
-				if err != nil {
-					t.Fatalf("Take: %v", err)
-				}
-			}
-			pid := closerPID(t, cl)
-			waitHeld(t, pid, ids)
-			if !tt.eof {
-				// The pair stays open: only the closer's life ends it.
-				if ws := waitExit(t, pid); !ws.Signaled() || ws.Signal() != syscall.SIGALRM {
-					t.Errorf("closer ended with %v, want SIGALRM", ws)
-				}
-				return
-			}
-			if err := cl.Close(); err != nil {
-				t.Fatal(err)
-			}
-			if ws := waitExit(t, pid); !ws.Exited() || ws.ExitStatus() != 0 {
-				t.Errorf("closer ended with %v, want exit 0", ws)
-			}
-		})
 	}
 }
 
