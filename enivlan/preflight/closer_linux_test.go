@@ -5,19 +5,16 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"path/filepath"
 	"runtime"
 	"slices"
-	"strconv"
 	"strings"
-	"syscall"
 	"testing"
-	"time"
 
 	"github.com/mdlayher/packet"
 	"golang.org/x/sys/unix"
 
 	"aether.io/node/pkg/sockcloser"
+	"aether.io/node/pkg/sockcloser/sockclosertest"
 	"aether.io/node/test/harness"
 )
 
@@ -73,83 +70,7 @@ func socketID(t *testing.T, pc *packet.Conn) string {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	return fdTarget(t, os.Getpid(), int(f.Fd()))
-}
-
-func fdTarget(t *testing.T, pid, fd int) string {
-	t.Helper()
-	l, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", pid, fd))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return l
-}
-
-// holders returns the processes with a descriptor on any of ids.
-func holders(t *testing.T, ids []string) []int {
-	t.Helper()
-	procs, err := os.ReadDir("/proc")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out []int
-	for _, p := range procs {
-		pid, err := strconv.Atoi(p.Name())
-		if err != nil {
-			continue
-		}
-		fds, err := os.ReadDir(filepath.Join("/proc", p.Name(), "fd"))
-		if err != nil {
-			continue // gone, or a kernel thread
-		}
-		for _, fd := range fds {
-			if l, err := os.Readlink(filepath.Join("/proc", p.Name(), "fd", fd.Name())); err == nil && slices.Contains(ids, l) {
-				out = append(out, pid)
-				break
-			}
-		}
-	}
-	return out
-}
-
-// fdTargets returns what each descriptor of process pid is open on.
-func fdTargets(t *testing.T, pid int) map[int]string {
-	t.Helper()
-	dir := fmt.Sprintf("/proc/%d/fd", pid)
-	fds, err := os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	out := map[int]string{}
-	for _, d := range fds {
-		fd, err := strconv.Atoi(d.Name())
-		if err != nil {
-			t.Fatal(err)
-		}
-		if l, err := os.Readlink(filepath.Join(dir, d.Name())); err == nil {
-			out[fd] = l
-		}
-	}
-	return out
-}
-
-// waitHeld waits until process pid holds every one of ids (in flight
-// until the closer receives them).
-func waitHeld(t *testing.T, pid int, ids []string) map[int]string {
-	t.Helper()
-	for {
-		fds := fdTargets(t, pid)
-		held := 0
-		for _, l := range fds {
-			if slices.Contains(ids, l) {
-				held++
-			}
-		}
-		if held == len(ids) {
-			return fds
-		}
-		time.Sleep(5 * time.Millisecond) // the test's deadline bounds the wait
-	}
+	return sockclosertest.Target(t, os.Getpid(), int(f.Fd()))
 }
 
 // closerPID waits for cl's closer to be started and returns its pid.
@@ -160,19 +81,6 @@ func closerPID(t *testing.T, cl *sockcloser.ExecCloser) int {
 		t.Fatalf("closer not started: %v", err)
 	}
 	return pid
-}
-
-// closerFD is the descriptor the closer holds its end of the pair on.
-const closerFD = 3
-
-// waitExit reaps the closer (a child of the test until it exits).
-func waitExit(t *testing.T, pid int) syscall.WaitStatus {
-	t.Helper()
-	var ws syscall.WaitStatus
-	if _, err := syscall.Wait4(pid, &ws, 0, nil); err != nil {
-		t.Fatalf("wait for closer %d: %v", pid, err)
-	}
-	return ws
 }
 
 // TestExecCloserTakesSockets: Close hands both sockets to a closer process
@@ -201,40 +109,19 @@ func TestExecCloserTakesSockets(t *testing.T) {
 		t.Error("Close left sockets on the Conn")
 	}
 	pid := closerPID(t, cl)
-	fds := waitHeld(t, pid, ids)
-	if h := holders(t, ids); len(h) != 1 || h[0] != pid {
+	sockclosertest.CheckCloser(t, pid, CloserName, ids)
+	if h := sockclosertest.Holders(t, ids); len(h) != 1 || h[0] != pid {
 		t.Errorf("sockets %v held by %v, want only the closer %d", ids, h, pid)
-	}
-	for fd, l := range fds {
-		switch {
-		case fd < closerFD && l == os.DevNull:
-		case fd == closerFD && strings.HasPrefix(l, "socket:"):
-		case fd > closerFD && slices.Contains(ids, l):
-		default:
-			t.Errorf("closer fd %d = %q; want stdio on /dev/null, the pair on %d, the sockets", fd, l, closerFD)
-		}
-	}
-	if len(fds) != closerFD+1+len(ids) {
-		t.Errorf("closer descriptors %v, want %d", fds, closerFD+1+len(ids))
-	}
-	if env, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid)); err != nil || len(env) != 0 {
-		t.Errorf("closer environment = %q, %v; want empty", env, err)
-	}
-	if cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err != nil || string(cmd) != CloserName+"\x00" {
-		t.Errorf("closer command line = %q, %v; want %s", cmd, err, CloserName)
-	}
-	if sid, err := unix.Getsid(pid); err != nil || sid != pid {
-		t.Errorf("closer session = %d, %v; want its own (%d)", sid, err, pid)
 	}
 	// The plugin's exit closes its end of the pair; Close does the same
 	// here. The closer then exits and releases the sockets.
 	if err := cl.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if ws := waitExit(t, pid); !ws.Exited() || ws.ExitStatus() != 0 {
+	if ws := sockclosertest.Reap(t, pid); !ws.Exited() || ws.ExitStatus() != 0 {
 		t.Errorf("closer ended with %v, want exit 0", ws)
 	}
-	if h := holders(t, ids); len(h) > 0 {
+	if h := sockclosertest.Holders(t, ids); len(h) > 0 {
 		t.Errorf("sockets still held by %v after the closer exited", h)
 	}
 }
@@ -279,7 +166,7 @@ func TestCloseHandOff(t *testing.T) {
 			if !slices.Equal(cl.took, ids) {
 				t.Errorf("closer took %v, want %v", cl.took, ids)
 			}
-			if h := holders(t, ids); len(h) > 0 {
+			if h := sockclosertest.Holders(t, ids); len(h) > 0 {
 				t.Errorf("sockets still held by %v after Close", h)
 			}
 		})

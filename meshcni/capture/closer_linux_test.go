@@ -2,11 +2,8 @@ package capture_test
 
 import (
 	"bytes"
-	"fmt"
 	"log/slog"
 	"os"
-	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 
@@ -15,29 +12,9 @@ import (
 	"aether.io/node/meshcni/capture"
 	"aether.io/node/meshcni/capture/capturetest"
 	"aether.io/node/pkg/sockcloser"
+	"aether.io/node/pkg/sockcloser/sockclosertest"
 	"aether.io/node/test/harness"
 )
-
-// fds returns what each descriptor of process pid is open on.
-func fds(t *testing.T, pid int) map[int]string {
-	t.Helper()
-	dir := fmt.Sprintf("/proc/%d/fd", pid)
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	out := map[int]string{}
-	for _, e := range ents {
-		fd, err := strconv.Atoi(e.Name())
-		if err != nil {
-			t.Fatal(err)
-		}
-		if l, err := os.Readlink(filepath.Join(dir, e.Name())); err == nil {
-			out[fd] = l
-		}
-	}
-	return out
-}
 
 // heldNetfilter returns the netfilter netlink sockets process pid holds
 // ("socket:[inode]"), read through pidfd_getfd (the closer's descriptors
@@ -50,7 +27,7 @@ func heldNetfilter(t *testing.T, pid int) []string {
 	}
 	defer unix.Close(pidfd)
 	var out []string
-	for fd, l := range fds(t, pid) {
+	for fd, l := range sockclosertest.FDs(t, pid) {
 		if !strings.HasPrefix(l, "socket:") {
 			continue
 		}
@@ -63,33 +40,6 @@ func heldNetfilter(t *testing.T, pid int) []string {
 		_ = unix.Close(dup)
 		if derr == nil && perr == nil && dom == unix.AF_NETLINK && proto == unix.NETLINK_NETFILTER {
 			out = append(out, l)
-		}
-	}
-	return out
-}
-
-// holders returns the processes holding a descriptor on id.
-func holders(t *testing.T, id string) []int {
-	t.Helper()
-	procs, err := os.ReadDir("/proc")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out []int
-	for _, p := range procs {
-		pid, err := strconv.Atoi(p.Name())
-		if err != nil {
-			continue
-		}
-		ents, err := os.ReadDir(filepath.Join("/proc", p.Name(), "fd"))
-		if err != nil {
-			continue // gone, or a kernel thread
-		}
-		for _, e := range ents {
-			if l, err := os.Readlink(filepath.Join("/proc", p.Name(), "fd", e.Name())); err == nil && l == id {
-				out = append(out, pid)
-				break
-			}
 		}
 	}
 	return out
@@ -164,13 +114,14 @@ func TestCloserTakesRemovingCommits(t *testing.T) {
 			if len(held) != 1 {
 				t.Fatalf("closer holds netfilter sockets %v, want the commit's one", held)
 			}
+			sockclosertest.CheckCloser(t, pid, capture.CloserName, held)
 			if mine := heldNetfilter(t, os.Getpid()); len(mine) > 0 {
 				t.Errorf("this process still holds netfilter sockets %v", mine)
 			}
 			if ws, _ := cl.End(t); !ws.Exited() || ws.ExitStatus() != 0 {
 				t.Errorf("closer ended with %v, want exit 0", ws)
 			}
-			if h := holders(t, held[0]); len(h) > 0 {
+			if h := sockclosertest.Holders(t, held[:1]); len(h) > 0 {
 				t.Errorf("socket %s still held by %v after the closer exited", held[0], h)
 			}
 		})

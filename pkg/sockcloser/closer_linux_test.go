@@ -1,18 +1,15 @@
 package sockcloser
 
 import (
-	"fmt"
 	"os"
-	"path/filepath"
 	"runtime"
-	"slices"
-	"strconv"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"aether.io/node/pkg/sockcloser/sockclosertest"
 )
 
 // testName is the closers' name in these tests.
@@ -37,55 +34,6 @@ func pipe(t *testing.T) *os.File {
 	return r
 }
 
-func fdTarget(t *testing.T, pid, fd int) string {
-	t.Helper()
-	l, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%d", pid, fd))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return l
-}
-
-// fdTargets returns what each descriptor of process pid is open on.
-func fdTargets(t *testing.T, pid int) map[int]string {
-	t.Helper()
-	dir := fmt.Sprintf("/proc/%d/fd", pid)
-	fds, err := os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	out := map[int]string{}
-	for _, d := range fds {
-		fd, err := strconv.Atoi(d.Name())
-		if err != nil {
-			t.Fatal(err)
-		}
-		if l, err := os.Readlink(filepath.Join(dir, d.Name())); err == nil {
-			out[fd] = l
-		}
-	}
-	return out
-}
-
-// waitHeld waits until process pid holds every one of ids (in flight
-// until the closer receives them), and returns its descriptors.
-func waitHeld(t *testing.T, pid int, ids []string) map[int]string {
-	t.Helper()
-	for {
-		fds := fdTargets(t, pid)
-		held := 0
-		for _, l := range fds {
-			if slices.Contains(ids, l) {
-				held++
-			}
-		}
-		if held == len(ids) {
-			return fds
-		}
-		time.Sleep(5 * time.Millisecond) // the test's deadline bounds the wait
-	}
-}
-
 // closerPID waits for cl's closer to be started and returns its pid.
 func closerPID(t *testing.T, cl *ExecCloser) int {
 	t.Helper()
@@ -94,16 +42,6 @@ func closerPID(t *testing.T, cl *ExecCloser) int {
 		t.Fatalf("closer not started: %v", err)
 	}
 	return pid
-}
-
-// waitExit reaps the closer (a child of the test until it exits).
-func waitExit(t *testing.T, pid int) syscall.WaitStatus {
-	t.Helper()
-	var ws syscall.WaitStatus
-	if _, err := syscall.Wait4(pid, &ws, 0, nil); err != nil {
-		t.Fatalf("wait for closer %d: %v", pid, err)
-	}
-	return ws
 }
 
 // TestExecCloser: the closer runs under its Name (command line), in its own
@@ -123,45 +61,21 @@ func TestExecCloser(t *testing.T) {
 	t.Cleanup(func() { _ = cl.Close() })
 	cl.Start()
 	r := pipe(t)
-	ids := []string{fdTarget(t, os.Getpid(), int(r.Fd()))}
+	ids := []string{sockclosertest.Target(t, os.Getpid(), int(r.Fd()))}
 	err = cl.Take([]*os.File{r})
 	_ = r.Close()
 	if err != nil {
 		t.Fatalf("Take: %v", err)
 	}
 	pid := closerPID(t, cl)
-	fds := waitHeld(t, pid, ids)
-	for fd, l := range fds {
-		switch {
-		case fd < closerFD && l == os.DevNull:
-		case fd == closerFD && strings.HasPrefix(l, "socket:"):
-		case fd > closerFD && slices.Contains(ids, l):
-		default:
-			t.Errorf("closer fd %d = %q; want stdio on /dev/null, the pair on %d, the pipe", fd, l, closerFD)
-		}
-	}
-	if len(fds) != closerFD+1+len(ids) {
-		t.Errorf("closer descriptors %v, want %d", fds, closerFD+1+len(ids))
-	}
-	if env, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid)); err != nil || len(env) != 0 {
-		t.Errorf("closer environment = %q, %v; want empty", env, err)
-	}
-	if cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err != nil || string(cmd) != testName+"\x00" {
-		t.Errorf("closer command line = %q, %v; want %s", cmd, err, testName)
-	}
-	if exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", pid)); err != nil || !strings.Contains(exe, "memfd:"+testName) {
-		t.Errorf("closer executable = %q, %v; want the memfd %s", exe, err, testName)
-	}
-	if sid, err := unix.Getsid(pid); err != nil || sid != pid {
-		t.Errorf("closer session = %d, %v; want its own (%d)", sid, err, pid)
-	}
+	sockclosertest.CheckCloser(t, pid, testName, ids)
 	if err := cl.Close(); err != nil {
 		t.Fatal(err)
 	}
 	if err := cl.Close(); err != nil {
 		t.Errorf("second Close: %v", err)
 	}
-	if ws := waitExit(t, pid); !ws.Exited() || ws.ExitStatus() != 0 {
+	if ws := sockclosertest.Reap(t, pid); !ws.Exited() || ws.ExitStatus() != 0 {
 		t.Errorf("closer ended with %v, want exit 0", ws)
 	}
 }
@@ -196,8 +110,8 @@ func TestDup(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer d.Close()
-	if d.Fd() == r.Fd() || fdTarget(t, os.Getpid(), int(d.Fd())) != fdTarget(t, os.Getpid(), int(r.Fd())) || d.Name() != "pipe" {
-		t.Errorf("Dup = fd %d (%s) of %q, want another descriptor of %q", d.Fd(), d.Name(), fdTarget(t, os.Getpid(), int(d.Fd())), fdTarget(t, os.Getpid(), int(r.Fd())))
+	if d.Fd() == r.Fd() || sockclosertest.Target(t, os.Getpid(), int(d.Fd())) != sockclosertest.Target(t, os.Getpid(), int(r.Fd())) || d.Name() != "pipe" {
+		t.Errorf("Dup = fd %d (%s) of %q, want another descriptor of %q", d.Fd(), d.Name(), sockclosertest.Target(t, os.Getpid(), int(d.Fd())), sockclosertest.Target(t, os.Getpid(), int(r.Fd())))
 	}
 	flags, err := unix.FcntlInt(d.Fd(), unix.F_GETFD, 0)
 	if err != nil || flags&unix.FD_CLOEXEC == 0 {
@@ -230,7 +144,7 @@ func TestCloserHolds(t *testing.T) {
 				for range n {
 					r := pipe(t)
 					files = append(files, r)
-					ids = append(ids, fdTarget(t, os.Getpid(), int(r.Fd())))
+					ids = append(ids, sockclosertest.Target(t, os.Getpid(), int(r.Fd())))
 				}
 				err := cl.Take(files)
 				for _, f := range files {
@@ -241,10 +155,10 @@ func TestCloserHolds(t *testing.T) {
 				}
 			}
 			pid := closerPID(t, cl)
-			waitHeld(t, pid, ids)
+			sockclosertest.WaitHeld(t, pid, ids)
 			if !tt.eof {
 				// The pair stays open: only the closer's life ends it.
-				if ws := waitExit(t, pid); !ws.Signaled() || ws.Signal() != syscall.SIGALRM {
+				if ws := sockclosertest.Reap(t, pid); !ws.Signaled() || ws.Signal() != syscall.SIGALRM {
 					t.Errorf("closer ended with %v, want SIGALRM", ws)
 				}
 				return
@@ -252,7 +166,7 @@ func TestCloserHolds(t *testing.T) {
 			if err := cl.Close(); err != nil {
 				t.Fatal(err)
 			}
-			if ws := waitExit(t, pid); !ws.Exited() || ws.ExitStatus() != 0 {
+			if ws := sockclosertest.Reap(t, pid); !ws.Exited() || ws.ExitStatus() != 0 {
 				t.Errorf("closer ended with %v, want exit 0", ws)
 			}
 		})

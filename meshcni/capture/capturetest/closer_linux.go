@@ -7,6 +7,7 @@ import (
 
 	"aether.io/node/meshcni/capture"
 	"aether.io/node/pkg/sockcloser"
+	"aether.io/node/pkg/sockcloser/sockclosertest"
 )
 
 // Closer is aether-cni's socket closer (capture.CloserName) that counts its
@@ -51,9 +52,7 @@ func (c *Closer) End(tb testing.TB) (ws syscall.WaitStatus, started bool) {
 	if err := c.Close(); err != nil {
 		tb.Fatal(err)
 	}
-	if _, err := syscall.Wait4(pid, &ws, 0, nil); err != nil {
-		tb.Fatalf("wait for closer %d: %v", pid, err)
-	}
+	ws = sockclosertest.Reap(tb, pid)
 	c.ended, c.ws = true, ws
 	return ws, true
 }
