@@ -35,8 +35,8 @@ type Installer struct {
 	// architecture, a closer that failed to start), the socket is closed
 	// here, as without one, and Log says so at DEBUG.
 	Closer SocketCloser
-	// Log receives the DEBUG line of a hand-off that fell back to closing
-	// here; nil logs nothing.
+	// Log receives a DEBUG line per hand-off: done, or fallen back to
+	// closing here; nil logs nothing.
 	Log *slog.Logger
 }
 
@@ -89,8 +89,13 @@ func (i Installer) startCloser() bool {
 // An error closing it leaves nothing to act on.
 func (i Installer) release(c *nftConn, handOff bool) {
 	if handOff {
-		if err := i.handOff(c); err != nil && i.Log != nil {
+		err := i.handOff(c)
+		switch {
+		case i.Log == nil:
+		case err != nil:
 			i.Log.Debug("netfilter socket closed in the plugin (its release waits for a grace period)", "error", err)
+		default:
+			i.Log.Debug("netfilter socket handed to the socket closer")
 		}
 	}
 	_ = c.CloseLasting()
