@@ -74,7 +74,7 @@ type Plugin struct {
 	OpenPreflight func(link *net.Interface) Prober
 	// PrepareCloser, when set, is called once by an ADD with validation
 	// on, after parse and before IPAM ADD, so that whatever the Prober's
-	// Close needs (the closer process, preflight.ExecCloser.Start) starts
+	// Close needs (the closer process, sockcloser.ExecCloser.Start) starts
 	// while ADD waits for the IPAM delegate.
 	PrepareCloser func()
 	// Log receives the plugin's logs (never stdout).

@@ -8,15 +8,16 @@ import (
 	"aether.io/node/enivlan/link"
 	"aether.io/node/enivlan/preflight"
 	"aether.io/node/enivlan/spiderpool"
+	"aether.io/node/pkg/sockcloser"
 )
 
 // New returns the plugin wired to the real spiderpool-agent, kernel
 // (link.Default: 802.1Q, or the surrogate in a test build) and packet
 // sockets, logging to log. The pre-flight's sockets are closed by a
-// detached closer process (preflight.ExecCloser, started before IPAM ADD),
-// so the runtime does not wait for their RCU grace period; on an
-// architecture without a closer image (preflight.CloserSupported) they are
-// closed in this process. It does no I/O.
+// detached closer process (preflight.NewExecCloser, a sockcloser.ExecCloser
+// started before IPAM ADD), so the runtime does not wait for their RCU grace
+// period; on an architecture without a closer image (sockcloser.Supported)
+// they are closed in this process. It does no I/O.
 func New(log *slog.Logger) *Plugin {
 	p := &Plugin{
 		Linker:         link.Default(),
@@ -25,8 +26,8 @@ func New(log *slog.Logger) *Plugin {
 		Log:            log,
 		Stdout:         os.Stdout,
 	}
-	if preflight.CloserSupported() {
-		closer := &preflight.ExecCloser{}
+	if sockcloser.Supported() {
+		closer := preflight.NewExecCloser()
 		p.OpenPreflight = func(l *net.Interface) Prober { return preflight.OpenWithCloser(l, closer) }
 		p.PrepareCloser = closer.Start
 	}

@@ -45,6 +45,16 @@ type Capturer interface {
 	Remove(nsPath string, c capture.Config) error
 }
 
+// capturer is p.Capture logging to log where it logs (capture.Installer:
+// the DEBUG line of a netfilter socket its closer could not take).
+func (p *Plugin) capturer(log *slog.Logger) Capturer {
+	if in, ok := p.Capture.(capture.Installer); ok {
+		in.Log = log
+		return in
+	}
+	return p.Capture
+}
+
 // Pinner pins netns paths (package pin).
 type Pinner interface {
 	Pin(dir, containerID, nsPath string) (string, error)
@@ -311,7 +321,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	rs := capture.Build(pc)
 	if failure == nil {
 		step = p.Now()
-		if err := p.Capture.Install(args.Netns, rs); err != nil {
+		if err := p.capturer(log).Install(args.Netns, rs); err != nil {
 			t.CaptureDivertError = truncate(err.Error())
 			if cfg.FailOpen {
 				log.Warn("capture divert failed; the pod runs UNCAPTURED", "error", err)
@@ -343,7 +353,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 // tried even if an earlier one fails; the runtime's DEL finds nothing left.
 func (p *Plugin) rollback(ctx context.Context, c *call, agent Agent, netns string, cc capture.Config, unpin func()) {
 	id, log := c.id, c.log
-	if err := p.Capture.Remove(netns, cc); err != nil {
+	if err := p.capturer(log).Remove(netns, cc); err != nil {
 		log.Warn("failed to remove the capture divert after a failed ADD", "error", err)
 	}
 	res, err := agent.RemovePod(ctx, &agentclient.RemovePodRequest{

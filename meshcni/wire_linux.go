@@ -9,16 +9,20 @@ import (
 	"aether.io/node/meshcni/pin"
 	"aether.io/node/meshcni/podpid"
 	"aether.io/node/meshcni/readiness"
+	"aether.io/node/pkg/sockcloser"
 )
 
 // New returns the plugin wired to the real agent, kernel, runtime and
-// filesystem; started is when main began.
+// filesystem; started is when main began. The netfilter socket of a divert
+// commit that removed anything goes to a socket closer process
+// (capture.CloserName, started only for such a commit), so neither the
+// install nor the plugin's exit waits for its release.
 func New(started time.Time) *Plugin {
 	return &Plugin{
 		Started:   started,
 		Now:       time.Now,
 		DialAgent: DialAgent,
-		Capture:   capture.Installer{},
+		Capture:   capture.Installer{Closer: &sockcloser.ExecCloser{Name: capture.CloserName}},
 		Pins:      pin.Pins{},
 		Readiness: readiness.Prober{},
 		PIDs:      podpid.CRI{Timeout: DefaultCRITimeout},

@@ -265,7 +265,7 @@ func Render(b *Binding) map[string]any {
 
 // CheckCloserTook makes tb fail at its end if the plugin log at path says
 // that an ADD closed its pre-flight sockets itself because the socket
-// closer (preflight.ExecCloser) could not take them: on a supported
+// closer (preflight.NewExecCloser) could not take them: on a supported
 // architecture the closer must start and hold them on every kernel the
 // tests run on.
 func CheckCloserTook(tb testing.TB, path string) {

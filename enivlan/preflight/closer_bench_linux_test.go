@@ -19,14 +19,17 @@ func BenchmarkExecCloser(b *testing.B) {
 	n, lo := loopback(b)
 	var life, cpu []time.Duration
 	for b.Loop() {
-		cl := &ExecCloser{}
+		cl := NewExecCloser()
 		start := time.Now()
 		cl.Start()
 		c := openBoth(b, n, lo, cl)
 		if err := c.Close(); err != nil {
 			b.Fatalf("Close: %v", err)
 		}
-		pid := cl.pid
+		pid, err := cl.Started()
+		if err != nil {
+			b.Fatal(err)
+		}
 		if err := cl.Close(); err != nil {
 			b.Fatal(err)
 		}

@@ -11,6 +11,8 @@ import (
 
 	"github.com/mdlayher/packet"
 	"golang.org/x/sys/unix"
+
+	"aether.io/node/pkg/sockcloser"
 )
 
 var broadcast = net.HardwareAddr{0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
@@ -59,11 +61,11 @@ func (e *NoReplyError) Error() string {
 // AF_PACKET socket waits for an RCU grace period in the kernel
 // (synchronize_net in packet_release, unconditional; measured 8-16 ms on
 // the CI machines, up to ~50 ms under load), so each socket is opened once
-// per ADD, and Close hands them to a Closer (another process pays the wait)
-// or, without one, closes them in parallel.
+// per ADD, and Close hands them to a closer (sockcloser.Taker: another
+// process pays the wait) or, without one, closes them in parallel.
 type Conn struct {
 	link   *net.Interface
-	closer Closer
+	closer sockcloser.Taker
 	arp    *packet.Conn
 	ip6    *packet.Conn
 }
@@ -74,7 +76,9 @@ type Conn struct {
 func Open(link *net.Interface) *Conn { return &Conn{link: link} }
 
 // OpenWithCloser is Open with Close handing the sockets to cl.
-func OpenWithCloser(link *net.Interface, cl Closer) *Conn { return &Conn{link: link, closer: cl} }
+func OpenWithCloser(link *net.Interface, cl sockcloser.Taker) *Conn {
+	return &Conn{link: link, closer: cl}
+}
 
 func (c *Conn) sock(v4 bool) (*packet.Conn, error) {
 	p, proto, name := &c.arp, unix.ETH_P_ARP, "arp"
@@ -92,7 +96,7 @@ func (c *Conn) sock(v4 bool) (*packet.Conn, error) {
 	return pc, nil
 }
 
-// Close releases the sockets: with a Closer, by handing them to it; without
+// Close releases the sockets: with a closer, by handing them to it; without
 // one, or when the hand-off fails, by closing them here, in parallel.
 func (c *Conn) Close() error {
 	var herr error

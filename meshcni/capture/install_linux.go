@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"slices"
@@ -11,28 +12,113 @@ import (
 	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
+	mnl "github.com/mdlayher/netlink"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"aether.io/node/pkg/sockcloser"
 )
 
 // Installer installs and verifies rulesets in the network namespace given by
 // a path, through netlink only (google/nftables and vishvananda/netlink on
 // handles opened on the namespace fd; the calling thread never switches
-// namespace).
-type Installer struct{}
+// namespace). The zero value closes its netfilter sockets itself.
+type Installer struct {
+	// Closer, when set, takes over the netfilter socket of a commit that
+	// removed anything (Install's rewrite, Remove's table delete): that
+	// socket's release waits for an RCU grace period (meshcni/README.md),
+	// which then happens in the closer's exit instead of this process's.
+	// It is started (in the background) only when such a commit is
+	// coming; a fresh install, a stamped retry and an insertion never
+	// start it. Where it cannot take the socket (no closer image for this
+	// architecture, a closer that failed to start), the socket is closed
+	// here, as without one, and Log says so at DEBUG.
+	Closer SocketCloser
+	// Log receives a DEBUG line per hand-off: done, or fallen back to
+	// closing here; nil logs nothing.
+	Log *slog.Logger
+}
+
+// SocketCloser is a closer process that takes over sockets
+// (sockcloser.ExecCloser): Start starts it in the background, Take hands it
+// duplicates.
+type SocketCloser interface {
+	Start()
+	sockcloser.Taker
+}
+
+// CloserName is the name of aether-cni's socket closer process (in ps).
+const CloserName = "aether-cni-socket-closer"
+
+// nftConn is one nftables netlink connection and the socket under it.
+type nftConn struct {
+	*nftables.Conn
+	sock *mnl.Conn
+}
 
 // openNFT opens one nftables netlink connection in the namespace of fd for
 // all of a caller's requests (the caller closes it): without AsLasting,
 // google/nftables dials a new socket for every request, and each dial into
 // another namespace runs on a goroutine of its own locked to a thread that
 // enters the namespace and comes back (two setns).
-func openNFT(fd int) (*nftables.Conn, error) {
-	c, err := nftables.New(nftables.AsLasting(), nftables.WithNetNSFd(fd))
+func openNFT(fd int) (*nftConn, error) {
+	var sock *mnl.Conn
+	c, err := nftables.New(nftables.AsLasting(), nftables.WithNetNSFd(fd),
+		nftables.WithSockOptions(func(nc *mnl.Conn) error { sock = nc; return nil }))
 	if err != nil {
 		return nil, fmt.Errorf("failed to open nftables in netns: %w", err)
 	}
-	return c, nil
+	return &nftConn{Conn: c, sock: sock}, nil
+}
+
+// startCloser starts the closer (if any) ahead of a commit that removes
+// anything; release then hands it the socket.
+func (i Installer) startCloser() bool {
+	if i.Closer == nil {
+		return false
+	}
+	i.Closer.Start()
+	return true
+}
+
+// release closes c. When handOff is set (a closer was started for a
+// commit that removed anything), a duplicate of its socket goes to the
+// closer first, so that closing it here does not wait for the grace
+// period; if the closer cannot take it, it is closed here all the same.
+// An error closing it leaves nothing to act on.
+func (i Installer) release(c *nftConn, handOff bool) {
+	if handOff {
+		err := i.handOff(c)
+		switch {
+		case i.Log == nil:
+		case err != nil:
+			i.Log.Debug("netfilter socket closed in the plugin (its release waits for a grace period)", "error", err)
+		default:
+			i.Log.Debug("netfilter socket handed to the socket closer")
+		}
+	}
+	_ = c.CloseLasting()
+}
+
+// handOff sends a duplicate of c's socket to the closer.
+func (i Installer) handOff(c *nftConn) error {
+	if c.sock == nil {
+		return errors.New("no netfilter socket to hand off")
+	}
+	rc, err := c.sock.SyscallConn()
+	if err != nil {
+		return fmt.Errorf("failed to get netfilter socket descriptor: %w", err)
+	}
+	f, err := sockcloser.Dup(rc, "netfilter")
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if err := i.Closer.Take([]*os.File{f}); err != nil {
+		return fmt.Errorf("failed to hand the netfilter socket to a closer: %w", err)
+	}
+	return nil
 }
 
 // inNS opens the namespace at path and runs fn with its fd.
@@ -49,16 +135,16 @@ func inNS(path string, fn func(fd int) error) error {
 // atomically in one nftables batch, so a retried ADD converges on the same
 // state) and the fwmark rules and local routes for IPv4 and IPv6. IPv6
 // policy routing is skipped when IPv6 is disabled in the namespace.
-func (Installer) Install(nsPath string, r Ruleset) error {
-	return inNS(nsPath, func(fd int) error { return InstallFd(fd, r) })
+func (i Installer) Install(nsPath string, r Ruleset) error {
+	return inNS(nsPath, func(fd int) error { return i.InstallFd(fd, r) })
 }
 
 // InstallFd is Install on an open namespace fd.
-func InstallFd(fd int, r Ruleset) error {
+func (i Installer) InstallFd(fd int, r Ruleset) error {
 	if err := installRouting(fd, r.Config); err != nil {
 		return err
 	}
-	return installNFT(fd, r)
+	return i.installNFT(fd, r)
 }
 
 // installNFT makes the namespace's capture table exactly r, in one
@@ -72,41 +158,27 @@ func InstallFd(fd int, r Ruleset) error {
 // that removes anything, a rule included, makes the release of the
 // netfilter socket wait for an RCU grace period (meshcni/README.md), which
 // the first three cases never pay; the table or a base chain is deleted
-// only when a base chain's hook, type or priority changed. Every write
-// stamps its first new rule with r's digest and the generation its commit
-// produces.
-func installNFT(fd int, r Ruleset) error {
+// only when a base chain's hook, type or priority changed; with a Closer,
+// the socket of that commit is handed to it. Every write stamps its first
+// new rule with r's digest and the generation its commit produces.
+func (i Installer) installNFT(fd int, r Ruleset) error {
 	digest, err := digestOf(r)
 	if err != nil {
 		return err
 	}
-	q, err := dialQuery(fd)
-	if err != nil {
+	gen, present, current, err := readStamp(fd, digest)
+	if err != nil || current {
 		return err
 	}
-	defer q.Close()
-	gen, err := q.gen()
-	if err != nil {
-		return err
-	}
-	present, err := q.hasTable()
-	if err != nil {
-		return err
-	}
-	if present {
-		// A stamp that cannot be read is no stamp: the comparison decides.
-		stamps, _ := q.stamps()
-		if slices.Contains(stamps, stamp{digest: digest, gen: gen}) {
-			return nil
-		}
-	}
-	c, err := openNFT(fd)
+	conn, err := openNFT(fd)
 	if err != nil {
 		return err
 	}
 	// Closing waits for an RCU grace period after a commit that removed
-	// anything (see above); a close error leaves nothing to act on.
-	defer func() { _ = c.CloseLasting() }()
+	// anything (see above), unless the closer took the socket.
+	handOff := false
+	defer func() { i.release(conn, handOff) }()
+	c := conn.Conn
 	t := &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
 	ud := stamp{digest: digest, gen: nextGen(gen)}.userData()
 	if !present {
@@ -142,9 +214,32 @@ func installNFT(fd int, r Ruleset) error {
 		}
 		return flush(c)
 	}
+	handOff = i.startCloser()
 	replaceInPlace(c, t, chains, r)
 	addRules(c, t, r, ud)
 	return flush(c)
+}
+
+// readStamp reads the namespace's nftables generation, whether it holds the
+// capture table and whether a stamp on the table's rules proves that the
+// table is the ruleset of digest (current). Its socket is closed before
+// any commit: released after one that removed anything, it would wait for
+// the grace period too.
+func readStamp(fd int, digest [16]byte) (gen uint32, present, current bool, err error) {
+	q, err := dialQuery(fd)
+	if err != nil {
+		return 0, false, false, err
+	}
+	defer q.Close()
+	if gen, err = q.gen(); err != nil {
+		return 0, false, false, err
+	}
+	if present, err = q.hasTable(); err != nil || !present {
+		return gen, false, false, err
+	}
+	// A stamp that cannot be read is no stamp: the comparison decides.
+	stamps, _ := q.stamps()
+	return gen, true, slices.Contains(stamps, stamp{digest: digest, gen: gen}), nil
 }
 
 // addRules queues every rule of r, in order, the first one stamped with ud.
@@ -467,7 +562,7 @@ func (Installer) Present(nsPath string) (bool, error) {
 			return err
 		}
 		defer func() { _ = c.CloseLasting() }()
-		present, err = hasTable(c)
+		present, err = hasTable(c.Conn)
 		return err
 	})
 	return present, err
@@ -507,11 +602,11 @@ func VerifyFd(fd int, r Ruleset) error {
 		}
 		return fmt.Errorf("failed to list table %q: %w", TableName, err)
 	}
-	have, err := tableChains(c)
+	have, err := tableChains(c.Conn)
 	if err != nil {
 		return err
 	}
-	if err := verifyChains(c, t, have, r); err != nil {
+	if err := verifyChains(c.Conn, t, have, r); err != nil {
 		return err
 	}
 	return verifyRouting(fd, r.Config)
@@ -632,16 +727,16 @@ func isDefault(n *net.IPNet) bool {
 // table, and the fwmark rules and local routes of c's table. What is
 // already gone is no error, so Remove also cleans up after an Install that
 // failed half-way (routing in place, table not).
-func (Installer) Remove(nsPath string, c Config) error {
-	return inNS(nsPath, func(fd int) error { return RemoveFd(fd, c) })
+func (i Installer) Remove(nsPath string, c Config) error {
+	return inNS(nsPath, func(fd int) error { return i.RemoveFd(fd, c) })
 }
 
 // RemoveFd is Remove on an open namespace fd. The routing goes first and
 // each part is tried even when another fails (a table that another netlink
 // socket owns cannot be deleted, but the rules and routes still go).
-func RemoveFd(fd int, c Config) error {
+func (i Installer) RemoveFd(fd int, c Config) error {
 	c = c.Normalize()
-	return errors.Join(removeRouting(fd, c), removeTable(fd))
+	return errors.Join(removeRouting(fd, c), i.removeTable(fd))
 }
 
 func removeRouting(fd int, c Config) error {
@@ -676,15 +771,19 @@ func removeRouting(fd int, c Config) error {
 	return errors.Join(errs...)
 }
 
-func removeTable(fd int) error {
+// removeTable deletes the capture table; with a Closer, the socket of the
+// delete (whose release waits for the grace period) is handed to it.
+func (i Installer) removeTable(fd int) error {
 	nc, err := openNFT(fd)
 	if err != nil {
 		return err
 	}
-	defer func() { _ = nc.CloseLasting() }()
-	if ok, err := hasTable(nc); !ok || err != nil {
+	handOff := false
+	defer func() { i.release(nc, handOff) }()
+	if ok, err := hasTable(nc.Conn); !ok || err != nil {
 		return err
 	}
+	handOff = i.startCloser()
 	nc.DelTable(&nftables.Table{Name: TableName, Family: nftables.TableFamilyINet})
 	if err := nc.Flush(); err != nil && !errors.Is(err, unix.ENOENT) {
 		return fmt.Errorf("failed to delete nftables table %q: %w", TableName, err)

@@ -74,7 +74,7 @@ func stamped(t *testing.T, pod *harness.NS, r Ruleset) bool {
 // install installs r, verifies it, and requires a current stamp of r.
 func install(t *testing.T, pod *harness.NS, r Ruleset) {
 	t.Helper()
-	if err := InstallFd(int(pod.Fd()), r); err != nil {
+	if err := (Installer{}).InstallFd(int(pod.Fd()), r); err != nil {
 		t.Fatal(err)
 	}
 	if err := VerifyFd(int(pod.Fd()), r); err != nil {

@@ -150,6 +150,26 @@ func TestManagedPod(t *testing.T) {
 				t.Fatalf("CHECK after ADD again: %v", err)
 			}
 
+			// A retry whose divert lost exclusions rewrites the table (a
+			// commit that removes rules): the plugin hands the netfilter
+			// socket to its socket closer, which exits after the plugin and
+			// leaves nothing. The next retry (exclusions back) inserts.
+			full := e.mesh["capture"]
+			e.mesh["capture"] = map[string]any{"redirect_all": true, "exclude_ports": []int{9999}}
+			if err := e.addMeshOnly(ctx, p, res); err != nil {
+				t.Fatalf("ADD with fewer exclusions: %v", err)
+			}
+			e.mesh["capture"] = full
+			checkCloserTook(t, filepath.Join(e.agent.Dir, "cni.log"), 1)
+			waitNoCloser(t, e.node)
+			if err := e.addMeshOnly(ctx, p, res); err != nil {
+				t.Fatalf("ADD with the exclusions back: %v", err)
+			}
+			checkCloserTook(t, filepath.Join(e.agent.Dir, "cni.log"), 1)
+			if err := e.rt.Check(ctx, p); err != nil {
+				t.Fatalf("CHECK after the retries: %v", err)
+			}
+
 			if err := e.rt.Del(ctx, p); err != nil {
 				t.Fatalf("DEL: %v", err)
 			}

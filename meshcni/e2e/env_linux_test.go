@@ -11,6 +11,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/containernetworking/cni/pkg/invoke"
 	"github.com/containernetworking/cni/pkg/types"
@@ -167,5 +168,54 @@ func settle(t *testing.T, nss ...*harness.NS) {
 	t.Helper()
 	for _, n := range nss {
 		capturetest.WaitAddrsSettled(t, n)
+	}
+}
+
+// checkCloserTook makes t fail unless the plugin log at path says that the
+// socket closer took a netfilter socket exactly want times so far, and
+// never that the plugin closed one itself.
+func checkCloserTook(t *testing.T, path string, want int) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bytes.Contains(b, []byte("netfilter socket closed in the plugin")) {
+		t.Errorf("the plugin closed a netfilter socket itself:\n%s", b)
+	}
+	if got := bytes.Count(b, []byte("netfilter socket handed to the socket closer")); got != want {
+		t.Errorf("the socket closer took %d netfilter sockets, want %d", got, want)
+	}
+}
+
+// waitNoCloser waits until no aether-cni socket closer runs in node's netns
+// (it exits once the plugin has exited and the socket it holds is
+// released); the test's deadline bounds the wait.
+func waitNoCloser(t *testing.T, node *harness.NS) {
+	t.Helper()
+	var st syscall.Stat_t
+	if err := syscall.Stat(node.Path(), &st); err != nil {
+		t.Fatal(err)
+	}
+	netns := fmt.Sprintf("net:[%d]", st.Ino)
+	for {
+		procs, err := os.ReadDir("/proc")
+		if err != nil {
+			t.Fatal(err)
+		}
+		found := false
+		for _, p := range procs {
+			cmd, err := os.ReadFile(filepath.Join("/proc", p.Name(), "cmdline"))
+			if err != nil || string(cmd) != capture.CloserName+"\x00" {
+				continue
+			}
+			if ns, err := os.Readlink(filepath.Join("/proc", p.Name(), "ns", "net")); err == nil && ns == netns {
+				found = true
+			}
+		}
+		if !found {
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
 	}
 }

@@ -1,4 +1,4 @@
-// The socket closer's machine code (closerelf_linux_amd64.go: closerCode), in
+// The socket closer's machine code (code_linux.go: closerCodeAMD64), in
 // Go assembler syntax; TestCloserCodeMatchesAssembler assembles it. Life: 10 s.
 
 #include "textflag.h"

@@ -1,4 +1,4 @@
-package preflight
+package sockcloser
 
 import (
 	"bytes"
@@ -19,7 +19,7 @@ import (
 func TestCloserImage(t *testing.T) {
 	for goarch, m := range map[string]elf.Machine{"amd64": elf.EM_X86_64, "arm64": elf.EM_AARCH64} {
 		t.Run(goarch, func(t *testing.T) {
-			img := closerImage(goarch, MaxCloserLife)
+			img := closerImage(goarch, MaxLife)
 			f, err := elf.NewFile(bytes.NewReader(img))
 			if err != nil {
 				t.Fatalf("parse: %v", err)
@@ -43,11 +43,11 @@ func TestCloserImage(t *testing.T) {
 				t.Error("the life is not in the image")
 			}
 			if !bytes.Equal(closerImage(goarch, 10*time.Second), img) {
-				t.Errorf("MaxCloserLife %v is not the 10 s of testdata/closer_%s.s", MaxCloserLife, goarch)
+				t.Errorf("MaxLife %v is not the 10 s of testdata/closer_%s.s", MaxLife, goarch)
 			}
 		})
 	}
-	if img := closerImage("riscv64", MaxCloserLife); img != nil {
+	if img := closerImage("riscv64", MaxLife); img != nil {
 		t.Errorf("riscv64 has an image of %d bytes, want none", len(img))
 	}
 }
@@ -78,7 +78,7 @@ func TestCloserCodeMatchesAssembler(t *testing.T) {
 				t.Fatalf("go tool asm: %v\n%s", err, listing)
 			}
 			got := assembled(t, string(listing))
-			code := closerImage(goarch, MaxCloserLife)[closerEntry-closerBase:]
+			code := closerImage(goarch, MaxLife)[closerEntry-closerBase:]
 			if len(got) < len(code) || !bytes.Equal(got[:len(code)], code) {
 				t.Fatalf("closerCode for %s differs from the assembler's:\nhand:      %x\nassembler: %x", goarch, code, got)
 			}

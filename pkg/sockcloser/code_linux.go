@@ -1,4 +1,4 @@
-package preflight
+package sockcloser
 
 import "encoding/binary"
 

@@ -1,4 +1,4 @@
-// The socket closer's machine code (closerelf_linux_arm64.go: closerCode), in
+// The socket closer's machine code (code_linux.go: closerCodeARM64), in
 // Go assembler syntax; TestCloserCodeMatchesAssembler assembles it. Life: 10 s.
 
 #include "textflag.h"

@@ -1,4 +1,4 @@
-package preflight
+package sockcloser
 
 import (
 	"encoding/binary"
@@ -9,12 +9,12 @@ import (
 // The closer is a tiny static ELF executable: an ELF header, one loadable
 // read+execute segment holding the header itself and closerCode, no
 // sections, no interpreter, no data (its variables live on its stack). Its
-// machine code is hand-assembled in closercode_linux.go from the assembler
+// machine code is hand-assembled in code_linux.go from the assembler
 // source in testdata/closer_<arch>.s (TestCloserCodeMatchesAssembler
 // checks the bytes against the Go assembler). In order, it:
 //
 //  1. arms a timer of its life (alarm, or setitimer(ITIMER_REAL) where
-//     there is no alarm): SIGALRM's default action ends it (MaxCloserLife);
+//     there is no alarm): SIGALRM's default action ends it (MaxLife);
 //  2. closes every descriptor from 4 up (close_range), so that it holds
 //     nothing it inherited but its stdio and the pair (descriptor 3);
 //  3. loops on recvmsg(3) with a control buffer: descriptors sent with
@@ -42,9 +42,9 @@ var closerArchs = map[string]closerArch{
 	"arm64": {machine: 183, code: closerCodeARM64, setLife: setLifeARM64}, // EM_AARCH64
 }
 
-// CloserSupported reports whether this architecture has a closer image;
+// Supported reports whether this architecture has a closer image;
 // without one, a plugin closes its sockets in its own process.
-func CloserSupported() bool { _, ok := closerArchs[runtime.GOARCH]; return ok }
+func Supported() bool { _, ok := closerArchs[runtime.GOARCH]; return ok }
 
 // closerImage returns the closer executable for goarch with a life of life
 // (rounded up to whole seconds, at least one); nil for an architecture

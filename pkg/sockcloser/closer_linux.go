@@ -1,0 +1,214 @@
+package sockcloser
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"runtime"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// MaxLife bounds a closer's wait for the plugin to exit; SIGALRM then ends
+// it. Either way, the kernel closes the sockets it holds as it exits,
+// paying their release there.
+const MaxLife = 10 * time.Second
+
+// closerFD is the descriptor a closer holds its end of the unix socket pair
+// on (fixed in its machine code, code_linux.go).
+const closerFD = 3
+
+// Taker takes over duplicates of open sockets and releases them outside the
+// runtime's wait (ExecCloser; a fake in tests). After Take returns nil, the
+// caller's own copies can be closed at no cost: the kernel releases a
+// socket only when its last descriptor is closed.
+type Taker interface {
+	Take(files []*os.File) error
+}
+
+// ExecCloser hands sockets to a short-lived closer process: a tiny static
+// executable (closerImage, a few hundred bytes of machine code, no Go
+// runtime) written to a sealed memfd and started with fork+exec, in its own
+// session, with stdin, stdout and stderr on /dev/null (a runtime waits for
+// the plugin's exit and for its stdout to close, never for the closer) and
+// an empty environment. Start starts it early, in the background; Take
+// sends it the sockets over a unix socket pair (SCM_RIGHTS). The closer
+// holds them until this process exits (EOF on the pair, bounded by Life),
+// then exits; the sockets close in its exit. The closer is reparented to
+// init (or the runtime's subreaper), which reaps it. Nothing else is left
+// behind: it lives as long as the plugin plus the sockets' release, at most
+// Life. On an architecture without a closer image (Supported) Take fails,
+// and the caller closes the sockets itself.
+//
+// The zero value is not ready: Name must be set. An ExecCloser is one
+// closer process, for one plugin process (or, in tests, until Close).
+type ExecCloser struct {
+	// Name is the closer's command line (its name in ps) and the name of
+	// its memfd, e.g. "eni-vlan-socket-closer".
+	Name string
+	// Life is the closer's longest life; MaxLife when zero (tests shorten
+	// it). It is rounded up to whole seconds.
+	Life time.Duration
+
+	once sync.Once
+	done chan struct{}
+	// fd is this process's end of the pair (close-on-exec), -1 when the
+	// closer could not be started (err). It is closed by this process's
+	// exit, or by Close.
+	fd int
+	// pid is the closer's process ID (tests wait for it; the plugin
+	// leaves it to init).
+	pid int
+	err error
+}
+
+// Start starts the closer in the background, once; Take waits for it.
+func (e *ExecCloser) Start() {
+	e.once.Do(func() {
+		e.done = make(chan struct{})
+		go func() {
+			defer close(e.done)
+			e.fd, e.pid, e.err = e.spawn()
+		}()
+	})
+}
+
+// Started waits for the closer started by Start and returns its process
+// ID, or why it could not be started. A caller that must leave no process
+// behind in a long-lived process (a test, a benchmark) closes the
+// ExecCloser and reaps the closer (wait4 on the pid).
+func (e *ExecCloser) Started() (int, error) {
+	e.Start()
+	<-e.done
+	return e.pid, e.err
+}
+
+func (e *ExecCloser) spawn() (fd, pid int, err error) {
+	if e.Name == "" {
+		return -1, 0, errors.New("socket closer has no name")
+	}
+	life := e.Life
+	if life == 0 {
+		life = MaxLife
+	}
+	img := closerImage(runtime.GOARCH, life)
+	if img == nil {
+		return -1, 0, fmt.Errorf("no socket closer for %s", runtime.GOARCH)
+	}
+	mfd, err := memfdExecutable(e.Name, img)
+	if err != nil {
+		return -1, 0, err
+	}
+	defer func() { _ = unix.Close(mfd) }()
+	null, err := unix.Open(os.DevNull, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, 0, fmt.Errorf("failed to open %s for the socket closer: %w", os.DevNull, err)
+	}
+	defer func() { _ = unix.Close(null) }()
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return -1, 0, fmt.Errorf("failed to create closer socket pair: %w", err)
+	}
+	// The path is resolved in the child after its descriptors 0-3 are set
+	// up; memfdExecutable keeps mfd above them.
+	path := "/proc/self/fd/" + strconv.Itoa(mfd)
+	pid, err = syscall.ForkExec(path, []string{e.Name}, &syscall.ProcAttr{
+		Env:   []string{},
+		Files: []uintptr{uintptr(null), uintptr(null), uintptr(null), closerFD: uintptr(pair[1])},
+		Sys:   &syscall.SysProcAttr{Setsid: true},
+	})
+	_ = unix.Close(pair[1])
+	if err != nil {
+		_ = unix.Close(pair[0])
+		return -1, 0, fmt.Errorf("failed to start socket closer: %w", err)
+	}
+	return pair[0], pid, nil
+}
+
+// memfdExecutable returns a close-on-exec memfd named name, numbered above
+// closerFD, holding img, sealed against any change.
+func memfdExecutable(name string, img []byte) (int, error) {
+	flags := unix.MFD_CLOEXEC | unix.MFD_ALLOW_SEALING
+	// MFD_EXEC (Linux 6.3) says the memfd is meant to be executed; older
+	// kernels reject the flag, and allow exec without it.
+	fd, err := unix.MemfdCreate(name, flags|unix.MFD_EXEC)
+	if errors.Is(err, unix.EINVAL) {
+		fd, err = unix.MemfdCreate(name, flags)
+	}
+	if err != nil {
+		return -1, fmt.Errorf("failed to create the socket closer's memfd: %w", err)
+	}
+	if fd <= closerFD {
+		nfd, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, closerFD+1)
+		_ = unix.Close(fd)
+		if err != nil {
+			return -1, fmt.Errorf("failed to move the socket closer's memfd: %w", err)
+		}
+		fd = nfd
+	}
+	n, err := unix.Write(fd, img)
+	if err == nil && n != len(img) {
+		err = io.ErrShortWrite
+	}
+	if err != nil {
+		_ = unix.Close(fd)
+		return -1, fmt.Errorf("failed to write the socket closer's memfd: %w", err)
+	}
+	const seals = unix.F_SEAL_SEAL | unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_WRITE
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, seals); err != nil {
+		_ = unix.Close(fd)
+		return -1, fmt.Errorf("failed to seal the socket closer's memfd: %w", err)
+	}
+	return fd, nil
+}
+
+// Take sends files to the closer (starting it first if Start was not
+// called).
+func (e *ExecCloser) Take(files []*os.File) error {
+	if _, err := e.Started(); err != nil {
+		return err
+	}
+	fds := make([]int, len(files))
+	for i, f := range files {
+		fds[i] = int(f.Fd())
+	}
+	if err := unix.Sendmsg(e.fd, []byte{0}, unix.UnixRights(fds...), nil, 0); err != nil {
+		return fmt.Errorf("failed to send sockets to the closer: %w", err)
+	}
+	return nil
+}
+
+// Close closes this process's end of the pair: the closer exits now rather
+// than when this process exits (tests; a plugin just exits).
+// Closing it again does nothing.
+func (e *ExecCloser) Close() error {
+	if e.done == nil {
+		return nil
+	}
+	<-e.done
+	if e.err != nil || e.fd < 0 {
+		return nil
+	}
+	fd := e.fd
+	e.fd = -1
+	return unix.Close(fd)
+}
+
+// Dup returns a close-on-exec duplicate of the descriptor behind rc, as a
+// file named name, to hand to a Taker.
+func Dup(rc syscall.RawConn, name string) (*os.File, error) {
+	nfd := -1
+	var derr error
+	if err := rc.Control(func(fd uintptr) { nfd, derr = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0) }); err != nil {
+		return nil, fmt.Errorf("failed to get %s socket descriptor: %w", name, err)
+	}
+	if derr != nil {
+		return nil, fmt.Errorf("failed to duplicate %s socket: %w", name, derr)
+	}
+	return os.NewFile(uintptr(nfd), name), nil
+}
