@@ -166,10 +166,6 @@ func (i Installer) installNFT(fd int, r Ruleset) error {
 	if err != nil {
 		return err
 	}
-	gen, present, current, err := readStamp(fd, digest)
-	if err != nil || current {
-		return err
-	}
 	conn, err := openNFT(fd)
 	if err != nil {
 		return err
@@ -178,6 +174,10 @@ func (i Installer) installNFT(fd int, r Ruleset) error {
 	// anything (see above), unless the closer took the socket.
 	handOff := false
 	defer func() { i.release(conn, handOff) }()
+	gen, present, current, err := readStamp(conn, digest)
+	if err != nil || current {
+		return err
+	}
 	c := conn.Conn
 	t := &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
 	ud := stamp{digest: digest, gen: nextGen(gen)}.userData()
@@ -220,17 +220,17 @@ func (i Installer) installNFT(fd int, r Ruleset) error {
 	return flush(c)
 }
 
-// readStamp reads the namespace's nftables generation, whether it holds the
-// capture table and whether a stamp on the table's rules proves that the
-// table is the ruleset of digest (current). Its socket is closed before
-// any commit: released after one that removed anything, it would wait for
-// the grace period too.
-func readStamp(fd int, digest [16]byte) (gen uint32, present, current bool, err error) {
-	q, err := dialQuery(fd)
-	if err != nil {
-		return 0, false, false, err
+// readStamp reads, on c's socket, the namespace's nftables generation,
+// whether it holds the capture table and whether a stamp on the table's
+// rules proves that the table is the ruleset of digest (current). One
+// socket serves the stamp and the install: a second one would cost another
+// dial into the namespace, and its release, after a commit that removed
+// anything, would wait for the grace period too.
+func readStamp(c *nftConn, digest [16]byte) (gen uint32, present, current bool, err error) {
+	if c.sock == nil {
+		return 0, false, false, errors.New("failed to read the capture table's stamp: no netfilter socket")
 	}
-	defer q.Close()
+	q := &nftQuery{c: c.sock}
 	if gen, err = q.gen(); err != nil {
 		return 0, false, false, err
 	}

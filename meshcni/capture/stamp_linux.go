@@ -106,24 +106,12 @@ func digestOf(r Ruleset) ([16]byte, error) {
 	return d, nil
 }
 
-// nftQuery is a netfilter netlink socket in the pod namespace for the
-// requests google/nftables does not make (the generation) or makes with
+// nftQuery makes, on the install's netfilter socket in the pod namespace,
+// the requests google/nftables does not make (the generation) or makes with
 // more work than needed (the rules' userdata only).
 type nftQuery struct {
 	c *netlink.Conn
 }
-
-// dialQuery opens a netfilter netlink socket in the namespace of fd.
-func dialQuery(fd int) (*nftQuery, error) {
-	c, err := netlink.Dial(unix.NETLINK_NETFILTER, &netlink.Config{NetNS: fd})
-	if err != nil {
-		return nil, fmt.Errorf("failed to open nftables in netns: %w", err)
-	}
-	return &nftQuery{c: c}, nil
-}
-
-// Close closes the socket; an error closing it leaves nothing to act on.
-func (q *nftQuery) Close() { _ = q.c.Close() }
 
 // request is an nftables request of type msg for family fam with attrs.
 func request(msg uint16, fam byte, flags netlink.HeaderFlags, attrs ...netlink.Attribute) (netlink.Message, error) {

@@ -5,6 +5,8 @@ import (
 	"testing"
 
 	"github.com/google/nftables"
+	"github.com/mdlayher/netlink"
+	"golang.org/x/sys/unix"
 
 	"aether.io/node/test/harness"
 )
@@ -12,12 +14,12 @@ import (
 // query opens a netfilter socket in pod's namespace, closed at cleanup.
 func query(t *testing.T, pod *harness.NS) *nftQuery {
 	t.Helper()
-	q, err := dialQuery(int(pod.Fd()))
+	c, err := netlink.Dial(unix.NETLINK_NETFILTER, &netlink.Config{NetNS: int(pod.Fd())})
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("failed to open nftables in netns: %v", err)
 	}
-	t.Cleanup(q.Close)
-	return q
+	t.Cleanup(func() { _ = c.Close() })
+	return &nftQuery{c: c}
 }
 
 // genOf reads the nftables generation of pod's namespace.
