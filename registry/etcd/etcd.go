@@ -10,6 +10,20 @@
 // not revoke the lease, so a restarting agent does not flap its workloads;
 // Revoke deletes this node's endpoints at once (node decommission).
 //
+// Fence: a write the client gave up on (a timeout across a partition) may
+// still be applied by etcd later, after writes of the same key that
+// followed it. Every write is therefore a transaction guarded by what this
+// node last knew of the key (the mod revisions of its endpoint key and of
+// its tombstone, see fence), and changes one of them to a new revision:
+// a late write finds them changed and does nothing. Deregister deletes the
+// endpoint and writes a tombstone, <prefix minus its last '/'>.tombstones/<node>/<key>
+// (beside the endpoints, so watchers never see it; with the node's lease),
+// which fences off a late Register of a key that was absent; a later
+// Register deletes it, and each node sweeps its own tombstones after
+// Options.TombstoneTTL. A write that finds the key changed learns the
+// current revisions in the same transaction and tries again: this node
+// decided it last.
+//
 // Watch is Get plus a watch from the next revision; it resumes from the last
 // revision it delivered after a disconnect, and if that revision was
 // compacted it lists again and sends the difference, so no change is lost.
@@ -70,18 +84,23 @@ type Options struct {
 	// material at all. TLS material with an http:// endpoint is refused even
 	// then.
 	Insecure bool
+	// TombstoneTTL is how long a deregistered endpoint's tombstone stays in
+	// etcd (see the package doc); DefaultTombstoneTTL if zero.
+	TombstoneTTL time.Duration
 	// Logger receives lease and watch records; nil discards.
 	Logger *slog.Logger
 }
 
 // Registry is the etcd backend. It is safe for concurrent use.
 type Registry struct {
-	cli     *clientv3.Client
-	ownsCli bool
-	node    string
-	prefix  string
-	ttl     int64
-	log     *slog.Logger
+	cli        *clientv3.Client
+	ownsCli    bool
+	node       string
+	prefix     string
+	tombPrefix string // see tombPrefixOf
+	ttl        int64
+	tombTTL    time.Duration
+	log        *slog.Logger
 
 	ctx    context.Context // ends at Close; owns the keepalive loop
 	cancel context.CancelFunc
@@ -105,7 +124,11 @@ type Registry struct {
 	// client keeps retrying across a partition cannot land after the
 	// Delete that followed it (see lockKey).
 	writing map[string]chan struct{}
-	wg      sync.WaitGroup
+	// fences holds what this node knows of its keys in etcd (see fence);
+	// a key is absent when unknown. Read and written with the key's write
+	// mark held.
+	fences map[string]fence
+	wg     sync.WaitGroup
 
 	rejected atomic.Uint64
 	warnMu   sync.Mutex
@@ -171,6 +194,12 @@ func (o *Options) defaults() error {
 	if o.LeaseTTL < 0 {
 		return fmt.Errorf("invalid etcd registry options: lease TTL %s is negative", o.LeaseTTL)
 	}
+	if o.TombstoneTTL == 0 {
+		o.TombstoneTTL = DefaultTombstoneTTL
+	}
+	if o.TombstoneTTL < 0 {
+		return fmt.Errorf("invalid etcd registry options: tombstone TTL %s is negative", o.TombstoneTTL)
+	}
 	if o.DialTimeout == 0 {
 		o.DialTimeout = 5 * time.Second
 	}
@@ -227,10 +256,14 @@ func newRegistry(cli *clientv3.Client, opts Options) *Registry {
 	}
 	ttl := int64((opts.LeaseTTL + time.Second - 1) / time.Second)
 	ctx, cancel := context.WithCancel(context.Background())
-	return &Registry{
-		cli: cli, node: opts.Node, prefix: opts.Prefix, ttl: ttl, log: log,
-		ctx: ctx, cancel: cancel, grant: make(chan struct{}, 1), local: make(map[string]localEntry), writing: make(map[string]chan struct{}), warned: make(map[string]struct{}),
+	r := &Registry{
+		cli: cli, node: opts.Node, prefix: opts.Prefix, tombPrefix: tombPrefixOf(opts.Prefix), ttl: ttl, tombTTL: opts.TombstoneTTL, log: log,
+		ctx: ctx, cancel: cancel, grant: make(chan struct{}, 1), local: make(map[string]localEntry),
+		writing: make(map[string]chan struct{}), fences: make(map[string]fence), warned: make(map[string]struct{}),
 	}
+	r.wg.Add(1)
+	go r.sweepTombstones()
+	return r
 }
 
 func (r *Registry) key(epKey string) string { return r.prefix + r.node + "/" + epKey }
@@ -370,8 +403,9 @@ func (r *Registry) put(ctx context.Context, ep registry.Endpoint, val []byte, ge
 		if !ok || cur.gen != gen {
 			return fmt.Errorf("failed to register endpoint %q: %w", ep.Key, errWithdrawn)
 		}
-		_, err = r.cli.Put(ctx, r.key(ep.Key), string(val), clientv3.WithLease(lease))
+		rev, err := r.fencedWrite(ctx, ep.Key, clientv3.OpPut(r.key(ep.Key), string(val), clientv3.WithLease(lease)), clientv3.OpDelete(r.tombKey(ep.Key)))
 		if err == nil {
+			r.setFence(ep.Key, fence{ep: rev})
 			return nil
 		}
 		if errors.Is(err, rpctypes.ErrLeaseNotFound) && attempt == 0 {
@@ -402,7 +436,7 @@ func (r *Registry) Deregister(ctx context.Context, key string) error {
 		return fmt.Errorf("failed to deregister endpoint %q from etcd: %w", key, err)
 	}
 	defer unlock()
-	if _, err := r.cli.Delete(ctx, r.key(key)); err != nil {
+	if err := r.deleteWithTombstone(ctx, key); err != nil {
 		return fmt.Errorf("failed to deregister endpoint %q from etcd: %w", key, err)
 	}
 	return nil
@@ -469,6 +503,7 @@ func (r *Registry) Revoke(ctx context.Context) error {
 	lease := r.lease
 	r.lease = 0
 	r.local = make(map[string]localEntry)
+	r.fences = make(map[string]fence) // the revoke deletes keys and tombstones
 	r.mu.Unlock()
 	if lease == 0 {
 		return nil
@@ -622,9 +657,11 @@ func (r *Registry) reRegisterKey(ctx context.Context, key string, lease clientv3
 	if err != nil {
 		return fmt.Errorf("failed to encode endpoint %q: %w", key, err)
 	}
-	if _, err := r.cli.Put(ctx, r.key(key), string(val), clientv3.WithLease(lease)); err != nil {
+	rev, err := r.fencedWrite(ctx, key, clientv3.OpPut(r.key(key), string(val), clientv3.WithLease(lease)), clientv3.OpDelete(r.tombKey(key)))
+	if err != nil {
 		return fmt.Errorf("failed to register endpoint %q again: %w", key, err)
 	}
+	r.setFence(key, fence{ep: rev})
 	return nil
 }
 
