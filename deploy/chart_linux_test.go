@@ -38,6 +38,7 @@ var valueSets = []valueSet{
 	{name: "csi-sidecar", files: []string{"csi-sidecar.yaml"}},
 	{name: "inbound-strict", files: []string{"inbound-strict.yaml"}},
 	{name: "identity-spire", files: []string{"identity-spire.yaml"}},
+	{name: "k3s", files: []string{"k3s.yaml"}},
 }
 
 func (v valueSet) paths() []string {
@@ -237,7 +238,26 @@ func TestChartRejects(t *testing.T) {
 		{"identity provider", "identity:\n  provider: vault\n", `invalid identity.provider "vault"`},
 		{"spire with a CA", "identity:\n  enabled: true\n  provider: spire\n  generateCA: true\n", "invalid identity: provider spire with caSecret, generateCA or trustBundleConfigMap"},
 		{"spire with a trust bundle", "identity:\n  enabled: true\n  provider: spire\n  trustBundleConfigMap: b\n", "invalid identity: provider spire with"},
-		{"spire admin socket relative", "identity:\n  enabled: true\n  provider: spire\n  spire:\n    adminSocket: admin.sock\n", `invalid identity.spire.adminSocket "admin.sock"`},
+		{"spire admin socket relative", "identity:\n  enabled: true\n  provider: spire\n  spire:\n    adminSocket: admin.sock\n", `invalid identity.spire.adminSocket "admin.sock": must be an absolute host path`},
+		{"spire admin socket in the run dir", "identity:\n  enabled: true\n  provider: spire\n  spire:\n    adminSocket: /run/aether/admin.sock\n", `invalid identity.spire.adminSocket's directory "/run/aether": is the same path as hostPaths.runDir "/run/aether"`},
+		{"host path relative", "hostPaths:\n  runDir: run/aether\n", `invalid hostPaths.runDir "run/aether": must be an absolute host path`},
+		{"host path trailing slash", "hostPaths:\n  stateDir: /var/lib/aether/\n", `invalid hostPaths.stateDir "/var/lib/aether/": must not end in a slash; use "/var/lib/aether"`},
+		{"host path dot dot", "hostPaths:\n  cniBinDir: /opt/cni/../bin\n", `invalid hostPaths.cniBinDir "/opt/cni/../bin": must not contain ..`},
+		{"host path not clean", "hostPaths:\n  cniConfDir: /etc//cni/./net.d\n", `invalid hostPaths.cniConfDir "/etc//cni/./net.d": must be a clean path`},
+		{"host path root", "hostPaths:\n  stateDir: /\n", `invalid hostPaths.stateDir "/": must not be the host's root directory`},
+		{"host path empty", "hostPaths:\n  kubeletDir: \"\"\n", `invalid hostPaths.kubeletDir "": must be an absolute host path`},
+		{"host path not a string", "hostPaths:\n  runDir: 7\n", "invalid hostPaths.runDir 7: must be a host path"},
+		{"host path with a space", "hostPaths:\n  stateDir: /var/lib/my aether\n", `invalid hostPaths.stateDir "/var/lib/my aether": may contain only`},
+		{"host path too long for its sockets", "hostPaths:\n  runDir: /run/" + strings.Repeat("a", 83) + "\n", "88 bytes, at most 87"},
+		{"kubelet dir too long for its sockets", "hostPaths:\n  kubeletDir: /k/" + strings.Repeat("a", 65) + "\n", "68 bytes, at most 67"},
+		{"two host paths the same", "hostPaths:\n  stateDir: /run/aether\n", `invalid hostPaths.stateDir "/run/aether": is the same path as hostPaths.runDir "/run/aether"`},
+		{"a host path inside another", "hostPaths:\n  cniConfDir: /opt/cni/bin/net.d\n", `invalid hostPaths.cniConfDir "/opt/cni/bin/net.d": lies inside hostPaths.cniBinDir "/opt/cni/bin"`},
+		{"a host path holding another", "hostPaths:\n  kubeletDir: /var/lib\n", `invalid hostPaths.kubeletDir "/var/lib": holds hostPaths.stateDir "/var/lib/aether"`},
+		{"a host path over the image's binaries", "hostPaths:\n  stateDir: /usr/local\n", `invalid hostPaths.stateDir "/usr/local": holds the container path "/usr/local/bin"`},
+		{"a host path inside a Secret's mount", "hostPaths:\n  runDir: /etc/aether/run\n", `invalid hostPaths.runDir "/etc/aether/run": lies inside the container path "/etc/aether"`},
+		{"cni.binDir moved", "cni:\n  binDir: /opt/cni/bin\n", "invalid cni.binDir: moved to hostPaths.cniBinDir"},
+		{"cni.confDir moved", "cni:\n  confDir: /etc/cni/net.d\n", "invalid cni.confDir: moved to hostPaths.cniConfDir"},
+		{"csi.kubeletDir moved", "csi:\n  kubeletDir: /var/lib/kubelet\n", "invalid csi.kubeletDir: moved to hostPaths.kubeletDir"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

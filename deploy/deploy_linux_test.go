@@ -3,6 +3,7 @@ package deploy_test
 import (
 	"bytes"
 	"encoding/json"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -347,15 +348,16 @@ func TestInstallerArgsParse(t *testing.T) {
 			t.Errorf("--source-dir %q, want the image's bin dir %s", o.Config.SourceDir, oci.BinDir)
 		}
 		values := chartValues(t, r)
-		for _, d := range []struct{ path, host string }{{o.Config.BinDir, values.CNI.BinDir}, {o.Config.ConfDir, values.CNI.ConfDir}} {
+		for _, d := range []struct{ path, host string }{{o.Config.BinDir, values.HostPaths["cniBinDir"]}, {o.Config.ConfDir, values.HostPaths["cniConfDir"]}} {
 			m, v := mountOf(t, r, c, d.path)
 			if v.HostPath == nil || m.MountPath != d.path || v.HostPath.Path != d.host {
 				t.Errorf("installer dir %s: want the mount of host path %s, got mount %+v of %+v", d.path, d.host, m, v.VolumeSource)
 			}
 		}
+		want := filepath.Join(values.HostPaths["stateDir"], "cni-install", "state.json")
 		m, v := mountOf(t, r, c, o.Config.StateFile)
-		if v.HostPath == nil || v.HostPath.Path != m.MountPath || filepath.Clean(o.Config.StateFile) != cniinstall.DefaultStateFile {
-			t.Errorf("state file %s: want %s on the same host path, got mount %+v of %+v", o.Config.StateFile, cniinstall.DefaultStateFile, m, v.VolumeSource)
+		if v.HostPath == nil || v.HostPath.Path != m.MountPath || filepath.Clean(o.Config.StateFile) != want {
+			t.Errorf("state file %s: want %s on the same host path, got mount %+v of %+v", o.Config.StateFile, want, m, v.VolumeSource)
 		}
 		env := envVars(c)
 		if env["POD_NAME"] != "metadata.name" || env["POD_NAMESPACE"] != "metadata.namespace" {
@@ -613,9 +615,14 @@ func TestSocketLayout(t *testing.T) {
 		if hostPath == "" {
 			t.Fatal("no run-aether hostPath volume")
 		}
+		runDir := chartValues(t, r).HostPaths["runDir"]
+		socketDir := filepath.Join(runDir, "agent")
+		if hostPath != runDir {
+			t.Errorf("run-aether is host path %s, want hostPaths.runDir %s", hostPath, runDir)
+		}
 		for _, s := range []string{cfg.CNISocket, cfg.AdminSocket, cfg.XDSSocket, cfg.LDSSocket} {
-			if dir := filepath.Dir(s); dir != app.SocketDir || dir == hostPath {
-				t.Errorf("agent socket %q: want it in %s, a directory of its own below the hostPath %s", s, app.SocketDir, hostPath)
+			if dir := filepath.Dir(s); dir != socketDir || dir == hostPath {
+				t.Errorf("agent socket %q: want it in %s, a directory of its own below the hostPath %s", s, socketDir, hostPath)
 			}
 		}
 		proxyArgs := expand(container(t, r, "aether-proxy").Args)
@@ -633,11 +640,19 @@ func TestSocketLayout(t *testing.T) {
 		if err := json.Unmarshal(installerOptions(t, r).Config.Entry, &entry); err != nil {
 			t.Fatal(err)
 		}
-		if entry.AgentSocket != cfg.CNISocket || entry.AgentSocket != meshcni.DefaultAgentSocket {
-			t.Errorf("installer --agent-socket %q, agent --cni-socket %q, aether-cni default %q: want one path", entry.AgentSocket, cfg.CNISocket, meshcni.DefaultAgentSocket)
+		if entry.AgentSocket != cfg.CNISocket {
+			t.Errorf("installer --agent-socket %q, agent --cni-socket %q: want one path", entry.AgentSocket, cfg.CNISocket)
 		}
-		if entry.PinDir != meshcni.DefaultPinDir || filepath.Dir(entry.PinDir) != hostPath {
-			t.Errorf("installer --netns-pin-dir %q: want aether-cni's default %s below the hostPath %s", entry.PinDir, meshcni.DefaultPinDir, hostPath)
+		if entry.PinDir != filepath.Join(runDir, "netns") {
+			t.Errorf("installer --netns-pin-dir %q: want netns below the hostPath %s", entry.PinDir, hostPath)
+		}
+		// With the default host paths the chart's paths are the
+		// binaries' defaults (aether-cni's for a hand-written entry,
+		// aetherctl's for the admin and xds sockets).
+		if runDir == readValues(t).HostPaths["runDir"] &&
+			(socketDir != app.SocketDir || entry.AgentSocket != meshcni.DefaultAgentSocket || entry.PinDir != meshcni.DefaultPinDir) {
+			t.Errorf("default runDir: socket dir %s, agent_socket %q, netns_pin_dir %q; want the binaries' defaults %s, %s, %s",
+				socketDir, entry.AgentSocket, entry.PinDir, app.SocketDir, meshcni.DefaultAgentSocket, meshcni.DefaultPinDir)
 		}
 	})
 	// aetherctl's defaults (it runs on the node, in the agent's container)
@@ -778,18 +793,24 @@ func mountOf(t *testing.T, r *render, c corev1.Container, path string) (corev1.V
 
 // renderedValues are the values the tests compare the render with.
 type renderedValues struct {
-	CNI struct {
-		BinDir  string `yaml:"binDir"`
-		ConfDir string `yaml:"confDir"`
-	} `yaml:"cni"`
+	// HostPaths is hostPaths: runDir, stateDir, cniBinDir, cniConfDir,
+	// kubeletDir.
+	HostPaths map[string]string `yaml:"hostPaths"`
 }
 
-// chartValues reads the CNI dirs a render used: its values files over the
-// chart's defaults.
+// chartValues reads the host paths a render used: its values files over
+// the chart's defaults.
 func chartValues(t *testing.T, r *render) renderedValues {
 	t.Helper()
-	var v renderedValues
-	for _, f := range append([]string{filepath.Join(chart.Dir(), "values.yaml")}, r.set.paths()...) {
+	return readValues(t, r.set.paths()...)
+}
+
+// readValues reads the host paths of the chart's defaults overlaid by
+// files.
+func readValues(t *testing.T, files ...string) renderedValues {
+	t.Helper()
+	v := renderedValues{HostPaths: map[string]string{}}
+	for _, f := range append([]string{filepath.Join(chart.Dir(), "values.yaml")}, files...) {
 		raw, err := os.ReadFile(f)
 		if err != nil {
 			t.Fatal(err)
@@ -798,12 +819,7 @@ func chartValues(t *testing.T, r *render) renderedValues {
 		if err := yaml.Unmarshal(raw, &one); err != nil {
 			t.Fatalf("failed to read values %s: %v", f, err)
 		}
-		if one.CNI.BinDir != "" {
-			v.CNI.BinDir = one.CNI.BinDir
-		}
-		if one.CNI.ConfDir != "" {
-			v.CNI.ConfDir = one.CNI.ConfDir
-		}
+		maps.Copy(v.HostPaths, one.HostPaths)
 	}
 	return v
 }

@@ -26,18 +26,18 @@
 //
 // The image is built by tools/image (what `make image` runs) and imported
 // with ctr under two tags. The Helm chart (deploy/chart) is rendered with
-// the lane's values (image, pull policy Never, the lane's CNI dirs) and
-// its objects created (csi.kubeletDir is the lane kubelet's root dir;
-// aether-csi registers itself, csi.registrar builtin; identity.enabled with
+// the lane's values (image, pull policy Never, every hostPaths value in the
+// lane's directory: the CNI dirs of the lane's containerd, the lane
+// kubelet's root dir as kubeletDir, and runDir and stateDir, which the
+// chart mounts at the same path in the containers) and its objects created
+// (aether-csi registers itself, csi.registrar builtin; identity.enabled with
 // generateCA: the agent signs the managed pods' SVIDs with the CA Secret
 // the chart renders, aether-proxy serves HBONE on every managed pod's
 // :15008 and WDS marks them tunnel_protocol HBONE, so traffic between
-// managed pods is tunnelled over mTLS); where the chart has
-// no value the DaemonSet is adapted: the host paths /run/aether (with the
-// UDS root /run/aether/uds) and /var/lib/aether live in the
-// lane's directory (mounted at the same path in the containers) and the
-// pods reach the API server on the node's loopback (no kube-proxy, so the
-// Service IP does not route). Then, in order:
+// managed pods is tunnelled over mTLS); where the chart has no value the
+// DaemonSet is adapted: the pods reach the API server on the node's
+// loopback (no kube-proxy, so the Service IP does not route). Then, in
+// order:
 //   - the DaemonSet is Ready, the agent removed the agent-not-ready taint,
 //     the installer chained aether-cni onto the bridge conflist;
 //   - managed pods are captured, served by aether-proxy and listed by

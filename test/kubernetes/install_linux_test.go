@@ -11,7 +11,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -43,8 +42,8 @@ const (
 // install holds what installing aether-node put on the node.
 type install struct {
 	objects []runtime.Object
-	runDir  string // host /run/aether: agent sockets, pins
-	state   string // host /var/lib/aether: agent store, installer state
+	runDir  string // hostPaths.runDir: agent sockets, pins, UDS root
+	state   string // hostPaths.stateDir: agent store, installer state
 }
 
 // agentSocketDir is where the agent serves its sockets (0700, its own).
@@ -68,13 +67,13 @@ func buildImage(t *testing.T, n *node, tags ...string) {
 }
 
 // installAetherNode renders the Helm chart (deploy/chart) with the lane's
-// values (the image under tag, pull policy Never, the CNI dirs of the
-// lane's containerd) and creates its objects in a new aether-system
-// namespace, with the DaemonSet adapted where the chart has no value: the
-// host paths /run/aether and /var/lib/aether move into the lane's
-// directory (mounted at the same path in the containers, so the paths
-// aether-cni gets from the conflist are the ones the agent and the proxy
-// see), and the pods reach the API server on the node's loopback (no
+// values (the image under tag, pull policy Never, every host path in the
+// lane's directory: the CNI dirs of the lane's containerd, the kubelet's
+// root dir, and the run and state dirs, which the chart mounts at the same
+// path in the containers, so the paths aether-cni gets from the conflist
+// are the ones the agent and the proxy see) and creates its objects in a
+// new aether-system namespace, with the DaemonSet adapted where the chart
+// has no value: the pods reach the API server on the node's loopback (no
 // kube-proxy: the Service IP does not route).
 func installAetherNode(t *testing.T, n *node, tag string) *install {
 	t.Helper()
@@ -86,23 +85,26 @@ func installAetherNode(t *testing.T, n *node, tag string) *install {
   repository: %s
   tag: %s
   pullPolicy: Never
+hostPaths:
+  runDir: %s
+  stateDir: %s
+  cniBinDir: %s
+  cniConfDir: %s
+  kubeletDir: %s
 cni:
-  binDir: %s
-  confDir: %s
   pluginLogLevel: debug
 logLevel: debug
 # aether-csi registers itself with the lane's kubelet (csi.registrar
 # builtin, the default) under its root dir.
 csi:
   enabled: true
-  kubeletDir: %s
 # The embedded SPIFFE provider with a CA the chart generates: the agent
 # issues the managed pods' SVIDs, every managed pod gets its HBONE
 # listener on :15008 and WDS serves it tunnel_protocol HBONE.
 identity:
   enabled: true
   generateCA: true
-`, imageRepo, tag, n.cniBin, n.runtime.ConfDir(), n.kubeletRoot)), 0o600); err != nil {
+`, imageRepo, tag, in.runDir, in.state, n.cniBin, n.runtime.ConfDir(), n.kubeletRoot)), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
@@ -128,7 +130,7 @@ identity:
 			t.Fatalf("failed to decode the rendered chart: %v\n%s", err, doc)
 		}
 		if ds, ok := obj.(*appsv1.DaemonSet); ok {
-			adaptDaemonSet(t, n, in, ds)
+			adaptDaemonSet(t, n, ds)
 		}
 		in.objects = append(in.objects, obj)
 	}
@@ -164,35 +166,11 @@ identity:
 	return in
 }
 
-// adaptDaemonSet rewrites what the chart fixes and the lane must move (see
-// installAetherNode).
-func adaptDaemonSet(t *testing.T, n *node, in *install, ds *appsv1.DaemonSet) {
+// adaptDaemonSet sets what the chart has no value for and the lane needs
+// (see installAetherNode).
+func adaptDaemonSet(t *testing.T, n *node, ds *appsv1.DaemonSet) {
 	t.Helper()
-	spec := &ds.Spec.Template.Spec
-	moved := map[string]string{"/run/aether": in.runDir, "/var/lib/aether": in.state}
-	// move maps a path at or under a moved host path (/run/aether/uds,
-	// aether-csi's root, too).
-	move := func(p string) string {
-		for from, to := range moved {
-			if p == from || strings.HasPrefix(p, from+"/") {
-				return to + strings.TrimPrefix(p, from)
-			}
-		}
-		return p
-	}
-	for i := range spec.Volumes {
-		if hp := spec.Volumes[i].HostPath; hp != nil {
-			hp.Path = move(hp.Path)
-		}
-	}
-	for _, c := range allContainers(spec) {
-		for k, m := range c.VolumeMounts {
-			c.VolumeMounts[k].MountPath = move(m.MountPath)
-		}
-		for j, a := range c.Args {
-			a = strings.ReplaceAll(a, "/run/aether", in.runDir)
-			c.Args[j] = strings.ReplaceAll(a, "/var/lib/aether", in.state)
-		}
+	for _, c := range allContainers(&ds.Spec.Template.Spec) {
 		c.Env = append(c.Env,
 			corev1.EnvVar{Name: "KUBERNETES_SERVICE_HOST", Value: "127.0.0.1"},
 			corev1.EnvVar{Name: "KUBERNETES_SERVICE_PORT", Value: strconv.Itoa(n.cluster.Port)})

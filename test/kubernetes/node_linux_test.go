@@ -65,7 +65,7 @@ type node struct {
 	bins    string
 	base    string // short per-lane dir: kubelet, host paths of the DaemonSet
 	cniBin  string
-	// kubeletRoot is kubelet's --root-dir (the chart's csi.kubeletDir).
+	// kubeletRoot is kubelet's --root-dir (the chart's hostPaths.kubeletDir).
 	kubeletRoot string
 	conflist    string // the primary conflist containerd reads
 	original    []byte // its bytes before the installer ran

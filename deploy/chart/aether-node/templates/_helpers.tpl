@@ -27,13 +27,19 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
 {{/*
-Host paths. The agent serves its sockets from agent/ below run, a directory
-it creates 0700 itself (kubelet creates the hostPath 0755, which the agent
-refuses as a socket directory); aether-cni pins network namespaces in netns/.
+Host paths (values hostPaths), each mounted at the same path in the
+containers. The agent serves its sockets from agent/ below runDir, a
+directory it creates 0700 itself (kubelet creates the hostPath 0755, which
+the agent refuses as a socket directory); aether-cni pins network namespaces
+in netns/; the pods' UDS socket dirs are in uds/.
 */}}
-{{- define "aether-node.runDir" -}}/run/aether{{- end -}}
-{{- define "aether-node.socketDir" -}}/run/aether/agent{{- end -}}
-{{- define "aether-node.stateDir" -}}/var/lib/aether{{- end -}}
+{{- define "aether-node.runDir" -}}{{ .Values.hostPaths.runDir }}{{- end -}}
+{{- define "aether-node.socketDir" -}}{{ .Values.hostPaths.runDir }}/agent{{- end -}}
+{{- define "aether-node.pinDir" -}}{{ .Values.hostPaths.runDir }}/netns{{- end -}}
+{{- define "aether-node.udsRoot" -}}{{ .Values.hostPaths.runDir }}/uds{{- end -}}
+{{- define "aether-node.stateDir" -}}{{ .Values.hostPaths.stateDir }}{{- end -}}
+{{- define "aether-node.kubeletDir" -}}{{ .Values.hostPaths.kubeletDir }}{{- end -}}
+{{/* Container paths: secrets, never host paths. */}}
 {{- define "aether-node.etcdTLSDir" -}}/etc/aether/etcd{{- end -}}
 {{- define "aether-node.identityDir" -}}/etc/aether/identity{{- end -}}
 {{/* The Secret of the identity CA: the one given, or the generated one. */}}
@@ -41,8 +47,105 @@ refuses as a socket directory); aether-cni pins network namespaces in netns/.
 {{- .Values.identity.caSecret | default (printf "%s-identity-ca" (include "aether-node.fullname" .)) -}}
 {{- end -}}
 
+{{/*
+Fails the render unless the host path (list name path maxLen) is an
+absolute, clean path of at most maxLen bytes (0: no limit).
+*/}}
+{{- define "aether-node.validateHostPath" -}}
+{{- $name := index . 0 -}}
+{{- $p := index . 1 -}}
+{{- $max := index . 2 -}}
+{{- if not (kindIs "string" $p) -}}
+{{- fail (printf "invalid %s %v: must be a host path such as /run/aether" $name $p) -}}
+{{- end -}}
+{{- if not (isAbs $p) -}}
+{{- fail (printf "invalid %s %q: must be an absolute host path" $name $p) -}}
+{{- end -}}
+{{- if eq $p "/" -}}
+{{- fail (printf "invalid %s %q: must not be the host's root directory" $name $p) -}}
+{{- end -}}
+{{- if hasSuffix "/" $p -}}
+{{- fail (printf "invalid %s %q: must not end in a slash; use %q" $name $p (clean $p)) -}}
+{{- end -}}
+{{- if has ".." (splitList "/" $p) -}}
+{{- fail (printf "invalid %s %q: must not contain .." $name $p) -}}
+{{- end -}}
+{{- if ne (clean $p) $p -}}
+{{- fail (printf "invalid %s %q: must be a clean path (no . or empty segments); use %q" $name $p (clean $p)) -}}
+{{- end -}}
+{{- if not (regexMatch "^[A-Za-z0-9._+@/-]+$" $p) -}}
+{{- fail (printf "invalid %s %q: may contain only letters, digits, / and ._+@-" $name $p) -}}
+{{- end -}}
+{{- if and $max (gt (len $p) (int $max)) -}}
+{{- fail (printf "invalid %s %q: %d bytes, at most %d: the longest unix socket below it would exceed 107 bytes" $name $p (len $p) (int $max)) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Fails the render unless every host path is valid and none is another's, lies
+inside another or holds one of the container paths the chart mounts (each is
+a mount of its own at the same path in the containers).
+*/}}
+{{- define "aether-node.validateHostPaths" -}}
+{{- $hp := .Values.hostPaths -}}
+{{- range $old, $new := dict "cni.binDir" "cniBinDir" "cni.confDir" "cniConfDir" "csi.kubeletDir" "kubeletDir" -}}
+{{- $parts := splitList "." $old -}}
+{{- if hasKey (index $.Values (first $parts)) (last $parts) -}}
+{{- fail (printf "invalid %s: moved to hostPaths.%s" $old $new) -}}
+{{- end -}}
+{{- end -}}
+{{- $socketLen := 20 -}}{{/* /agent/workload.sock */}}
+{{- $regLen := 40 -}}{{/* /plugins_registry/csi.aether.io-reg.sock */}}
+{{- $checks := list
+  (list "hostPaths.runDir" $hp.runDir (sub 107 $socketLen))
+  (list "hostPaths.stateDir" $hp.stateDir 0)
+  (list "hostPaths.cniBinDir" $hp.cniBinDir 0)
+  (list "hostPaths.cniConfDir" $hp.cniConfDir 0) -}}
+{{- if .Values.csi.enabled -}}
+{{- $checks = append $checks (list "hostPaths.kubeletDir" $hp.kubeletDir (sub 107 $regLen)) -}}
+{{- end -}}
+{{- $spire := and .Values.identity.enabled (eq .Values.identity.provider "spire") -}}
+{{- if $spire -}}
+{{- $checks = append $checks (list "identity.spire.adminSocket" .Values.identity.spire.adminSocket 107) -}}
+{{- end -}}
+{{- range $checks -}}
+{{- include "aether-node.validateHostPath" . -}}
+{{- end -}}
+{{- /* Each entry: name, path, whether it is a value (blamed) or a container path. */ -}}
+{{- $paths := list -}}
+{{- range list "/usr/local/bin" "/etc/aether" "/host/cni" "/csi" "/registration" -}}
+{{- $paths = append $paths (list "the container path" . false) -}}
+{{- end -}}
+{{- range $checks -}}
+{{- if eq (index . 0) "identity.spire.adminSocket" -}}
+{{- $paths = append $paths (list "identity.spire.adminSocket's directory" (dir (index . 1)) true) -}}
+{{- else -}}
+{{- $paths = append $paths (list (index . 0) (index . 1) true) -}}
+{{- end -}}
+{{- end -}}
+{{- range $i, $a := $paths -}}
+{{- range $j, $b := $paths -}}
+{{- if and (lt $i $j) (index $b 2) -}}
+{{- /* b, a value, is blamed; a is a value or a container path. */ -}}
+{{- $rel := "" -}}
+{{- if eq (index $a 1) (index $b 1) -}}
+{{- $rel = "is the same path as" -}}
+{{- else if hasPrefix (printf "%s/" (index $a 1)) (index $b 1) -}}
+{{- $rel = "lies inside" -}}
+{{- else if hasPrefix (printf "%s/" (index $b 1)) (index $a 1) -}}
+{{- $rel = "holds" -}}
+{{- end -}}
+{{- if $rel -}}
+{{- fail (printf "invalid %s %q: %s %s %q; each host path is a mount of its own, apart from the others and from the container paths the chart uses" (index $b 0) (index $b 1) $rel (index $a 0) (index $a 1)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Fails the render on values the binaries would reject. */}}
 {{- define "aether-node.validate" -}}
+{{- include "aether-node.validateHostPaths" . -}}
 {{- $levels := list "debug" "info" "warn" "error" -}}
 {{- if not (has .Values.logLevel $levels) -}}
 {{- fail (printf "invalid logLevel %q: must be debug, info, warn or error" .Values.logLevel) -}}
@@ -86,9 +189,6 @@ refuses as a socket directory); aether-cni pins network namespaces in netns/.
 {{- if and .Values.identity.enabled (eq .Values.identity.provider "spire") -}}
 {{- if or .Values.identity.caSecret .Values.identity.generateCA .Values.identity.trustBundleConfigMap -}}
 {{- fail "invalid identity: provider spire with caSecret, generateCA or trustBundleConfigMap: SPIRE signs the SVIDs and no node holds a CA; unset them or use provider embedded" -}}
-{{- end -}}
-{{- if not (isAbs (.Values.identity.spire.adminSocket | default "")) -}}
-{{- fail (printf "invalid identity.spire.adminSocket %q: must be the absolute host path of the SPIRE agent's admin socket" (.Values.identity.spire.adminSocket | default "")) -}}
 {{- end -}}
 {{- end -}}
 {{- if and .Values.identity.enabled (eq .Values.identity.provider "embedded") (not .Values.identity.caSecret) (not .Values.identity.generateCA) -}}
