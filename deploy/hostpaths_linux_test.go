@@ -130,6 +130,12 @@ func TestHostPaths(t *testing.T) {
 			}
 		}
 		sameOnHost(proxy, append(dialed, pinDir, cfg.UDSRoot)...)
+		// An app's UDS socket belongs to the app's user, mode by its umask
+		// (0755 typically): root connects to it only with DAC_OVERRIDE;
+		// without it every UDS delivery falls back to TCP.
+		if sc := proxy.SecurityContext; sc == nil || sc.Capabilities == nil || !slices.Contains(sc.Capabilities.Add, corev1.Capability("DAC_OVERRIDE")) {
+			t.Errorf("aether-proxy lacks CAP_DAC_OVERRIDE: it cannot connect to app UDS sockets under %s", cfg.UDSRoot)
+		}
 		if m, _ := mountOf(t, r, proxy, filepath.Join(pinDir, "pin")); m.MountPropagation == nil || *m.MountPropagation != corev1.MountPropagationHostToContainer {
 			t.Errorf("aether-proxy mounts the pins (%s) without HostToContainer propagation: %+v", pinDir, m)
 		}
