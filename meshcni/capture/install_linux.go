@@ -174,14 +174,14 @@ func (i Installer) installNFT(fd int, r Ruleset) error {
 	// anything (see above), unless the closer took the socket.
 	handOff := false
 	defer func() { i.release(conn, handOff) }()
-	gen, present, current, err := readStamp(conn, digest)
-	if err != nil || current {
+	st, err := readStamp(conn, digest)
+	if err != nil || st.current {
 		return err
 	}
 	c := conn.Conn
 	t := &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
-	ud := stamp{digest: digest, gen: nextGen(gen)}.userData()
-	if !present {
+	ud := stamp{digest: digest, gen: nextGen(st.gen)}.userData()
+	if !st.present {
 		c.AddTable(t)
 		for _, ch := range r.Chains {
 			c.AddChain(newChain(t, ch))
@@ -193,26 +193,26 @@ func (i Installer) installNFT(fd int, r Ruleset) error {
 	if err != nil {
 		return err
 	}
-	rules, err := chainRules(c, t, chains)
-	if err != nil {
-		return err
-	}
-	if ins, ok := insertions(chains, rules, r); ok {
-		if len(ins.chains) == 0 && len(ins.rules) == 0 {
-			return nil
-		}
-		for _, ch := range ins.chains {
-			c.AddChain(newChain(t, ch))
-		}
-		for _, in := range ins.rules {
-			in.UserData, ud = ud, nil
-			if in.Position != 0 {
-				c.InsertRule(in)
-			} else {
-				c.AddRule(in)
+	// Rules that cannot be decoded are not ours: nothing to keep, the
+	// table is rewritten.
+	if rules, err := st.rules.byChain(); err == nil {
+		if ins, ok := insertions(chains, rules, r); ok {
+			if len(ins.chains) == 0 && len(ins.rules) == 0 {
+				return nil
 			}
+			for _, ch := range ins.chains {
+				c.AddChain(newChain(t, ch))
+			}
+			for _, in := range ins.rules {
+				in.UserData, ud = ud, nil
+				if in.Position != 0 {
+					c.InsertRule(in)
+				} else {
+					c.AddRule(in)
+				}
+			}
+			return flush(c)
 		}
-		return flush(c)
 	}
 	handOff = i.startCloser()
 	replaceInPlace(c, t, chains, r)
@@ -220,26 +220,41 @@ func (i Installer) installNFT(fd int, r Ruleset) error {
 	return flush(c)
 }
 
+// tableState is what a retry reads of the namespace before deciding
+// anything: the nftables generation, whether the capture table is there,
+// its rules (one dump) and whether a stamp on them is current for the
+// wanted ruleset.
+type tableState struct {
+	gen     uint32
+	present bool
+	current bool
+	rules   tableRules
+}
+
 // readStamp reads, on c's socket, the namespace's nftables generation,
-// whether it holds the capture table and whether a stamp on the table's
-// rules proves that the table is the ruleset of digest (current). One
-// socket serves the stamp and the install: a second one would cost another
-// dial into the namespace, and its release, after a commit that removed
-// anything, would wait for the grace period too.
-func readStamp(c *nftConn, digest [16]byte) (gen uint32, present, current bool, err error) {
+// whether it holds the capture table, and the table's rules (one dump),
+// and whether a stamp on them proves that the table is the ruleset of
+// digest (current). One socket serves the stamp and the install: a second
+// one would cost another dial into the namespace, and its release, after
+// a commit that removed anything, would wait for the grace period too.
+func readStamp(c *nftConn, digest [16]byte) (tableState, error) {
 	if c.sock == nil {
-		return 0, false, false, errors.New("failed to read the capture table's stamp: no netfilter socket")
+		return tableState{}, errors.New("failed to read the capture table's stamp: no netfilter socket")
 	}
 	q := &nftQuery{c: c.sock}
-	if gen, err = q.gen(); err != nil {
-		return 0, false, false, err
+	var st tableState
+	var err error
+	if st.gen, err = q.gen(); err != nil {
+		return tableState{}, err
 	}
-	if present, err = q.hasTable(); err != nil || !present {
-		return gen, false, false, err
+	if st.present, err = q.hasTable(); err != nil || !st.present {
+		return st, err
 	}
-	// A stamp that cannot be read is no stamp: the comparison decides.
-	stamps, _ := q.stamps()
-	return gen, true, slices.Contains(stamps, stamp{digest: digest, gen: gen}), nil
+	if st.rules, err = q.rules(); err != nil {
+		return tableState{}, err
+	}
+	st.current = slices.Contains(st.rules.stamps(), stamp{digest: digest, gen: st.gen})
+	return st, nil
 }
 
 // addRules queues every rule of r, in order, the first one stamped with ud.
@@ -260,19 +275,6 @@ func flush(c *nftables.Conn) error {
 		return fmt.Errorf("failed to install nftables table %q: %w", TableName, err)
 	}
 	return nil
-}
-
-// chainRules lists the rules of each of chains, by chain name.
-func chainRules(c *nftables.Conn, t *nftables.Table, chains map[string]*nftables.Chain) (map[string][]*nftables.Rule, error) {
-	out := make(map[string][]*nftables.Rule, len(chains))
-	for name, ch := range chains {
-		rules, err := c.GetRules(t, ch)
-		if err != nil {
-			return nil, fmt.Errorf("failed to list rules of chain %q: %w", name, err)
-		}
-		out[name] = rules
-	}
-	return out, nil
 }
 
 // insertion is what turns a table into r without removing anything: chains

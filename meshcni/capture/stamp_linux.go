@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
@@ -173,9 +174,16 @@ func (q *nftQuery) hasTable() (bool, error) {
 	return true, nil
 }
 
-// stamps returns the stamps found on the rules of the capture table (one
-// dump of the table's rules; only their userdata is decoded).
-func (q *nftQuery) stamps() ([]stamp, error) {
+// tableRules is one dump of every rule of the capture table
+// (NFT_MSG_GETRULE with only the table set, NLM_F_DUMP), in the kernel's
+// order: chain by chain, each chain's rules in order. A retry reads the
+// table's rules once, for the stamps and, when no stamp is current, for the
+// comparison, instead of one dump per chain (google/nftables' GetRules
+// always names a chain).
+type tableRules []netlink.Message
+
+// rules dumps the rules of the capture table.
+func (q *nftQuery) rules() (tableRules, error) {
 	req, err := request(unix.NFT_MSG_GETRULE, unix.NFPROTO_INET, netlink.Dump,
 		netlink.Attribute{Type: unix.NFTA_RULE_TABLE, Data: []byte(TableName + "\x00")})
 	if err != nil {
@@ -185,14 +193,20 @@ func (q *nftQuery) stamps() ([]stamp, error) {
 	if err != nil {
 		return nil, fmt.Errorf("failed to list rules of table %q: %w", TableName, err)
 	}
+	return msgs, nil
+}
+
+// stamps returns the stamps found on the rules (only their userdata is
+// decoded; a rule that cannot be decoded carries no stamp).
+func (d tableRules) stamps() []stamp {
 	var out []stamp
-	for _, m := range msgs {
+	for _, m := range d {
 		if len(m.Data) < 4 {
 			continue
 		}
 		ad, err := netlink.NewAttributeDecoder(m.Data[4:])
 		if err != nil {
-			return nil, fmt.Errorf("failed to decode a rule of table %q: %w", TableName, err)
+			continue
 		}
 		for ad.Next() {
 			if ad.Type() == unix.NFTA_RULE_USERDATA {
@@ -202,5 +216,116 @@ func (q *nftQuery) stamps() ([]stamp, error) {
 			}
 		}
 	}
+	return out
+}
+
+// byChain decodes every rule (chain, handle, expressions) and groups them
+// by chain name, in order. Expressions are decoded as google/nftables
+// decodes them (expr.Unmarshal of the same types), so sameExprs compares
+// them as it compares GetRules' answers; tproxy is left out, as
+// google/nftables v0.3.0 leaves it out. An expression of any other kind
+// is an error: such a rule is not one of ours, and the caller rewrites.
+func (d tableRules) byChain() (map[string][]*nftables.Rule, error) {
+	out := map[string][]*nftables.Rule{}
+	for _, m := range d {
+		chain, r, err := decodeRule(m)
+		if err != nil {
+			return nil, err
+		}
+		out[chain] = append(out[chain], r)
+	}
 	return out, nil
+}
+
+// decodeRule decodes the chain name, handle, userdata and expressions of a
+// rule of the dump.
+func decodeRule(m netlink.Message) (string, *nftables.Rule, error) {
+	if len(m.Data) < 4 {
+		return "", nil, errors.New("short nftables rule message")
+	}
+	ad, err := netlink.NewAttributeDecoder(m.Data[4:])
+	if err != nil {
+		return "", nil, fmt.Errorf("failed to decode a rule of table %q: %w", TableName, err)
+	}
+	ad.ByteOrder = binary.BigEndian
+	var chain string
+	r := &nftables.Rule{}
+	for ad.Next() {
+		switch ad.Type() {
+		case unix.NFTA_RULE_CHAIN:
+			chain = ad.String()
+		case unix.NFTA_RULE_HANDLE:
+			r.Handle = ad.Uint64()
+		case unix.NFTA_RULE_USERDATA:
+			r.UserData = ad.Bytes()
+		case unix.NFTA_RULE_EXPRESSIONS:
+			ad.Nested(func(list *netlink.AttributeDecoder) error {
+				for list.Next() {
+					list.Nested(func(elem *netlink.AttributeDecoder) error {
+						e, err := decodeExpr(elem)
+						if e != nil {
+							r.Exprs = append(r.Exprs, e)
+						}
+						return err
+					})
+				}
+				return nil
+			})
+		}
+	}
+	if err := ad.Err(); err != nil {
+		return "", nil, fmt.Errorf("failed to decode a rule of table %q: %w", TableName, err)
+	}
+	r.Table = &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
+	r.Chain = &nftables.Chain{Name: chain, Table: r.Table}
+	return chain, r, nil
+}
+
+// decodeExpr decodes one expression (NFTA_EXPR_NAME, NFTA_EXPR_DATA) of
+// a kind the divert uses; tproxy decodes to nil (see byChain).
+func decodeExpr(ad *netlink.AttributeDecoder) (expr.Any, error) {
+	var name string
+	var data []byte
+	for ad.Next() {
+		switch ad.Type() {
+		case unix.NFTA_EXPR_NAME:
+			name = ad.String()
+		case unix.NFTA_EXPR_DATA:
+			data = ad.Bytes()
+		}
+	}
+	var e expr.Any
+	switch name {
+	case "tproxy":
+		return nil, nil
+	case "meta":
+		e = &expr.Meta{}
+	case "cmp":
+		e = &expr.Cmp{}
+	case "ct":
+		e = &expr.Ct{}
+	case "payload":
+		e = &expr.Payload{}
+	case "bitwise":
+		e = &expr.Bitwise{}
+	case "fib":
+		e = &expr.Fib{}
+	case "immediate":
+		e = &expr.Immediate{}
+	default:
+		return nil, fmt.Errorf("nftables expression %q is not one the divert uses", name)
+	}
+	if err := expr.Unmarshal(unix.NFPROTO_INET, data, e); err != nil {
+		return nil, fmt.Errorf("failed to decode nftables expression %q: %w", name, err)
+	}
+	// A verdict is an immediate that loads no data into the verdict
+	// register.
+	if imm, ok := e.(*expr.Immediate); ok && imm.Register == unix.NFT_REG_VERDICT && len(imm.Data) == 0 {
+		v := &expr.Verdict{}
+		if err := expr.Unmarshal(unix.NFPROTO_INET, data, v); err != nil {
+			return nil, fmt.Errorf("failed to decode nftables verdict: %w", err)
+		}
+		e = v
+	}
+	return e, nil
 }

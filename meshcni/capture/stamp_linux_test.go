@@ -1,10 +1,14 @@
 package capture
 
 import (
+	"bytes"
+	"fmt"
+	"net/netip"
 	"slices"
 	"testing"
 
 	"github.com/google/nftables"
+	"github.com/google/nftables/expr"
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
 
@@ -62,10 +66,11 @@ func handles(t *testing.T, pod *harness.NS) []uint64 {
 // current generation (the next retry with r then reads nothing else).
 func stamped(t *testing.T, pod *harness.NS, r Ruleset) bool {
 	t.Helper()
-	stamps, err := query(t, pod).stamps()
+	rules, err := query(t, pod).rules()
 	if err != nil {
 		t.Fatal(err)
 	}
+	stamps := rules.stamps()
 	d, err := digestOf(r)
 	if err != nil {
 		t.Fatal(err)
@@ -185,4 +190,104 @@ func TestParseStamp(t *testing.T) {
 	if nextGen(^uint32(0)) != 1 || nextGen(7) != 8 {
 		t.Error("nextGen must skip 0 when the generation wraps")
 	}
+}
+
+// chainRules lists the rules of each of chains, by chain name, through
+// google/nftables (one dump per chain; the install reads them in one).
+func chainRules(c *nftables.Conn, t *nftables.Table, chains map[string]*nftables.Chain) (map[string][]*nftables.Rule, error) {
+	out := make(map[string][]*nftables.Rule, len(chains))
+	for name, ch := range chains {
+		rules, err := c.GetRules(t, ch)
+		if err != nil {
+			return nil, fmt.Errorf("failed to list rules of chain %q: %w", name, err)
+		}
+		out[name] = rules
+	}
+	return out, nil
+}
+
+// TestTableDumpDecodes: the one dump of the table's rules that a retry
+// reads decodes, chain by chain, to what google/nftables' per-chain
+// GetRules reads (handles, userdata, expressions), for a ruleset with
+// every kind of expression the divert uses; a rule with any other kind of
+// expression makes it an error, and the retry then rewrites the table.
+func TestTableDumpDecodes(t *testing.T) {
+	pod := harness.NewNS(t, "dump")
+	r := Build(Config{
+		RedirectAll: true, ExcludePorts: []uint16{22}, InboundCapture: true,
+		ExcludeCIDRs:      []netip.Prefix{netip.MustParsePrefix("10.96.0.0/12"), netip.MustParsePrefix("fd00::/8")},
+		InboundAllowCIDRs: []netip.Prefix{netip.MustParsePrefix("192.168.0.0/16")},
+	})
+	install(t, pod, r)
+	c, err := nftables.New(nftables.WithNetNSFd(int(pod.Fd())))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tbl := &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
+	chains, err := tableChains(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, err := chainRules(c, tbl, chains)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dump, err := query(t, pod).rules()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := dump.byChain()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != len(want) {
+		t.Fatalf("dump has rules in %d chains, GetRules in %d", len(got), len(want))
+	}
+	for name, wr := range want {
+		gr := got[name]
+		if len(gr) != len(wr) {
+			t.Fatalf("chain %s: dump has %d rules, GetRules %d", name, len(gr), len(wr))
+		}
+		for i := range wr {
+			if gr[i].Handle != wr[i].Handle || !bytes.Equal(gr[i].UserData, wr[i].UserData) || !sameDecoded(gr[i].Exprs, wr[i].Exprs) {
+				t.Errorf("chain %s rule %d: dump %+v, GetRules %+v", name, i, gr[i], wr[i])
+			}
+		}
+	}
+	for _, ch := range r.Chains {
+		for i, rl := range ch.Rules {
+			if !sameExprs(rl.Exprs, got[ch.Name][i].Exprs) {
+				t.Errorf("chain %s rule %d decoded from the dump differs from %q", ch.Name, i, rl.Text)
+			}
+		}
+	}
+
+	// A rule of a kind the divert never writes (a counter).
+	divert := &nftables.Chain{Name: "divert", Table: tbl}
+	c.AddRule(&nftables.Rule{Table: tbl, Chain: divert, Exprs: []expr.Any{&expr.Counter{}}})
+	if err := c.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if dump, err = query(t, pod).rules(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dump.byChain(); err == nil {
+		t.Fatal("a rule with a counter decoded without an error")
+	}
+	install(t, pod, r)
+}
+
+// sameDecoded reports whether two decoded expression lists marshal alike.
+func sameDecoded(a, b []expr.Any) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		ab, err1 := expr.Marshal(unix.NFPROTO_INET, a[i])
+		bb, err2 := expr.Marshal(unix.NFPROTO_INET, b[i])
+		if err1 != nil || err2 != nil || !bytes.Equal(ab, bb) {
+			return false
+		}
+	}
+	return true
 }
