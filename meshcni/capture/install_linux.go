@@ -141,10 +141,16 @@ func (i Installer) Install(nsPath string, r Ruleset) error {
 
 // InstallFd is Install on an open namespace fd.
 func (i Installer) InstallFd(fd int, r Ruleset) error {
-	if err := installRouting(fd, r.Config); err != nil {
+	conn, handOff, err := i.installNFT(fd, r)
+	if conn != nil {
+		// A closer started for the commit starts while the routing is
+		// installed; the socket goes to it after.
+		defer i.release(conn, handOff)
+	}
+	if err != nil {
 		return err
 	}
-	return i.installNFT(fd, r)
+	return installRouting(fd, r.Config)
 }
 
 // installNFT makes the namespace's capture table exactly r, in one
@@ -161,22 +167,17 @@ func (i Installer) InstallFd(fd int, r Ruleset) error {
 // only when a base chain's hook, type or priority changed; with a Closer,
 // the socket of that commit is handed to it. Every write stamps its first
 // new rule with r's digest and the generation its commit produces.
-func (i Installer) installNFT(fd int, r Ruleset) error {
+func (i Installer) installNFT(fd int, r Ruleset) (conn *nftConn, handOff bool, err error) {
 	digest, err := digestOf(r)
 	if err != nil {
-		return err
+		return nil, false, err
 	}
-	conn, err := openNFT(fd)
-	if err != nil {
-		return err
+	if conn, err = openNFT(fd); err != nil {
+		return nil, false, err
 	}
-	// Closing waits for an RCU grace period after a commit that removed
-	// anything (see above), unless the closer took the socket.
-	handOff := false
-	defer func() { i.release(conn, handOff) }()
 	st, err := readStamp(conn, digest)
 	if err != nil || st.current {
-		return err
+		return conn, false, err
 	}
 	c := conn.Conn
 	t := &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
@@ -187,36 +188,53 @@ func (i Installer) installNFT(fd int, r Ruleset) error {
 			c.AddChain(newChain(t, ch))
 		}
 		addRules(c, t, r, ud)
-		return flush(c)
+		return conn, false, flush(c)
 	}
 	chains, err := tableChains(c)
 	if err != nil {
-		return err
+		return conn, false, err
 	}
 	// Rules that cannot be decoded are not ours: nothing to keep, the
 	// table is rewritten.
 	if rules, err := st.rules.byChain(); err == nil {
-		if ins, ok := insertions(chains, rules, r); ok {
-			if len(ins.chains) == 0 && len(ins.rules) == 0 {
-				return nil
-			}
-			for _, ch := range ins.chains {
-				c.AddChain(newChain(t, ch))
-			}
-			for _, in := range ins.rules {
-				in.UserData, ud = ud, nil
-				if in.Position != 0 {
-					c.InsertRule(in)
-				} else {
-					c.AddRule(in)
-				}
-			}
-			return flush(c)
+		if ed, ok := edits(chains, rules, r); ok {
+			handOff = len(ed.del) > 0 && i.startCloser()
+			return conn, handOff, applyEdit(c, t, ed, ud)
 		}
 	}
 	handOff = i.startCloser()
 	replaceInPlace(c, t, chains, r)
 	addRules(c, t, r, ud)
+	return conn, handOff, flush(c)
+}
+
+// applyEdit commits ed, stamped with ud: the first added rule carries the
+// stamp, else (a commit that only deletes) a kept rule is replaced by
+// itself, in place, with the stamp. An empty edit commits nothing.
+func applyEdit(c *nftables.Conn, t *nftables.Table, ed edit, ud []byte) error {
+	if len(ed.chains) == 0 && len(ed.del) == 0 && len(ed.add) == 0 {
+		return nil
+	}
+	for _, ch := range ed.chains {
+		c.AddChain(newChain(t, ch))
+	}
+	for _, d := range ed.del {
+		if err := c.DelRule(d); err != nil {
+			return fmt.Errorf("failed to delete a rule of chain %q: %w", d.Chain.Name, err)
+		}
+	}
+	for _, in := range ed.add {
+		in.UserData, ud = ud, nil
+		if in.Position != 0 {
+			c.InsertRule(in)
+		} else {
+			c.AddRule(in)
+		}
+	}
+	if ud != nil && ed.kept != nil {
+		ed.kept.UserData = ud
+		c.ReplaceRule(ed.kept)
+	}
 	return flush(c)
 }
 
@@ -277,62 +295,72 @@ func flush(c *nftables.Conn) error {
 	return nil
 }
 
-// insertion is what turns a table into r without removing anything: chains
-// to add, then rules to add, each at the end of its chain (Position 0) or
-// before the rule whose handle is Position.
-type insertion struct {
+// edit is what turns a table whose chains are all r's, declared alike,
+// into r without touching a chain: chains to add, rules to delete (by
+// handle), rules to add, each at the end of its chain (Position 0) or
+// before the kept rule whose handle is Position. kept is one rule that
+// stays (its handle, r's expressions), nil when none does.
+type edit struct {
 	chains []Chain
-	rules  []*nftables.Rule
+	del    []*nftables.Rule
+	add    []*nftables.Rule
+	kept   *nftables.Rule
 }
 
-// insertions computes the insertion that turns the table holding chains
-// (with rules) into r. ok is false when there is none: a chain r lacks or
-// declares differently, or a rule that is not, in order, one of r's.
-func insertions(chains map[string]*nftables.Chain, rules map[string][]*nftables.Rule, r Ruleset) (insertion, bool) {
-	var ins insertion
+// edits computes the edit that turns the table holding chains (with rules)
+// into r. ok is false when there is none: a chain r lacks or declares
+// differently (the table is then rewritten).
+func edits(chains map[string]*nftables.Chain, rules map[string][]*nftables.Rule, r Ruleset) (edit, bool) {
+	var ed edit
 	want := map[string]Chain{}
 	for _, ch := range r.Chains {
 		want[ch.Name] = ch
 	}
 	for name, got := range chains {
 		if ch, ok := want[name]; !ok || !sameBase(ch, got) {
-			return insertion{}, false
+			return edit{}, false
 		}
 	}
 	for _, ch := range r.Chains {
 		nch := &nftables.Chain{Name: ch.Name, Table: &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}}
-		have := rules[ch.Name]
 		if _, ok := chains[ch.Name]; !ok {
-			ins.chains = append(ins.chains, ch)
+			ed.chains = append(ed.chains, ch)
 		}
-		// Match the rules there, in order, to r's (the leftmost match
-		// decides whether they are a subsequence); each unmatched rule of
-		// r goes before the next matched one, or at the end.
-		matched := make([]int, 0, len(have))
-		i := 0
-		for j, rl := range ch.Rules {
-			if i < len(have) && sameExprs(rl.Exprs, have[i].Exprs) {
-				matched = append(matched, j)
-				i++
+		// Match the rules there, in order, each to the first of r's
+		// rules after the previous match that has its expressions; an
+		// unmatched one is deleted. Each unmatched rule of r goes before
+		// the next matched one, or at the end.
+		keep := make([]*nftables.Rule, len(ch.Rules))
+		j := 0
+		for _, h := range rules[ch.Name] {
+			k := j
+			for k < len(ch.Rules) && !sameExprs(ch.Rules[k].Exprs, h.Exprs) {
+				k++
+			}
+			if k == len(ch.Rules) {
+				ed.del = append(ed.del, &nftables.Rule{Table: nch.Table, Chain: nch, Handle: h.Handle})
+				continue
+			}
+			keep[k], j = h, k+1
+			if ed.kept == nil {
+				ed.kept = &nftables.Rule{Table: nch.Table, Chain: nch, Handle: h.Handle, Exprs: ch.Rules[k].Exprs}
 			}
 		}
-		if i < len(have) {
-			return insertion{}, false
-		}
-		next := 0
-		for j, rl := range ch.Rules {
-			if next < len(matched) && matched[next] == j {
-				next++
+		for k, rl := range ch.Rules {
+			if keep[k] != nil {
 				continue
 			}
 			var pos uint64
-			if next < len(have) {
-				pos = have[next].Handle
+			for _, h := range keep[k+1:] {
+				if h != nil {
+					pos = h.Handle
+					break
+				}
 			}
-			ins.rules = append(ins.rules, &nftables.Rule{Table: nch.Table, Chain: nch, Exprs: rl.Exprs, Position: pos})
+			ed.add = append(ed.add, &nftables.Rule{Table: nch.Table, Chain: nch, Exprs: rl.Exprs, Position: pos})
 		}
 	}
-	return ins, true
+	return ed, true
 }
 
 // newChain is the nftables chain of ch in t.

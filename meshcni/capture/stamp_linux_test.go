@@ -95,8 +95,9 @@ func install(t *testing.T, pod *harness.NS, r Ruleset) {
 // TestRetryWritesOnlyWhatChanged: a retry with the same divert commits
 // nothing (its stamp is current); one whose divert only adds rules inserts
 // them and removes none (every earlier rule keeps its handle), in one
-// commit, and stamps them so that the next retry commits nothing either; a
-// rule deleted or added by hand moves the generation, so the retry reads
+// commit, and stamps them so that the next retry commits nothing either;
+// one whose divert lost a rule deletes just that rule (and restamps one);
+// a rule deleted or added by hand moves the generation, so the retry reads
 // the table back and repairs it.
 func TestRetryWritesOnlyWhatChanged(t *testing.T) {
 	pod := harness.NewNS(t, "stamp")
@@ -158,7 +159,36 @@ func TestRetryWritesOnlyWhatChanged(t *testing.T) {
 	}
 	install(t, pod, big)
 
-	// Back to the smaller divert: rules go, the table is rewritten.
+	// An exclusion fewer: only that rule goes, every other keeps its
+	// handle (one is replaced by itself, in place, to carry the stamp), in
+	// one commit; then an exclusion fewer and one more: one rule deleted, one
+	// inserted.
+	fewer := Build(Config{RedirectAll: true, ExcludePorts: []uint16{22}, InboundCapture: true})
+	swapped := Build(Config{RedirectAll: true, ExcludePorts: []uint16{3306}, InboundCapture: true})
+	for _, next := range []Ruleset{fewer, swapped} {
+		before, g := handles(t, pod), genOf(t, pod)
+		install(t, pod, next)
+		if got := genOf(t, pod); got != nextGen(g) {
+			t.Fatalf("the edit took generation %d -> %d, want one commit", g, got)
+		}
+		after := handles(t, pod)
+		gone := 0
+		for _, h := range before {
+			if !slices.Contains(after, h) {
+				gone++
+			}
+		}
+		if gone != 1 {
+			t.Fatalf("%d rule handles gone after an edit that removes one rule, want 1 (before %v, after %v)", gone, before, after)
+		}
+		g = genOf(t, pod)
+		install(t, pod, next)
+		if got := genOf(t, pod); got != g {
+			t.Fatalf("a retry after an edit committed again (generation %d -> %d)", g, got)
+		}
+	}
+
+	// Back to the smaller divert: a chain goes, the table is rewritten.
 	install(t, pod, small)
 	g = genOf(t, pod)
 	install(t, pod, small)
