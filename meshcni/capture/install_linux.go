@@ -154,64 +154,78 @@ func (i Installer) InstallFd(fd int, r Ruleset) error {
 }
 
 // installNFT makes the namespace's capture table exactly r, in one
-// nftables batch (atomic). A retried ADD finds the table from the first
-// attempt. When a stamp on its rules (stamp_linux.go) holds r's digest and
-// the current generation, the table is r: nothing is read further or
-// written. Otherwise the table is read back and compared with r: a table
-// that is r is left as it is; one that lacks rules or chains of r but has
-// nothing r lacks gets the missing ones inserted in place; any other is
-// rewritten in place (rules flushed and re-added, chains kept). A commit
-// that removes anything, a rule included, makes the release of the
-// netfilter socket wait for an RCU grace period (meshcni/README.md), which
-// the first three cases never pay; the table or a base chain is deleted
-// only when a base chain's hook, type or priority changed; with a Closer,
-// the socket of that commit is handed to it. Every write stamps its first
-// new rule with r's digest and the generation its commit produces.
+// nftables batch (atomic), and returns the connection for the caller to
+// release, and whether a closer was started for its commit. A retried ADD
+// finds the table from the first attempt. When a stamp on its rules
+// (stamp_linux.go) holds r's digest and the current generation, the table
+// is r: nothing is read further or written. Otherwise the table's rules
+// (one dump) are matched with r's, by their own digests while a stamp is
+// current (nothing committed since our last write), else expression by
+// expression: a table that is r is left as it is; rules r lacks are
+// deleted by handle and rules it misses are inserted in place, as are
+// missing chains; a table with a chain r lacks or declares differently is
+// rewritten in place (rules flushed and re-added). A commit that removes
+// anything, a rule included, makes the release of the netfilter socket
+// wait for an RCU grace period (meshcni/README.md), which a fresh install,
+// a stamped retry and an insertion never pay; with a Closer, such a commit
+// starts it as soon as the rules show that one is coming, and the socket
+// is handed to it. The table or a base chain is deleted only when a base
+// chain's hook, type or priority changed. Every write stamps one rule
+// (its first new one, else a kept one replaced in place) with r's digest
+// and the generation its commit produces; every rule written carries its
+// own digest.
 func (i Installer) installNFT(fd int, r Ruleset) (conn *nftConn, handOff bool, err error) {
-	digest, err := digestOf(r)
+	p, err := printsOf(r)
 	if err != nil {
 		return nil, false, err
 	}
 	if conn, err = openNFT(fd); err != nil {
 		return nil, false, err
 	}
-	st, err := readStamp(conn, digest)
+	st, err := readStamp(conn, p.digest)
 	if err != nil || st.current {
 		return conn, false, err
 	}
 	c := conn.Conn
 	t := &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
-	ud := stamp{digest: digest, gen: nextGen(st.gen)}.userData()
+	s := &stamp{digest: p.digest, gen: nextGen(st.gen)}
 	if !st.present {
 		c.AddTable(t)
 		for _, ch := range r.Chains {
 			c.AddChain(newChain(t, ch))
 		}
-		addRules(c, t, r, ud)
+		addRules(c, t, r, p, s)
 		return conn, false, flush(c)
-	}
-	chains, err := tableChains(c)
-	if err != nil {
-		return conn, false, err
 	}
 	// Rules that cannot be decoded are not ours: nothing to keep, the
 	// table is rewritten.
-	if rules, err := st.rules.byChain(); err == nil {
-		if ed, ok := edits(chains, rules, r); ok {
-			handOff = len(ed.del) > 0 && i.startCloser()
-			return conn, handOff, applyEdit(c, t, ed, ud)
+	ed, ok := st.edit(r, p)
+	if ok && len(ed.del) > 0 {
+		// The closer starts now, while the chains are read and the
+		// commit is made.
+		handOff = i.startCloser()
+	}
+	chains, err := tableChains(c)
+	if err != nil {
+		return conn, handOff, err
+	}
+	if ok {
+		if ed.chains, ok = missingChains(chains, r); ok {
+			return conn, handOff, applyEdit(c, t, ed, s)
 		}
 	}
-	handOff = i.startCloser()
+	if !handOff {
+		handOff = i.startCloser()
+	}
 	replaceInPlace(c, t, chains, r)
-	addRules(c, t, r, ud)
+	addRules(c, t, r, p, s)
 	return conn, handOff, flush(c)
 }
 
-// applyEdit commits ed, stamped with ud: the first added rule carries the
+// applyEdit commits ed, stamped with s: the first added rule carries the
 // stamp, else (a commit that only deletes) a kept rule is replaced by
 // itself, in place, with the stamp. An empty edit commits nothing.
-func applyEdit(c *nftables.Conn, t *nftables.Table, ed edit, ud []byte) error {
+func applyEdit(c *nftables.Conn, t *nftables.Table, ed edit, s *stamp) error {
 	if len(ed.chains) == 0 && len(ed.del) == 0 && len(ed.add) == 0 {
 		return nil
 	}
@@ -223,38 +237,43 @@ func applyEdit(c *nftables.Conn, t *nftables.Table, ed edit, ud []byte) error {
 			return fmt.Errorf("failed to delete a rule of chain %q: %w", d.Chain.Name, err)
 		}
 	}
+	stamped := func(rl *nftables.Rule) *nftables.Rule {
+		if s != nil {
+			rl.UserData, s = append(s.appendTo(nil), rl.UserData...), nil
+		}
+		return rl
+	}
 	for _, in := range ed.add {
-		in.UserData, ud = ud, nil
 		if in.Position != 0 {
-			c.InsertRule(in)
+			c.InsertRule(stamped(in))
 		} else {
-			c.AddRule(in)
+			c.AddRule(stamped(in))
 		}
 	}
-	if ud != nil && ed.kept != nil {
-		ed.kept.UserData = ud
-		c.ReplaceRule(ed.kept)
+	if s != nil && ed.kept != nil {
+		c.ReplaceRule(stamped(ed.kept))
 	}
 	return flush(c)
 }
 
 // tableState is what a retry reads of the namespace before deciding
 // anything: the nftables generation, whether the capture table is there,
-// its rules (one dump) and whether a stamp on them is current for the
-// wanted ruleset.
+// its rules (one dump), whether a stamp on them is current for the wanted
+// ruleset (current) and whether one is current at all (untouched: nothing
+// was committed since Install's last write).
 type tableState struct {
-	gen     uint32
-	present bool
-	current bool
-	rules   tableRules
+	gen       uint32
+	present   bool
+	current   bool
+	untouched bool
+	rules     tableRules
 }
 
 // readStamp reads, on c's socket, the namespace's nftables generation,
-// whether it holds the capture table, and the table's rules (one dump),
-// and whether a stamp on them proves that the table is the ruleset of
-// digest (current). One socket serves the stamp and the install: a second
-// one would cost another dial into the namespace, and its release, after
-// a commit that removed anything, would wait for the grace period too.
+// whether it holds the capture table, the table's rules (one dump) and
+// their stamps. One socket serves the stamp and the install: a second one
+// would cost another dial into the namespace, and its release, after a
+// commit that removed anything, would wait for the grace period too.
 func readStamp(c *nftConn, digest [16]byte) (tableState, error) {
 	if c.sock == nil {
 		return tableState{}, errors.New("failed to read the capture table's stamp: no netfilter socket")
@@ -271,18 +290,58 @@ func readStamp(c *nftConn, digest [16]byte) (tableState, error) {
 	if st.rules, err = q.rules(); err != nil {
 		return tableState{}, err
 	}
-	st.current = slices.Contains(st.rules.stamps(), stamp{digest: digest, gen: st.gen})
+	for _, s := range st.rules.stamps() {
+		if s.gen == st.gen {
+			st.untouched = true
+			st.current = st.current || s.digest == digest
+		}
+	}
 	return st, nil
 }
 
-// addRules queues every rule of r, in order, the first one stamped with ud.
-// Rules go after every chain: they jump to chains declared anywhere in the
-// table.
-func addRules(c *nftables.Conn, t *nftables.Table, r Ruleset, ud []byte) {
-	for _, ch := range r.Chains {
-		for _, rl := range ch.Rules {
-			c.AddRule(&nftables.Rule{Table: t, Chain: &nftables.Chain{Name: ch.Name, Table: t}, Exprs: rl.Exprs, UserData: ud})
-			ud = nil
+// edit matches the table's rules with r's (p: r's digests) and returns
+// the rule edit that turns them into r's; ok is false when the rules
+// cannot be decoded. While the table is untouched and every rule carries
+// its own digest, the digests are compared and no expression is decoded;
+// otherwise the expressions are.
+func (st tableState) edit(r Ruleset, p prints) (edit, bool) {
+	if st.untouched {
+		if have, err := st.rules.byChain(false); err == nil && allDigested(have) {
+			return ruleEdits(have, r, p, func(ci, k int, h *nftables.Rule) bool {
+				d, _ := parseRuleDigest(h.UserData)
+				return d == p.rules[ci][k]
+			}), true
+		}
+	}
+	have, err := st.rules.byChain(true)
+	if err != nil {
+		return edit{}, false
+	}
+	return ruleEdits(have, r, p, func(ci, k int, h *nftables.Rule) bool {
+		return sameExprs(r.Chains[ci].Rules[k].Exprs, h.Exprs)
+	}), true
+}
+
+// allDigested reports whether every rule of rules carries its own digest.
+func allDigested(rules map[string][]*nftables.Rule) bool {
+	for _, rs := range rules {
+		for _, rl := range rs {
+			if _, ok := parseRuleDigest(rl.UserData); !ok {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// addRules queues every rule of r, in order, each with its digest and the
+// first one stamped with s. Rules go after every chain: they jump to
+// chains declared anywhere in the table.
+func addRules(c *nftables.Conn, t *nftables.Table, r Ruleset, p prints, s *stamp) {
+	for ci, ch := range r.Chains {
+		for k, rl := range ch.Rules {
+			c.AddRule(&nftables.Rule{Table: t, Chain: &nftables.Chain{Name: ch.Name, Table: t}, Exprs: rl.Exprs, UserData: p.userData(ci, k, s)})
+			s = nil
 		}
 	}
 }
@@ -297,9 +356,10 @@ func flush(c *nftables.Conn) error {
 
 // edit is what turns a table whose chains are all r's, declared alike,
 // into r without touching a chain: chains to add, rules to delete (by
-// handle), rules to add, each at the end of its chain (Position 0) or
-// before the kept rule whose handle is Position. kept is one rule that
-// stays (its handle, r's expressions), nil when none does.
+// handle), rules to add (with their digests), each at the end of its chain
+// (Position 0) or before the kept rule whose handle is Position. kept is
+// one rule that stays (its handle, r's expressions and digest), nil when
+// none does.
 type edit struct {
 	chains []Chain
 	del    []*nftables.Rule
@@ -307,43 +367,32 @@ type edit struct {
 	kept   *nftables.Rule
 }
 
-// edits computes the edit that turns the table holding chains (with rules)
-// into r. ok is false when there is none: a chain r lacks or declares
-// differently (the table is then rewritten).
-func edits(chains map[string]*nftables.Chain, rules map[string][]*nftables.Rule, r Ruleset) (edit, bool) {
+// ruleEdits computes the rule edit that turns have (the table's rules by
+// chain) into r's rules; same reports whether have's rule h is rule k of
+// r's chain ci. Rules of chains r lacks are left to missingChains.
+func ruleEdits(have map[string][]*nftables.Rule, r Ruleset, p prints, same func(ci, k int, h *nftables.Rule) bool) edit {
 	var ed edit
-	want := map[string]Chain{}
-	for _, ch := range r.Chains {
-		want[ch.Name] = ch
-	}
-	for name, got := range chains {
-		if ch, ok := want[name]; !ok || !sameBase(ch, got) {
-			return edit{}, false
-		}
-	}
-	for _, ch := range r.Chains {
-		nch := &nftables.Chain{Name: ch.Name, Table: &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}}
-		if _, ok := chains[ch.Name]; !ok {
-			ed.chains = append(ed.chains, ch)
-		}
+	t := &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
+	for ci, ch := range r.Chains {
+		nch := &nftables.Chain{Name: ch.Name, Table: t}
 		// Match the rules there, in order, each to the first of r's
-		// rules after the previous match that has its expressions; an
-		// unmatched one is deleted. Each unmatched rule of r goes before
-		// the next matched one, or at the end.
+		// rules after the previous match that is the same; an unmatched
+		// one is deleted. Each unmatched rule of r goes before the next
+		// matched one, or at the end.
 		keep := make([]*nftables.Rule, len(ch.Rules))
 		j := 0
-		for _, h := range rules[ch.Name] {
+		for _, h := range have[ch.Name] {
 			k := j
-			for k < len(ch.Rules) && !sameExprs(ch.Rules[k].Exprs, h.Exprs) {
+			for k < len(ch.Rules) && !same(ci, k, h) {
 				k++
 			}
 			if k == len(ch.Rules) {
-				ed.del = append(ed.del, &nftables.Rule{Table: nch.Table, Chain: nch, Handle: h.Handle})
+				ed.del = append(ed.del, &nftables.Rule{Table: t, Chain: nch, Handle: h.Handle})
 				continue
 			}
 			keep[k], j = h, k+1
 			if ed.kept == nil {
-				ed.kept = &nftables.Rule{Table: nch.Table, Chain: nch, Handle: h.Handle, Exprs: ch.Rules[k].Exprs}
+				ed.kept = &nftables.Rule{Table: t, Chain: nch, Handle: h.Handle, Exprs: ch.Rules[k].Exprs, UserData: p.userData(ci, k, nil)}
 			}
 		}
 		for k, rl := range ch.Rules {
@@ -357,10 +406,31 @@ func edits(chains map[string]*nftables.Chain, rules map[string][]*nftables.Rule,
 					break
 				}
 			}
-			ed.add = append(ed.add, &nftables.Rule{Table: nch.Table, Chain: nch, Exprs: rl.Exprs, Position: pos})
+			ed.add = append(ed.add, &nftables.Rule{Table: t, Chain: nch, Exprs: rl.Exprs, Position: pos, UserData: p.userData(ci, k, nil)})
 		}
 	}
-	return ed, true
+	return ed
+}
+
+// missingChains returns r's chains the table (holding chains) lacks; ok is
+// false when the table has a chain r lacks or declares differently.
+func missingChains(chains map[string]*nftables.Chain, r Ruleset) ([]Chain, bool) {
+	want := map[string]Chain{}
+	for _, ch := range r.Chains {
+		want[ch.Name] = ch
+	}
+	for name, got := range chains {
+		if ch, ok := want[name]; !ok || !sameBase(ch, got) {
+			return nil, false
+		}
+	}
+	var missing []Chain
+	for _, ch := range r.Chains {
+		if _, ok := chains[ch.Name]; !ok {
+			missing = append(missing, ch)
+		}
+	}
+	return missing, true
 }
 
 // newChain is the nftables chain of ch in t.
