@@ -307,19 +307,31 @@ func readStamp(c *nftConn, digest [16]byte) (tableState, error) {
 func (st tableState) edit(r Ruleset, p prints) (edit, bool) {
 	if st.untouched {
 		if have, err := st.rules.byChain(false); err == nil && allDigested(have) {
-			return ruleEdits(have, r, p, func(ci, k int, h *nftables.Rule) bool {
-				d, _ := parseRuleDigest(h.UserData)
-				return d == p.rules[ci][k]
-			}), true
+			return ruleEdits(have, r, p, byDigest(p)), true
 		}
 	}
 	have, err := st.rules.byChain(true)
 	if err != nil {
 		return edit{}, false
 	}
-	return ruleEdits(have, r, p, func(ci, k int, h *nftables.Rule) bool {
+	return ruleEdits(have, r, p, byExprs(r)), true
+}
+
+// byDigest matches a rule of the table with rule k of chain ci of the
+// ruleset of p by the rule's own digest.
+func byDigest(p prints) func(ci, k int, h *nftables.Rule) bool {
+	return func(ci, k int, h *nftables.Rule) bool {
+		d, ok := parseRuleDigest(h.UserData)
+		return ok && d == p.rules[ci][k]
+	}
+}
+
+// byExprs matches a rule of the table with rule k of chain ci of r
+// expression by expression.
+func byExprs(r Ruleset) func(ci, k int, h *nftables.Rule) bool {
+	return func(ci, k int, h *nftables.Rule) bool {
 		return sameExprs(r.Chains[ci].Rules[k].Exprs, h.Exprs)
-	}), true
+	}
 }
 
 // allDigested reports whether every rule of rules carries its own digest.

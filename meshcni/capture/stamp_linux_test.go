@@ -321,3 +321,101 @@ func sameDecoded(a, b []expr.Any) bool {
 	}
 	return true
 }
+
+// TestEditByDigests: while nothing was committed since Install's last
+// write, a retry matches the table's rules by their own digests, and that
+// gives the same edit (rules deleted, rules inserted where, the rule kept
+// for the stamp) as matching them expression by expression, for a retry
+// that deletes, one that inserts and one that does both; once the
+// generation moved, the digests are not trusted.
+func TestEditByDigests(t *testing.T) {
+	base := Config{RedirectAll: true, InboundCapture: true}
+	cfg := func(ports ...uint16) Ruleset { c := base; c.ExcludePorts = ports; return Build(c) }
+	for _, tc := range []struct {
+		name      string
+		from, to  Ruleset
+		del, adds int
+	}{
+		{"deletes", cfg(22, 3306, 5432), cfg(22, 3306), 1, 0},
+		{"inserts", cfg(22), cfg(22, 3306), 0, 1},
+		{"both", cfg(22, 5432), cfg(3306, 5432), 1, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pod := harness.NewNS(t, "edit")
+			install(t, pod, tc.from)
+			p, err := printsOf(tc.to)
+			if err != nil {
+				t.Fatal(err)
+			}
+			conn, err := openNFT(int(pod.Fd()))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = conn.CloseLasting() }()
+			st, err := readStamp(conn, p.digest)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !st.present || st.current || !st.untouched {
+				t.Fatalf("state after our write: present %v, current %v, untouched %v; want true, false, true", st.present, st.current, st.untouched)
+			}
+			light, err := st.rules.byChain(false)
+			if err != nil || !allDigested(light) {
+				t.Fatalf("rules without expressions: %v, every rule digested %v", err, allDigested(light))
+			}
+			full, err := st.rules.byChain(true)
+			if err != nil {
+				t.Fatal(err)
+			}
+			byD := ruleEdits(light, tc.to, p, byDigest(p))
+			byE := ruleEdits(full, tc.to, p, byExprs(tc.to))
+			if len(byD.del) != tc.del || len(byD.add) != tc.adds {
+				t.Fatalf("edit by digests deletes %d and adds %d rules, want %d and %d", len(byD.del), len(byD.add), tc.del, tc.adds)
+			}
+			if fmt.Sprint(handlesOf(byD.del), positionsOf(byD.add), byD.kept.Handle) != fmt.Sprint(handlesOf(byE.del), positionsOf(byE.add), byE.kept.Handle) {
+				t.Fatalf("edit by digests (delete %v, insert at %v, keep %d) differs from the edit by expressions (delete %v, insert at %v, keep %d)",
+					handlesOf(byD.del), positionsOf(byD.add), byD.kept.Handle, handlesOf(byE.del), positionsOf(byE.add), byE.kept.Handle)
+			}
+			if _, ok := st.edit(tc.to, p); !ok {
+				t.Fatal("no edit")
+			}
+		})
+	}
+
+	// A commit by anyone else (here one that adds another table) moves
+	// the generation: the table is no longer untouched.
+	pod := harness.NewNS(t, "edit")
+	install(t, pod, cfg(22))
+	c, err := nftables.New(nftables.WithNetNSFd(int(pod.Fd())))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.AddTable(&nftables.Table{Name: "other", Family: nftables.TableFamilyINet})
+	if err := c.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := openNFT(int(pod.Fd()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.CloseLasting() }()
+	if st, err := readStamp(conn, [16]byte{}); err != nil || st.untouched {
+		t.Fatalf("readStamp after another commit: untouched %v, %v; want false", st.untouched, err)
+	}
+}
+
+func handlesOf(rs []*nftables.Rule) []uint64 {
+	var out []uint64
+	for _, r := range rs {
+		out = append(out, r.Handle)
+	}
+	return out
+}
+
+func positionsOf(rs []*nftables.Rule) []uint64 {
+	var out []uint64
+	for _, r := range rs {
+		out = append(out, r.Position)
+	}
+	return out
+}
