@@ -26,14 +26,15 @@ import (
 // namespace). The zero value closes its netfilter sockets itself.
 type Installer struct {
 	// Closer, when set, takes over the netfilter socket of a commit that
-	// removed anything (Install's rewrite, Remove's table delete): that
-	// socket's release waits for an RCU grace period (meshcni/README.md),
-	// which then happens in the closer's exit instead of this process's.
-	// It is started (in the background) only when such a commit is
-	// coming; a fresh install, a stamped retry and an insertion never
-	// start it. Where it cannot take the socket (no closer image for this
-	// architecture, a closer that failed to start), the socket is closed
-	// here, as without one, and Log says so at DEBUG.
+	// removed anything (Install's edit or rewrite, Remove's table delete):
+	// that socket's release waits for an RCU grace period
+	// (meshcni/README.md), which then happens in the closer's exit instead
+	// of this process's. It is started (in the background) only when such
+	// a commit is coming; a fresh install, a stamped retry and an
+	// insertion never start it. Where it cannot take the socket (no closer
+	// image for this architecture, no name), the socket is closed here,
+	// as without one, and Log says so at DEBUG. The process waits for the
+	// closer (Wait) before it exits.
 	Closer SocketCloser
 	// Log receives a DEBUG line per hand-off: done, or fallen back to
 	// closing here; nil logs nothing.
@@ -42,9 +43,11 @@ type Installer struct {
 
 // SocketCloser is a closer process that takes over sockets
 // (sockcloser.ExecCloser): Start starts it in the background, Take hands it
-// duplicates.
+// duplicates without waiting for its start, Wait waits for its start (and
+// returns at once when it was never started).
 type SocketCloser interface {
 	Start()
+	Wait()
 	sockcloser.Taker
 }
 
