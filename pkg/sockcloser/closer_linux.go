@@ -23,6 +23,11 @@ const MaxLife = 10 * time.Second
 // on (fixed in its machine code, code_linux.go).
 const closerFD = 3
 
+// imageFD is the descriptor the closer's memfd has in the child between
+// fork and exec (exec'd as /proc/self/fd/4); the closer closes it first
+// thing, with every descriptor above closerFD.
+const imageFD = closerFD + 1
+
 // Taker takes over duplicates of open sockets and releases them outside the
 // runtime's wait (ExecCloser; a fake in tests). After Take returns nil, the
 // caller's own copies can be closed at no cost: the kernel releases a
@@ -147,12 +152,15 @@ func (e *ExecCloser) spawn(img []byte, child int) (pid int, err error) {
 		return 0, fmt.Errorf("failed to open %s for the socket closer: %w", os.DevNull, err)
 	}
 	defer func() { _ = unix.Close(null) }()
-	// The path is resolved in the child after its descriptors 0-3 are set
-	// up; memfdExecutable keeps mfd above them.
-	path := "/proc/self/fd/" + strconv.Itoa(mfd)
+	// The path is resolved in the child after its descriptors are set up,
+	// so the memfd is one of them, at a fixed number: the child's own
+	// shuffling of descriptors (ForkExec moves its error pipe and any
+	// descriptor in the way above the highest one of Files) could
+	// otherwise land on the memfd's number and exec something else.
+	path := "/proc/self/fd/" + strconv.Itoa(imageFD)
 	pid, err = syscall.ForkExec(path, []string{e.Name}, &syscall.ProcAttr{
 		Env:   []string{},
-		Files: []uintptr{uintptr(null), uintptr(null), uintptr(null), closerFD: uintptr(child)},
+		Files: []uintptr{uintptr(null), uintptr(null), uintptr(null), closerFD: uintptr(child), imageFD: uintptr(mfd)},
 		Sys:   &syscall.SysProcAttr{Setsid: true},
 	})
 	if err != nil {
@@ -161,8 +169,8 @@ func (e *ExecCloser) spawn(img []byte, child int) (pid int, err error) {
 	return pid, nil
 }
 
-// memfdExecutable returns a close-on-exec memfd named name, numbered above
-// closerFD, holding img, sealed against any change.
+// memfdExecutable returns a close-on-exec memfd named name holding img,
+// sealed against any change.
 func memfdExecutable(name string, img []byte) (int, error) {
 	flags := unix.MFD_CLOEXEC | unix.MFD_ALLOW_SEALING
 	// MFD_EXEC (Linux 6.3) says the memfd is meant to be executed; older
@@ -173,14 +181,6 @@ func memfdExecutable(name string, img []byte) (int, error) {
 	}
 	if err != nil {
 		return -1, fmt.Errorf("failed to create the socket closer's memfd: %w", err)
-	}
-	if fd <= closerFD {
-		nfd, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, closerFD+1)
-		_ = unix.Close(fd)
-		if err != nil {
-			return -1, fmt.Errorf("failed to move the socket closer's memfd: %w", err)
-		}
-		fd = nfd
 	}
 	n, err := unix.Write(fd, img)
 	if err == nil && n != len(img) {
