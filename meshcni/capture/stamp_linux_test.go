@@ -36,8 +36,9 @@ func genOf(t *testing.T, pod *harness.NS) uint32 {
 	return g
 }
 
-// handles lists the handles of every rule of the capture table.
-func handles(t *testing.T, pod *harness.NS) []uint64 {
+// rulesOf reads the rules of the capture table through google/nftables
+// (one GetRules per chain), by chain name, on a connection it returns.
+func rulesOf(t *testing.T, pod *harness.NS) (*nftables.Conn, map[string][]*nftables.Rule) {
 	t.Helper()
 	c, err := nftables.New(nftables.WithNetNSFd(int(pod.Fd())))
 	if err != nil {
@@ -52,6 +53,13 @@ func handles(t *testing.T, pod *harness.NS) []uint64 {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return c, rules
+}
+
+// handles lists the handles of every rule of the capture table.
+func handles(t *testing.T, pod *harness.NS) []uint64 {
+	t.Helper()
+	_, rules := rulesOf(t, pod)
 	var out []uint64
 	for _, rs := range rules {
 		for _, r := range rs {
@@ -249,19 +257,8 @@ func TestTableDumpDecodes(t *testing.T) {
 		InboundAllowCIDRs: []netip.Prefix{netip.MustParsePrefix("192.168.0.0/16")},
 	})
 	install(t, pod, r)
-	c, err := nftables.New(nftables.WithNetNSFd(int(pod.Fd())))
-	if err != nil {
-		t.Fatal(err)
-	}
+	c, want := rulesOf(t, pod)
 	tbl := &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
-	chains, err := tableChains(c)
-	if err != nil {
-		t.Fatal(err)
-	}
-	want, err := chainRules(c, tbl, chains)
-	if err != nil {
-		t.Fatal(err)
-	}
 	dump, err := query(t, pod).rules()
 	if err != nil {
 		t.Fatal(err)
