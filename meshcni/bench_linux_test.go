@@ -240,40 +240,46 @@ func runMeshAdd(b *testing.B, dir string, first, ports []int) {
 	var lat benchutil.Latencies
 	b.ResetTimer()
 	for i := range b.N {
-		b.StopTimer()
-		ns, err := harness.CreateNS("bench")
-		if err != nil {
-			b.Fatal(err)
-		}
-		args := func(ports []int) *skel.CmdArgs {
-			return &skel.CmdArgs{
-				ContainerID: fmt.Sprintf("c%d", i), Netns: ns.Path(), IfName: "eth0", StdinData: stdin(ports),
-				Args: "K8S_POD_NAME=p;K8S_POD_NAMESPACE=bench;K8S_POD_INFRA_CONTAINER_ID=" + fmt.Sprintf("c%d", i),
+		// One op; its netns and pin go whatever happens (b.Fatal runs
+		// the deferred calls).
+		func() {
+			b.StopTimer()
+			ns, err := harness.CreateNS("bench")
+			if err != nil {
+				b.Fatal(err)
 			}
-		}
-		if first != nil {
+			args := func(ports []int) *skel.CmdArgs {
+				return &skel.CmdArgs{
+					ContainerID: fmt.Sprintf("c%d", i), Netns: ns.Path(), IfName: "eth0", StdinData: stdin(ports),
+					Args: "K8S_POD_NAME=p;K8S_POD_NAMESPACE=bench;K8S_POD_INFRA_CONTAINER_ID=" + fmt.Sprintf("c%d", i),
+				}
+			}
+			a := args(ports)
+			defer func() {
+				_ = pin.Unpin(pin.Path(pinDir, a.ContainerID))
+				_ = ns.Remove()
+			}()
+			if first != nil {
+				p, cl := plugin()
+				err := p.Add(args(first))
+				cl.End(b)
+				if err != nil {
+					b.Fatal(err)
+				}
+			}
 			p, cl := plugin()
-			err = p.Add(args(first))
+			b.StartTimer()
+			start := time.Now()
+			p.Started = start
+			err = p.Add(a)
+			lat = append(lat, time.Since(start))
+			b.StopTimer()
 			cl.End(b)
 			if err != nil {
 				b.Fatal(err)
 			}
-		}
-		p, cl := plugin()
-		a := args(ports)
-		b.StartTimer()
-		start := time.Now()
-		p.Started = start
-		err = p.Add(a)
-		lat = append(lat, time.Since(start))
-		b.StopTimer()
-		cl.End(b)
-		_ = pin.Unpin(pin.Path(pinDir, a.ContainerID))
-		_ = ns.Remove()
-		if err != nil {
-			b.Fatal(err)
-		}
-		b.StartTimer()
+			b.StartTimer()
+		}()
 	}
 	lat.Report(b)
 }
