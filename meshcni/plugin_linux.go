@@ -45,6 +45,17 @@ type Capturer interface {
 	Remove(nsPath string, c capture.Config) error
 }
 
+// waitCloser waits for the socket closer a divert commit started, if any:
+// the netfilter socket handed to it waits in its pair until the closer's
+// fork, and this process's exit before that would release it here, the
+// grace period on the runtime's wait again. The closer starts while the
+// rest of ADD runs, so this rarely waits.
+func (p *Plugin) waitCloser() {
+	if in, ok := p.Capture.(capture.Installer); ok && in.Closer != nil {
+		in.Closer.Wait()
+	}
+}
+
 // capturer is p.Capture logging to log where it logs (capture.Installer:
 // the DEBUG line of a netfilter socket its closer could not take).
 func (p *Plugin) capturer(log *slog.Logger) Capturer {
@@ -220,6 +231,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		return err
 	}
 	defer c.closeLog()
+	defer p.waitCloser()
 	cfg, id, log := c.cfg, c.id, c.log
 	ips, err := podIPs(cfg.Raw.PrevResult)
 	if err != nil {

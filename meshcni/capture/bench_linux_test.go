@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/nftables"
+
 	"aether.io/node/meshcni/capture"
 	"aether.io/node/meshcni/capture/capturetest"
 	"aether.io/node/meshcni/internal/benchutil"
@@ -28,7 +30,7 @@ func BenchmarkCaptureInstall(b *testing.B) {
 		runPrepared(b, nil, install)
 	}
 	b.Run("ours", func(b *testing.B) {
-		runOurs(b, nil, rs)
+		runOurs(b, nil, rs, nil)
 	})
 	// With the inbound redirect (the peer's ruleset redirects inbound
 	// plaintext too): one more chain and a dozen rules in the same batch.
@@ -37,7 +39,7 @@ func BenchmarkCaptureInstall(b *testing.B) {
 		InboundAllowCIDRs: []netip.Prefix{netip.MustParsePrefix("10.244.0.1/32")},
 	})
 	b.Run("ours_inbound", func(b *testing.B) {
-		runOurs(b, nil, inbound)
+		runOurs(b, nil, inbound, nil)
 	})
 	// A retried ADD (issue: replacing must cost no more than a fresh
 	// install): the namespace already holds the divert of the first attempt,
@@ -47,9 +49,22 @@ func BenchmarkCaptureInstall(b *testing.B) {
 	// period: see meshcni/README.md).
 	other := capture.Build(capture.Config{RedirectAll: true, ExcludePorts: []uint16{22}})
 	more := capture.Build(capture.Config{RedirectAll: true, ExcludePorts: []uint16{22, 3306, 5432}})
-	b.Run("ours_retry_same", func(b *testing.B) { runOurs(b, &rs, rs) })
-	b.Run("ours_retry_changed", func(b *testing.B) { runOurs(b, &other, rs) })
-	b.Run("ours_retry_removing", func(b *testing.B) { runOurs(b, &more, rs) })
+	b.Run("ours_retry_same", func(b *testing.B) { runOurs(b, &rs, rs, nil) })
+	b.Run("ours_retry_changed", func(b *testing.B) { runOurs(b, &other, rs, nil) })
+	b.Run("ours_retry_removing", func(b *testing.B) { runOurs(b, &more, rs, nil) })
+	// The same retry after a commit by someone else in the namespace (here
+	// another table added): no stamp is current, so the retry decodes the
+	// table's rules and compares them expression by expression.
+	b.Run("ours_retry_removing_touched", func(b *testing.B) {
+		runOurs(b, &more, rs, func(ns *harness.FdNS) error {
+			c, err := nftables.New(nftables.WithNetNSFd(ns.Fd))
+			if err != nil {
+				return err
+			}
+			c.AddTable(&nftables.Table{Name: "other", Family: nftables.TableFamilyINet})
+			return c.Flush()
+		})
+	})
 	// The same retry where no closer takes the socket (an architecture
 	// without a closer image, or one that failed to start): the grace
 	// period is paid in the install's own socket close.
@@ -77,17 +92,23 @@ func BenchmarkCaptureInstall(b *testing.B) {
 }
 
 // runOurs measures our install of r in a fresh namespace per op (holding
-// first, when set, as a first attempt left it), as the plugin installs it:
+// first, when set, as a first attempt left it, then whatever also, when
+// set, did there), as the plugin installs it:
 // with a socket closer of its own per op, started only by a commit that
 // removes anything. The measurement is the whole Install, its netfilter
 // sockets' close included (in this process: a closer takes the socket of a
 // removing commit, and its exit, which pays the grace period, is not
 // waited for, as the runtime does not wait for it after the plugin exits);
 // the closer is then ended and reaped outside the measurement.
-func runOurs(b *testing.B, first *capture.Ruleset, r capture.Ruleset) {
+func runOurs(b *testing.B, first *capture.Ruleset, r capture.Ruleset, also func(ns *harness.FdNS) error) {
 	var prepare func(ns *harness.FdNS) error
 	if first != nil {
-		prepare = func(ns *harness.FdNS) error { return capture.Installer{}.InstallFd(ns.Fd, *first) }
+		prepare = func(ns *harness.FdNS) error {
+			if err := (capture.Installer{}).InstallFd(ns.Fd, *first); err != nil || also == nil {
+				return err
+			}
+			return also(ns)
+		}
 	}
 	var cl *capturetest.Closer
 	runPreparedEach(b, prepare, func(ns *harness.FdNS) error {

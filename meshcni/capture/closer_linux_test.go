@@ -6,6 +6,7 @@ import (
 	"os"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -43,6 +44,19 @@ func heldNetfilter(t *testing.T, pid int) []string {
 		}
 	}
 	return out
+}
+
+// waitNetfilter waits until process pid (a closer) holds a netfilter
+// socket (in flight until it receives it) and returns those it holds; the
+// test's deadline bounds the wait.
+func waitNetfilter(t *testing.T, pid int) []string {
+	t.Helper()
+	for {
+		if held := heldNetfilter(t, pid); len(held) > 0 {
+			return held
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 // TestCloserTakesRemovingCommits: with a Closer, only a commit that removes
@@ -110,7 +124,7 @@ func TestCloserTakesRemovingCommits(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			held := heldNetfilter(t, pid)
+			held := waitNetfilter(t, pid)
 			if len(held) != 1 {
 				t.Fatalf("closer holds netfilter sockets %v, want the commit's one", held)
 			}

@@ -26,14 +26,15 @@ import (
 // namespace). The zero value closes its netfilter sockets itself.
 type Installer struct {
 	// Closer, when set, takes over the netfilter socket of a commit that
-	// removed anything (Install's rewrite, Remove's table delete): that
-	// socket's release waits for an RCU grace period (meshcni/README.md),
-	// which then happens in the closer's exit instead of this process's.
-	// It is started (in the background) only when such a commit is
-	// coming; a fresh install, a stamped retry and an insertion never
-	// start it. Where it cannot take the socket (no closer image for this
-	// architecture, a closer that failed to start), the socket is closed
-	// here, as without one, and Log says so at DEBUG.
+	// removed anything (Install's edit or rewrite, Remove's table delete):
+	// that socket's release waits for an RCU grace period
+	// (meshcni/README.md), which then happens in the closer's exit instead
+	// of this process's. It is started (in the background) only when such
+	// a commit is coming; a fresh install, a stamped retry and an
+	// insertion never start it. Where it cannot take the socket (no closer
+	// image for this architecture, no name), the socket is closed here,
+	// as without one, and Log says so at DEBUG. The process waits for the
+	// closer (Wait) before it exits.
 	Closer SocketCloser
 	// Log receives a DEBUG line per hand-off: done, or fallen back to
 	// closing here; nil logs nothing.
@@ -42,9 +43,11 @@ type Installer struct {
 
 // SocketCloser is a closer process that takes over sockets
 // (sockcloser.ExecCloser): Start starts it in the background, Take hands it
-// duplicates.
+// duplicates without waiting for its start, Wait waits for its start (and
+// returns at once when it was never started).
 type SocketCloser interface {
 	Start()
+	Wait()
 	sockcloser.Taker
 }
 
@@ -141,115 +144,219 @@ func (i Installer) Install(nsPath string, r Ruleset) error {
 
 // InstallFd is Install on an open namespace fd.
 func (i Installer) InstallFd(fd int, r Ruleset) error {
-	if err := installRouting(fd, r.Config); err != nil {
+	conn, handOff, err := i.installNFT(fd, r)
+	if conn != nil {
+		// A closer started for the commit starts while the routing is
+		// installed; the socket goes to it after.
+		defer i.release(conn, handOff)
+	}
+	if err != nil {
 		return err
 	}
-	return i.installNFT(fd, r)
+	return installRouting(fd, r.Config)
 }
 
 // installNFT makes the namespace's capture table exactly r, in one
-// nftables batch (atomic). A retried ADD finds the table from the first
-// attempt. When a stamp on its rules (stamp_linux.go) holds r's digest and
-// the current generation, the table is r: nothing is read further or
-// written. Otherwise the table is read back and compared with r: a table
-// that is r is left as it is; one that lacks rules or chains of r but has
-// nothing r lacks gets the missing ones inserted in place; any other is
-// rewritten in place (rules flushed and re-added, chains kept). A commit
-// that removes anything, a rule included, makes the release of the
-// netfilter socket wait for an RCU grace period (meshcni/README.md), which
-// the first three cases never pay; the table or a base chain is deleted
-// only when a base chain's hook, type or priority changed; with a Closer,
-// the socket of that commit is handed to it. Every write stamps its first
-// new rule with r's digest and the generation its commit produces.
-func (i Installer) installNFT(fd int, r Ruleset) error {
-	digest, err := digestOf(r)
+// nftables batch (atomic), and returns the connection for the caller to
+// release, and whether a closer was started for its commit. A retried ADD
+// finds the table from the first attempt. When a stamp on its rules
+// (stamp_linux.go) holds r's digest and the current generation, the table
+// is r: nothing is read further or written. Otherwise the table's rules
+// (one dump) are matched with r's, by their own digests while a stamp is
+// current (nothing committed since our last write), else expression by
+// expression: a table that is r is left as it is; rules r lacks are
+// deleted by handle and rules it misses are inserted in place, as are
+// missing chains; a table with a chain r lacks or declares differently is
+// rewritten in place (rules flushed and re-added). A commit that removes
+// anything, a rule included, makes the release of the netfilter socket
+// wait for an RCU grace period (meshcni/README.md), which a fresh install,
+// a stamped retry and an insertion never pay; with a Closer, such a commit
+// starts it as soon as the rules show that one is coming, and the socket
+// is handed to it. The table or a base chain is deleted only when a base
+// chain's hook, type or priority changed. Every write stamps one rule
+// (its first new one, else a kept one replaced in place) with r's digest
+// and the generation its commit produces; every rule written carries its
+// own digest.
+func (i Installer) installNFT(fd int, r Ruleset) (conn *nftConn, handOff bool, err error) {
+	p, err := printsOf(r)
 	if err != nil {
-		return err
+		return nil, false, err
 	}
-	conn, err := openNFT(fd)
-	if err != nil {
-		return err
+	if conn, err = openNFT(fd); err != nil {
+		return nil, false, err
 	}
-	// Closing waits for an RCU grace period after a commit that removed
-	// anything (see above), unless the closer took the socket.
-	handOff := false
-	defer func() { i.release(conn, handOff) }()
-	gen, present, current, err := readStamp(conn, digest)
-	if err != nil || current {
-		return err
+	st, err := readStamp(conn, p.digest)
+	if err != nil || st.current {
+		return conn, false, err
 	}
 	c := conn.Conn
 	t := &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
-	ud := stamp{digest: digest, gen: nextGen(gen)}.userData()
-	if !present {
+	s := &stamp{digest: p.digest, gen: nextGen(st.gen)}
+	if !st.present {
 		c.AddTable(t)
 		for _, ch := range r.Chains {
 			c.AddChain(newChain(t, ch))
 		}
-		addRules(c, t, r, ud)
-		return flush(c)
+		addRules(c, t, r, p, s)
+		return conn, false, flush(c)
+	}
+	// Rules that cannot be decoded are not ours: nothing to keep, the
+	// table is rewritten.
+	ed, ok := st.edit(r, p)
+	if ok && len(ed.del) > 0 {
+		// The closer starts now, while the chains are read and the
+		// commit is made.
+		handOff = i.startCloser()
 	}
 	chains, err := tableChains(c)
 	if err != nil {
-		return err
+		return conn, handOff, err
 	}
-	rules, err := chainRules(c, t, chains)
-	if err != nil {
-		return err
+	if ok {
+		if ed.chains, ok = missingChains(chains, r); ok {
+			return conn, handOff, applyEdit(c, t, ed, s)
+		}
 	}
-	if ins, ok := insertions(chains, rules, r); ok {
-		if len(ins.chains) == 0 && len(ins.rules) == 0 {
-			return nil
-		}
-		for _, ch := range ins.chains {
-			c.AddChain(newChain(t, ch))
-		}
-		for _, in := range ins.rules {
-			in.UserData, ud = ud, nil
-			if in.Position != 0 {
-				c.InsertRule(in)
-			} else {
-				c.AddRule(in)
-			}
-		}
-		return flush(c)
+	if !handOff {
+		handOff = i.startCloser()
 	}
-	handOff = i.startCloser()
 	replaceInPlace(c, t, chains, r)
-	addRules(c, t, r, ud)
+	addRules(c, t, r, p, s)
+	return conn, handOff, flush(c)
+}
+
+// applyEdit commits ed, stamped with s: the first added rule carries the
+// stamp, else (a commit that only deletes) a kept rule is replaced by
+// itself, in place, with the stamp. An empty edit commits nothing.
+func applyEdit(c *nftables.Conn, t *nftables.Table, ed edit, s *stamp) error {
+	if len(ed.chains) == 0 && len(ed.del) == 0 && len(ed.add) == 0 {
+		return nil
+	}
+	for _, ch := range ed.chains {
+		c.AddChain(newChain(t, ch))
+	}
+	for _, d := range ed.del {
+		if err := c.DelRule(d); err != nil {
+			return fmt.Errorf("failed to delete a rule of chain %q: %w", d.Chain.Name, err)
+		}
+	}
+	stamped := func(rl *nftables.Rule) *nftables.Rule {
+		if s != nil {
+			rl.UserData, s = append(s.appendTo(nil), rl.UserData...), nil
+		}
+		return rl
+	}
+	for _, in := range ed.add {
+		if in.Position != 0 {
+			c.InsertRule(stamped(in))
+		} else {
+			c.AddRule(stamped(in))
+		}
+	}
+	if s != nil && ed.kept != nil {
+		c.ReplaceRule(stamped(ed.kept))
+	}
 	return flush(c)
 }
 
-// readStamp reads, on c's socket, the namespace's nftables generation,
-// whether it holds the capture table and whether a stamp on the table's
-// rules proves that the table is the ruleset of digest (current). One
-// socket serves the stamp and the install: a second one would cost another
-// dial into the namespace, and its release, after a commit that removed
-// anything, would wait for the grace period too.
-func readStamp(c *nftConn, digest [16]byte) (gen uint32, present, current bool, err error) {
-	if c.sock == nil {
-		return 0, false, false, errors.New("failed to read the capture table's stamp: no netfilter socket")
-	}
-	q := &nftQuery{c: c.sock}
-	if gen, err = q.gen(); err != nil {
-		return 0, false, false, err
-	}
-	if present, err = q.hasTable(); err != nil || !present {
-		return gen, false, false, err
-	}
-	// A stamp that cannot be read is no stamp: the comparison decides.
-	stamps, _ := q.stamps()
-	return gen, true, slices.Contains(stamps, stamp{digest: digest, gen: gen}), nil
+// tableState is what a retry reads of the namespace before deciding
+// anything: the nftables generation, whether the capture table is there,
+// its rules (one dump), whether a stamp on them is current for the wanted
+// ruleset (current) and whether one is current at all (untouched: nothing
+// was committed since Install's last write).
+type tableState struct {
+	gen       uint32
+	present   bool
+	current   bool
+	untouched bool
+	rules     tableRules
 }
 
-// addRules queues every rule of r, in order, the first one stamped with ud.
-// Rules go after every chain: they jump to chains declared anywhere in the
-// table.
-func addRules(c *nftables.Conn, t *nftables.Table, r Ruleset, ud []byte) {
-	for _, ch := range r.Chains {
-		for _, rl := range ch.Rules {
-			c.AddRule(&nftables.Rule{Table: t, Chain: &nftables.Chain{Name: ch.Name, Table: t}, Exprs: rl.Exprs, UserData: ud})
-			ud = nil
+// readStamp reads, on c's socket, the namespace's nftables generation,
+// whether it holds the capture table, the table's rules (one dump) and
+// their stamps. One socket serves the stamp and the install: a second one
+// would cost another dial into the namespace, and its release, after a
+// commit that removed anything, would wait for the grace period too.
+func readStamp(c *nftConn, digest [16]byte) (tableState, error) {
+	if c.sock == nil {
+		return tableState{}, errors.New("failed to read the capture table's stamp: no netfilter socket")
+	}
+	q := &nftQuery{c: c.sock}
+	var st tableState
+	var err error
+	if st.gen, err = q.gen(); err != nil {
+		return tableState{}, err
+	}
+	if st.present, err = q.hasTable(); err != nil || !st.present {
+		return st, err
+	}
+	if st.rules, err = q.rules(); err != nil {
+		return tableState{}, err
+	}
+	for _, s := range st.rules.stamps() {
+		if s.gen == st.gen {
+			st.untouched = true
+			st.current = st.current || s.digest == digest
+		}
+	}
+	return st, nil
+}
+
+// edit matches the table's rules with r's (p: r's digests) and returns
+// the rule edit that turns them into r's; ok is false when the rules
+// cannot be decoded. While the table is untouched and every rule carries
+// its own digest, the digests are compared and no expression is decoded;
+// otherwise the expressions are.
+func (st tableState) edit(r Ruleset, p prints) (edit, bool) {
+	if st.untouched {
+		if have, err := st.rules.byChain(false); err == nil && allDigested(have) {
+			return ruleEdits(have, r, p, byDigest(p)), true
+		}
+	}
+	have, err := st.rules.byChain(true)
+	if err != nil {
+		return edit{}, false
+	}
+	return ruleEdits(have, r, p, byExprs(r)), true
+}
+
+// byDigest matches a rule of the table with rule k of chain ci of the
+// ruleset of p by the rule's own digest.
+func byDigest(p prints) func(ci, k int, h *nftables.Rule) bool {
+	return func(ci, k int, h *nftables.Rule) bool {
+		d, ok := parseRuleDigest(h.UserData)
+		return ok && d == p.rules[ci][k]
+	}
+}
+
+// byExprs matches a rule of the table with rule k of chain ci of r
+// expression by expression.
+func byExprs(r Ruleset) func(ci, k int, h *nftables.Rule) bool {
+	return func(ci, k int, h *nftables.Rule) bool {
+		return sameExprs(r.Chains[ci].Rules[k].Exprs, h.Exprs)
+	}
+}
+
+// allDigested reports whether every rule of rules carries its own digest.
+func allDigested(rules map[string][]*nftables.Rule) bool {
+	for _, rs := range rules {
+		for _, rl := range rs {
+			if _, ok := parseRuleDigest(rl.UserData); !ok {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// addRules queues every rule of r, in order, each with its digest and the
+// first one stamped with s. Rules go after every chain: they jump to
+// chains declared anywhere in the table.
+func addRules(c *nftables.Conn, t *nftables.Table, r Ruleset, p prints, s *stamp) {
+	for ci, ch := range r.Chains {
+		for k, rl := range ch.Rules {
+			c.AddRule(&nftables.Rule{Table: t, Chain: &nftables.Chain{Name: ch.Name, Table: t}, Exprs: rl.Exprs, UserData: p.userData(ci, k, s)})
+			s = nil
 		}
 	}
 }
@@ -262,75 +369,83 @@ func flush(c *nftables.Conn) error {
 	return nil
 }
 
-// chainRules lists the rules of each of chains, by chain name.
-func chainRules(c *nftables.Conn, t *nftables.Table, chains map[string]*nftables.Chain) (map[string][]*nftables.Rule, error) {
-	out := make(map[string][]*nftables.Rule, len(chains))
-	for name, ch := range chains {
-		rules, err := c.GetRules(t, ch)
-		if err != nil {
-			return nil, fmt.Errorf("failed to list rules of chain %q: %w", name, err)
-		}
-		out[name] = rules
-	}
-	return out, nil
-}
-
-// insertion is what turns a table into r without removing anything: chains
-// to add, then rules to add, each at the end of its chain (Position 0) or
-// before the rule whose handle is Position.
-type insertion struct {
+// edit is what turns a table whose chains are all r's, declared alike,
+// into r without touching a chain: chains to add, rules to delete (by
+// handle), rules to add (with their digests), each at the end of its chain
+// (Position 0) or before the kept rule whose handle is Position. kept is
+// one rule that stays (its handle, r's expressions and digest), nil when
+// none does.
+type edit struct {
 	chains []Chain
-	rules  []*nftables.Rule
+	del    []*nftables.Rule
+	add    []*nftables.Rule
+	kept   *nftables.Rule
 }
 
-// insertions computes the insertion that turns the table holding chains
-// (with rules) into r. ok is false when there is none: a chain r lacks or
-// declares differently, or a rule that is not, in order, one of r's.
-func insertions(chains map[string]*nftables.Chain, rules map[string][]*nftables.Rule, r Ruleset) (insertion, bool) {
-	var ins insertion
+// ruleEdits computes the rule edit that turns have (the table's rules by
+// chain) into r's rules; same reports whether have's rule h is rule k of
+// r's chain ci. Rules of chains r lacks are left to missingChains.
+func ruleEdits(have map[string][]*nftables.Rule, r Ruleset, p prints, same func(ci, k int, h *nftables.Rule) bool) edit {
+	var ed edit
+	t := &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}
+	for ci, ch := range r.Chains {
+		nch := &nftables.Chain{Name: ch.Name, Table: t}
+		// Match the rules there, in order, each to the first of r's
+		// rules after the previous match that is the same; an unmatched
+		// one is deleted. Each unmatched rule of r goes before the next
+		// matched one, or at the end.
+		keep := make([]*nftables.Rule, len(ch.Rules))
+		j := 0
+		for _, h := range have[ch.Name] {
+			k := j
+			for k < len(ch.Rules) && !same(ci, k, h) {
+				k++
+			}
+			if k == len(ch.Rules) {
+				ed.del = append(ed.del, &nftables.Rule{Table: t, Chain: nch, Handle: h.Handle})
+				continue
+			}
+			keep[k], j = h, k+1
+			if ed.kept == nil {
+				ed.kept = &nftables.Rule{Table: t, Chain: nch, Handle: h.Handle, Exprs: ch.Rules[k].Exprs, UserData: p.userData(ci, k, nil)}
+			}
+		}
+		for k, rl := range ch.Rules {
+			if keep[k] != nil {
+				continue
+			}
+			var pos uint64
+			for _, h := range keep[k+1:] {
+				if h != nil {
+					pos = h.Handle
+					break
+				}
+			}
+			ed.add = append(ed.add, &nftables.Rule{Table: t, Chain: nch, Exprs: rl.Exprs, Position: pos, UserData: p.userData(ci, k, nil)})
+		}
+	}
+	return ed
+}
+
+// missingChains returns r's chains the table (holding chains) lacks; ok is
+// false when the table has a chain r lacks or declares differently.
+func missingChains(chains map[string]*nftables.Chain, r Ruleset) ([]Chain, bool) {
 	want := map[string]Chain{}
 	for _, ch := range r.Chains {
 		want[ch.Name] = ch
 	}
 	for name, got := range chains {
 		if ch, ok := want[name]; !ok || !sameBase(ch, got) {
-			return insertion{}, false
+			return nil, false
 		}
 	}
+	var missing []Chain
 	for _, ch := range r.Chains {
-		nch := &nftables.Chain{Name: ch.Name, Table: &nftables.Table{Name: TableName, Family: nftables.TableFamilyINet}}
-		have := rules[ch.Name]
 		if _, ok := chains[ch.Name]; !ok {
-			ins.chains = append(ins.chains, ch)
-		}
-		// Match the rules there, in order, to r's (the leftmost match
-		// decides whether they are a subsequence); each unmatched rule of
-		// r goes before the next matched one, or at the end.
-		matched := make([]int, 0, len(have))
-		i := 0
-		for j, rl := range ch.Rules {
-			if i < len(have) && sameExprs(rl.Exprs, have[i].Exprs) {
-				matched = append(matched, j)
-				i++
-			}
-		}
-		if i < len(have) {
-			return insertion{}, false
-		}
-		next := 0
-		for j, rl := range ch.Rules {
-			if next < len(matched) && matched[next] == j {
-				next++
-				continue
-			}
-			var pos uint64
-			if next < len(have) {
-				pos = have[next].Handle
-			}
-			ins.rules = append(ins.rules, &nftables.Rule{Table: nch.Table, Chain: nch, Exprs: rl.Exprs, Position: pos})
+			missing = append(missing, ch)
 		}
 	}
-	return ins, true
+	return missing, true
 }
 
 // newChain is the nftables chain of ch in t.

@@ -23,6 +23,11 @@ const MaxLife = 10 * time.Second
 // on (fixed in its machine code, code_linux.go).
 const closerFD = 3
 
+// imageFD is the descriptor the closer's memfd has in the child between
+// fork and exec (exec'd as /proc/self/fd/4); the closer closes it first
+// thing, with every descriptor above closerFD.
+const imageFD = closerFD + 1
+
 // Taker takes over duplicates of open sockets and releases them outside the
 // runtime's wait (ExecCloser; a fake in tests). After Take returns nil, the
 // caller's own copies can be closed at no cost: the kernel releases a
@@ -36,14 +41,21 @@ type Taker interface {
 // runtime) written to a sealed memfd and started with fork+exec, in its own
 // session, with stdin, stdout and stderr on /dev/null (a runtime waits for
 // the plugin's exit and for its stdout to close, never for the closer) and
-// an empty environment. Start starts it early, in the background; Take
-// sends it the sockets over a unix socket pair (SCM_RIGHTS). The closer
-// holds them until this process exits (EOF on the pair, bounded by Life),
-// then exits; the sockets close in its exit. The closer is reparented to
-// init (or the runtime's subreaper), which reaps it. Nothing else is left
-// behind: it lives as long as the plugin plus the sockets' release, at most
-// Life. On an architecture without a closer image (Supported) Take fails,
-// and the caller closes the sockets itself.
+// an empty environment. Start makes the unix socket pair at once and starts
+// the closer on the pair's other end in the background; Take sends it the
+// sockets over the pair (SCM_RIGHTS) without waiting for the closer: they
+// wait in the pair, whose other end the closer gets at its fork, and the
+// caller's copies can be closed at once. The closer holds them until this
+// process exits (EOF on the pair, bounded by Life), then exits; the sockets
+// close in its exit. The closer is reparented to init (or the runtime's
+// subreaper), which reaps it. Nothing else is left behind: it lives as long
+// as the plugin plus the sockets' release, at most Life. A process that
+// exits before the fork has happened releases the sockets in its own exit
+// (what the closer is there to avoid), so it waits for the closer (Wait)
+// before it exits. On an architecture without a closer image (Supported),
+// or without a name, Take fails, and the caller closes the sockets itself;
+// a fork or exec that fails after Take leaves the sockets to be released
+// in this process, in the background.
 //
 // The zero value is not ready: Name must be set. An ExecCloser is one
 // closer process, for one plugin process (or, in tests, until Close).
@@ -57,9 +69,9 @@ type ExecCloser struct {
 
 	once sync.Once
 	done chan struct{}
-	// fd is this process's end of the pair (close-on-exec), -1 when the
-	// closer could not be started (err). It is closed by this process's
-	// exit, or by Close.
+	// fd is this process's end of the pair (close-on-exec), set by Start;
+	// -1 when the pair could not be made (err). It is closed by this
+	// process's exit, or by Close.
 	fd int
 	// pid is the closer's process ID (tests wait for it; the plugin
 	// leaves it to init).
@@ -67,15 +79,31 @@ type ExecCloser struct {
 	err error
 }
 
-// Start starts the closer in the background, once; Take waits for it.
+// Start makes the pair and starts the closer in the background, once; Take
+// does not wait for it, Wait and Started do.
 func (e *ExecCloser) Start() {
 	e.once.Do(func() {
 		e.done = make(chan struct{})
+		img, child, err := e.prepare()
+		if err != nil {
+			e.fd, e.err = -1, err
+			close(e.done)
+			return
+		}
 		go func() {
 			defer close(e.done)
-			e.fd, e.pid, e.err = e.spawn()
+			e.pid, e.err = e.spawn(img, child)
 		}()
 	})
+}
+
+// Wait waits for the closer's start, if Start was called, and returns at
+// once otherwise; a process that handed sockets to the closer calls it
+// before it exits.
+func (e *ExecCloser) Wait() {
+	if e.done != nil {
+		<-e.done
+	}
 }
 
 // Started waits for the closer started by Start and returns its process
@@ -88,50 +116,61 @@ func (e *ExecCloser) Started() (int, error) {
 	return e.pid, e.err
 }
 
-func (e *ExecCloser) spawn() (fd, pid int, err error) {
+// prepare checks that a closer can be started here and makes the pair: it
+// sets e.fd to this process's end and returns the closer's image and end.
+func (e *ExecCloser) prepare() (img []byte, child int, err error) {
 	if e.Name == "" {
-		return -1, 0, errors.New("socket closer has no name")
+		return nil, -1, errors.New("socket closer has no name")
 	}
 	life := e.Life
 	if life == 0 {
 		life = MaxLife
 	}
-	img := closerImage(runtime.GOARCH, life)
+	img = closerImage(runtime.GOARCH, life)
 	if img == nil {
-		return -1, 0, fmt.Errorf("no socket closer for %s", runtime.GOARCH)
+		return nil, -1, fmt.Errorf("no socket closer for %s", runtime.GOARCH)
 	}
+	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, -1, fmt.Errorf("failed to create closer socket pair: %w", err)
+	}
+	e.fd = pair[0]
+	return img, pair[1], nil
+}
+
+// spawn starts the closer with img on the pair's end child, which it then
+// closes here.
+func (e *ExecCloser) spawn(img []byte, child int) (pid int, err error) {
+	defer func() { _ = unix.Close(child) }()
 	mfd, err := memfdExecutable(e.Name, img)
 	if err != nil {
-		return -1, 0, err
+		return 0, err
 	}
 	defer func() { _ = unix.Close(mfd) }()
 	null, err := unix.Open(os.DevNull, unix.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return -1, 0, fmt.Errorf("failed to open %s for the socket closer: %w", os.DevNull, err)
+		return 0, fmt.Errorf("failed to open %s for the socket closer: %w", os.DevNull, err)
 	}
 	defer func() { _ = unix.Close(null) }()
-	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return -1, 0, fmt.Errorf("failed to create closer socket pair: %w", err)
-	}
-	// The path is resolved in the child after its descriptors 0-3 are set
-	// up; memfdExecutable keeps mfd above them.
-	path := "/proc/self/fd/" + strconv.Itoa(mfd)
+	// The path is resolved in the child after its descriptors are set up,
+	// so the memfd is one of them, at a fixed number: the child's own
+	// shuffling of descriptors (ForkExec moves its error pipe and any
+	// descriptor in the way above the highest one of Files) could
+	// otherwise land on the memfd's number and exec something else.
+	path := "/proc/self/fd/" + strconv.Itoa(imageFD)
 	pid, err = syscall.ForkExec(path, []string{e.Name}, &syscall.ProcAttr{
 		Env:   []string{},
-		Files: []uintptr{uintptr(null), uintptr(null), uintptr(null), closerFD: uintptr(pair[1])},
+		Files: []uintptr{uintptr(null), uintptr(null), uintptr(null), closerFD: uintptr(child), imageFD: uintptr(mfd)},
 		Sys:   &syscall.SysProcAttr{Setsid: true},
 	})
-	_ = unix.Close(pair[1])
 	if err != nil {
-		_ = unix.Close(pair[0])
-		return -1, 0, fmt.Errorf("failed to start socket closer: %w", err)
+		return 0, fmt.Errorf("failed to start socket closer: %w", err)
 	}
-	return pair[0], pid, nil
+	return pid, nil
 }
 
-// memfdExecutable returns a close-on-exec memfd named name, numbered above
-// closerFD, holding img, sealed against any change.
+// memfdExecutable returns a close-on-exec memfd named name holding img,
+// sealed against any change.
 func memfdExecutable(name string, img []byte) (int, error) {
 	flags := unix.MFD_CLOEXEC | unix.MFD_ALLOW_SEALING
 	// MFD_EXEC (Linux 6.3) says the memfd is meant to be executed; older
@@ -142,14 +181,6 @@ func memfdExecutable(name string, img []byte) (int, error) {
 	}
 	if err != nil {
 		return -1, fmt.Errorf("failed to create the socket closer's memfd: %w", err)
-	}
-	if fd <= closerFD {
-		nfd, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, closerFD+1)
-		_ = unix.Close(fd)
-		if err != nil {
-			return -1, fmt.Errorf("failed to move the socket closer's memfd: %w", err)
-		}
-		fd = nfd
 	}
 	n, err := unix.Write(fd, img)
 	if err == nil && n != len(img) {
@@ -168,30 +199,34 @@ func memfdExecutable(name string, img []byte) (int, error) {
 }
 
 // Take sends files to the closer (starting it first if Start was not
-// called).
+// called), without waiting for it to have started.
 func (e *ExecCloser) Take(files []*os.File) error {
-	if _, err := e.Started(); err != nil {
-		return err
+	e.Start()
+	if e.fd < 0 {
+		<-e.done
+		return e.err
 	}
 	fds := make([]int, len(files))
 	for i, f := range files {
 		fds[i] = int(f.Fd())
 	}
-	if err := unix.Sendmsg(e.fd, []byte{0}, unix.UnixRights(fds...), nil, 0); err != nil {
+	// A closer whose start already failed has closed its end: EPIPE
+	// (without SIGPIPE), and the caller closes the sockets itself.
+	if err := unix.Sendmsg(e.fd, []byte{0}, unix.UnixRights(fds...), nil, unix.MSG_NOSIGNAL); err != nil {
 		return fmt.Errorf("failed to send sockets to the closer: %w", err)
 	}
 	return nil
 }
 
-// Close closes this process's end of the pair: the closer exits now rather
-// than when this process exits (tests; a plugin just exits).
-// Closing it again does nothing.
+// Close closes this process's end of the pair, once the closer's start is
+// over: the closer exits now rather than when this process exits (tests; a
+// plugin just exits). Closing it again does nothing.
 func (e *ExecCloser) Close() error {
 	if e.done == nil {
 		return nil
 	}
 	<-e.done
-	if e.err != nil || e.fd < 0 {
+	if e.fd < 0 {
 		return nil
 	}
 	fd := e.fd

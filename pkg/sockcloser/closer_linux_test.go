@@ -97,6 +97,38 @@ func TestExecCloserFails(t *testing.T) {
 	}
 }
 
+// TestExecCloserWait: Wait returns at once for a closer never started (a
+// plugin that handed nothing over does not start one); for a started one
+// it returns once the start is over, and a descriptor sent before it is
+// held by the closer.
+func TestExecCloserWait(t *testing.T) {
+	requireSupported(t)
+	idle := &ExecCloser{Name: testName}
+	idle.Wait()
+	if err := idle.Close(); err != nil {
+		t.Fatal(err)
+	}
+	cl := &ExecCloser{Name: testName}
+	t.Cleanup(func() { _ = cl.Close() })
+	cl.Start()
+	r := pipe(t)
+	ids := []string{sockclosertest.Target(t, os.Getpid(), int(r.Fd()))}
+	err := cl.Take([]*os.File{r})
+	_ = r.Close()
+	if err != nil {
+		t.Fatalf("Take: %v", err)
+	}
+	cl.Wait()
+	pid := closerPID(t, cl)
+	sockclosertest.WaitHeld(t, pid, ids)
+	if err := cl.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if ws := sockclosertest.Reap(t, pid); !ws.Exited() || ws.ExitStatus() != 0 {
+		t.Errorf("closer ended with %v, want exit 0", ws)
+	}
+}
+
 // TestDup: Dup returns a close-on-exec duplicate of the same open file.
 func TestDup(t *testing.T) {
 	r := pipe(t)
