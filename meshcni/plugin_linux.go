@@ -49,10 +49,16 @@ type Capturer interface {
 // the netfilter socket handed to it waits in its pair until the closer's
 // fork, and this process's exit before that would release it here, the
 // grace period on the runtime's wait again. The closer starts while the
-// rest of ADD runs, so this rarely waits.
-func (p *Plugin) waitCloser() {
-	if in, ok := p.Capture.(capture.Installer); ok && in.Closer != nil {
-		in.Closer.Wait()
+// rest of ADD runs, so this rarely waits. A closer that could not start
+// is logged at DEBUG: the socket is then released in this process's exit,
+// as without a closer.
+func (p *Plugin) waitCloser(log *slog.Logger) {
+	in, ok := p.Capture.(capture.Installer)
+	if !ok || in.Closer == nil {
+		return
+	}
+	if err := in.Closer.Wait(); err != nil {
+		log.Debug("socket closer did not start; the netfilter socket is released at exit", "error", err.Error())
 	}
 }
 
@@ -231,7 +237,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		return err
 	}
 	defer c.closeLog()
-	defer p.waitCloser()
+	defer p.waitCloser(c.log)
 	cfg, id, log := c.cfg, c.id, c.log
 	ips, err := podIPs(cfg.Raw.PrevResult)
 	if err != nil {

@@ -44,10 +44,10 @@ type Installer struct {
 // SocketCloser is a closer process that takes over sockets
 // (sockcloser.ExecCloser): Start starts it in the background, Take hands it
 // duplicates without waiting for its start, Wait waits for its start (and
-// returns at once when it was never started).
+// returns at once when it was never started), and returns why it could not start.
 type SocketCloser interface {
 	Start()
-	Wait()
+	Wait() error
 	sockcloser.Taker
 }
 

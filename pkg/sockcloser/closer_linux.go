@@ -97,13 +97,15 @@ func (e *ExecCloser) Start() {
 	})
 }
 
-// Wait waits for the closer's start, if Start was called, and returns at
-// once otherwise; a process that handed sockets to the closer calls it
-// before it exits.
-func (e *ExecCloser) Wait() {
-	if e.done != nil {
-		<-e.done
+// Wait waits for the closer's start, if Start was called, and returns why
+// it could not start (nil if it started, or Start was never called); a
+// process that handed sockets to the closer calls it before it exits.
+func (e *ExecCloser) Wait() error {
+	if e.done == nil {
+		return nil
 	}
+	<-e.done
+	return e.err
 }
 
 // Started waits for the closer started by Start and returns its process

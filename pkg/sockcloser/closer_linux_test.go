@@ -104,7 +104,9 @@ func TestExecCloserFails(t *testing.T) {
 func TestExecCloserWait(t *testing.T) {
 	requireSupported(t)
 	idle := &ExecCloser{Name: testName}
-	idle.Wait()
+	if err := idle.Wait(); err != nil {
+		t.Fatalf("Wait of a closer never started: %v", err)
+	}
 	if err := idle.Close(); err != nil {
 		t.Fatal(err)
 	}
@@ -118,7 +120,9 @@ func TestExecCloserWait(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Take: %v", err)
 	}
-	cl.Wait()
+	if err := cl.Wait(); err != nil {
+		t.Fatalf("Wait: %v", err)
+	}
 	pid := closerPID(t, cl)
 	sockclosertest.WaitHeld(t, pid, ids)
 	if err := cl.Close(); err != nil {
