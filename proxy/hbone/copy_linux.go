@@ -14,73 +14,150 @@ import (
 // (DefaultDialerMaxFrameSize for our Dialer).
 const sockBuf = 256 << 10
 
-var sockBufs = sync.Pool{New: func() any { b := make([]byte, sockBuf); return &b }}
+var sockBufs = sync.Pool{New: func() any { b := make([]byte, frameHeaderLen+sockBuf); return &b }}
 
-// copyFromSocket copies as copyAdaptive does when src is a *net.TCPConn or
+// copyFromSocket reads as readChunks does when src is a *net.TCPConn or
 // *net.UnixConn, or a SocketConn over one (exactly: any other wrapper keeps
 // its Read), and reports whether it did. It reads with the socket's RawConn and
 // borrows the pooled buffer only for the read(2) that finds data: while
 // the socket is idle (EAGAIN, waiting in the poller) no buffer is held, so
 // the read size costs an idle tunnel nothing.
-func copyFromSocket(dst io.Writer, src io.Reader, flush func() error) (bool, error) {
+func copyFromSocket(src io.Reader, head int, sink func([]byte) error) (bool, error) {
 	observe := func(int) {}
 	if c, ok := src.(SocketConn); ok {
 		src, observe = c.Socket(), c.SocketRead
 	}
+	rc := socketRawConn(src)
+	if rc == nil {
+		return false, nil // not a socket: the caller copies through Read
+	}
+	for {
+		buf, n, err := readRaw(rc)
+		if errors.Is(err, io.EOF) {
+			return true, nil
+		}
+		if err != nil {
+			return true, err
+		}
+		observe(n)
+		err = sink((*buf)[frameHeaderLen-head : frameHeaderLen+n])
+		sockBufs.Put(buf)
+		if err != nil {
+			return true, err
+		}
+	}
+}
+
+// socketRawConn returns the RawConn of a *net.TCPConn or *net.UnixConn;
+// nil for anything else.
+func socketRawConn(c any) syscall.RawConn {
 	var sc syscall.Conn
-	switch c := src.(type) {
+	switch t := c.(type) {
 	case *net.TCPConn:
-		sc = c
+		sc = t
 	case *net.UnixConn:
-		sc = c
+		sc = t
 	default:
-		return false, nil
+		return nil
 	}
 	rc, err := sc.SyscallConn()
 	if err != nil {
-		return false, nil //nolint:nilerr // not a usable socket: the caller copies through Read
+		return nil
 	}
-	for {
-		var (
-			buf  *[]byte
-			n    int
-			rerr error
-		)
-		err := rc.Read(func(fd uintptr) bool {
-			if buf == nil {
-				buf = sockBufs.Get().(*[]byte)
-			}
-			for {
-				n, rerr = syscall.Read(int(fd), *buf)
-				if !errors.Is(rerr, syscall.EINTR) {
-					break
-				}
-			}
-			if errors.Is(rerr, syscall.EAGAIN) {
-				sockBufs.Put(buf)
-				buf = nil
-				return false // wait for readability without a buffer
-			}
-			return true
-		})
-		if err == nil && rerr != nil {
-			err = rerr
+	return rc
+}
+
+// readRaw reads what the socket has, up to 256 KiB, into
+// (*buf)[frameHeaderLen:] of a pooled buffer taken only for the read(2)
+// that finds data (none is held while waiting in the poller); io.EOF at the
+// end. The caller puts buf back.
+func readRaw(rc syscall.RawConn) (*[]byte, int, error) {
+	var (
+		buf  *[]byte
+		n    int
+		rerr error
+	)
+	err := rc.Read(func(fd uintptr) bool {
+		if buf == nil {
+			buf = sockBufs.Get().(*[]byte)
 		}
-		if err == nil && n > 0 {
-			observe(n)
-			_, err = dst.Write((*buf)[:n])
-			if err == nil && flush != nil {
-				err = flush()
+		for {
+			n, rerr = syscall.Read(int(fd), (*buf)[frameHeaderLen:])
+			if !errors.Is(rerr, syscall.EINTR) {
+				break
 			}
 		}
+		if errors.Is(rerr, syscall.EAGAIN) {
+			sockBufs.Put(buf)
+			buf = nil
+			return false // wait for readability without a buffer
+		}
+		return true
+	})
+	if err == nil {
+		err = rerr
+	}
+	if err == nil && n <= 0 {
+		err = io.EOF
+	}
+	if err != nil {
 		if buf != nil {
 			sockBufs.Put(buf)
 		}
-		switch {
-		case err != nil:
-			return true, err
-		case n <= 0:
-			return true, nil // EOF
-		}
+		return nil, 0, err
 	}
+	return buf, n, nil
+}
+
+// rawSocket returns the socket of up that the server writes DATA to
+// without waiting (up, or the Socket of a SocketConn, when it is a
+// *net.TCPConn or *net.UnixConn) and the function to report those writes
+// to; nil when there is none (every write then goes through up.Write).
+func rawSocket(up net.Conn) (syscall.RawConn, func(int)) {
+	var wrote func(int)
+	if c, ok := up.(SocketConn); ok {
+		up, wrote = c.Socket(), c.SocketWritten
+	}
+	rc := socketRawConn(up)
+	if rc == nil {
+		return nil, nil
+	}
+	return rc, wrote
+}
+
+// tryWrite writes p to the socket without waiting and returns how much it
+// took (0 when its send buffer is full).
+func tryWrite(rc syscall.RawConn, p []byte) (int, error) {
+	var (
+		n    int
+		werr error
+	)
+	err := rc.Write(func(fd uintptr) bool {
+		for {
+			n, werr = syscall.Write(int(fd), p)
+			if !errors.Is(werr, syscall.EINTR) {
+				return true
+			}
+		}
+	})
+	switch {
+	case err != nil:
+		return 0, err
+	case errors.Is(werr, syscall.EAGAIN):
+		return 0, nil
+	case werr != nil:
+		return 0, werr
+	}
+	return n, nil
+}
+
+// readSocket reads what c has, up to 256 KiB, into (*buf)[frameHeaderLen:]
+// of a pooled buffer taken only once the socket is readable (a
+// *net.TCPConn or *net.UnixConn; any other conn through its Read); io.EOF
+// at the end.
+func readSocket(c net.Conn) (*[]byte, int, error) {
+	if rc := socketRawConn(c); rc != nil {
+		return readRaw(rc)
+	}
+	return readConn(c)
 }
