@@ -311,11 +311,17 @@ type inboundConn struct {
 // Write carries bytes from the source to the app.
 func (c *inboundConn) Write(b []byte) (int, error) {
 	n, err := c.Conn.Write(b)
+	c.SocketWritten(n)
+	return n, err
+}
+
+// SocketWritten counts n bytes the HBONE server wrote to the app socket
+// itself (hbone.SocketConn).
+func (c *inboundConn) SocketWritten(n int) {
 	if n > 0 {
 		c.act.touch()
 		c.tc.Received(int64(n))
 	}
-	return n, err
 }
 
 // Read carries bytes from the app back to the source.

@@ -30,6 +30,36 @@ type recordBatcher struct {
 	holding int     // batches open (Writes of the conn above in progress)
 	buf     *[]byte // records collected, nil when none (pooled)
 	err     error   // first write error: the record stream is broken
+
+	// Reads (only the tls.Conn's reading goroutine): with beforeRead set
+	// (the server), the socket is read in reads of up to 256 KiB into a
+	// pooled buffer held only while it has bytes tls.Conn has not taken,
+	// and beforeRead runs before each read(2).
+	beforeRead func()
+	rbuf       *[]byte
+	rlo, rhi   int
+}
+
+// Read gives tls.Conn the socket's bytes.
+func (b *recordBatcher) Read(p []byte) (int, error) {
+	if b.beforeRead == nil {
+		return b.Conn.Read(p)
+	}
+	if b.rbuf == nil {
+		b.beforeRead()
+		buf, n, err := readSocket(b.Conn)
+		if err != nil {
+			return 0, err
+		}
+		b.rbuf, b.rlo, b.rhi = buf, frameHeaderLen, frameHeaderLen+n
+	}
+	n := copy(p, (*b.rbuf)[b.rlo:b.rhi])
+	b.rlo += n
+	if b.rlo == b.rhi {
+		sockBufs.Put(b.rbuf)
+		b.rbuf = nil
+	}
+	return n, nil
 }
 
 func (b *recordBatcher) begin() {
@@ -90,13 +120,12 @@ func (b *recordBatcher) Write(p []byte) (int, error) {
 }
 
 // hboneConn is an established HBONE connection: TLS 1.3 over a
-// recordBatcher, so each Write (an HTTP/2 flush) costs one write(2).
-// net/http's HTTP/2 runs over it in its unencrypted ("prior knowledge")
-// mode: the encryption is ours, the bytes on the wire are those of HTTP/2
-// over TLS. The dialer hands it to net/http as is (the HTTP/2 client reads
-// its ConnectionState into Response.TLS); the server wraps it in serverConn,
-// which hides ConnectionState (net/http would then take the connection for
-// TLS and serve HTTP/1 on it).
+// recordBatcher, so each Write (an HTTP/2 flush) costs one write(2). The
+// dialer hands it to net/http's HTTP/2 client in its unencrypted ("prior
+// knowledge") mode: the encryption is ours, the bytes on the wire are those
+// of HTTP/2 over TLS (the client reads its ConnectionState into
+// Response.TLS). The server's own HTTP/2 engine (h2Conn) writes frames
+// through beginBatch/endBatch, so several frames share one write(2).
 type hboneConn struct {
 	tc      *tls.Conn
 	raw     *recordBatcher
@@ -135,6 +164,23 @@ func (c *hboneConn) Write(p []byte) (int, error) {
 	return n, err
 }
 
+// setBeforeRead turns on batched socket reads with f called before each
+// (the server's HTTP/2 engine writes its batched DATA there).
+func (c *hboneConn) setBeforeRead(f func()) { c.raw.beforeRead = f }
+
+// beginBatch starts a batch of Writes sent with one write(2) at endBatch.
+func (c *hboneConn) beginBatch() {
+	c.writing.Add(1)
+	c.raw.begin()
+}
+
+// endBatch ends a batch and writes its records.
+func (c *hboneConn) endBatch() error {
+	err := c.raw.end()
+	c.writing.Add(-1)
+	return err
+}
+
 // Close closes the connection; as tls.Conn.Close does with a Write in
 // flight, it then skips close_notify and just closes the socket, which
 // unblocks that Write.
@@ -153,10 +199,3 @@ func (c *hboneConn) RemoteAddr() net.Addr               { return c.tc.RemoteAddr
 func (c *hboneConn) SetDeadline(t time.Time) error      { return c.tc.SetDeadline(t) }
 func (c *hboneConn) SetReadDeadline(t time.Time) error  { return c.tc.SetReadDeadline(t) }
 func (c *hboneConn) SetWriteDeadline(t time.Time) error { return c.tc.SetWriteDeadline(t) }
-
-// serverConn is an hboneConn as the server hands it to net/http: without
-// ConnectionState, so that net/http serves HTTP/2 on it.
-type serverConn struct {
-	net.Conn
-	hc *hboneConn
-}

@@ -6,9 +6,12 @@ import (
 	"errors"
 	"io"
 	"net"
+	"slices"
 	"sync"
 	"testing"
 	"time"
+
+	"golang.org/x/net/http2"
 
 	"aether.io/node/proxy/hbone"
 	"aether.io/node/proxy/hbone/hbonetest"
@@ -126,4 +129,58 @@ func dialRawTLS(t *testing.T, e *env) *tls.Conn {
 	}
 	t.Cleanup(func() { _ = c.Close() })
 	return c
+}
+
+// rawH2 completes the mTLS handshake with e's server, sends the HTTP/2
+// client preface and an empty SETTINGS, and returns a framer on the
+// connection.
+func rawH2(t *testing.T, e *env) *http2.Framer {
+	t.Helper()
+	c := dialRawTLS(t, e)
+	if _, err := io.WriteString(c, http2.ClientPreface); err != nil {
+		t.Fatal(err)
+	}
+	fr := http2.NewFramer(c, c)
+	if err := fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	return fr
+}
+
+// readUntilClosed reads frames until the server closes the connection and
+// returns their types.
+func readUntilClosed(fr *http2.Framer) []http2.FrameType {
+	var got []http2.FrameType
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			return got
+		}
+		got = append(got, f.Header().Type)
+	}
+}
+
+// TestIdleTimeoutGoAway: a connection without streams for IdleTimeout gets
+// GOAWAY and is closed.
+func TestIdleTimeoutGoAway(t *testing.T) {
+	e := newEnv(t, func(c *hbone.ServerConfig) { c.IdleTimeout = 20 * time.Millisecond })
+	got := readUntilClosed(rawH2(t, e))
+	if len(got) == 0 || got[len(got)-1] != http2.FrameGoAway {
+		t.Errorf("frames before the close = %v, want GOAWAY last", got)
+	}
+}
+
+// TestPingTimeout: a client that goes silent gets a PING, and the
+// connection is closed when the ack does not come within PingTimeout.
+func TestPingTimeout(t *testing.T) {
+	e := newEnv(t, func(c *hbone.ServerConfig) {
+		c.PingInterval, c.PingTimeout = 10*time.Millisecond, 10*time.Millisecond
+	})
+	got := readUntilClosed(rawH2(t, e))
+	if !slices.Contains(got, http2.FramePing) {
+		t.Errorf("frames before the close = %v, want a PING", got)
+	}
+	if slices.Contains(got, http2.FrameGoAway) {
+		t.Errorf("frames before the close = %v: an idle GOAWAY, not the ping timeout", got)
+	}
 }

@@ -8,49 +8,61 @@ import (
 )
 
 // SocketConn is implemented by a DeliverFunc's connection that wraps a
-// socket only to observe what is read from it (the data plane counts the
-// bytes and stamps activity). The server then reads Socket() (a
-// *net.TCPConn or *net.UnixConn) itself, on Linux with large reads that
-// hold no buffer while the socket is idle, and calls SocketRead with the
-// size of every read; writes and Close still go through the wrapper.
+// socket only to observe what moves through it (the data plane counts the
+// bytes and stamps activity). The server then reads and writes Socket() (a
+// *net.TCPConn or *net.UnixConn) itself: on Linux with large reads that
+// hold no buffer while the socket is idle, and with writes straight from the
+// HTTP/2 read loop. It reports every read to SocketRead and every such
+// write to SocketWritten; CloseWrite and Close still go through the wrapper,
+// and so do writes that have to wait for the socket.
 type SocketConn interface {
 	net.Conn
 	// Socket returns the wrapped socket.
 	Socket() net.Conn
 	// SocketRead is called with the byte count of each read from Socket.
 	SocketRead(n int)
+	// SocketWritten is called with the byte count of each write the
+	// server made to Socket directly.
+	SocketWritten(n int)
 }
 
 // Copy buffers: an idle tunnel holds only a small buffer per direction; a
 // busy one borrows a large pooled buffer once a read fills the small one,
 // and gives it back when the flow slows to a trickle (a read shorter than
-// the small buffer), so bulk transfers are not cut into small writes.
+// the small buffer), so bulk transfers are not cut into small writes. Every
+// buffer has room for an HTTP/2 frame header in front of what is read.
 const (
 	smallBuf = 2 << 10
 	largeBuf = 32 << 10
 )
 
-var largeBufs = sync.Pool{New: func() any { b := make([]byte, largeBuf); return &b }}
+var largeBufs = sync.Pool{New: func() any { b := make([]byte, frameHeaderLen+largeBuf); return &b }}
 
-// Copy copies src to dst until src's EOF (nil) or an error, as the server
-// copies an upstream into a stream: a *net.TCPConn or *net.UnixConn src (or
-// a SocketConn over one) is read, on Linux, in reads of up to 256 KiB into a
-// pooled buffer taken only while data is there, so an idle copy holds no
-// buffer; any other src through a 2 KiB buffer that grows to 32 KiB while
-// busy. Copy into a Stream with it: net/http's request writer takes each
-// Write frame by frame with one goroutine hand-off per Write, so large
-// writes cost less per byte than io.Copy's 32 KiB ones.
-func Copy(dst io.Writer, src io.Reader) error { return copyAdaptive(dst, src, nil) }
+// Copy copies src to dst until src's EOF (nil) or an error: a
+// *net.TCPConn or *net.UnixConn src (or a SocketConn over one) is read, on
+// Linux, in reads of up to 256 KiB into a pooled buffer taken only while
+// data is there, so an idle copy holds no buffer; any other src through a
+// 2 KiB buffer that grows to 32 KiB while busy. Copy into a Stream with it:
+// net/http's request writer takes each Write frame by frame with one
+// goroutine hand-off per Write, so large writes cost less per byte than
+// io.Copy's 32 KiB ones.
+func Copy(dst io.Writer, src io.Reader) error {
+	return readChunks(src, 0, func(b []byte) error {
+		_, err := dst.Write(b)
+		return err
+	})
+}
 
-// copyAdaptive copies src to dst until src's EOF (nil) or an error, calling
-// flush after every write when it is not nil. A socket src is read by
-// copyFromSocket (Linux): large reads, no buffer held while idle.
-func copyAdaptive(dst io.Writer, src io.Reader, flush func() error) error {
-	if done, err := copyFromSocket(dst, src, flush); done {
+// readChunks reads src until its EOF (nil) or an error and calls sink with
+// each chunk read, preceded by head bytes of room (b[:head] is free for the
+// caller's use, b[head:] was read). A socket src is read by copyFromSocket
+// (Linux): large reads, no buffer held while idle.
+func readChunks(src io.Reader, head int, sink func(b []byte) error) error {
+	if done, err := copyFromSocket(src, head, sink); done {
 		return err
 	}
-	var small [smallBuf]byte
-	buf := small[:]
+	var small [frameHeaderLen + smallBuf]byte
+	buf := small[frameHeaderLen-head:]
 	var large *[]byte
 	defer func() {
 		if large != nil {
@@ -58,15 +70,10 @@ func copyAdaptive(dst io.Writer, src io.Reader, flush func() error) error {
 		}
 	}()
 	for {
-		n, err := src.Read(buf)
+		n, err := src.Read(buf[head:])
 		if n > 0 {
-			if _, werr := dst.Write(buf[:n]); werr != nil {
+			if werr := sink(buf[:head+n]); werr != nil {
 				return werr
-			}
-			if flush != nil {
-				if ferr := flush(); ferr != nil {
-					return ferr
-				}
 			}
 		}
 		if err != nil {
@@ -76,13 +83,29 @@ func copyAdaptive(dst io.Writer, src io.Reader, flush func() error) error {
 			return err
 		}
 		switch {
-		case n == len(buf) && large == nil:
+		case n == len(buf)-head && large == nil:
 			large = largeBufs.Get().(*[]byte)
-			buf = *large
+			buf = (*large)[frameHeaderLen-head:]
 		case n < smallBuf && large != nil:
 			largeBufs.Put(large)
 			large = nil
-			buf = small[:]
+			buf = small[frameHeaderLen-head:]
 		}
 	}
+}
+
+// readConn reads what c has into (*buf)[frameHeaderLen:] of a pooled
+// buffer through c.Read (the buffer is held while Read waits); io.EOF at
+// the end.
+func readConn(c net.Conn) (*[]byte, int, error) {
+	buf := sockBufs.Get().(*[]byte)
+	n, err := c.Read((*buf)[frameHeaderLen:])
+	if n > 0 {
+		return buf, n, nil
+	}
+	sockBufs.Put(buf)
+	if err == nil {
+		err = io.ErrNoProgress
+	}
+	return nil, 0, err
 }

@@ -2,9 +2,11 @@
 // mutual TLS with SPIFFE X.509-SVIDs on port 15008, wire-compatible with
 // Istio ambient (ztunnel and istio.io/istio/pkg/hbone).
 //
-// Server terminates HBONE for one pod identity and hands each CONNECT stream
-// to a Deliver callback with the verified source SPIFFE ID; Dialer opens
-// CONNECT streams from a source identity over pooled HTTP/2 connections.
+// Server terminates HBONE for one pod identity with an HTTP/2 engine of its
+// own (CONNECT streams only, DATA written straight to the delivered socket)
+// and hands each CONNECT stream to a Deliver callback with the verified
+// source SPIFFE ID; Dialer opens CONNECT streams from a source identity over
+// pooled HTTP/2 connections (net/http's client).
 // Certificates come from a Certs source (the SPIFFE Workload API watcher in
 // production). See README.md for the wire format, the pool key and limits.
 package hbone

@@ -643,3 +643,89 @@ func TestPoolKeyedBySource(t *testing.T) {
 		})
 	}
 }
+
+// TestSlowStreamDoesNotStallOthers: a stream whose upstream does not read
+// holds at most its own receive window; another stream on the same
+// connection keeps moving, many times the connection window through it.
+func TestSlowStreamDoesNotStallOthers(t *testing.T) {
+	const (
+		window = 256 << 10
+		frame  = 16 << 10
+	)
+	release := make(chan struct{})
+	accepted := make(chan struct{}, 1)
+	slow := hbonetest.Serve(t, func(c net.Conn) {
+		_ = c.(*net.TCPConn).SetReadBuffer(4 << 10)
+		accepted <- struct{}{}
+		<-release // never reads
+	})
+	t.Cleanup(func() { close(release) })
+	e := newEnv(t, func(c *hbone.ServerConfig) {
+		c.StreamWindow, c.ConnWindow = window, 2*window
+		deliver := c.Deliver
+		c.Deliver = func(ctx context.Context, src spiffeid.ID, target netip.AddrPort) (net.Conn, error) {
+			up, err := deliver(ctx, src, target)
+			if err == nil && target == slow {
+				// Small kernel buffers: the slow upstream cannot absorb
+				// its stream's window, the server has to hold it.
+				_ = up.(*net.TCPConn).SetWriteBuffer(4 << 10)
+			}
+			return up, err
+		}
+	})
+	d := hbonetest.NewDialer(t, e.certs)
+	req := e.request()
+	req.Target = slow
+	stuck, err := d.Dial(context.Background(), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-accepted
+	var written sync.Mutex
+	sent := 0
+	writerDone := make(chan error, 1)
+	go func() {
+		chunk := make([]byte, frame)
+		for range 64 * window / frame {
+			if _, err := stuck.Write(chunk); err != nil {
+				writerDone <- err
+				return
+			}
+			written.Lock()
+			sent += len(chunk)
+			written.Unlock()
+		}
+		writerDone <- nil
+	}()
+	// The slow stream's window is used up at the server.
+	waitFor(t, func() bool {
+		written.Lock()
+		defer written.Unlock()
+		return sent >= window
+	})
+
+	fast, err := d.Dial(context.Background(), e.request())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fast.Close()
+	msg := bytes.Repeat([]byte("moving"), 8*window/6)
+	go func() {
+		_, _ = fast.Write(msg)
+		_ = fast.CloseWrite()
+	}()
+	got, err := io.ReadAll(fast)
+	if err != nil || !bytes.Equal(got, msg) {
+		t.Fatalf("echo on the other stream = %d bytes (error %v), want %d", len(got), err, len(msg))
+	}
+	select {
+	case err := <-writerDone:
+		t.Fatalf("the slow stream's writer ended (%v): its upstream was not stalled", err)
+	default:
+	}
+	if st := d.Stats(); st.ConnsOpened != 1 {
+		t.Errorf("connections = %d, want both streams on one", st.ConnsOpened)
+	}
+	_ = stuck.Close()
+	<-writerDone
+}

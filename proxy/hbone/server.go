@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"golang.org/x/net/http2"
 )
 
 // Defaults of ServerConfig and DialerConfig (see README.md "Limits").
@@ -82,24 +83,22 @@ func orDefault[T int | time.Duration](v *T, def T) {
 	}
 }
 
-// Server serves HBONE for one identity on listeners it is given.
+// Server serves HBONE for one identity on listeners it is given, with its
+// own HTTP/2 engine for CONNECT streams (h2Conn; README.md, "HTTP/2
+// implementation").
 type Server struct {
 	cfg  ServerConfig
 	log  *slog.Logger
 	tls  *tls.Config
-	hs   *http.Server
-	conn *connListener
 	stat serverCounters
 
 	mu        sync.Mutex
 	closed    bool
 	listeners map[net.Listener]struct{}
 	pending   map[net.Conn]struct{} // accepted, handshake in progress
-	wg        sync.WaitGroup        // accept loops, handshakes, handlers
-	serving   bool                  // hs.Serve runs (on the first Serve)
-	served    chan error            // hs.Serve's result
-	handlers  int                   // stream handlers running
-	drained   chan struct{}         // closed when handlers drops to 0 (during shutdown)
+	conns     map[*h2Conn]struct{}  // established
+	connsGone chan struct{}         // closed when conns empties (during shutdown)
+	wg        sync.WaitGroup        // accept loops, connections, streams
 
 	shutdownOnce sync.Once
 	shutdownErr  error
@@ -118,45 +117,24 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	orDefault(&cfg.StreamWindow, DefaultStreamWindow)
 	orDefault(&cfg.ConnWindow, DefaultConnWindow)
 	orDefault(&cfg.MaxFrameSize, DefaultMaxFrameSize)
+	cfg.MaxFrameSize = min(max(cfg.MaxFrameSize, DefaultMaxFrameSize), 1<<24-1)
+	cfg.StreamWindow = min(cfg.StreamWindow, maxWindow)
+	cfg.ConnWindow = min(max(cfg.ConnWindow, initialWindow), maxWindow)
 	log := cfg.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{
+	return &Server{
 		cfg:       cfg,
 		log:       log,
 		tls:       serverTLSConfig(cfg.Certs, cfg.Identity),
-		conn:      newConnListener(),
 		listeners: map[net.Listener]struct{}{},
 		pending:   map[net.Conn]struct{}{},
-		served:    make(chan error, 1),
-	}
-	// HTTP/2 "without TLS" over the mTLS connections handshake hands over
-	// (see hboneConn): the wire is HTTP/2 over TLS with ALPN h2.
-	var protos http.Protocols
-	protos.SetUnencryptedHTTP2(true)
-	s.hs = &http.Server{
-		Handler:     http.HandlerFunc(s.serveHTTP),
-		Protocols:   &protos,
-		IdleTimeout: cfg.IdleTimeout,
-		// Bounds the wait for the HTTP/2 client preface after the
-		// handshake (net/http's HTTP/2 server does not use it otherwise).
-		ReadHeaderTimeout: cfg.HandshakeTimeout,
-		ConnContext: func(ctx context.Context, c net.Conn) context.Context {
-			if sc, ok := c.(serverConn); ok {
-				ctx = context.WithValue(ctx, connCtx{}, sc.hc)
-			}
-			return ctx
-		},
-		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelDebug),
-		HTTP2: h2Config(cfg.MaxConcurrentStreams, cfg.MaxFrameSize, cfg.ConnWindow, cfg.StreamWindow,
-			cfg.PingInterval, cfg.PingTimeout),
-	}
-	return s, nil
+		conns:     map[*h2Conn]struct{}{},
+	}, nil
 }
 
-// h2Config is the HTTP/2 configuration both sides share (maxStreams is the
-// server's SETTINGS_MAX_CONCURRENT_STREAMS; zero on the client).
+// h2Config is the HTTP/2 configuration of the Dialer's net/http client.
 func h2Config(maxStreams, frame, connWindow, streamWindow int, ping, pingTimeout time.Duration) *http.HTTP2Config {
 	return &http.HTTP2Config{
 		MaxConcurrentStreams:          maxStreams,
@@ -182,10 +160,6 @@ func (s *Server) Serve(l net.Listener) error {
 	}
 	s.listeners[l] = struct{}{}
 	s.wg.Add(1)
-	if !s.serving {
-		s.serving = true
-		go func() { s.served <- s.hs.Serve(s.conn) }()
-	}
 	s.mu.Unlock()
 	defer s.wg.Done()
 	for {
@@ -220,17 +194,10 @@ func (s *Server) track(c net.Conn) bool {
 	return true
 }
 
-// handshake runs the mTLS handshake under HandshakeTimeout and hands the
-// connection to the HTTP/2 server.
+// handshake runs the mTLS handshake under HandshakeTimeout and then serves
+// the connection's HTTP/2 until it closes.
 func (s *Server) handshake(c net.Conn) {
 	defer s.wg.Done()
-	// The connection leaves pending before it is handed to the HTTP/2
-	// server: from then on Shutdown drains it instead of closing it.
-	untrack := func() {
-		s.mu.Lock()
-		delete(s.pending, c)
-		s.mu.Unlock()
-	}
 	_ = c.SetDeadline(time.Now().Add(s.cfg.HandshakeTimeout))
 	raw := &recordBatcher{Conn: c}
 	hc, err := handshake(context.Background(), raw, tls.Server(raw, s.tls))
@@ -245,110 +212,49 @@ func (s *Server) handshake(c net.Conn) {
 			s.stat.handshakeFailures.Add(1)
 		}
 		s.log.Debug("hbone handshake failed", "remote", c.RemoteAddr().String(), "error", err)
-		untrack()
+		s.untrack(c, nil)
 		_ = c.Close()
 		return
 	}
 	_ = c.SetDeadline(time.Time{})
 	s.stat.handshakes.Add(1)
-	untrack()
-	if !s.conn.push(serverConn{hc, hc}) {
+	// The connection leaves pending as it is established: from then on
+	// Shutdown drains it (GOAWAY) instead of closing it.
+	h := newH2Conn(s, hc, hc.peer)
+	if !s.untrack(c, h) {
 		_ = hc.Close()
+		return
 	}
+	h.serve()
 }
 
-// serveHTTP serves one HTTP/2 stream: CONNECT <ip>:<port> from a verified peer.
-func (s *Server) serveHTTP(w http.ResponseWriter, r *http.Request) {
-	s.wg.Add(1)
-	defer s.wg.Done()
+// untrack moves c out of pending and, when h is not nil, h into conns;
+// false when the server is shutting down.
+func (s *Server) untrack(c net.Conn, h *h2Conn) bool {
 	s.mu.Lock()
-	s.handlers++
-	s.mu.Unlock()
-	defer func() {
-		s.mu.Lock()
-		s.handlers--
-		if s.handlers == 0 && s.drained != nil {
-			close(s.drained)
-			s.drained = nil
-		}
-		s.mu.Unlock()
-	}()
-	if r.Method != http.MethodConnect {
-		s.stat.streamsBadRequest.Add(1)
-		w.WriteHeader(http.StatusMethodNotAllowed)
-		return
+	defer s.mu.Unlock()
+	delete(s.pending, c)
+	if s.closed {
+		return false
 	}
-	target, err := netip.ParseAddrPort(r.Host)
-	if err != nil {
-		s.stat.streamsBadRequest.Add(1)
-		http.Error(w, "authority must be ip:port", http.StatusBadRequest)
-		return
+	if h != nil {
+		s.conns[h] = struct{}{}
 	}
-	// The peer's SPIFFE ID was verified and read once, at the handshake.
-	hc, ok := r.Context().Value(connCtx{}).(*hboneConn)
-	if !ok || hc.peer.IsZero() {
-		s.stat.streamsBadRequest.Add(1)
-		w.WriteHeader(http.StatusForbidden)
-		return
-	}
-	ctx := r.Context()
-	if ap, err := netip.ParseAddrPort(r.RemoteAddr); err == nil {
-		ctx = context.WithValue(ctx, peerAddrCtx{}, netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()))
-	}
-	up, err := s.cfg.Deliver(ctx, hc.peer, target)
-	if err != nil {
-		s.stat.streamsDeliverFailed.Add(1)
-		code := http.StatusServiceUnavailable
-		var se *StatusError
-		if errors.As(err, &se) {
-			code = se.Code
-		}
-		s.log.Error("failed to deliver hbone stream", "source_id", hc.peer.String(), "target", target.String(), "error", err)
-		w.WriteHeader(code)
-		return
-	}
-	defer func() { _ = up.Close() }()
-	s.stat.streamsOpened.Add(1)
-	s.stat.streamsActive.Add(1)
-	defer s.stat.streamsActive.Add(-1)
-	// A reset stream or a closed connection cancels r's context: unblock
-	// both copies by closing the upstream.
-	stop := context.AfterFunc(r.Context(), func() { _ = up.Close() })
-	defer stop()
+	return true
+}
 
-	w.WriteHeader(http.StatusOK)
-	rc := http.NewResponseController(w)
-	if err := rc.Flush(); err != nil {
-		return
-	}
-	inDone := make(chan struct{})
-	go func() {
-		defer close(inDone)
-		if err := copyAdaptive(up, r.Body, nil); err != nil {
-			_ = up.Close()
-			return
-		}
-		closeWrite(up)
-	}()
-	// Upstream → client. When the upstream ends, the response ends too
-	// (END_STREAM): Go's HTTP/2 server cannot half-close the response
-	// while the request body is still open (see README.md).
-	err = copyAdaptive(w, up, rc.Flush)
-	_ = r.Body.Close()
-	<-inDone
-	if err != nil {
-		// The upstream failed (reset by the app, or closed under the copy:
-		// the data plane's idle timeout, the pod closing) or the client
-		// went away: reset the stream (RST_STREAM) as a TCP proxy resets
-		// its client, never a clean END_STREAM that hides the failure.
-		panic(http.ErrAbortHandler)
+// removeConn forgets a closed connection.
+func (s *Server) removeConn(h *h2Conn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.conns, h)
+	if len(s.conns) == 0 && s.connsGone != nil {
+		close(s.connsGone)
+		s.connsGone = nil
 	}
 }
 
 type peerAddrCtx struct{}
-
-// connCtx carries a stream's *hboneConn in its request context.
-type connCtx struct{}
 
 // PeerAddr returns, inside a DeliverFunc, the TCP address the stream's
 // HBONE connection came from (the source pod's address when the source
@@ -384,84 +290,34 @@ func (s *Server) shutdown(ctx context.Context) error {
 	for c := range s.pending {
 		_ = c.Close()
 	}
-	serving := s.serving
+	conns := make([]*h2Conn, 0, len(s.conns))
+	for h := range s.conns {
+		conns = append(conns, h)
+	}
+	var gone chan struct{}
+	if len(s.conns) > 0 {
+		gone = make(chan struct{})
+		s.connsGone = gone
+	}
 	s.mu.Unlock()
+	// Each connection closes once its streams are done.
+	for _, h := range conns {
+		h.goAway(http2.ErrCodeNo)
+	}
 	var err error
-	if serving {
-		// Shutdown closes s.conn, sends GOAWAY and waits for the
-		// connections to go idle; at the deadline Close cuts them.
-		err = s.hs.Shutdown(ctx)
-		if err == nil {
-			// hs.Shutdown returns once the connections are done; their
-			// stream handlers may still be finishing: wait for them too.
-			err = s.awaitHandlers(ctx)
-		}
-		if err != nil {
-			_ = s.hs.Close()
-		}
-		if serr := <-s.served; !errors.Is(serr, http.ErrServerClosed) {
-			s.log.Error("hbone http/2 server stopped", "error", serr)
+	if gone != nil {
+		select {
+		case <-gone:
+		case <-ctx.Done():
+			err = ctx.Err()
+			for _, h := range conns {
+				h.close(err)
+			}
 		}
 	}
-	_ = s.conn.Close()
 	s.wg.Wait()
 	return err
 }
-
-// awaitHandlers waits until no stream handler runs, or ctx is done.
-func (s *Server) awaitHandlers(ctx context.Context) error {
-	s.mu.Lock()
-	if s.handlers == 0 {
-		s.mu.Unlock()
-		return nil
-	}
-	drained := make(chan struct{})
-	s.drained = drained
-	s.mu.Unlock()
-	select {
-	case <-drained:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-}
-
-// connListener is the net.Listener the HTTP/2 server serves: it yields
-// connections whose mTLS handshake is already done.
-type connListener struct {
-	ch     chan net.Conn
-	done   chan struct{}
-	closed sync.Once
-}
-
-func newConnListener() *connListener {
-	return &connListener{ch: make(chan net.Conn), done: make(chan struct{})}
-}
-
-func (l *connListener) push(c net.Conn) bool {
-	select {
-	case l.ch <- c:
-		return true
-	case <-l.done:
-		return false
-	}
-}
-
-func (l *connListener) Accept() (net.Conn, error) {
-	select {
-	case c := <-l.ch:
-		return c, nil
-	case <-l.done:
-		return nil, net.ErrClosed
-	}
-}
-
-func (l *connListener) Close() error {
-	l.closed.Do(func() { close(l.done) })
-	return nil
-}
-
-func (l *connListener) Addr() net.Addr { return hboneAddr{} }
 
 type hboneAddr struct{}
 

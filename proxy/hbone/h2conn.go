@@ -1,0 +1,756 @@
+package hbone
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+)
+
+// goAwayTimeout bounds the write of a GOAWAY that ends a connection on a
+// protocol error (a peer that does not read does not hold the read loop).
+const goAwayTimeout = time.Second
+
+// h2Conn is one established HBONE connection served by the Server's HTTP/2
+// engine: the CONNECT-only subset of RFC 9113 that HBONE uses (see
+// README.md, "HTTP/2 implementation"). Its read loop reads every frame with
+// an http2.Framer and writes each DATA payload straight to the stream's
+// upstream socket (without waiting: what the socket cannot take now is
+// queued on the stream and written by a goroutine of its own, bounded by the
+// stream's receive window, which is granted back only for bytes the upstream
+// took). Each stream's goroutine delivers it, then reads the upstream into a
+// buffer with room for the frame header in front and sends DATA frames.
+type h2Conn struct {
+	s        *Server
+	conn     h2Transport
+	peer     spiffeid.ID // the client's verified SPIFFE ID
+	fr       *http2.Framer
+	peerAddr netip.AddrPort
+	ctx      context.Context // canceled when the connection closes
+	cancel   context.CancelFunc
+	done     chan struct{} // closed when the connection closes
+
+	// Frame writes are serialized by wmu. Control frames (SETTINGS and
+	// PING acks, WINDOW_UPDATE, RST_STREAM, GOAWAY) are appended to ctl
+	// and written ahead of the next write, or by writeLoop when wake is
+	// signaled: the read loop never waits for the connection's writer.
+	wmu   sync.Mutex
+	cmu   sync.Mutex
+	ctl   []byte
+	spare []byte
+	wake  chan struct{}
+
+	// The read loop's batch of DATA for one stream (readFrame): payloads
+	// batch[batchLo:batchDone] are complete and not written yet; one may
+	// be being read into batch[batchDone:].
+	batchSt            *h2Stream
+	batch              []byte
+	batchLo, batchDone int
+	batchBuf           *[]byte
+
+	recvConn   atomic.Int64  // connection receive window left
+	connCredit atomic.Int64  // bytes taken by upstreams, not yet granted back
+	frames     atomic.Uint64 // frames read, for the ping check
+
+	mu           sync.Mutex
+	cond         sync.Cond // send windows grew, a stream stopped, or the connection closed
+	streams      map[uint32]*h2Stream
+	maxID        uint32 // highest stream the client opened
+	started      bool   // the client preface was read
+	goingAway    bool   // GOAWAY queued: no new streams
+	closeFlushed bool   // close once the queued control frames are written
+	closed       bool
+	sendConn     int64 // connection send window
+	peerInitial  int64 // the client's SETTINGS_INITIAL_WINDOW_SIZE
+	peerMaxFrame int   // the client's SETTINGS_MAX_FRAME_SIZE
+	idle         *time.Timer
+	ping         *time.Timer
+	pinging      bool   // a PING of ours awaits its ack
+	pingFrames   uint64 // frames at the last ping check
+}
+
+// h2Transport is the connection under an h2Conn: an *hboneConn (TLS),
+// or a plain connection in tests.
+type h2Transport interface {
+	io.ReadWriter
+	// beginBatch and endBatch bracket Writes sent with one write(2).
+	beginBatch()
+	endBatch() error
+	// setBeforeRead sets a function called, on the reading goroutine,
+	// before every read of the underlying socket.
+	setBeforeRead(func())
+	SetReadDeadline(t time.Time) error
+	SetWriteDeadline(t time.Time) error
+	RemoteAddr() net.Addr
+	Close() error
+}
+
+func newH2Conn(s *Server, conn h2Transport, peer spiffeid.ID) *h2Conn {
+	ctx, cancel := context.WithCancel(context.Background())
+	c := &h2Conn{
+		s: s, conn: conn, peer: peer, ctx: ctx, cancel: cancel,
+		done:         make(chan struct{}),
+		wake:         make(chan struct{}, 1),
+		streams:      map[uint32]*h2Stream{},
+		sendConn:     initialWindow,
+		peerInitial:  initialWindow,
+		peerMaxFrame: DefaultMaxFrameSize,
+	}
+	c.cond.L = &c.mu
+	if a, ok := conn.RemoteAddr().(*net.TCPAddr); ok {
+		ap := a.AddrPort()
+		c.peerAddr = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+	}
+	c.recvConn.Store(int64(s.cfg.ConnWindow))
+	conn.setBeforeRead(c.flushBatch)
+	c.fr = http2.NewFramer(nil, conn)
+	c.fr.SetReuseFrames()
+	c.fr.SetMaxReadFrameSize(uint32(s.cfg.MaxFrameSize))
+	c.fr.MaxHeaderListSize = maxHeaderList
+	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	return c
+}
+
+// serve reads the client preface and then every frame until the connection
+// ends; it returns when the connection is closed.
+func (c *h2Conn) serve() {
+	defer c.close(nil)
+	cfg := &c.s.cfg
+	// The preface is due within HandshakeTimeout; nothing is sent before
+	// it (a client speaking anything else gets no answer).
+	_ = c.conn.SetReadDeadline(time.Now().Add(cfg.HandshakeTimeout))
+	var preface [len(clientPreface)]byte
+	if _, err := io.ReadFull(c.conn, preface[:]); err != nil || string(preface[:]) != clientPreface {
+		c.s.log.Debug("hbone connection without http/2 preface", "remote", c.conn.RemoteAddr().String(), "error", err)
+		return
+	}
+	_ = c.conn.SetReadDeadline(time.Time{})
+	c.mu.Lock()
+	if c.goingAway || c.closed {
+		c.mu.Unlock()
+		return
+	}
+	c.started = true
+	c.idle = time.AfterFunc(cfg.IdleTimeout, c.idleTimeout)
+	c.ping = time.AfterFunc(cfg.PingInterval, c.pingCheck)
+	c.mu.Unlock()
+
+	settings := appendSettings(nil,
+		http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: uint32(cfg.MaxConcurrentStreams)},
+		http2.Setting{ID: http2.SettingInitialWindowSize, Val: uint32(min(cfg.StreamWindow, maxWindow))},
+		http2.Setting{ID: http2.SettingMaxFrameSize, Val: uint32(cfg.MaxFrameSize)},
+		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: maxHeaderList},
+	)
+	if cfg.ConnWindow > initialWindow {
+		settings = appendWindowUpdate(settings, 0, uint32(min(cfg.ConnWindow, maxWindow)-initialWindow))
+	}
+	if err := c.writeFrames(settings); err != nil {
+		return
+	}
+	c.s.wg.Add(1)
+	go c.writeLoop()
+
+	for first := true; ; first = false {
+		f, err := c.readFrame(first)
+		if f == nil && err == nil {
+			continue // a DATA payload taken into the batch
+		}
+		if err != nil {
+			if errors.Is(err, http2.ErrFrameTooLarge) {
+				c.fail(http2.ErrCodeFrameSize, err)
+				return
+			}
+			var se http2.StreamError
+			if errors.As(err, &se) {
+				c.streamError(se.StreamID, se.Code)
+				continue
+			}
+			var ce http2.ConnectionError
+			if errors.As(err, &ce) {
+				if d := c.fr.ErrorDetail(); d != nil {
+					err = fmt.Errorf("%w: %w", err, d)
+				}
+				c.fail(http2.ErrCode(ce), fmt.Errorf("failed to read http/2 frame: %w", err))
+			}
+			return
+		}
+		if _, ok := f.(*http2.SettingsFrame); first && !ok {
+			c.fail(http2.ErrCodeProtocol, errors.New("first http/2 frame is not SETTINGS"))
+			return
+		}
+		if err := c.handle(f); err != nil {
+			var ce http2.ConnectionError
+			code := http2.ErrCodeProtocol
+			if errors.As(err, &ce) {
+				code = http2.ErrCode(ce)
+			}
+			c.fail(code, err)
+			return
+		}
+	}
+}
+
+// readFrame reads the next frame. A DATA payload for a stream whose
+// upstream socket takes writes right away is read straight into the
+// connection's batch (f and err nil): consecutive DATA of one stream go to
+// the upstream with one write(2), made before the connection reads its
+// socket again (the transport's beforeRead), when another frame comes, or
+// when the batch is full. Any other frame is read by the Framer, after the
+// batch is written.
+func (c *h2Conn) readFrame(first bool) (http2.Frame, error) {
+	fh, err := c.fr.ReadFrameHeader()
+	if err != nil {
+		c.flushBatch()
+		return nil, err
+	}
+	c.frames.Add(1)
+	if !first && c.takeData(fh) {
+		return nil, c.readBatch(fh)
+	}
+	c.flushBatch()
+	return c.fr.ReadFrameForHeader(fh)
+}
+
+// batchMax bounds the DATA written to an upstream with one write(2).
+const batchMax = 256 << 10
+
+// takeData reports whether the DATA frame of fh goes into the batch: its
+// stream is open, delivered to a socket with nothing queued, and the frame
+// is within the windows and unpadded (anything else takes the Framer's
+// path, which checks and answers it).
+func (c *h2Conn) takeData(fh http2.FrameHeader) bool {
+	if fh.Type != http2.FrameData || fh.StreamID == 0 || fh.Flags.Has(http2.FlagDataPadded) ||
+		fh.Length == 0 || int64(fh.Length) > c.recvConn.Load() {
+		return false
+	}
+	st := c.batchSt
+	if st == nil || st.id != fh.StreamID {
+		c.mu.Lock()
+		st = c.streams[fh.StreamID]
+		c.mu.Unlock()
+		if st == nil {
+			return false
+		}
+	}
+	st.mu.Lock()
+	ok := st.fastLocked() && !st.remoteEnd && int64(fh.Length) <= st.recvWin
+	if ok {
+		st.recvWin -= int64(fh.Length)
+	}
+	st.mu.Unlock()
+	if !ok {
+		return false
+	}
+	c.recvConn.Add(-int64(fh.Length))
+	if c.batchSt != st || len(c.batch)+int(fh.Length) > batchMax {
+		c.flushBatch()
+	}
+	c.batchSt = st
+	return true
+}
+
+// readBatch reads the payload of the DATA frame of fh into the batch.
+func (c *h2Conn) readBatch(fh http2.FrameHeader) error {
+	if c.batchBuf == nil {
+		c.batchBuf = sockBufs.Get().(*[]byte)
+		c.batch = (*c.batchBuf)[:0]
+	}
+	n := len(c.batch)
+	c.batch = c.batch[:n+int(fh.Length)]
+	// A read of the socket under this one writes what the batch holds
+	// before it (beforeRead), but not this payload: it is not complete.
+	if _, err := io.ReadFull(c.conn, c.batch[n:]); err != nil {
+		return err
+	}
+	c.batchDone = len(c.batch)
+	if fh.Flags.Has(http2.FlagDataEndStream) {
+		st := c.batchSt
+		c.flushBatch()
+		st.onData(nil, 0, true)
+	}
+	return nil
+}
+
+// flushBatch writes the batch's complete DATA payloads to its stream's
+// upstream (the read loop only: from readFrame and the transport's
+// beforeRead). The buffer goes back to the pool unless a payload is being
+// read into it.
+func (c *h2Conn) flushBatch() {
+	st := c.batchSt
+	if st == nil {
+		return
+	}
+	if c.batchDone > c.batchLo {
+		st.mu.Lock()
+		st.pushLocked(c.batch[c.batchLo:c.batchDone], int64(c.batchDone-c.batchLo), 0)
+		c.batchLo = c.batchDone
+	}
+	if c.batchDone < len(c.batch) {
+		return // a payload is being read into it
+	}
+	c.batchSt, c.batch, c.batchLo, c.batchDone = nil, nil, 0, 0
+	if c.batchBuf != nil {
+		sockBufs.Put(c.batchBuf)
+		c.batchBuf = nil
+	}
+}
+
+// handle processes one frame; an error is a connection error.
+func (c *h2Conn) handle(f http2.Frame) error {
+	switch f := f.(type) {
+	case *http2.DataFrame:
+		return c.onData(f)
+	case *http2.MetaHeadersFrame:
+		return c.onHeaders(f)
+	case *http2.SettingsFrame:
+		if f.IsAck() {
+			return nil
+		}
+		return c.onSettings(f)
+	case *http2.WindowUpdateFrame:
+		return c.onWindowUpdate(f)
+	case *http2.RSTStreamFrame:
+		c.mu.Lock()
+		st, idle := c.streams[f.StreamID], f.StreamID > c.maxID
+		c.mu.Unlock()
+		if idle {
+			return connErrorf(http2.ErrCodeProtocol, "RST_STREAM on idle stream %d", f.StreamID)
+		}
+		if st != nil {
+			st.stop()
+		}
+	case *http2.PingFrame:
+		if !f.IsAck() {
+			c.queue(appendPing(nil, true, f.Data))
+			return nil
+		}
+		c.mu.Lock()
+		c.pinging = false
+		c.mu.Unlock()
+	case *http2.GoAwayFrame:
+		c.goAway(http2.ErrCodeNo)
+	case *http2.PushPromiseFrame:
+		return connErrorf(http2.ErrCodeProtocol, "PUSH_PROMISE from a client")
+	}
+	// PRIORITY and unknown frame types are ignored (RFC 9113 §5.5, §6.3).
+	return nil
+}
+
+type connError struct {
+	code http2.ErrCode
+	msg  string
+}
+
+func (e *connError) Error() string {
+	return "http/2 connection error " + e.code.String() + ": " + e.msg
+}
+
+func (e *connError) As(target any) bool {
+	if ce, ok := target.(*http2.ConnectionError); ok {
+		*ce = http2.ConnectionError(e.code)
+		return true
+	}
+	return false
+}
+
+func connErrorf(code http2.ErrCode, format string, args ...any) error {
+	return &connError{code: code, msg: fmt.Sprintf(format, args...)}
+}
+
+func (c *h2Conn) onSettings(f *http2.SettingsFrame) error {
+	err := f.ForeachSetting(func(s http2.Setting) error {
+		if err := s.Valid(); err != nil {
+			return err
+		}
+		switch s.ID {
+		case http2.SettingInitialWindowSize:
+			c.mu.Lock()
+			delta := int64(s.Val) - c.peerInitial
+			c.peerInitial = int64(s.Val)
+			for _, st := range c.streams {
+				st.sendWin += delta
+				if st.sendWin > maxWindow {
+					c.mu.Unlock()
+					return connErrorf(http2.ErrCodeFlowControl, "stream window above 2^31-1")
+				}
+			}
+			c.cond.Broadcast()
+			c.mu.Unlock()
+		case http2.SettingMaxFrameSize:
+			c.mu.Lock()
+			c.peerMaxFrame = int(s.Val)
+			c.mu.Unlock()
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	c.queue(appendSettingsAck(nil))
+	return nil
+}
+
+func (c *h2Conn) onWindowUpdate(f *http2.WindowUpdateFrame) error {
+	inc := int64(f.Increment)
+	c.mu.Lock()
+	if f.StreamID == 0 {
+		c.sendConn += inc
+		over := c.sendConn > maxWindow
+		c.cond.Broadcast()
+		c.mu.Unlock()
+		if over {
+			return connErrorf(http2.ErrCodeFlowControl, "connection window above 2^31-1")
+		}
+		return nil
+	}
+	if f.StreamID > c.maxID {
+		c.mu.Unlock()
+		return connErrorf(http2.ErrCodeProtocol, "WINDOW_UPDATE on idle stream %d", f.StreamID)
+	}
+	var over bool
+	if st := c.streams[f.StreamID]; st != nil { // else closed: ignored
+		st.sendWin += inc
+		over = st.sendWin > maxWindow
+		c.cond.Broadcast()
+	}
+	c.mu.Unlock()
+	if over {
+		c.streamError(f.StreamID, http2.ErrCodeFlowControl)
+	}
+	return nil
+}
+
+// onHeaders opens a stream (or ends one with trailers).
+func (c *h2Conn) onHeaders(f *http2.MetaHeadersFrame) error {
+	id := f.StreamID
+	if id%2 == 0 {
+		return connErrorf(http2.ErrCodeProtocol, "HEADERS on even stream %d", id)
+	}
+	cfg := &c.s.cfg
+	c.mu.Lock()
+	if st := c.streams[id]; st != nil {
+		c.mu.Unlock()
+		if !f.StreamEnded() {
+			c.streamError(id, http2.ErrCodeProtocol) // trailers must end the stream
+			return nil
+		}
+		st.onData(nil, 0, true)
+		return nil
+	}
+	if id <= c.maxID {
+		c.mu.Unlock()
+		return connErrorf(http2.ErrCodeProtocol, "HEADERS on closed stream %d", id)
+	}
+	c.maxID = id
+	refuse := c.goingAway || c.closed || len(c.streams) >= cfg.MaxConcurrentStreams
+	c.mu.Unlock()
+	if refuse {
+		c.queue(appendRSTStream(nil, id, http2.ErrCodeRefusedStream))
+		return nil
+	}
+	ended := f.StreamEnded()
+	method, authority := f.PseudoValue("method"), f.PseudoValue("authority")
+	scheme, path := f.PseudoValue("scheme"), f.PseudoValue("path")
+	switch {
+	case f.Truncated:
+		c.answer(id, http.StatusRequestHeaderFieldsTooLarge, ended)
+		return nil
+	case method == http.MethodConnect:
+		// RFC 9113 §8.5: only :method and :authority.
+		if scheme != "" || path != "" || authority == "" || f.PseudoValue("protocol") != "" {
+			c.queue(appendRSTStream(nil, id, http2.ErrCodeProtocol))
+			return nil
+		}
+	case method == "" || scheme == "" || path == "":
+		c.queue(appendRSTStream(nil, id, http2.ErrCodeProtocol))
+		return nil
+	default:
+		c.s.stat.streamsBadRequest.Add(1)
+		c.answer(id, http.StatusMethodNotAllowed, ended)
+		return nil
+	}
+	target, err := netip.ParseAddrPort(authority)
+	if err != nil {
+		c.s.stat.streamsBadRequest.Add(1)
+		c.answer(id, http.StatusBadRequest, ended)
+		return nil
+	}
+	if c.peer.IsZero() {
+		// The peer's SPIFFE ID was verified and read once, at the handshake.
+		c.s.stat.streamsBadRequest.Add(1)
+		c.answer(id, http.StatusForbidden, ended)
+		return nil
+	}
+	ctx := c.ctx
+	if c.peerAddr.IsValid() {
+		ctx = context.WithValue(ctx, peerAddrCtx{}, c.peerAddr)
+	}
+	st := &h2Stream{c: c, id: id, recvWin: int64(cfg.StreamWindow), remoteEnd: ended}
+	st.ctx, st.cancel = context.WithCancel(ctx)
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		st.cancel()
+		return nil
+	}
+	st.sendWin = c.peerInitial
+	c.streams[id] = st
+	if len(c.streams) == 1 {
+		c.idle.Stop()
+	}
+	c.mu.Unlock()
+	c.s.wg.Add(1)
+	go st.serve(target)
+	return nil
+}
+
+// answer ends a request the server does not deliver with status code.
+func (c *h2Conn) answer(id uint32, code int, ended bool) {
+	b := appendStatus(nil, id, code, true)
+	if !ended {
+		b = appendRSTStream(b, id, http2.ErrCodeNo)
+	}
+	c.queue(b)
+}
+
+// onData hands a DATA frame to its stream.
+func (c *h2Conn) onData(f *http2.DataFrame) error {
+	n := int64(f.Length) // with padding: what flow control counts
+	if c.recvConn.Add(-n) < 0 {
+		return connErrorf(http2.ErrCodeFlowControl, "DATA beyond the connection window")
+	}
+	c.mu.Lock()
+	st, idle := c.streams[f.StreamID], f.StreamID > c.maxID
+	c.mu.Unlock()
+	if st == nil {
+		if idle {
+			return connErrorf(http2.ErrCodeProtocol, "DATA on idle stream %d", f.StreamID)
+		}
+		c.creditConn(n)
+		c.queue(appendRSTStream(nil, f.StreamID, http2.ErrCodeStreamClosed))
+		return nil
+	}
+	st.onData(f.Data(), n, f.StreamEnded())
+	return nil
+}
+
+// streamError resets stream id with code (RST_STREAM) and stops it.
+func (c *h2Conn) streamError(id uint32, code http2.ErrCode) {
+	c.queue(appendRSTStream(nil, id, code))
+	c.mu.Lock()
+	st := c.streams[id]
+	c.mu.Unlock()
+	if st != nil {
+		st.stop()
+	}
+}
+
+// creditConn returns n bytes of the connection's receive window; a
+// WINDOW_UPDATE goes out once a quarter of the window is due.
+func (c *h2Conn) creditConn(n int64) {
+	if n <= 0 {
+		return
+	}
+	if c.connCredit.Add(n) < int64(c.s.cfg.ConnWindow)/4 {
+		return
+	}
+	if inc := c.connCredit.Swap(0); inc > 0 {
+		c.recvConn.Add(inc)
+		c.queue(appendWindowUpdate(nil, 0, uint32(inc)))
+	}
+}
+
+// queue appends control frames for the next write.
+func (c *h2Conn) queue(b []byte) {
+	c.cmu.Lock()
+	c.ctl = append(c.ctl, b...)
+	c.cmu.Unlock()
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+}
+
+// writeLoop writes queued control frames nobody else wrote.
+func (c *h2Conn) writeLoop() {
+	defer c.s.wg.Done()
+	for {
+		select {
+		case <-c.wake:
+		case <-c.done:
+			return
+		}
+		if err := c.writeFrames(nil); err != nil {
+			c.close(err)
+			return
+		}
+		c.mu.Lock()
+		closing := c.closeFlushed
+		c.mu.Unlock()
+		if closing {
+			c.close(nil)
+			return
+		}
+	}
+}
+
+// writeFrames writes the queued control frames, then b, in one write(2).
+func (c *h2Conn) writeFrames(b []byte) error {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.conn.beginBatch()
+	err := c.writeQueuedLocked()
+	if err == nil && len(b) > 0 {
+		_, err = c.conn.Write(b)
+	}
+	if ferr := c.conn.endBatch(); err == nil {
+		err = ferr
+	}
+	return err
+}
+
+// writeQueuedLocked writes the queued control frames (wmu held).
+func (c *h2Conn) writeQueuedLocked() error {
+	c.cmu.Lock()
+	b := c.ctl
+	c.ctl, c.spare = c.spare, nil
+	c.cmu.Unlock()
+	if len(b) == 0 {
+		return nil
+	}
+	_, err := c.conn.Write(b)
+	c.cmu.Lock()
+	c.spare = b[:0]
+	c.cmu.Unlock()
+	return err
+}
+
+// fail ends the connection on a connection error: GOAWAY with code, close.
+func (c *h2Conn) fail(code http2.ErrCode, err error) {
+	c.s.log.Debug("hbone http/2 connection error", "remote", c.conn.RemoteAddr().String(), "error", err)
+	c.mu.Lock()
+	last := c.maxID
+	c.goingAway = true
+	c.mu.Unlock()
+	c.queue(appendGoAway(nil, last, code))
+	_ = c.conn.SetWriteDeadline(time.Now().Add(goAwayTimeout))
+	_ = c.writeFrames(nil)
+	c.close(err)
+}
+
+// goAway stops new streams (GOAWAY NO_ERROR) and closes the connection once
+// its streams are done; before the preface it just closes.
+func (c *h2Conn) goAway(code http2.ErrCode) {
+	c.mu.Lock()
+	if c.goingAway || c.closed {
+		c.mu.Unlock()
+		return
+	}
+	c.goingAway = true
+	if !c.started {
+		c.mu.Unlock()
+		c.close(nil)
+		return
+	}
+	last := c.maxID
+	c.closeFlushed = len(c.streams) == 0
+	c.mu.Unlock()
+	c.queue(appendGoAway(nil, last, code))
+}
+
+func (c *h2Conn) idleTimeout() {
+	c.mu.Lock()
+	idle := len(c.streams) == 0
+	c.mu.Unlock()
+	if idle {
+		c.goAway(http2.ErrCodeNo)
+	}
+}
+
+// pingCheck runs every PingInterval: a connection that read no frame since
+// the last check gets a PING, and is closed when PingTimeout passes
+// without its ack.
+func (c *h2Conn) pingCheck() {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return
+	}
+	if c.pinging {
+		c.mu.Unlock()
+		c.close(errors.New("failed to get a ping ack: timeout"))
+		return
+	}
+	if n := c.frames.Load(); n != c.pingFrames {
+		c.pingFrames = n
+		c.ping.Reset(c.s.cfg.PingInterval)
+		c.mu.Unlock()
+		return
+	}
+	c.pinging = true
+	c.ping.Reset(c.s.cfg.PingTimeout)
+	c.mu.Unlock()
+	c.queue(appendPing(nil, false, [8]byte{'h', 'b', 'o', 'n', 'e'}))
+}
+
+// close ends the connection: every stream stops, its upstream is closed.
+func (c *h2Conn) close(err error) {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return
+	}
+	c.closed = true
+	streams := make([]*h2Stream, 0, len(c.streams))
+	for _, st := range c.streams {
+		st.stopped = true
+		streams = append(streams, st)
+	}
+	if c.idle != nil {
+		c.idle.Stop()
+		c.ping.Stop()
+	}
+	c.cond.Broadcast()
+	c.mu.Unlock()
+	if err != nil {
+		c.s.log.Debug("hbone connection closed", "remote", c.conn.RemoteAddr().String(), "error", err)
+	}
+	close(c.done)
+	c.cancel()
+	_ = c.conn.Close()
+	for _, st := range streams {
+		st.closeIn()
+	}
+	c.s.removeConn(c)
+}
+
+// removeStream forgets a finished stream; the connection's idle timer
+// starts when it was the last, or the connection closes after a GOAWAY.
+func (c *h2Conn) removeStream(st *h2Stream) {
+	c.mu.Lock()
+	if c.streams[st.id] == st {
+		delete(c.streams, st.id)
+	}
+	var closing bool
+	if len(c.streams) == 0 && !c.closed {
+		if c.goingAway {
+			c.closeFlushed, closing = true, true
+		} else {
+			c.idle.Reset(c.s.cfg.IdleTimeout)
+		}
+	}
+	c.mu.Unlock()
+	if closing {
+		c.queue(nil)
+	}
+}
