@@ -61,6 +61,7 @@ type h2Conn struct {
 	recvConn   atomic.Int64  // connection receive window left
 	connCredit atomic.Int64  // bytes taken by upstreams, not yet granted back
 	frames     atomic.Uint64 // frames read, for the ping check
+	flooded    atomic.Bool   // maxQueuedControl was passed: closing
 
 	mu           sync.Mutex
 	cond         sync.Cond // send windows grew, a stream stopped, or the connection closed
@@ -573,8 +574,21 @@ func (c *h2Conn) creditConn(n int64) {
 // queue appends control frames for the next write.
 func (c *h2Conn) queue(b []byte) {
 	c.cmu.Lock()
-	c.ctl = append(c.ctl, b...)
+	flooded := len(c.ctl)+len(b) > maxQueuedControl
+	if !flooded {
+		c.ctl = append(c.ctl, b...)
+	}
 	c.cmu.Unlock()
+	if flooded {
+		// Closed from another goroutine: queue may run under c.mu.
+		if c.flooded.CompareAndSwap(false, true) {
+			c.s.stat.controlFloods.Add(1)
+			c.s.log.Warn("closing hbone connection: its client does not read the control frames it asks for",
+				"source_id", c.peer.String(), "remote", c.conn.RemoteAddr().String(), "queued_bytes", maxQueuedControl)
+			go c.close(errors.New("over 1 MiB of control frames queued for a client that does not read"))
+		}
+		return
+	}
 	select {
 	case c.wake <- struct{}{}:
 	default:

@@ -3,6 +3,7 @@ package hbone
 import (
 	"bytes"
 	"context"
+	"errors"
 	"io"
 	"net"
 	"net/netip"
@@ -91,5 +92,54 @@ func TestBatchedDataSplitReads(t *testing.T) {
 	}
 	_ = cli.Close()
 	<-served
+	srv.wg.Wait()
+}
+
+// TestControlFloodClosesConnection: a client that keeps sending PINGs and
+// never reads the acks loses its connection once 1 MiB of control frames
+// is queued for it, counted; the server's memory for it stays bounded.
+func TestControlFloodClosesConnection(t *testing.T) {
+	srv, err := NewServer(ServerConfig{
+		Identity: fuzzServer, Certs: noCerts{},
+		Deliver: func(context.Context, spiffeid.ID, netip.AddrPort) (net.Conn, error) {
+			return nil, errors.New("no delivery in this test")
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cli, _, pc, served := serveConn(t, srv, loopbackListener(t), false)
+	defer cli.Close()
+	// A small send buffer at the server, so that the acks the client does
+	// not read pile up in the engine's queue soon rather than in the kernel.
+	if err := pc.SetWriteBuffer(4096); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.WriteString(cli, clientPreface); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Write(newFrames().settings().Bytes()); err != nil {
+		t.Fatal(err)
+	}
+	pings := newFrames()
+	for range 1024 {
+		_ = pings.fr.WritePing(false, [8]byte{'f', 'l', 'o', 'o', 'd'})
+	}
+	burst := pings.Bytes()
+	// 17 bytes per ack: 1 MiB queued is ~62k PINGs past what the socket
+	// buffers hold. Stop at 100 MiB of PINGs: the server must have closed.
+	var sent int
+	for sent = 0; sent < 100<<20; sent += len(burst) {
+		if _, err := cli.Write(burst); err != nil {
+			break
+		}
+	}
+	if sent >= 100<<20 {
+		t.Fatalf("the server took %d bytes of PINGs without reading its acks and did not close", sent)
+	}
+	<-served
+	if got := srv.Stats().ControlFloods; got != 1 {
+		t.Fatalf("after %d bytes of PINGs: %d control floods counted, want 1 (connection closed for another reason?)", sent, got)
+	}
 	srv.wg.Wait()
 }

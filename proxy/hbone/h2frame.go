@@ -19,6 +19,14 @@ const (
 	// maxHeaderList is the SETTINGS_MAX_HEADER_LIST_SIZE the server
 	// advertises: a CONNECT request is a few short fields.
 	maxHeaderList = 64 << 10
+	// maxQueuedControl bounds the control frames (PING and SETTINGS acks,
+	// RST_STREAM, refusals, WINDOW_UPDATE) queued for a client that does
+	// not read them: a client that keeps sending frames that need an answer
+	// (a PING, SETTINGS or reset flood, CVE-2019-9512/9515) without
+	// reading loses its connection instead of growing the server's memory.
+	// net/http's server closes after 10,000 queued frames; 1 MiB is
+	// 58,000 PING acks and far more than any peer that reads ever leaves.
+	maxQueuedControl = 1 << 20
 )
 
 // appendFrameHeader appends the 9-byte header of a frame.

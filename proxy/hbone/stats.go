@@ -24,6 +24,10 @@ type ServerStats struct {
 	// StreamsDeliverFailed counts streams whose Deliver callback failed (503,
 	// or the code of a StatusError).
 	StreamsDeliverFailed uint64
+	// ControlFloods counts connections closed because their client did not
+	// read the control frames it asked for (PING/SETTINGS acks, resets)
+	// while more than 1 MiB of them were queued.
+	ControlFloods uint64
 }
 
 // DialerStats is a snapshot of a Dialer's counters, for the proxy's telemetry.
@@ -47,6 +51,7 @@ type DialerStats struct {
 type serverCounters struct {
 	accepted, handshakes, handshakeTimeouts, handshakeFailures atomic.Uint64
 	streamsOpened, streamsBadRequest, streamsDeliverFailed     atomic.Uint64
+	controlFloods                                              atomic.Uint64
 	streamsActive                                              atomic.Int64
 }
 
@@ -60,6 +65,7 @@ func (c *serverCounters) snapshot() ServerStats {
 		StreamsActive:        c.streamsActive.Load(),
 		StreamsBadRequest:    c.streamsBadRequest.Load(),
 		StreamsDeliverFailed: c.streamsDeliverFailed.Load(),
+		ControlFloods:        c.controlFloods.Load(),
 	}
 }
 

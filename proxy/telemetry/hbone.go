@@ -63,6 +63,8 @@ func newHBONECollector(stats func() HBONEStats) *hboneCollector {
 			func(s HBONEStats) float64 { return u(s.Server.StreamsBadRequest) }),
 		counter(serverStreams, serverStreamsHelp, prometheus.Labels{"outcome": "deliver_failed"},
 			func(s HBONEStats) float64 { return u(s.Server.StreamsDeliverFailed) }),
+		counter("aether_proxy_hbone_server_control_floods_total", "HBONE connections on :15008 closed because the client did not read the control frames it asked for (PING/SETTINGS acks, resets) while over 1 MiB of them were queued.", nil,
+			func(s HBONEStats) float64 { return u(s.Server.ControlFloods) }),
 		gauge("aether_proxy_hbone_server_streams_active", "CONNECT streams being served on :15008 now.",
 			func(s HBONEStats) float64 { return float64(s.Server.StreamsActive) }),
 		counter("aether_proxy_hbone_dialer_connections_opened_total", "Pooled outbound HBONE connections established (mTLS done).", nil,

@@ -12,7 +12,7 @@ import (
 func TestRegisterHBONE(t *testing.T) {
 	m := telemetry.New()
 	st := telemetry.HBONEStats{
-		Server: hbone.ServerStats{Accepted: 1, Handshakes: 2, HandshakeTimeouts: 3, HandshakeFailures: 4, StreamsOpened: 5, StreamsActive: 6, StreamsBadRequest: 7, StreamsDeliverFailed: 8},
+		Server: hbone.ServerStats{Accepted: 1, Handshakes: 2, HandshakeTimeouts: 3, HandshakeFailures: 4, StreamsOpened: 5, StreamsActive: 6, StreamsBadRequest: 7, StreamsDeliverFailed: 8, ControlFloods: 15},
 		Dialer: hbone.DialerStats{ConnsOpened: 9, ConnsFailed: 10, ConnsEvicted: 11, ConnsPooled: 12, StreamsOpened: 13, StreamsFailed: 14},
 	}
 	if err := m.RegisterHBONE(func() telemetry.HBONEStats { return st }); err != nil {
@@ -38,6 +38,7 @@ func TestRegisterHBONE(t *testing.T) {
 		"aether_proxy_hbone_dialer_connections_pooled":                       12,
 		"aether_proxy_hbone_dialer_streams_total,outcome=opened":             13,
 		"aether_proxy_hbone_dialer_streams_total,outcome=failed":             14,
+		"aether_proxy_hbone_server_control_floods_total":                     15,
 	} {
 		if v, ok := got[name]; !ok || v != want {
 			t.Errorf("%s = %v (exported: %v), want %v", name, v, ok, want)
