@@ -12,8 +12,9 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/containernetworking/plugins/pkg/ns"
-	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"aether.io/node/enivlan/config"
 	"aether.io/node/enivlan/link"
@@ -58,6 +59,7 @@ type addCall struct {
 	endpoints  Endpoints
 	binding    *spiderpool.Binding
 	linkName   string         // the pod link's current name (temporary, then CNI_IFNAME)
+	linkIndex  int            // the pod link's index in the pod netns, once configure found it
 	ifi        *net.Interface // the pod link, once configure found it
 	prober     Prober         // open between configure and the end of announce
 	validation map[string]string
@@ -86,6 +88,16 @@ func (t *addTimings) attrs() []any {
 		"ipam_ms", ms(t.ipam), "endpoint_ms", ms(t.endpoint), "link_ms", ms(t.link), "configure_ms", ms(t.configure),
 		"preflight_ms", ms(t.preflight), "socket_close_ms", ms(t.socketClose), "total_ms", ms(time.Since(t.start)),
 	}
+}
+
+// deleteLink deletes the pod link (in the pod netns): by index once
+// configure found it (a failed rename may or may not have renamed it), else
+// by its temporary name.
+func (c *addCall) deleteLink() error {
+	if c.linkIndex != 0 {
+		return deleteLinkIndex(c.linkIndex)
+	}
+	return deleteLink(c.linkName)
 }
 
 // parseAdd is the parse step: netconf (code 7), CNI_ARGS (code 4), the pod
@@ -152,9 +164,6 @@ func (c *addCall) run() error {
 	}
 	err := c.t.time(&c.t.configure, func() error {
 		err := c.configure()
-		if err == nil {
-			err = c.announce()
-		}
 		c.closeProber()
 		return err
 	})
@@ -254,7 +263,7 @@ func (c *addCall) claim() (err error) {
 	c.undo.push(undo{
 		what:   func() string { return fmt.Sprintf("deleting link %q", c.linkName) },
 		logErr: func(log *slog.Logger, err error) { log.Error("failed to delete link after failed ADD", keyErr, err) },
-		fn:     func() error { return c.podNS.Do(func(ns.NetNS) error { return deleteLink(c.linkName) }) },
+		fn:     func() error { return c.podNS.Do(func(ns.NetNS) error { return c.deleteLink() }) },
 	})
 	rec := &record{
 		Master: c.conf.Master, VLAN: vlan, MAC: c.binding.MAC.String(), ContainerID: cid, NetNS: c.args.Netns, IfName: c.args.IfName,
@@ -267,70 +276,78 @@ func (c *addCall) claim() (err error) {
 	return nil
 }
 
-// configure runs in the pod netns: rename the link to CNI_IFNAME, then
-// either (validation on) set it up with no IP, run the pre-flight and add
-// addresses and routes, or (validation off) add the addresses, let the
-// kernel announce them on up, and add routes.
+// configure runs in the pod netns, entered once: rename the link to
+// CNI_IFNAME (with the Linker's alias, and up when validating, in the same
+// request), then either (validation on) run the pre-flight with no IP, add
+// addresses and routes and announce them, or (validation off) add the
+// addresses, let the kernel announce them on up, and add routes. Its
+// netlink requests share one socket.
 func (c *addCall) configure() error {
 	ifName := c.args.IfName
 	return c.podNS.Do(func(ns.NetNS) error {
-		l, err := renameLink(c.linkName, ifName)
+		h, err := netlinksafe.NewHandle(unix.NETLINK_ROUTE)
 		if err != nil {
+			return fmt.Errorf("failed to open a netlink socket in netns %q: %w", c.args.Netns, err)
+		}
+		defer h.Close()
+		l, err := h.LinkByName(c.linkName)
+		if err != nil {
+			return fmt.Errorf("failed to find link %q: %w", c.linkName, err)
+		}
+		c.linkIndex = l.Attrs().Index
+		validate := c.conf.ValidateIaasNetConfig
+		// Validation on: the pre-flight runs on a link that is up with its
+		// real MAC and no address. Off: addresses go on before the link
+		// comes up, and the kernel announces them on up (arp_notify,
+		// ndisc_notify), with no packet socket to pay for.
+		if err := setLink(c.linkIndex, ifName, c.p.Linker.Alias(c.binding.VLAN), validate); err != nil {
 			return fmt.Errorf("failed to rename link %q to %q: %w", c.linkName, ifName, err)
 		}
 		c.linkName = ifName
-		ifi := &net.Interface{Index: l.Attrs().Index, Name: ifName, HardwareAddr: l.Attrs().HardwareAddr, MTU: l.Attrs().MTU}
+		l.Attrs().Name = ifName
+		ifi := &net.Interface{Index: c.linkIndex, Name: ifName, HardwareAddr: l.Attrs().HardwareAddr, MTU: l.Attrs().MTU}
 		c.ifi = ifi
 		c.res.Interfaces = []*current.Interface{{Name: ifName, Mac: ifi.HardwareAddr.String(), Mtu: ifi.MTU, Sandbox: c.args.Netns}}
 		for _, ipc := range c.res.IPs {
 			ipc.Interface = current.Int(0)
 		}
-		if !c.conf.ValidateIaasNetConfig {
-			// No pre-flight: addresses go on before the link comes up and
-			// the kernel announces them on up (arp_notify, ndisc_notify),
-			// with no packet socket to pay for.
+		if !validate {
 			c.validation["ipv4"], c.validation["ipv6"] = "disabled", "disabled"
 			setNotify(ifName)
-			if err := addAddrs(l, c.res); err != nil {
+			if err := addAddrs(h, l, c.res); err != nil {
 				return err
 			}
-			if err := netlink.LinkSetUp(l); err != nil {
+			if err := h.LinkSetUp(l); err != nil {
 				return fmt.Errorf("failed to set link %q up: %w", ifName, err)
 			}
-			return addRoutes(l, c.res, c.fam)
-		}
-		// Pre-flight before any IP: the link is up with its real MAC, no
-		// address.
-		if err := netlink.LinkSetUp(l); err != nil {
-			return fmt.Errorf("failed to set link %q up: %w", ifName, err)
+			return addRoutes(h, l, c.res, c.fam)
 		}
 		c.prober = c.p.OpenPreflight(ifi)
 		if err := c.t.time(&c.t.preflight, func() error { return c.preflight(ifi) }); err != nil {
 			return err
 		}
-		if err := addAddrs(l, c.res); err != nil {
+		if err := addAddrs(h, l, c.res); err != nil {
 			return err
 		}
-		return addRoutes(l, c.res, c.fam)
+		if err := addRoutes(h, l, c.res, c.fam); err != nil {
+			return err
+		}
+		c.announce()
+		return nil
 	})
 }
 
 // announce sends a gratuitous ARP / unsolicited NA per address on the
-// pre-flight's sockets (validation on; off, the kernel announced). A failed
-// announcement is logged, not fatal.
-func (c *addCall) announce() error {
-	if c.prober == nil {
-		return nil
-	}
-	return c.podNS.Do(func(ns.NetNS) error {
-		for _, ipc := range c.res.IPs {
-			a, _ := netip.AddrFromSlice(ipc.Address.IP)
-			if err := c.prober.Announce(c.ifi.HardwareAddr, a.Unmap()); err != nil {
-				c.log.Warn("failed to announce address", keyIP, a, keyErr, err)
-			}
+// pre-flight's sockets (validation on; off, the kernel announced). It runs
+// in the pod netns, at the end of configure. A failed announcement is
+// logged, not fatal.
+func (c *addCall) announce() {
+	for _, ipc := range c.res.IPs {
+		a, _ := netip.AddrFromSlice(ipc.Address.IP)
+		if err := c.prober.Announce(c.ifi.HardwareAddr, a.Unmap()); err != nil {
+			c.log.Warn("failed to announce address", keyIP, a, keyErr, err)
 		}
-		return nil
-	})
+	}
 }
 
 // closeProber closes the pre-flight's sockets (timed: closing a packet

@@ -5,11 +5,13 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -149,6 +151,7 @@ func (d fakeLinker) Add(s link.Spec) error {
 		Name: s.TempName, ParentIndex: s.MasterIndex, HardwareAddr: s.MAC, MTU: s.MTU, Namespace: netlink.NsFd(int(s.PodNS.Fd())),
 	}})
 }
+func (fakeLinker) Alias(vlan int) string          { return fmt.Sprintf("fake-vlan=%d", vlan) }
 func (fakeLinker) Verify(netlink.Link, int) error { return nil }
 
 const ipamResult = `{"cniVersion":"1.0.0","ips":[{"address":"10.9.0.5/24","gateway":"10.9.0.1"}],"routes":[{"dst":"0.0.0.0/0"}]}`
@@ -448,6 +451,19 @@ func TestAddSteps(t *testing.T) {
 			if l := podLinks(t, u.pod); len(l) != 1 || l[0] != "eth1" {
 				t.Errorf("pod links = %v, want [eth1]", l)
 			}
+			// The rename carried the Linker's alias, and (validation on)
+			// the link came up with it; off, configure set it up after the
+			// addresses.
+			u.pod.MustDo(t, func() error {
+				l, err := netlinksafe.LinkByName("eth1")
+				if err != nil {
+					return err
+				}
+				if l.Attrs().Alias != "fake-vlan=100" || l.Attrs().Flags&net.FlagUp == 0 {
+					t.Errorf("eth1: alias %q, flags %v; want alias \"fake-vlan=100\", up", l.Attrs().Alias, l.Attrs().Flags)
+				}
+				return nil
+			})
 			if r := records(t, u.stateDir); len(r) != 1 || filepath.Base(r[0]) != "ens5.100.json" {
 				t.Errorf("records = %v, want ens5.100.json", r)
 			}
@@ -468,6 +484,29 @@ func TestAddSteps(t *testing.T) {
 				t.Errorf("PrepareCloser ran %d times (after %d IPAM ADDs); want %d, before the IPAM ADD", u.prepared, u.ipamAddsAtPrepare, wantOpen)
 			}
 		})
+	}
+}
+
+// TestAddRenameFailsClosed: when the rename to CNI_IFNAME fails (a link of
+// that name is already in the pod netns), the undo finds the new link by
+// its index and deletes it; IPAM is released and no record is left.
+func TestAddRenameFailsClosed(t *testing.T) {
+	u := newUnit(t)
+	u.pod.MustDo(t, func() error {
+		return netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "eth1"}, PeerName: "eth1peer"})
+	})
+	err := u.add(t, true)
+	if err == nil || !strings.Contains(err.Error(), `to "eth1"`) {
+		t.Fatalf("ADD = %v, want a failed rename to eth1", err)
+	}
+	if l := podLinks(t, u.pod); len(l) != 2 || !slices.Contains(l, "eth1") || !slices.Contains(l, "eth1peer") {
+		t.Errorf("pod links = %v, want only the veth pair that held the name", l)
+	}
+	if u.ipam.deletes != 1 {
+		t.Errorf("IPAM DEL ran %d times, want 1", u.ipam.deletes)
+	}
+	if r := records(t, u.stateDir); len(r) != 0 {
+		t.Errorf("ownership records left: %v", r)
 	}
 }
 

@@ -22,6 +22,7 @@ import (
 	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
 
 	"aether.io/node/enivlan/config"
@@ -142,6 +143,8 @@ func findMaster(conf *config.NetConf, podNS ns.NetNS) (master, error) {
 	return m, look()
 }
 
+// printResult prints res as version ver with ValidationKey added: the
+// result is marshalled once and the key appended to its JSON object.
 func (p *Plugin) printResult(res *current.Result, ver string, validation map[string]string) error {
 	r, err := res.GetAsVersion(ver)
 	if err != nil {
@@ -149,17 +152,20 @@ func (p *Plugin) printResult(res *current.Result, ver string, validation map[str
 	}
 	b, err := json.Marshal(r)
 	if err != nil {
-		return err
+		return fmt.Errorf("failed to encode the result: %w", err)
 	}
-	var m map[string]any
-	if err := json.Unmarshal(b, &m); err != nil {
-		return err
-	}
-	m[ValidationKey] = validation
-	out, err := json.Marshal(m)
+	v, err := json.Marshal(map[string]map[string]string{ValidationKey: validation})
 	if err != nil {
-		return err
+		return fmt.Errorf("failed to encode the result: %w", err)
 	}
+	if len(b) < 2 || b[0] != '{' || b[len(b)-1] != '}' {
+		return fmt.Errorf("failed to encode the result: %.64q is not a JSON object", b)
+	}
+	out := b[:len(b)-1]
+	if len(out) > 1 {
+		out = append(out, ',')
+	}
+	out = append(out, v[1:]...)
 	w := p.Stdout
 	if w == nil {
 		w = os.Stdout
@@ -196,25 +202,25 @@ func setNotify(ifName string) {
 	_ = os.WriteFile("/proc/sys/net/ipv6/conf/"+ifName+"/ndisc_notify", []byte("1"), 0o644)
 }
 
-// addAddrs adds the result's addresses to l. IPv6 addresses skip DAD: the
+// addAddrs adds the result's addresses to l (through h, in l's netns). IPv6 addresses skip DAD: the
 // fabric's IP-MAC binding already rules conflicts out (and the pre-flight,
 // when on, proved it live).
-func addAddrs(l netlink.Link, res *current.Result) error {
+func addAddrs(h netlinksafe.Handle, l netlink.Link, res *current.Result) error {
 	for _, c := range res.IPs {
 		a := &netlink.Addr{IPNet: &net.IPNet{IP: c.Address.IP, Mask: c.Address.Mask}}
 		if c.Address.IP.To4() == nil {
 			a.Flags = unix.IFA_F_NODAD
 		}
-		if err := netlink.AddrAdd(l, a); err != nil {
+		if err := h.AddrAdd(l, a); err != nil {
 			return fmt.Errorf("failed to add address %s to %q: %w", c.Address.String(), l.Attrs().Name, err)
 		}
 	}
 	return nil
 }
 
-// addRoutes adds the result's routes via l (up); a route without a gateway
+// addRoutes adds the result's routes via l (up; through h, in l's netns); a route without a gateway
 // uses its family's gateway (fam).
-func addRoutes(l netlink.Link, res *current.Result, fam families) error {
+func addRoutes(h netlinksafe.Handle, l netlink.Link, res *current.Result, fam families) error {
 	for _, r := range res.Routes {
 		gw := r.GW
 		if gw == nil {
@@ -227,7 +233,7 @@ func addRoutes(l netlink.Link, res *current.Result, fam families) error {
 		if r.Scope != nil {
 			rt.Scope = netlink.Scope(*r.Scope)
 		}
-		if err := netlink.RouteAddEcmp(rt); err != nil {
+		if err := h.RouteAddEcmp(rt); err != nil {
 			return fmt.Errorf("failed to add route %s via %s on %q: %w", r.Dst.String(), gw, l.Attrs().Name, err)
 		}
 	}
@@ -245,6 +251,16 @@ func deleteLink(name string) error {
 	}
 	if err := netlink.LinkDel(l); err != nil && !errors.Is(err, unix.ENODEV) {
 		return fmt.Errorf("failed to delete link %q: %w", name, err)
+	}
+	return nil
+}
+
+// deleteLinkIndex deletes the link index of the current netns; a link that
+// is gone is success.
+func deleteLinkIndex(index int) error {
+	err := netlink.LinkDel(&netlink.Device{LinkAttrs: netlink.LinkAttrs{Index: index}})
+	if err != nil && !errors.Is(err, unix.ENODEV) {
+		return fmt.Errorf("failed to delete link %d: %w", index, err)
 	}
 	return nil
 }
@@ -460,21 +476,26 @@ func (p *Plugin) Check(a *skel.CmdArgs) error {
 	})
 }
 
-// renameLink renames the link curName (in the current netns) to newName
-// and returns it as it is after the rename (index, MAC and MTU do not
-// change; the name is newName). It is the two netlink calls of plugins'
-// ip.RenameLink, written here so eni-vlan does not link that package's
-// iptables and nft helpers.
-func renameLink(curName, newName string) (netlink.Link, error) {
-	l, err := netlinksafe.LinkByName(curName)
-	if err != nil {
-		return nil, err
+// setLink renames the link index (in the current netns) to name, sets its
+// alias when alias is not empty and, with up, sets it up: one RTM_SETLINK
+// (the kernel applies the name, then the alias, then the flags), where
+// plugins' ip.RenameLink and netlink.LinkSetUp take a lookup and two
+// requests. The reference vlan plugin also creates its link under a
+// temporary name and renames it in the pod netns.
+func setLink(index int, name, alias string, up bool) error {
+	req := nl.NewNetlinkRequest(unix.RTM_SETLINK, unix.NLM_F_ACK)
+	msg := nl.NewIfInfomsg(unix.AF_UNSPEC)
+	msg.Index = int32(index)
+	if up {
+		msg.Flags, msg.Change = unix.IFF_UP, unix.IFF_UP
 	}
-	if err := netlink.LinkSetName(l, newName); err != nil {
-		return nil, err
+	req.AddData(msg)
+	req.AddData(nl.NewRtAttr(unix.IFLA_IFNAME, nl.ZeroTerminated(name)))
+	if alias != "" {
+		req.AddData(nl.NewRtAttr(unix.IFLA_IFALIAS, []byte(alias)))
 	}
-	l.Attrs().Name = newName
-	return l, nil
+	_, err := req.Execute(unix.NETLINK_ROUTE, 0)
+	return err
 }
 
 // checkAddrs is CHECK's address test (as plugins' ip.ValidateExpectedInterfaceIPs):
