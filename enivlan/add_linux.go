@@ -107,6 +107,13 @@ func (p *Plugin) parseAdd(a *skel.CmdArgs) (*addCall, error) {
 	if err != nil {
 		return nil, err
 	}
+	if conf.ValidateIaasNetConfig && p.PrepareCloser != nil {
+		// The closer process starts while this one opens the pod netns,
+		// finds the master and waits for the IPAM delegate: its start-up
+		// is off ADD's critical path, and its fork is done before the
+		// delegate's (forks take one lock).
+		p.PrepareCloser()
+	}
 	k, err := cniutil.ParseK8sArgs(a.Args)
 	if err != nil {
 		return nil, &types.Error{Code: types.ErrInvalidEnvironmentVariables, Msg: err.Error()}
@@ -148,11 +155,6 @@ func (c *addCall) close() {
 // run runs the steps after parse; the caller unwinds on error.
 func (c *addCall) run() error {
 	c.t.start = time.Now()
-	if c.conf.ValidateIaasNetConfig && c.p.PrepareCloser != nil {
-		// The closer process starts while this one waits for the IPAM
-		// delegate's process: its start-up is off ADD's critical path.
-		c.p.PrepareCloser()
-	}
 	if err := c.t.time(&c.t.ipam, c.allocate); err != nil {
 		return err
 	}
