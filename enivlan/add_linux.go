@@ -224,9 +224,9 @@ func (c *addCall) bind() error {
 }
 
 // claim makes (master, VLAN ID) this pod's under the state lock: resolve a
-// previous holder, create the link under a temporary name in the pod netns,
-// write the ownership record. Its undos delete the link and drop the
-// record. On failure those two undos run before the lock is released (so no
+// previous holder, create the link under a temporary name in the pod netns
+// and write the ownership record (at the same time when the pair had no
+// record). Its undos delete the link and drop the record. On failure those two undos run before the lock is released (so no
 // other ADD finds a device without its record) and IPAM's after it.
 func (c *addCall) claim() (err error) {
 	unlock, err := lockState(c.conf.StateDir)
@@ -242,8 +242,23 @@ func (c *addCall) claim() (err error) {
 	}()
 	k, vlan := c.k, c.binding.VLAN
 	cid := k.ContainerID(c.args.ContainerID)
-	if err := c.p.resolveHolder(c.ctx, c.conf, c.endpoints, c.log, cid, c.args.IfName, k, vlan); err != nil {
+	own, err := c.p.resolveHolder(c.ctx, c.conf, c.endpoints, c.log, cid, c.args.IfName, k, vlan)
+	if err != nil {
 		return err
+	}
+	rec := &record{
+		Master: c.conf.Master, VLAN: vlan, MAC: c.binding.MAC.String(), ContainerID: cid, NetNS: c.args.Netns, IfName: c.args.IfName,
+		PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID,
+	}
+	// With no record for the pair (the usual case) the record is written
+	// while the kernel creates the link: neither needs the other, and both
+	// are undone under the lock if either fails, so no other ADD sees the
+	// difference. Our own record from an earlier attempt is only replaced
+	// once the link exists, as before: a failed link must not drop it.
+	var wrote chan error
+	if !own {
+		wrote = make(chan error, 1)
+		go func() { wrote <- writeRecord(c.conf.StateDir, rec) }()
 	}
 	c.linkName = fmt.Sprintf("ev%x", time.Now().UnixNano()&0xffffffffff)
 	spec := link.Spec{
@@ -256,26 +271,29 @@ func (c *addCall) claim() (err error) {
 	} else {
 		err = c.p.Linker.Add(spec)
 	}
+	if err == nil {
+		c.undo.push(undo{
+			what:   func() string { return fmt.Sprintf("deleting link %q", c.linkName) },
+			logErr: func(log *slog.Logger, err error) { log.Error("failed to delete link after failed ADD", keyErr, err) },
+			fn:     func() error { return c.podNS.Do(func(ns.NetNS) error { return c.deleteLink() }) },
+		})
+	}
+	var werr error
+	if wrote != nil {
+		werr = <-wrote
+	} else if err == nil {
+		werr = writeRecord(c.conf.StateDir, rec)
+	}
+	if werr == nil && (err == nil || wrote != nil) {
+		c.undo.push(undo{fn: func() error { removeRecord(c.conf.StateDir, c.conf.Master, vlan); return nil }})
+	}
 	if errors.Is(err, link.ErrVLANExists) {
 		return fmt.Errorf("failed to create the link for pod %s/%s: VLAN %d on master %q is already held by a device eni-vlan has no record of (created outside eni-vlan?): %w", k.PodNamespace, k.PodName, vlan, c.conf.Master, err)
 	}
 	if err != nil {
 		return err
 	}
-	c.undo.push(undo{
-		what:   func() string { return fmt.Sprintf("deleting link %q", c.linkName) },
-		logErr: func(log *slog.Logger, err error) { log.Error("failed to delete link after failed ADD", keyErr, err) },
-		fn:     func() error { return c.podNS.Do(func(ns.NetNS) error { return c.deleteLink() }) },
-	})
-	rec := &record{
-		Master: c.conf.Master, VLAN: vlan, MAC: c.binding.MAC.String(), ContainerID: cid, NetNS: c.args.Netns, IfName: c.args.IfName,
-		PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID,
-	}
-	if err := writeRecord(c.conf.StateDir, rec); err != nil {
-		return err
-	}
-	c.undo.push(undo{fn: func() error { removeRecord(c.conf.StateDir, c.conf.Master, vlan); return nil }})
-	return nil
+	return werr
 }
 
 // configure runs in the pod netns, entered once: rename the link to

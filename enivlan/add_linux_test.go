@@ -510,6 +510,30 @@ func TestAddRenameFailsClosed(t *testing.T) {
 	}
 }
 
+// TestAddKeepsOwnRecord: a retried ADD whose earlier attempt left its
+// record (no DEL in between) and whose link cannot be created keeps that
+// record: it describes a device that may still exist. Without a record the
+// new one is written while the link is created, and dropped if that fails
+// (TestAddFailsClosed, "VLAN held by an unknown device").
+func TestAddKeepsOwnRecord(t *testing.T) {
+	u := newUnit(t)
+	own := `{"master":"ens5","vlan":100,"mac":"02:42:00:00:00:64","containerID":"c0ffee","netns":"` + u.pod.Path() + `","ifName":"eth1","podNamespace":"default","podName":"web-0","podUID":"uid-1"}`
+	path := filepath.Join(u.stateDir, "ens5.100.json")
+	if err := os.WriteFile(path, []byte(own), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	u.p.Linker = fakeLinker{err: link.ErrVLANExists}
+	if err := u.add(t, true); err == nil {
+		t.Fatal("ADD succeeded with a failing link")
+	}
+	if b, err := os.ReadFile(path); err != nil || string(b) != own {
+		t.Errorf("own record = %q, %v; want it kept as it was", b, err)
+	}
+	if u.ipam.deletes != 1 {
+		t.Errorf("IPAM DEL ran %d times, want 1", u.ipam.deletes)
+	}
+}
+
 // TestAddBadArgs checks the parse step: codes 4 and 7 before anything is
 // allocated.
 func TestAddBadArgs(t *testing.T) {

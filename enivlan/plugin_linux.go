@@ -277,24 +277,26 @@ func (p *Plugin) releaseIPAM(ctx context.Context, conf *config.NetConf, stdin []
 // resolveHolder makes sure no other live pod holds (master, vlan): a record
 // whose device is gone is dropped; a device whose owner is gone (same pod
 // with a new sandbox, or the agent no longer binds this VLAN/MAC to it) is
-// deleted; a device still in use is an error. Called under the state lock.
-func (p *Plugin) resolveHolder(ctx context.Context, conf *config.NetConf, client Endpoints, log *slog.Logger, cid, ifName string, k cniutil.K8sArgs, vlan int) error {
+// deleted; a device still in use is an error. own reports that the pair's
+// record is this attachment's own, from an earlier attempt (it is kept).
+// Called under the state lock.
+func (p *Plugin) resolveHolder(ctx context.Context, conf *config.NetConf, client Endpoints, log *slog.Logger, cid, ifName string, k cniutil.K8sArgs, vlan int) (own bool, err error) {
 	r, err := readRecord(conf.StateDir, conf.Master, vlan)
 	if err != nil || r == nil {
-		return err
+		return false, err
 	}
 	if r.ContainerID == cid && r.IfName == ifName {
 		// Our own record from an earlier attempt; the runtime DELs between
 		// ADDs, and if it did not the kernel refuses a duplicate anyway.
-		return nil
+		return true, nil
 	}
 	alive, err := p.holderDevice(r, vlan, false)
 	if err != nil {
-		return err
+		return false, err
 	}
 	if !alive {
 		removeRecord(conf.StateDir, conf.Master, vlan)
-		return nil
+		return false, nil
 	}
 	gone, why := false, ""
 	if r.PodNamespace == k.PodNamespace && r.PodName == k.PodName {
@@ -314,15 +316,15 @@ func (p *Plugin) resolveHolder(ctx context.Context, conf *config.NetConf, client
 		}
 	}
 	if !gone {
-		return cniutil.TryAgainf("VLAN %d on master %q is in use by pod %s/%s (container %s, interface %q in %s): Linux allows one VLAN device per master and VLAN ID; wait for that pod's DEL",
+		return false, cniutil.TryAgainf("VLAN %d on master %q is in use by pod %s/%s (container %s, interface %q in %s): Linux allows one VLAN device per master and VLAN ID; wait for that pod's DEL",
 			vlan, conf.Master, r.PodNamespace, r.PodName, r.ContainerID, r.IfName, r.NetNS)
 	}
 	if _, err := p.holderDevice(r, vlan, true); err != nil {
-		return fmt.Errorf("failed to remove stale VLAN %d device of gone pod %s/%s: %w", vlan, r.PodNamespace, r.PodName, err)
+		return false, fmt.Errorf("failed to remove stale VLAN %d device of gone pod %s/%s: %w", vlan, r.PodNamespace, r.PodName, err)
 	}
 	removeRecord(conf.StateDir, conf.Master, vlan)
 	log.Info("removed stale VLAN device of a gone pod", "holder", r.PodNamespace+"/"+r.PodName, "holder_container", r.ContainerID, "reason", why)
-	return nil
+	return false, nil
 }
 
 // holderDevice reports whether r's device still exists (and deletes it when
