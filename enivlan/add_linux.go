@@ -107,13 +107,6 @@ func (p *Plugin) parseAdd(a *skel.CmdArgs) (*addCall, error) {
 	if err != nil {
 		return nil, err
 	}
-	if conf.ValidateIaasNetConfig && p.PrepareCloser != nil {
-		// The closer process starts while this one opens the pod netns,
-		// finds the master and waits for the IPAM delegate: its start-up
-		// is off ADD's critical path, and its fork is done before the
-		// delegate's (forks take one lock).
-		p.PrepareCloser()
-	}
 	k, err := cniutil.ParseK8sArgs(a.Args)
 	if err != nil {
 		return nil, &types.Error{Code: types.ErrInvalidEnvironmentVariables, Msg: err.Error()}
@@ -157,6 +150,13 @@ func (c *addCall) run() error {
 	c.t.start = time.Now()
 	if err := c.t.time(&c.t.ipam, c.allocate); err != nil {
 		return err
+	}
+	if c.conf.ValidateIaasNetConfig && c.p.PrepareCloser != nil {
+		// The closer process starts while this one waits for
+		// spiderpool-agent's answer, with the cores otherwise idle, rather
+		// than while the IPAM delegate starts up on them; it is needed only
+		// after the pre-flight, a few milliseconds later.
+		c.p.PrepareCloser()
 	}
 	if err := c.t.time(&c.t.endpoint, c.bind); err != nil {
 		return err

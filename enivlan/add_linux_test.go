@@ -166,11 +166,12 @@ type unit struct {
 	ep        *fakeEndpoints
 	prober    *fakeProber
 	opened    int
-	// prepared counts PrepareCloser calls; ipamAddsAtPrepare is how many
-	// IPAM ADDs had run at the first one.
-	prepared, ipamAddsAtPrepare int
-	p                           *enivlan.Plugin
-	out                         bytes.Buffer
+	// prepared counts PrepareCloser calls; ipamAddsAtPrepare and
+	// lookupsAtPrepare are how many IPAM ADDs and agent lookups had run at
+	// the first one.
+	prepared, ipamAddsAtPrepare, lookupsAtPrepare int
+	p                                             *enivlan.Plugin
+	out                                           bytes.Buffer
 }
 
 func newUnit(t *testing.T) *unit {
@@ -190,7 +191,7 @@ func newUnit(t *testing.T) *unit {
 		OpenPreflight:  func(*net.Interface) enivlan.Prober { u.opened++; return u.prober },
 		PrepareCloser: func() {
 			if u.prepared == 0 {
-				u.ipamAddsAtPrepare = u.ipam.adds
+				u.ipamAddsAtPrepare, u.lookupsAtPrepare = u.ipam.adds, u.ep.lookups
 			}
 			u.prepared++
 		},
@@ -477,11 +478,12 @@ func TestAddSteps(t *testing.T) {
 			if len(u.prober.announced) != wantAnnounce || u.opened != wantOpen || u.prober.closed != wantOpen {
 				t.Errorf("announced %v, opened %d, closed %d; want %d announcement(s), %d open/close", u.prober.announced, u.opened, u.prober.closed, wantAnnounce, wantOpen)
 			}
-			// The closer is prepared once, before IPAM ADD (its start
-			// overlaps the delegate's), only when the pre-flight will
-			// need it.
-			if u.prepared != wantOpen || (validate && u.ipamAddsAtPrepare != 0) {
-				t.Errorf("PrepareCloser ran %d times (after %d IPAM ADDs); want %d, before the IPAM ADD", u.prepared, u.ipamAddsAtPrepare, wantOpen)
+			// The closer is prepared once, after IPAM ADD and before the
+			// agent lookup (its start overlaps the wait for the agent, not
+			// the delegate's start-up), only when the pre-flight will need
+			// it.
+			if u.prepared != wantOpen || (validate && (u.ipamAddsAtPrepare != 1 || u.lookupsAtPrepare != 0)) {
+				t.Errorf("PrepareCloser ran %d times (after %d IPAM ADDs, %d lookups); want %d, after the IPAM ADD, before the lookup", u.prepared, u.ipamAddsAtPrepare, u.lookupsAtPrepare, wantOpen)
 			}
 		})
 	}

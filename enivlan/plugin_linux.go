@@ -74,10 +74,9 @@ type Plugin struct {
 	// pod netns, and its sockets are opened there on first use.
 	OpenPreflight func(link *net.Interface) Prober
 	// PrepareCloser, when set, is called once by an ADD with validation
-	// on, as soon as the netconf is parsed (before the pod netns is opened
-	// and before IPAM ADD), so that whatever the Prober's Close needs (the
-	// closer process, sockcloser.ExecCloser.Start) starts while ADD opens
-	// the netns, finds the master and waits for the IPAM delegate.
+	// on, after IPAM ADD and before the spiderpool-agent lookup, so that
+	// whatever the Prober's Close needs (the closer process,
+	// sockcloser.ExecCloser.Start) starts while ADD waits for the agent.
 	PrepareCloser func()
 	// Log receives the plugin's logs (never stdout).
 	Log *slog.Logger
