@@ -126,21 +126,45 @@ type master struct {
 func findMaster(conf *config.NetConf, podNS ns.NetNS) (master, error) {
 	var m master
 	look := func() error {
-		l, err := netlinksafe.LinkByName(conf.Master)
+		index, mtu, err := linkIndexMTU(conf.Master)
 		if err != nil {
 			where := "the host"
 			if conf.LinkInContainer {
 				where = "the pod"
 			}
-			return cniutil.InvalidConfigf("invalid \"master\" %q: no such interface in %s network namespace (linkInContainer=%v)", conf.Master, where, conf.LinkInContainer)
+			return cniutil.InvalidConfigf("invalid \"master\" %q: no such interface in %s network namespace (linkInContainer=%v): %v", conf.Master, where, conf.LinkInContainer, err)
 		}
-		m = master{index: l.Attrs().Index, mtu: l.Attrs().MTU, name: conf.Master}
+		m = master{index: index, mtu: mtu, name: conf.Master}
 		return nil
 	}
 	if conf.LinkInContainer {
 		return m, podNS.Do(func(ns.NetNS) error { return look() })
 	}
 	return m, look()
+}
+
+// linkIndexMTU returns the index and MTU of the link name in the current
+// netns: two ioctls on one socket, where a netlink lookup has the kernel
+// dump, and the plugin parse, every attribute of the link (statistics
+// included) for these two numbers.
+func linkIndexMTU(name string) (index, mtu int, err error) {
+	ifr, err := unix.NewIfreq(name)
+	if err != nil {
+		return 0, 0, err
+	}
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return 0, 0, fmt.Errorf("failed to open a socket for interface ioctls: %w", err)
+	}
+	defer func() { _ = unix.Close(fd) }()
+	if err := unix.IoctlIfreq(fd, unix.SIOCGIFINDEX, ifr); err != nil {
+		return 0, 0, fmt.Errorf("failed to get the index of %q: %w", name, err)
+	}
+	index = int(ifr.Uint32())
+	if err := unix.IoctlIfreq(fd, unix.SIOCGIFMTU, ifr); err != nil {
+		return 0, 0, fmt.Errorf("failed to get the MTU of %q: %w", name, err)
+	}
+	return index, int(ifr.Uint32()), nil
 }
 
 // printResult prints res as version ver with ValidationKey added: the
