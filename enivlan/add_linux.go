@@ -14,6 +14,7 @@ import (
 	current "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"aether.io/node/enivlan/config"
@@ -310,11 +311,16 @@ func (c *addCall) configure() error {
 			return fmt.Errorf("failed to open a netlink socket in netns %q: %w", c.args.Netns, err)
 		}
 		defer h.Close()
-		l, err := h.LinkByName(c.linkName)
+		// Index and MTU by ioctl (a netlink lookup would have the kernel
+		// dump every attribute of the link); the MAC is the one the link
+		// was created with (the kernel sets IFLA_ADDRESS or fails the
+		// create).
+		index, mtu, err := linkIndexMTU(c.linkName)
 		if err != nil {
 			return fmt.Errorf("failed to find link %q: %w", c.linkName, err)
 		}
-		c.linkIndex = l.Attrs().Index
+		c.linkIndex = index
+		l := &netlink.Device{LinkAttrs: netlink.LinkAttrs{Index: index, Name: c.linkName, MTU: mtu, HardwareAddr: c.binding.MAC}}
 		validate := c.conf.ValidateIaasNetConfig
 		// Validation on: the pre-flight runs on a link that is up with its
 		// real MAC and no address. Off: addresses go on before the link
@@ -324,8 +330,8 @@ func (c *addCall) configure() error {
 			return fmt.Errorf("failed to rename link %q to %q: %w", c.linkName, ifName, err)
 		}
 		c.linkName = ifName
-		l.Attrs().Name = ifName
-		ifi := &net.Interface{Index: c.linkIndex, Name: ifName, HardwareAddr: l.Attrs().HardwareAddr, MTU: l.Attrs().MTU}
+		l.Name = ifName
+		ifi := &net.Interface{Index: c.linkIndex, Name: ifName, HardwareAddr: l.HardwareAddr, MTU: l.MTU}
 		c.ifi = ifi
 		c.res.Interfaces = []*current.Interface{{Name: ifName, Mac: ifi.HardwareAddr.String(), Mtu: ifi.MTU, Sandbox: c.args.Netns}}
 		for _, ipc := range c.res.IPs {

@@ -463,6 +463,15 @@ func TestAddSteps(t *testing.T) {
 				if l.Attrs().Alias != "fake-vlan=100" || l.Attrs().Flags&net.FlagUp == 0 {
 					t.Errorf("eth1: alias %q, flags %v; want alias \"fake-vlan=100\", up", l.Attrs().Alias, l.Attrs().Flags)
 				}
+				// The result describes the live link.
+				ifs, _ := res["interfaces"].([]any)
+				var got map[string]any
+				if len(ifs) == 1 {
+					got, _ = ifs[0].(map[string]any)
+				}
+				if got["mac"] != l.Attrs().HardwareAddr.String() || got["mtu"] != float64(l.Attrs().MTU) {
+					t.Errorf("result interface %v, live link MAC %s MTU %d", got, l.Attrs().HardwareAddr, l.Attrs().MTU)
+				}
 				return nil
 			})
 			if r := records(t, u.stateDir); len(r) != 1 || filepath.Base(r[0]) != "ens5.100.json" {
