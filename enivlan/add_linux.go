@@ -227,8 +227,9 @@ func (c *addCall) bind() error {
 // claim makes (master, VLAN ID) this pod's under the state lock: resolve a
 // previous holder, create the link under a temporary name in the pod netns
 // and write the ownership record (at the same time when the pair had no
-// record). Its undos delete the link and drop the record. On failure those two undos run before the lock is released (so no
-// other ADD finds a device without its record) and IPAM's after it.
+// record). Its undos delete the link and drop the record. On failure those
+// two undos run before the lock is released (so no other ADD finds a device
+// without its record) and IPAM's after it.
 func (c *addCall) claim() (err error) {
 	unlock, err := lockState(c.conf.StateDir)
 	if err != nil {

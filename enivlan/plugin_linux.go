@@ -226,9 +226,9 @@ func setNotify(ifName string) {
 	_ = os.WriteFile("/proc/sys/net/ipv6/conf/"+ifName+"/ndisc_notify", []byte("1"), 0o644)
 }
 
-// addAddrs adds the result's addresses to l (through h, in l's netns). IPv6 addresses skip DAD: the
-// fabric's IP-MAC binding already rules conflicts out (and the pre-flight,
-// when on, proved it live).
+// addAddrs adds the result's addresses to l (through h, in l's netns).
+// IPv6 addresses skip DAD: the fabric's IP-MAC binding already rules
+// conflicts out (and the pre-flight, when on, proved it live).
 func addAddrs(h netlinksafe.Handle, l netlink.Link, res *current.Result) error {
 	for _, c := range res.IPs {
 		a := &netlink.Addr{IPNet: &net.IPNet{IP: c.Address.IP, Mask: c.Address.Mask}}
@@ -242,8 +242,8 @@ func addAddrs(h netlinksafe.Handle, l netlink.Link, res *current.Result) error {
 	return nil
 }
 
-// addRoutes adds the result's routes via l (up; through h, in l's netns); a route without a gateway
-// uses its family's gateway (fam).
+// addRoutes adds the result's routes via l (up; through h, in l's netns);
+// a route without a gateway uses its family's gateway (fam).
 func addRoutes(h netlinksafe.Handle, l netlink.Link, res *current.Result, fam families) error {
 	for _, r := range res.Routes {
 		gw := r.GW
