@@ -12,8 +12,10 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"aether.io/node/enivlan/config"
 	"aether.io/node/enivlan/link"
@@ -58,6 +60,7 @@ type addCall struct {
 	endpoints  Endpoints
 	binding    *spiderpool.Binding
 	linkName   string         // the pod link's current name (temporary, then CNI_IFNAME)
+	linkIndex  int            // the pod link's index in the pod netns, once configure found it
 	ifi        *net.Interface // the pod link, once configure found it
 	prober     Prober         // open between configure and the end of announce
 	validation map[string]string
@@ -86,6 +89,16 @@ func (t *addTimings) attrs() []any {
 		"ipam_ms", ms(t.ipam), "endpoint_ms", ms(t.endpoint), "link_ms", ms(t.link), "configure_ms", ms(t.configure),
 		"preflight_ms", ms(t.preflight), "socket_close_ms", ms(t.socketClose), "total_ms", ms(time.Since(t.start)),
 	}
+}
+
+// deleteLink deletes the pod link (in the pod netns): by index once
+// configure found it (a failed rename may or may not have renamed it), else
+// by its temporary name.
+func (c *addCall) deleteLink() error {
+	if c.linkIndex != 0 {
+		return deleteLinkIndex(c.linkIndex)
+	}
+	return deleteLink(c.linkName)
 }
 
 // parseAdd is the parse step: netconf (code 7), CNI_ARGS (code 4), the pod
@@ -136,13 +149,15 @@ func (c *addCall) close() {
 // run runs the steps after parse; the caller unwinds on error.
 func (c *addCall) run() error {
 	c.t.start = time.Now()
-	if c.conf.ValidateIaasNetConfig && c.p.PrepareCloser != nil {
-		// The closer process starts while this one waits for the IPAM
-		// delegate's process: its start-up is off ADD's critical path.
-		c.p.PrepareCloser()
-	}
 	if err := c.t.time(&c.t.ipam, c.allocate); err != nil {
 		return err
+	}
+	if c.conf.ValidateIaasNetConfig && c.p.PrepareCloser != nil {
+		// The closer process starts while this one waits for
+		// spiderpool-agent's answer, with the cores otherwise idle, rather
+		// than while the IPAM delegate starts up on them; it is needed only
+		// after the pre-flight, a few milliseconds later.
+		c.p.PrepareCloser()
 	}
 	if err := c.t.time(&c.t.endpoint, c.bind); err != nil {
 		return err
@@ -152,9 +167,6 @@ func (c *addCall) run() error {
 	}
 	err := c.t.time(&c.t.configure, func() error {
 		err := c.configure()
-		if err == nil {
-			err = c.announce()
-		}
 		c.closeProber()
 		return err
 	})
@@ -213,10 +225,11 @@ func (c *addCall) bind() error {
 }
 
 // claim makes (master, VLAN ID) this pod's under the state lock: resolve a
-// previous holder, create the link under a temporary name in the pod netns,
-// write the ownership record. Its undos delete the link and drop the
-// record. On failure those two undos run before the lock is released (so no
-// other ADD finds a device without its record) and IPAM's after it.
+// previous holder, create the link under a temporary name in the pod netns
+// and write the ownership record (at the same time when the pair had no
+// record). Its undos delete the link and drop the record. On failure those
+// two undos run before the lock is released (so no other ADD finds a device
+// without its record) and IPAM's after it.
 func (c *addCall) claim() (err error) {
 	unlock, err := lockState(c.conf.StateDir)
 	if err != nil {
@@ -231,8 +244,23 @@ func (c *addCall) claim() (err error) {
 	}()
 	k, vlan := c.k, c.binding.VLAN
 	cid := k.ContainerID(c.args.ContainerID)
-	if err := c.p.resolveHolder(c.ctx, c.conf, c.endpoints, c.log, cid, c.args.IfName, k, vlan); err != nil {
+	own, err := c.p.resolveHolder(c.ctx, c.conf, c.endpoints, c.log, cid, c.args.IfName, k, vlan)
+	if err != nil {
 		return err
+	}
+	rec := &record{
+		Master: c.conf.Master, VLAN: vlan, MAC: c.binding.MAC.String(), ContainerID: cid, NetNS: c.args.Netns, IfName: c.args.IfName,
+		PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID,
+	}
+	// With no record for the pair (the usual case) the record is written
+	// while the kernel creates the link: neither needs the other, and both
+	// are undone under the lock if either fails, so no other ADD sees the
+	// difference. Our own record from an earlier attempt is only replaced
+	// once the link exists, as before: a failed link must not drop it.
+	var wrote chan error
+	if !own {
+		wrote = make(chan error, 1)
+		go func() { wrote <- writeRecord(c.conf.StateDir, rec) }()
 	}
 	c.linkName = fmt.Sprintf("ev%x", time.Now().UnixNano()&0xffffffffff)
 	spec := link.Spec{
@@ -245,92 +273,108 @@ func (c *addCall) claim() (err error) {
 	} else {
 		err = c.p.Linker.Add(spec)
 	}
+	if err == nil {
+		c.undo.push(undo{
+			what:   func() string { return fmt.Sprintf("deleting link %q", c.linkName) },
+			logErr: func(log *slog.Logger, err error) { log.Error("failed to delete link after failed ADD", keyErr, err) },
+			fn:     func() error { return c.podNS.Do(func(ns.NetNS) error { return c.deleteLink() }) },
+		})
+	}
+	var werr error
+	if wrote != nil {
+		werr = <-wrote
+	} else if err == nil {
+		werr = writeRecord(c.conf.StateDir, rec)
+	}
+	if werr == nil && (err == nil || wrote != nil) {
+		c.undo.push(undo{fn: func() error { removeRecord(c.conf.StateDir, c.conf.Master, vlan); return nil }})
+	}
 	if errors.Is(err, link.ErrVLANExists) {
 		return fmt.Errorf("failed to create the link for pod %s/%s: VLAN %d on master %q is already held by a device eni-vlan has no record of (created outside eni-vlan?): %w", k.PodNamespace, k.PodName, vlan, c.conf.Master, err)
 	}
 	if err != nil {
 		return err
 	}
-	c.undo.push(undo{
-		what:   func() string { return fmt.Sprintf("deleting link %q", c.linkName) },
-		logErr: func(log *slog.Logger, err error) { log.Error("failed to delete link after failed ADD", keyErr, err) },
-		fn:     func() error { return c.podNS.Do(func(ns.NetNS) error { return deleteLink(c.linkName) }) },
-	})
-	rec := &record{
-		Master: c.conf.Master, VLAN: vlan, MAC: c.binding.MAC.String(), ContainerID: cid, NetNS: c.args.Netns, IfName: c.args.IfName,
-		PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID,
-	}
-	if err := writeRecord(c.conf.StateDir, rec); err != nil {
-		return err
-	}
-	c.undo.push(undo{fn: func() error { removeRecord(c.conf.StateDir, c.conf.Master, vlan); return nil }})
-	return nil
+	return werr
 }
 
-// configure runs in the pod netns: rename the link to CNI_IFNAME, then
-// either (validation on) set it up with no IP, run the pre-flight and add
-// addresses and routes, or (validation off) add the addresses, let the
-// kernel announce them on up, and add routes.
+// configure runs in the pod netns, entered once: rename the link to
+// CNI_IFNAME (with the Linker's alias, and up when validating, in the same
+// request), then either (validation on) run the pre-flight with no IP, add
+// addresses and routes and announce them, or (validation off) add the
+// addresses, let the kernel announce them on up, and add routes. Its
+// netlink requests share one socket.
 func (c *addCall) configure() error {
 	ifName := c.args.IfName
 	return c.podNS.Do(func(ns.NetNS) error {
-		l, err := renameLink(c.linkName, ifName)
+		h, err := netlinksafe.NewHandle(unix.NETLINK_ROUTE)
 		if err != nil {
+			return fmt.Errorf("failed to open a netlink socket in netns %q: %w", c.args.Netns, err)
+		}
+		defer h.Close()
+		// Index and MTU by ioctl (a netlink lookup would have the kernel
+		// dump every attribute of the link); the MAC is the one the link
+		// was created with (the kernel sets IFLA_ADDRESS or fails the
+		// create).
+		index, mtu, err := linkIndexMTU(c.linkName)
+		if err != nil {
+			return fmt.Errorf("failed to find link %q: %w", c.linkName, err)
+		}
+		c.linkIndex = index
+		l := &netlink.Device{LinkAttrs: netlink.LinkAttrs{Index: index, Name: c.linkName, MTU: mtu, HardwareAddr: c.binding.MAC}}
+		validate := c.conf.ValidateIaasNetConfig
+		// Validation on: the pre-flight runs on a link that is up with its
+		// real MAC and no address. Off: addresses go on before the link
+		// comes up, and the kernel announces them on up (arp_notify,
+		// ndisc_notify), with no packet socket to pay for.
+		if err := setLink(c.linkIndex, ifName, c.p.Linker.Alias(c.binding.VLAN), validate); err != nil {
 			return fmt.Errorf("failed to rename link %q to %q: %w", c.linkName, ifName, err)
 		}
 		c.linkName = ifName
-		ifi := &net.Interface{Index: l.Attrs().Index, Name: ifName, HardwareAddr: l.Attrs().HardwareAddr, MTU: l.Attrs().MTU}
+		l.Name = ifName
+		ifi := &net.Interface{Index: c.linkIndex, Name: ifName, HardwareAddr: l.HardwareAddr, MTU: l.MTU}
 		c.ifi = ifi
 		c.res.Interfaces = []*current.Interface{{Name: ifName, Mac: ifi.HardwareAddr.String(), Mtu: ifi.MTU, Sandbox: c.args.Netns}}
 		for _, ipc := range c.res.IPs {
 			ipc.Interface = current.Int(0)
 		}
-		if !c.conf.ValidateIaasNetConfig {
-			// No pre-flight: addresses go on before the link comes up and
-			// the kernel announces them on up (arp_notify, ndisc_notify),
-			// with no packet socket to pay for.
+		if !validate {
 			c.validation["ipv4"], c.validation["ipv6"] = "disabled", "disabled"
 			setNotify(ifName)
-			if err := addAddrs(l, c.res); err != nil {
+			if err := addAddrs(h, l, c.res); err != nil {
 				return err
 			}
-			if err := netlink.LinkSetUp(l); err != nil {
+			if err := h.LinkSetUp(l); err != nil {
 				return fmt.Errorf("failed to set link %q up: %w", ifName, err)
 			}
-			return addRoutes(l, c.res, c.fam)
-		}
-		// Pre-flight before any IP: the link is up with its real MAC, no
-		// address.
-		if err := netlink.LinkSetUp(l); err != nil {
-			return fmt.Errorf("failed to set link %q up: %w", ifName, err)
+			return addRoutes(h, l, c.res, c.fam)
 		}
 		c.prober = c.p.OpenPreflight(ifi)
 		if err := c.t.time(&c.t.preflight, func() error { return c.preflight(ifi) }); err != nil {
 			return err
 		}
-		if err := addAddrs(l, c.res); err != nil {
+		if err := addAddrs(h, l, c.res); err != nil {
 			return err
 		}
-		return addRoutes(l, c.res, c.fam)
+		if err := addRoutes(h, l, c.res, c.fam); err != nil {
+			return err
+		}
+		c.announce()
+		return nil
 	})
 }
 
 // announce sends a gratuitous ARP / unsolicited NA per address on the
-// pre-flight's sockets (validation on; off, the kernel announced). A failed
-// announcement is logged, not fatal.
-func (c *addCall) announce() error {
-	if c.prober == nil {
-		return nil
-	}
-	return c.podNS.Do(func(ns.NetNS) error {
-		for _, ipc := range c.res.IPs {
-			a, _ := netip.AddrFromSlice(ipc.Address.IP)
-			if err := c.prober.Announce(c.ifi.HardwareAddr, a.Unmap()); err != nil {
-				c.log.Warn("failed to announce address", keyIP, a, keyErr, err)
-			}
+// pre-flight's sockets (validation on; off, the kernel announced). It runs
+// in the pod netns, at the end of configure. A failed announcement is
+// logged, not fatal.
+func (c *addCall) announce() {
+	for _, ipc := range c.res.IPs {
+		a, _ := netip.AddrFromSlice(ipc.Address.IP)
+		if err := c.prober.Announce(c.ifi.HardwareAddr, a.Unmap()); err != nil {
+			c.log.Warn("failed to announce address", keyIP, a, keyErr, err)
 		}
-		return nil
-	})
+	}
 }
 
 // closeProber closes the pre-flight's sockets (timed: closing a packet

@@ -5,11 +5,13 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -149,6 +151,7 @@ func (d fakeLinker) Add(s link.Spec) error {
 		Name: s.TempName, ParentIndex: s.MasterIndex, HardwareAddr: s.MAC, MTU: s.MTU, Namespace: netlink.NsFd(int(s.PodNS.Fd())),
 	}})
 }
+func (fakeLinker) Alias(vlan int) string          { return fmt.Sprintf("fake-vlan=%d", vlan) }
 func (fakeLinker) Verify(netlink.Link, int) error { return nil }
 
 const ipamResult = `{"cniVersion":"1.0.0","ips":[{"address":"10.9.0.5/24","gateway":"10.9.0.1"}],"routes":[{"dst":"0.0.0.0/0"}]}`
@@ -163,11 +166,12 @@ type unit struct {
 	ep        *fakeEndpoints
 	prober    *fakeProber
 	opened    int
-	// prepared counts PrepareCloser calls; ipamAddsAtPrepare is how many
-	// IPAM ADDs had run at the first one.
-	prepared, ipamAddsAtPrepare int
-	p                           *enivlan.Plugin
-	out                         bytes.Buffer
+	// prepared counts PrepareCloser calls; ipamAddsAtPrepare and
+	// lookupsAtPrepare are how many IPAM ADDs and agent lookups had run at
+	// the first one.
+	prepared, ipamAddsAtPrepare, lookupsAtPrepare int
+	p                                             *enivlan.Plugin
+	out                                           bytes.Buffer
 }
 
 func newUnit(t *testing.T) *unit {
@@ -187,7 +191,7 @@ func newUnit(t *testing.T) *unit {
 		OpenPreflight:  func(*net.Interface) enivlan.Prober { u.opened++; return u.prober },
 		PrepareCloser: func() {
 			if u.prepared == 0 {
-				u.ipamAddsAtPrepare = u.ipam.adds
+				u.ipamAddsAtPrepare, u.lookupsAtPrepare = u.ipam.adds, u.ep.lookups
 			}
 			u.prepared++
 		},
@@ -448,6 +452,28 @@ func TestAddSteps(t *testing.T) {
 			if l := podLinks(t, u.pod); len(l) != 1 || l[0] != "eth1" {
 				t.Errorf("pod links = %v, want [eth1]", l)
 			}
+			// The rename carried the Linker's alias, and (validation on)
+			// the link came up with it; off, configure set it up after the
+			// addresses.
+			u.pod.MustDo(t, func() error {
+				l, err := netlinksafe.LinkByName("eth1")
+				if err != nil {
+					return err
+				}
+				if l.Attrs().Alias != "fake-vlan=100" || l.Attrs().Flags&net.FlagUp == 0 {
+					t.Errorf("eth1: alias %q, flags %v; want alias \"fake-vlan=100\", up", l.Attrs().Alias, l.Attrs().Flags)
+				}
+				// The result describes the live link.
+				ifs, _ := res["interfaces"].([]any)
+				var got map[string]any
+				if len(ifs) == 1 {
+					got, _ = ifs[0].(map[string]any)
+				}
+				if got["mac"] != l.Attrs().HardwareAddr.String() || got["mtu"] != float64(l.Attrs().MTU) {
+					t.Errorf("result interface %v, live link MAC %s MTU %d", got, l.Attrs().HardwareAddr, l.Attrs().MTU)
+				}
+				return nil
+			})
 			if r := records(t, u.stateDir); len(r) != 1 || filepath.Base(r[0]) != "ens5.100.json" {
 				t.Errorf("records = %v, want ens5.100.json", r)
 			}
@@ -461,13 +487,61 @@ func TestAddSteps(t *testing.T) {
 			if len(u.prober.announced) != wantAnnounce || u.opened != wantOpen || u.prober.closed != wantOpen {
 				t.Errorf("announced %v, opened %d, closed %d; want %d announcement(s), %d open/close", u.prober.announced, u.opened, u.prober.closed, wantAnnounce, wantOpen)
 			}
-			// The closer is prepared once, before IPAM ADD (its start
-			// overlaps the delegate's), only when the pre-flight will
-			// need it.
-			if u.prepared != wantOpen || (validate && u.ipamAddsAtPrepare != 0) {
-				t.Errorf("PrepareCloser ran %d times (after %d IPAM ADDs); want %d, before the IPAM ADD", u.prepared, u.ipamAddsAtPrepare, wantOpen)
+			// The closer is prepared once, after IPAM ADD and before the
+			// agent lookup (its start overlaps the wait for the agent, not
+			// the delegate's start-up), only when the pre-flight will need
+			// it.
+			if u.prepared != wantOpen || (validate && (u.ipamAddsAtPrepare != 1 || u.lookupsAtPrepare != 0)) {
+				t.Errorf("PrepareCloser ran %d times (after %d IPAM ADDs, %d lookups); want %d, after the IPAM ADD, before the lookup", u.prepared, u.ipamAddsAtPrepare, u.lookupsAtPrepare, wantOpen)
 			}
 		})
+	}
+}
+
+// TestAddRenameFailsClosed: when the rename to CNI_IFNAME fails (a link of
+// that name is already in the pod netns), the undo finds the new link by
+// its index and deletes it; IPAM is released and no record is left.
+func TestAddRenameFailsClosed(t *testing.T) {
+	u := newUnit(t)
+	u.pod.MustDo(t, func() error {
+		return netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "eth1"}, PeerName: "eth1peer"})
+	})
+	err := u.add(t, true)
+	if err == nil || !strings.Contains(err.Error(), `to "eth1"`) {
+		t.Fatalf("ADD = %v, want a failed rename to eth1", err)
+	}
+	if l := podLinks(t, u.pod); len(l) != 2 || !slices.Contains(l, "eth1") || !slices.Contains(l, "eth1peer") {
+		t.Errorf("pod links = %v, want only the veth pair that held the name", l)
+	}
+	if u.ipam.deletes != 1 {
+		t.Errorf("IPAM DEL ran %d times, want 1", u.ipam.deletes)
+	}
+	if r := records(t, u.stateDir); len(r) != 0 {
+		t.Errorf("ownership records left: %v", r)
+	}
+}
+
+// TestAddKeepsOwnRecord: a retried ADD whose earlier attempt left its
+// record (no DEL in between) and whose link cannot be created keeps that
+// record: it describes a device that may still exist. Without a record the
+// new one is written while the link is created, and dropped if that fails
+// (TestAddFailsClosed, "VLAN held by an unknown device").
+func TestAddKeepsOwnRecord(t *testing.T) {
+	u := newUnit(t)
+	own := `{"master":"ens5","vlan":100,"mac":"02:42:00:00:00:64","containerID":"c0ffee","netns":"` + u.pod.Path() + `","ifName":"eth1","podNamespace":"default","podName":"web-0","podUID":"uid-1"}`
+	path := filepath.Join(u.stateDir, "ens5.100.json")
+	if err := os.WriteFile(path, []byte(own), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	u.p.Linker = fakeLinker{err: link.ErrVLANExists}
+	if err := u.add(t, true); err == nil {
+		t.Fatal("ADD succeeded with a failing link")
+	}
+	if b, err := os.ReadFile(path); err != nil || string(b) != own {
+		t.Errorf("own record = %q, %v; want it kept as it was", b, err)
+	}
+	if u.ipam.deletes != 1 {
+		t.Errorf("IPAM DEL ran %d times, want 1", u.ipam.deletes)
 	}
 }
 

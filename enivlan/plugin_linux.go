@@ -22,6 +22,7 @@ import (
 	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
 
 	"aether.io/node/enivlan/config"
@@ -73,9 +74,9 @@ type Plugin struct {
 	// pod netns, and its sockets are opened there on first use.
 	OpenPreflight func(link *net.Interface) Prober
 	// PrepareCloser, when set, is called once by an ADD with validation
-	// on, after parse and before IPAM ADD, so that whatever the Prober's
-	// Close needs (the closer process, sockcloser.ExecCloser.Start) starts
-	// while ADD waits for the IPAM delegate.
+	// on, after IPAM ADD and before the spiderpool-agent lookup, so that
+	// whatever the Prober's Close needs (the closer process,
+	// sockcloser.ExecCloser.Start) starts while ADD waits for the agent.
 	PrepareCloser func()
 	// Log receives the plugin's logs (never stdout).
 	Log *slog.Logger
@@ -125,15 +126,15 @@ type master struct {
 func findMaster(conf *config.NetConf, podNS ns.NetNS) (master, error) {
 	var m master
 	look := func() error {
-		l, err := netlinksafe.LinkByName(conf.Master)
+		index, mtu, err := linkIndexMTU(conf.Master)
 		if err != nil {
 			where := "the host"
 			if conf.LinkInContainer {
 				where = "the pod"
 			}
-			return cniutil.InvalidConfigf("invalid \"master\" %q: no such interface in %s network namespace (linkInContainer=%v)", conf.Master, where, conf.LinkInContainer)
+			return cniutil.InvalidConfigf("invalid \"master\" %q: no such interface in %s network namespace (linkInContainer=%v): %v", conf.Master, where, conf.LinkInContainer, err)
 		}
-		m = master{index: l.Attrs().Index, mtu: l.Attrs().MTU, name: conf.Master}
+		m = master{index: index, mtu: mtu, name: conf.Master}
 		return nil
 	}
 	if conf.LinkInContainer {
@@ -142,6 +143,32 @@ func findMaster(conf *config.NetConf, podNS ns.NetNS) (master, error) {
 	return m, look()
 }
 
+// linkIndexMTU returns the index and MTU of the link name in the current
+// netns: two ioctls on one socket, where a netlink lookup has the kernel
+// dump, and the plugin parse, every attribute of the link (statistics
+// included) for these two numbers.
+func linkIndexMTU(name string) (index, mtu int, err error) {
+	ifr, err := unix.NewIfreq(name)
+	if err != nil {
+		return 0, 0, err
+	}
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return 0, 0, fmt.Errorf("failed to open a socket for interface ioctls: %w", err)
+	}
+	defer func() { _ = unix.Close(fd) }()
+	if err := unix.IoctlIfreq(fd, unix.SIOCGIFINDEX, ifr); err != nil {
+		return 0, 0, fmt.Errorf("failed to get the index of %q: %w", name, err)
+	}
+	index = int(ifr.Uint32())
+	if err := unix.IoctlIfreq(fd, unix.SIOCGIFMTU, ifr); err != nil {
+		return 0, 0, fmt.Errorf("failed to get the MTU of %q: %w", name, err)
+	}
+	return index, int(ifr.Uint32()), nil
+}
+
+// printResult prints res as version ver with ValidationKey added: the
+// result is marshalled once and the key appended to its JSON object.
 func (p *Plugin) printResult(res *current.Result, ver string, validation map[string]string) error {
 	r, err := res.GetAsVersion(ver)
 	if err != nil {
@@ -149,17 +176,20 @@ func (p *Plugin) printResult(res *current.Result, ver string, validation map[str
 	}
 	b, err := json.Marshal(r)
 	if err != nil {
-		return err
+		return fmt.Errorf("failed to encode the result: %w", err)
 	}
-	var m map[string]any
-	if err := json.Unmarshal(b, &m); err != nil {
-		return err
-	}
-	m[ValidationKey] = validation
-	out, err := json.Marshal(m)
+	v, err := json.Marshal(map[string]map[string]string{ValidationKey: validation})
 	if err != nil {
-		return err
+		return fmt.Errorf("failed to encode the result: %w", err)
 	}
+	if len(b) < 2 || b[0] != '{' || b[len(b)-1] != '}' {
+		return fmt.Errorf("failed to encode the result: %.64q is not a JSON object", b)
+	}
+	out := b[:len(b)-1]
+	if len(out) > 1 {
+		out = append(out, ',')
+	}
+	out = append(out, v[1:]...)
 	w := p.Stdout
 	if w == nil {
 		w = os.Stdout
@@ -196,25 +226,25 @@ func setNotify(ifName string) {
 	_ = os.WriteFile("/proc/sys/net/ipv6/conf/"+ifName+"/ndisc_notify", []byte("1"), 0o644)
 }
 
-// addAddrs adds the result's addresses to l. IPv6 addresses skip DAD: the
-// fabric's IP-MAC binding already rules conflicts out (and the pre-flight,
-// when on, proved it live).
-func addAddrs(l netlink.Link, res *current.Result) error {
+// addAddrs adds the result's addresses to l (through h, in l's netns).
+// IPv6 addresses skip DAD: the fabric's IP-MAC binding already rules
+// conflicts out (and the pre-flight, when on, proved it live).
+func addAddrs(h netlinksafe.Handle, l netlink.Link, res *current.Result) error {
 	for _, c := range res.IPs {
 		a := &netlink.Addr{IPNet: &net.IPNet{IP: c.Address.IP, Mask: c.Address.Mask}}
 		if c.Address.IP.To4() == nil {
 			a.Flags = unix.IFA_F_NODAD
 		}
-		if err := netlink.AddrAdd(l, a); err != nil {
+		if err := h.AddrAdd(l, a); err != nil {
 			return fmt.Errorf("failed to add address %s to %q: %w", c.Address.String(), l.Attrs().Name, err)
 		}
 	}
 	return nil
 }
 
-// addRoutes adds the result's routes via l (up); a route without a gateway
-// uses its family's gateway (fam).
-func addRoutes(l netlink.Link, res *current.Result, fam families) error {
+// addRoutes adds the result's routes via l (up; through h, in l's netns);
+// a route without a gateway uses its family's gateway (fam).
+func addRoutes(h netlinksafe.Handle, l netlink.Link, res *current.Result, fam families) error {
 	for _, r := range res.Routes {
 		gw := r.GW
 		if gw == nil {
@@ -227,7 +257,7 @@ func addRoutes(l netlink.Link, res *current.Result, fam families) error {
 		if r.Scope != nil {
 			rt.Scope = netlink.Scope(*r.Scope)
 		}
-		if err := netlink.RouteAddEcmp(rt); err != nil {
+		if err := h.RouteAddEcmp(rt); err != nil {
 			return fmt.Errorf("failed to add route %s via %s on %q: %w", r.Dst.String(), gw, l.Attrs().Name, err)
 		}
 	}
@@ -249,6 +279,16 @@ func deleteLink(name string) error {
 	return nil
 }
 
+// deleteLinkIndex deletes the link index of the current netns; a link that
+// is gone is success.
+func deleteLinkIndex(index int) error {
+	err := netlink.LinkDel(&netlink.Device{LinkAttrs: netlink.LinkAttrs{Index: index}})
+	if err != nil && !errors.Is(err, unix.ENODEV) {
+		return fmt.Errorf("failed to delete link %d: %w", index, err)
+	}
+	return nil
+}
+
 func (p *Plugin) releaseIPAM(ctx context.Context, conf *config.NetConf, stdin []byte) error {
 	_, err := p.ipam(ctx, "DEL", conf, stdin)
 	if err != nil {
@@ -260,24 +300,26 @@ func (p *Plugin) releaseIPAM(ctx context.Context, conf *config.NetConf, stdin []
 // resolveHolder makes sure no other live pod holds (master, vlan): a record
 // whose device is gone is dropped; a device whose owner is gone (same pod
 // with a new sandbox, or the agent no longer binds this VLAN/MAC to it) is
-// deleted; a device still in use is an error. Called under the state lock.
-func (p *Plugin) resolveHolder(ctx context.Context, conf *config.NetConf, client Endpoints, log *slog.Logger, cid, ifName string, k cniutil.K8sArgs, vlan int) error {
+// deleted; a device still in use is an error. own reports that the pair's
+// record is this attachment's own, from an earlier attempt (it is kept).
+// Called under the state lock.
+func (p *Plugin) resolveHolder(ctx context.Context, conf *config.NetConf, client Endpoints, log *slog.Logger, cid, ifName string, k cniutil.K8sArgs, vlan int) (own bool, err error) {
 	r, err := readRecord(conf.StateDir, conf.Master, vlan)
 	if err != nil || r == nil {
-		return err
+		return false, err
 	}
 	if r.ContainerID == cid && r.IfName == ifName {
 		// Our own record from an earlier attempt; the runtime DELs between
 		// ADDs, and if it did not the kernel refuses a duplicate anyway.
-		return nil
+		return true, nil
 	}
 	alive, err := p.holderDevice(r, vlan, false)
 	if err != nil {
-		return err
+		return false, err
 	}
 	if !alive {
 		removeRecord(conf.StateDir, conf.Master, vlan)
-		return nil
+		return false, nil
 	}
 	gone, why := false, ""
 	if r.PodNamespace == k.PodNamespace && r.PodName == k.PodName {
@@ -297,15 +339,15 @@ func (p *Plugin) resolveHolder(ctx context.Context, conf *config.NetConf, client
 		}
 	}
 	if !gone {
-		return cniutil.TryAgainf("VLAN %d on master %q is in use by pod %s/%s (container %s, interface %q in %s): Linux allows one VLAN device per master and VLAN ID; wait for that pod's DEL",
+		return false, cniutil.TryAgainf("VLAN %d on master %q is in use by pod %s/%s (container %s, interface %q in %s): Linux allows one VLAN device per master and VLAN ID; wait for that pod's DEL",
 			vlan, conf.Master, r.PodNamespace, r.PodName, r.ContainerID, r.IfName, r.NetNS)
 	}
 	if _, err := p.holderDevice(r, vlan, true); err != nil {
-		return fmt.Errorf("failed to remove stale VLAN %d device of gone pod %s/%s: %w", vlan, r.PodNamespace, r.PodName, err)
+		return false, fmt.Errorf("failed to remove stale VLAN %d device of gone pod %s/%s: %w", vlan, r.PodNamespace, r.PodName, err)
 	}
 	removeRecord(conf.StateDir, conf.Master, vlan)
 	log.Info("removed stale VLAN device of a gone pod", "holder", r.PodNamespace+"/"+r.PodName, "holder_container", r.ContainerID, "reason", why)
-	return nil
+	return false, nil
 }
 
 // holderDevice reports whether r's device still exists (and deletes it when
@@ -460,21 +502,26 @@ func (p *Plugin) Check(a *skel.CmdArgs) error {
 	})
 }
 
-// renameLink renames the link curName (in the current netns) to newName
-// and returns it as it is after the rename (index, MAC and MTU do not
-// change; the name is newName). It is the two netlink calls of plugins'
-// ip.RenameLink, written here so eni-vlan does not link that package's
-// iptables and nft helpers.
-func renameLink(curName, newName string) (netlink.Link, error) {
-	l, err := netlinksafe.LinkByName(curName)
-	if err != nil {
-		return nil, err
+// setLink renames the link index (in the current netns) to name, sets its
+// alias when alias is not empty and, with up, sets it up: one RTM_SETLINK
+// (the kernel applies the name, then the alias, then the flags), where
+// plugins' ip.RenameLink and netlink.LinkSetUp take a lookup and two
+// requests. The reference vlan plugin also creates its link under a
+// temporary name and renames it in the pod netns.
+func setLink(index int, name, alias string, up bool) error {
+	req := nl.NewNetlinkRequest(unix.RTM_SETLINK, unix.NLM_F_ACK)
+	msg := nl.NewIfInfomsg(unix.AF_UNSPEC)
+	msg.Index = int32(index)
+	if up {
+		msg.Flags, msg.Change = unix.IFF_UP, unix.IFF_UP
 	}
-	if err := netlink.LinkSetName(l, newName); err != nil {
-		return nil, err
+	req.AddData(msg)
+	req.AddData(nl.NewRtAttr(unix.IFLA_IFNAME, nl.ZeroTerminated(name)))
+	if alias != "" {
+		req.AddData(nl.NewRtAttr(unix.IFLA_IFALIAS, []byte(alias)))
 	}
-	l.Attrs().Name = newName
-	return l, nil
+	_, err := req.Execute(unix.NETLINK_ROUTE, 0)
+	return err
 }
 
 // checkAddrs is CHECK's address test (as plugins' ip.ValidateExpectedInterfaceIPs):

@@ -40,6 +40,11 @@ type Linker interface {
 	// returns ErrVLANExists if the kernel already has a device for this
 	// master and VLAN ID.
 	Add(s Spec) error
+	// Alias is the alias (IFLA_IFALIAS) the link of VLAN vlan carries, set
+	// by the caller in the pod netns in the same request that renames the
+	// link to CNI_IFNAME (the kernel ignores an alias in the create
+	// request); empty for none.
+	Alias(vlan int) string
 	// Verify checks, in the pod netns, that l is this Linker's kind of link
 	// carrying VLAN vlan.
 	Verify(l netlink.Link, vlan int) error

@@ -7,8 +7,6 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/containernetworking/plugins/pkg/netlinksafe"
-	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
 )
 
@@ -29,7 +27,10 @@ func (Macvlan) Kind() string { return "macvlan-surrogate" }
 // Surrogate implements Linker.
 func (Macvlan) Surrogate() bool { return true }
 
-// Add implements Linker.
+// Add implements Linker. The VLAN ID goes into the link's alias (Alias)
+// when the caller renames the link in the pod netns: one request there
+// instead of a second netns entry, lookup and request here, so the
+// surrogate costs what the VLAN link costs.
 func (Macvlan) Add(s Spec) error {
 	attrs := netlink.LinkAttrs{Name: s.TempName, ParentIndex: s.MasterIndex, MTU: s.MTU, HardwareAddr: s.MAC}
 	if !s.MasterInPod {
@@ -39,18 +40,12 @@ func (Macvlan) Add(s Spec) error {
 	if err := netlink.LinkAdd(m); err != nil {
 		return fmt.Errorf("failed to add surrogate macvlan link %q (VLAN %d): %w", s.TempName, s.VLAN, err)
 	}
-	err := s.PodNS.Do(func(ns.NetNS) error {
-		l, err := netlinksafe.LinkByName(s.TempName)
-		if err != nil {
-			return err
-		}
-		return netlink.LinkSetAlias(l, aliasPrefix+strconv.Itoa(s.VLAN))
-	})
-	if err != nil {
-		return fmt.Errorf("failed to record VLAN on surrogate link %q: %w", s.TempName, err)
-	}
 	return nil
 }
+
+// Alias implements Linker: the surrogate records the VLAN ID in its alias,
+// so that CHECK can verify it although a macvlan carries no tag.
+func (Macvlan) Alias(vlan int) string { return aliasPrefix + strconv.Itoa(vlan) }
 
 // Verify implements Linker.
 func (Macvlan) Verify(l netlink.Link, vlan int) error {

@@ -26,6 +26,9 @@ func TestSurrogateVerify(t *testing.T) {
 			t.Errorf("Verify: %v, want %q", err, tt.want)
 		}
 	}
+	if got := (Macvlan{}).Alias(100); got != aliasPrefix+"100" {
+		t.Errorf("Alias(100) = %q, want %q: Verify reads it back", got, aliasPrefix+"100")
+	}
 	if !Default().Surrogate() || SurrogateBanner == "" {
 		t.Error("the tagged build must select the surrogate and carry the banner")
 	}

@@ -33,6 +33,10 @@ func (VLAN) Add(s Spec) error {
 	return nil
 }
 
+// Alias implements Linker: a VLAN link carries its VLAN ID in its own
+// attributes and needs no alias.
+func (VLAN) Alias(int) string { return "" }
+
 // Verify implements Linker.
 func (VLAN) Verify(l netlink.Link, vlan int) error {
 	v, ok := l.(*netlink.Vlan)

@@ -33,6 +33,9 @@ func TestVLANVerify(t *testing.T) {
 			}
 		})
 	}
+	if a := (VLAN{}).Alias(100); a != "" {
+		t.Errorf("VLAN alias = %q, want none: the VLAN ID is the link's own", a)
+	}
 	if (VLAN{}).Surrogate() || Default().Surrogate() != (SurrogateBanner != "") {
 		t.Error("production Linker reports itself as surrogate, or Default and the banner disagree")
 	}
