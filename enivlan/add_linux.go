@@ -55,15 +55,16 @@ type addCall struct {
 	master master
 	mtu    int
 
-	res        *current.Result
-	fam        families
-	endpoints  Endpoints
-	binding    *spiderpool.Binding
-	linkName   string         // the pod link's current name (temporary, then CNI_IFNAME)
-	linkIndex  int            // the pod link's index in the pod netns, once configure found it
-	ifi        *net.Interface // the pod link, once configure found it
-	prober     Prober         // open between configure and the end of announce
-	validation map[string]string
+	res           *current.Result
+	closerStarted bool // PrepareCloser was called
+	fam           families
+	endpoints     Endpoints
+	binding       *spiderpool.Binding
+	linkName      string         // the pod link's current name (temporary, then CNI_IFNAME)
+	linkIndex     int            // the pod link's index in the pod netns, once configure found it
+	ifi           *net.Interface // the pod link, once configure found it
+	prober        Prober         // open between configure and the end of announce
+	validation    map[string]string
 
 	undo undoStack
 	t    addTimings
@@ -138,12 +139,18 @@ func (p *Plugin) parseAdd(a *skel.CmdArgs) (*addCall, error) {
 	}, nil
 }
 
-// close releases what the call holds open whatever the outcome.
+// close releases what the call holds open whatever the outcome, and waits
+// for the closer's start if this call started it (Plugin.WaitCloser).
 func (c *addCall) close() {
 	if c.endpoints != nil {
 		c.endpoints.Close()
 	}
 	_ = c.podNS.Close()
+	if c.closerStarted && c.p.WaitCloser != nil {
+		if err := c.p.WaitCloser(); err != nil {
+			c.log.Debug("socket closer did not start; the pre-flight's sockets are released at exit", "error", err.Error())
+		}
+	}
 }
 
 // run runs the steps after parse; the caller unwinds on error.
@@ -158,6 +165,7 @@ func (c *addCall) run() error {
 		// than while the IPAM delegate starts up on them; it is needed only
 		// after the pre-flight, a few milliseconds later.
 		c.p.PrepareCloser()
+		c.closerStarted = true
 	}
 	if err := c.t.time(&c.t.endpoint, c.bind); err != nil {
 		return err

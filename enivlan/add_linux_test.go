@@ -170,8 +170,11 @@ type unit struct {
 	// lookupsAtPrepare are how many IPAM ADDs and agent lookups had run at
 	// the first one.
 	prepared, ipamAddsAtPrepare, lookupsAtPrepare int
-	p                                             *enivlan.Plugin
-	out                                           bytes.Buffer
+	// waited counts WaitCloser calls; closedAtWait is how many times the
+	// prober was closed at the first one (its sockets handed over).
+	waited, closedAtWait int
+	p                    *enivlan.Plugin
+	out                  bytes.Buffer
 }
 
 func newUnit(t *testing.T) *unit {
@@ -194,6 +197,13 @@ func newUnit(t *testing.T) *unit {
 				u.ipamAddsAtPrepare, u.lookupsAtPrepare = u.ipam.adds, u.ep.lookups
 			}
 			u.prepared++
+		},
+		WaitCloser: func() error {
+			if u.waited == 0 {
+				u.closedAtWait = u.prober.closed
+			}
+			u.waited++
+			return nil
 		},
 		Log:    slog.New(slog.DiscardHandler),
 		Stdout: &u.out,
@@ -493,6 +503,12 @@ func TestAddSteps(t *testing.T) {
 			// it.
 			if u.prepared != wantOpen || (validate && (u.ipamAddsAtPrepare != 1 || u.lookupsAtPrepare != 0)) {
 				t.Errorf("PrepareCloser ran %d times (after %d IPAM ADDs, %d lookups); want %d, after the IPAM ADD, before the lookup", u.prepared, u.ipamAddsAtPrepare, u.lookupsAtPrepare, wantOpen)
+			}
+			// ADD waits for the closer it prepared, after the pre-flight's
+			// sockets were handed over, so they never go back to this
+			// process's exit.
+			if u.waited != wantOpen || u.closedAtWait != wantOpen {
+				t.Errorf("WaitCloser ran %d times (prober closed %d times at the first); want %d, after the close", u.waited, u.closedAtWait, wantOpen)
 			}
 		})
 	}

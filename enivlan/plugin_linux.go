@@ -78,6 +78,12 @@ type Plugin struct {
 	// whatever the Prober's Close needs (the closer process,
 	// sockcloser.ExecCloser.Start) starts while ADD waits for the agent.
 	PrepareCloser func()
+	// WaitCloser, when set, is called before an ADD that called
+	// PrepareCloser returns: the sockets handed to the closer wait in its
+	// socket pair until its fork, and an exit before that would release
+	// them in this process (the grace period on the runtime's wait again).
+	// Its error (the closer could not start) is logged at DEBUG.
+	WaitCloser func() error
 	// Log receives the plugin's logs (never stdout).
 	Log *slog.Logger
 	// Stdout receives the ADD result.

@@ -30,6 +30,7 @@ func New(log *slog.Logger) *Plugin {
 		closer := preflight.NewExecCloser()
 		p.OpenPreflight = func(l *net.Interface) Prober { return preflight.OpenWithCloser(l, closer) }
 		p.PrepareCloser = closer.Start
+		p.WaitCloser = closer.Wait
 	}
 	return p
 }
