@@ -87,6 +87,8 @@ type Options struct {
 	// beforeAppend, when set, runs before each commit's write: tests slow
 	// the disk down with it to widen the window a kill can land in.
 	beforeAppend func()
+	// maxLinger, when set, replaces maxLinger (tests).
+	maxLinger time.Duration
 	// preallocate, when set, replaces the extension of a file's
 	// zero-filled space (tests fail it, as a full disk would).
 	preallocate func(f *os.File, off, n int64) error
@@ -322,37 +324,84 @@ func (s *Store) QuarantineCount() (int, error) {
 
 func (s *Store) commitLoop() {
 	defer close(s.done)
-	batch := make([]*writeReq, 0, 256)
+	batch := make([]*writeReq, 0, maxBatch)
+	var last gather // what the previous commit saw
 	for first := range s.reqs {
 		batch = append(batch[:0], first)
-		// Writers answered by the previous commit are usually about to
-		// enqueue again: yield once so they join this batch instead of
-		// trailing into the next one. No timer, so a lone writer pays
-		// only a scheduler round trip.
-		for round := 0; round < 2 && len(batch) < cap(batch); round++ {
-			if round == 1 {
-				runtime.Gosched()
-			}
-		drain:
-			for len(batch) < cap(batch) {
-				select {
-				case r, ok := <-s.reqs:
-					if !ok {
-						break drain
-					}
-					batch = append(batch, r)
-				default:
-					break drain
-				}
-			}
-		}
-		s.commit(batch)
+		batch = s.gather(batch, last)
+		t0 := time.Now()
+		queued := s.commit(batch)
+		last = gather{writers: min(len(batch)+queued, maxBatch), sync: time.Since(t0)}
 	}
+}
+
+// maxBatch bounds the records of one commit.
+const maxBatch = 256
+
+// gather is what one commit saw: the writers it answered plus those that
+// queued while it synced (the writers active then), and how long its
+// write and sync took.
+type gather struct {
+	writers int
+	sync    time.Duration
+}
+
+// maxLinger bounds how long a commit waits for writers it expects.
+const maxLinger = 100 * time.Microsecond
+
+// gather adds the writers already queued to batch and, when fewer are
+// queued than were active at the previous commit, yields to let the rest
+// enqueue. Writers answered by a commit usually submit again at once, and
+// a commit that starts before they do leaves them for the next one: eight
+// writers then settle into two groups of four, each waiting for the
+// other's sync, at half the records per sync. Counting the writers that
+// queued during the previous sync as active too breaks that split (each
+// group sees the other). The wait is at most half the previous commit's
+// sync (and maxLinger), spinning on the scheduler rather than a
+// timer (Go's timers cannot sleep a few microseconds), so it costs less
+// than the sync it saves. A lone writer never waits.
+func (s *Store) gather(batch []*writeReq, last gather) []*writeReq {
+	batch = s.drain(batch)
+	if len(batch) >= last.writers {
+		return batch
+	}
+	limit := maxLinger
+	if s.opts.maxLinger > 0 {
+		limit = s.opts.maxLinger
+	}
+	linger := min(last.sync/2, limit)
+	start := time.Now()
+	for len(batch) < last.writers && len(batch) < cap(batch) {
+		runtime.Gosched()
+		n := len(batch)
+		batch = s.drain(batch)
+		if len(batch) == n && time.Since(start) >= linger {
+			break
+		}
+	}
+	return batch
+}
+
+// drain adds the requests queued now to batch, up to its capacity.
+func (s *Store) drain(batch []*writeReq) []*writeReq {
+	for len(batch) < cap(batch) {
+		select {
+		case r, ok := <-s.reqs:
+			if !ok {
+				return batch
+			}
+			batch = append(batch, r)
+		default:
+			return batch
+		}
+	}
+	return batch
 }
 
 // commit writes batch as one write and one fdatasync, applies it to the
 // index, answers every caller, then compacts if the dead frames call for it.
-func (s *Store) commit(batch []*writeReq) {
+// It returns how many requests had queued by the time the sync ended.
+func (s *Store) commit(batch []*writeReq) (queued int) {
 	err := s.failed
 	if err == nil {
 		s.buf = s.buf[:0]
@@ -376,6 +425,7 @@ func (s *Store) commit(batch []*writeReq) {
 			s.log.Error("record log is out of space; this commit failed, the next one tries again", "error", err.Error())
 		}
 	}
+	queued = len(s.reqs)
 	if err == nil {
 		s.mu.Lock()
 		for _, r := range batch {
@@ -397,6 +447,7 @@ func (s *Store) commit(batch []*writeReq) {
 	if err == nil && s.shouldCompact() {
 		s.tryCompact()
 	}
+	return queued
 }
 
 // deadBytes is the frame bytes of replaced records and tombstones.
