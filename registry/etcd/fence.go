@@ -100,28 +100,31 @@ func (r *Registry) setFence(key string, f fence) {
 	r.mu.Unlock()
 }
 
-// deleteWithTombstone deletes key's endpoint and writes its tombstone, with
-// the node's current lease if it has one (never waiting for a grant: a
-// Deregister does not wait on an unreachable etcd's lease). A tombstone
-// fences off a Register of the key that etcd applies after this delete.
+// deleteWithTombstone deletes key's endpoint and writes its tombstone with
+// the node's lease, granting one if the node has none (it lost it, or has
+// not registered since it started): a tombstone without a lease would stay
+// in etcd for good if this node never came back to sweep it. The grant
+// costs a round trip only then, and waits on nothing the delete does not
+// need: an etcd that cannot grant cannot apply the delete either. A
+// tombstone fences off a Register of the key that etcd applies after this
+// delete.
 func (r *Registry) deleteWithTombstone(ctx context.Context, key string) error {
 	val, err := json.Marshal(tombstone{DeletedAt: time.Now().UTC()})
 	if err != nil {
 		return fmt.Errorf("failed to encode the tombstone of %q: %w", key, err)
 	}
 	for attempt := 0; ; attempt++ {
-		lease := r.currentLease()
-		var opts []clientv3.OpOption
-		if lease != 0 {
-			opts = append(opts, clientv3.WithLease(lease))
+		lease, err := r.ensureLease(ctx)
+		if err != nil {
+			return fmt.Errorf("failed to write the tombstone of %q: %w", key, err)
 		}
-		rev, err := r.fencedWrite(ctx, key, clientv3.OpDelete(r.key(key)), clientv3.OpPut(r.tombKey(key), string(val), opts...))
+		rev, err := r.fencedWrite(ctx, key, clientv3.OpDelete(r.key(key)), clientv3.OpPut(r.tombKey(key), string(val), clientv3.WithLease(lease)))
 		if err == nil {
 			r.setFence(key, fence{ep: 0, tomb: rev})
 			return nil
 		}
-		if errors.Is(err, rpctypes.ErrLeaseNotFound) && lease != 0 && attempt == 0 {
-			r.leaseLost(lease) // the keepalive re-grants; the tombstone goes without
+		if errors.Is(err, rpctypes.ErrLeaseNotFound) && attempt == 0 {
+			r.leaseLost(lease) // expired under us: grant a new one, once
 			continue
 		}
 		return err

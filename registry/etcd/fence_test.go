@@ -333,3 +333,60 @@ func TestFenceContended(t *testing.T) {
 		t.Fatalf("Register under contention = %v, want errFenceContended naming the node", err)
 	}
 }
+
+// TestTombstoneAlwaysLeased: a Deregister from a node that has no lease
+// (it lost it, or restarted and registered nothing yet) grants one for the
+// tombstone, so a node that never comes back leaves no tombstone behind.
+func TestTombstoneAlwaysLeased(t *testing.T) {
+	e := etcdtest.Start(t)
+	ctx := context.Background()
+	tombLease := func(r *Registry, key string) clientv3.LeaseID {
+		t.Helper()
+		resp, err := r.cli.Get(ctx, r.tombKey(key))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(resp.Kvs) != 1 {
+			t.Fatalf("no tombstone for %s", key)
+		}
+		return clientv3.LeaseID(resp.Kvs[0].Lease)
+	}
+	a := newReg(t, e, "node-a", 0)
+	k1, k2 := ep("node-a", 1).Key, ep("node-a", 2).Key
+	for i := 1; i <= 2; i++ {
+		if err := a.Register(ctx, ep("node-a", i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The lease expires behind the registry's back.
+	old := a.currentLease()
+	if _, err := a.cli.Revoke(ctx, old); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Deregister(ctx, k1); err != nil {
+		t.Fatalf("deregistering after the lease expired: %v", err)
+	}
+	if l := tombLease(a, k1); l == 0 || l == old {
+		t.Errorf("tombstone lease = %x, want a new lease (old %x)", int64(l), int64(old))
+	}
+	// A restarted agent deregisters before registering anything.
+	a2 := newReg(t, e, "node-a", 0)
+	if a2.currentLease() != 0 {
+		t.Fatal("a new registry already has a lease")
+	}
+	if err := a2.Deregister(ctx, k2); err != nil {
+		t.Fatal(err)
+	}
+	l := tombLease(a2, k2)
+	if l == 0 || l != a2.currentLease() {
+		t.Fatalf("tombstone lease = %x, want the node's lease %x", int64(l), int64(a2.currentLease()))
+	}
+	// The node never comes back: its tombstones go with its lease.
+	if _, err := a2.cli.Revoke(ctx, l); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := a2.cli.Get(ctx, a2.tombKey(k2))
+	if err != nil || len(resp.Kvs) != 0 {
+		t.Fatalf("tombstone after its lease ended: %v, %v", resp.Kvs, err)
+	}
+}
