@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"path"
 	"path/filepath"
 	"strings"
 )
@@ -24,6 +25,9 @@ const (
 	DefaultSourceDir = "/opt/aether/bin"
 	// EniVlanBinary is the optional primary plugin's binary.
 	EniVlanBinary = "eni-vlan"
+	// CRISocketNone as EntryOptions.CRISocket turns aether-cni's CRI PID
+	// lookup off (`"cri_socket": ""`).
+	CRISocketNone = "none"
 )
 
 // EntryOptions are the netconf keys of the generated aether-cni entry.
@@ -32,6 +36,11 @@ type EntryOptions struct {
 	AgentSocket string
 	// PinDir is netns_pin_dir.
 	PinDir string
+	// CRISocket is cri_socket, the runtime's CRI endpoint aether-cni asks
+	// for a pod's PID when the netns path is not usable: "" leaves the
+	// plugin's default (containerd's), CRISocketNone turns the lookup
+	// off, anything else must be unix:///<absolute path>.
+	CRISocket string
 	// RedirectAll is capture.redirect_all.
 	RedirectAll bool
 	// LogLevel is the plugin's log_level ("" = the plugin's default).
@@ -61,6 +70,7 @@ func (o EntryOptions) Entry() ([]byte, error) {
 		Type         string          `json:"type"`
 		AgentSocket  string          `json:"agent_socket"`
 		PinDir       string          `json:"netns_pin_dir"`
+		CRISocket    *string         `json:"cri_socket,omitempty"`
 		Capture      capture         `json:"capture"`
 		Failure      string          `json:"capture_failure,omitempty"`
 		LogLevel     string          `json:"log_level,omitempty"`
@@ -75,6 +85,15 @@ func (o EntryOptions) Entry() ([]byte, error) {
 		Failure:      o.CaptureFailure,
 		LogLevel:     o.LogLevel,
 		Capabilities: map[string]bool{"io.kubernetes.cri.pod-annotations": true},
+	}
+	switch cri := o.CRISocket; {
+	case cri == "":
+	case cri == CRISocketNone:
+		e.CRISocket = new("")
+	case strings.HasPrefix(cri, "unix:///") && path.Clean(strings.TrimPrefix(cri, "unix://")) == strings.TrimPrefix(cri, "unix://"):
+		e.CRISocket = &cri
+	default:
+		return nil, fmt.Errorf("invalid CRI socket %q: must be unix:///<clean absolute path> (the runtime's CRI endpoint, such as k3s's unix:///run/k3s/containerd/containerd.sock), %s (no CRI PID lookup), or empty (the plugin's default, unix:///run/containerd/containerd.sock)", cri, CRISocketNone)
 	}
 	for _, p := range []struct{ key, v string }{{"agent_socket", o.AgentSocket}, {"netns_pin_dir", o.PinDir}} {
 		if !filepath.IsAbs(p.v) {
@@ -129,6 +148,7 @@ func ParseFlags(args []string, out io.Writer) (*Options, error) {
 	fs.BoolVar(&withVlan, "install-eni-vlan", false, "also copy the eni-vlan plugin (aether-cni is always copied)")
 	fs.StringVar(&entry.AgentSocket, "agent-socket", DefaultAgentSocket, "agent_socket of the chained aether-cni entry")
 	fs.StringVar(&entry.PinDir, "netns-pin-dir", DefaultPinDir, "netns_pin_dir of the chained aether-cni entry")
+	fs.StringVar(&entry.CRISocket, "cri-socket", "", "cri_socket of the chained aether-cni entry: the runtime's CRI endpoint (unix:///<path>) for the PID lookup when a netns path is not usable; none turns the lookup off; empty = the plugin's default, containerd's unix:///run/containerd/containerd.sock")
 	fs.BoolVar(&entry.RedirectAll, "redirect-all", true, "capture.redirect_all of the chained aether-cni entry")
 	fs.StringVar(&entry.CaptureFailure, "capture-failure", "", "capture_failure of the chained aether-cni entry: fail (a pod whose divert or readiness probe fails does not start) or open (it starts uncaptured); empty = the plugin's default, fail")
 	fs.BoolVar(&entry.InboundCapture, "inbound-capture", false, "capture.inbound_capture of the chained aether-cni entry: redirect plaintext inbound TCP to the proxy (needed for a strict inbound policy)")

@@ -31,6 +31,18 @@ func TestParseFlags(t *testing.T) {
 			`{"type":"aether-cni","agent_socket":"/a.sock","netns_pin_dir":"/pins","capture":{},"capture_failure":"open","log_level":"debug","capabilities":{"io.kubernetes.cri.pod-annotations":true}}`,
 		},
 		{
+			"k3s's CRI socket",
+			[]string{"--cri-socket=unix:///run/k3s/containerd/containerd.sock"},
+			[]string{"aether-cni"},
+			`{"type":"aether-cni","agent_socket":"/run/aether/agent/cni.sock","netns_pin_dir":"/run/aether/netns","cri_socket":"unix:///run/k3s/containerd/containerd.sock","capture":{"redirect_all":true},"capabilities":{"io.kubernetes.cri.pod-annotations":true}}`,
+		},
+		{
+			"no CRI lookup",
+			[]string{"--cri-socket=none"},
+			[]string{"aether-cni"},
+			`{"type":"aether-cni","agent_socket":"/run/aether/agent/cni.sock","netns_pin_dir":"/run/aether/netns","cri_socket":"","capture":{"redirect_all":true},"capabilities":{"io.kubernetes.cri.pod-annotations":true}}`,
+		},
+		{
 			"inbound redirect",
 			[]string{"--inbound-capture", "--inbound-plaintext-allow-cidrs=10.88.0.1, fd00::/64"},
 			[]string{"aether-cni"},
@@ -59,7 +71,7 @@ func TestParseFlags(t *testing.T) {
 			}
 		})
 	}
-	for _, bad := range [][]string{{"--plugin-log-level=loud"}, {"--netns-pin-dir=rel"}, {"--plugin-config=/nonexistent"}, {"--log-level=trace"}, {"--uninstall-on-exit=sometimes"}, {"--capture-failure=ignore"}, {"--inbound-plaintext-allow-cidrs=node"}} {
+	for _, bad := range [][]string{{"--plugin-log-level=loud"}, {"--netns-pin-dir=rel"}, {"--plugin-config=/nonexistent"}, {"--log-level=trace"}, {"--uninstall-on-exit=sometimes"}, {"--capture-failure=ignore"}, {"--inbound-plaintext-allow-cidrs=node"}, {"--cri-socket=/run/containerd/containerd.sock"}, {"--cri-socket=unix://run/x.sock"}, {"--cri-socket=unix:///run/../x.sock"}} {
 		if _, err := ParseFlags(bad, io.Discard); err == nil {
 			t.Errorf("ParseFlags(%v) succeeded; want an error", bad)
 		}

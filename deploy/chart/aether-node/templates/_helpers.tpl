@@ -153,6 +153,14 @@ a mount of its own at the same path in the containers).
 {{- if not (has .Values.cni.pluginLogLevel (append $levels "")) -}}
 {{- fail (printf "invalid cni.pluginLogLevel %q: must be empty, debug, info, warn or error" .Values.cni.pluginLogLevel) -}}
 {{- end -}}
+{{- with .Values.cni.criSocket -}}
+{{- if not (and (kindIs "string" .) (or (eq . "none") (regexMatch "^unix:///[A-Za-z0-9._+@/-]+$" .))) -}}
+{{- fail (printf "invalid cni.criSocket %v: must be empty (the plugin's default, containerd's unix:///run/containerd/containerd.sock), none, or unix:///<absolute host path> such as k3s's unix:///run/k3s/containerd/containerd.sock" .) -}}
+{{- end -}}
+{{- if and (ne . "none") (ne (clean (trimPrefix "unix://" .)) (trimPrefix "unix://" .)) -}}
+{{- fail (printf "invalid cni.criSocket %q: the path must be clean (no trailing slash, no . or .., no //)" .) -}}
+{{- end -}}
+{{- end -}}
 {{- if not (has .Values.cni.captureFailure (list "fail" "open")) -}}
 {{- fail (printf "invalid cni.captureFailure %q: must be fail or open" .Values.cni.captureFailure) -}}
 {{- end -}}
