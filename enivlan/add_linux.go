@@ -247,9 +247,9 @@ func (c *addCall) bind() error {
 // previous holder, write the ownership record into the file prepareRecord
 // made (before the link when the pair had no record, after it when the
 // record was this attachment's own) and create the link under a temporary
-// name in the pod netns. Its undos delete the link and drop the record. On failure those
-// two undos run before the lock is released (so no other ADD finds a device
-// without its record) and IPAM's after it.
+// name in the pod netns. Its undos delete the link and drop the record. On
+// failure those two undos run before the lock is released (so no other ADD
+// finds a device without its record) and IPAM's after it.
 func (c *addCall) claim() (err error) {
 	unlock, err := lockState(c.conf.StateDir)
 	if err != nil {
