@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
+	"os"
 	"time"
 
 	"github.com/containernetworking/cni/pkg/skel"
@@ -57,6 +58,9 @@ type addCall struct {
 
 	res           *current.Result
 	closerStarted bool // PrepareCloser was called
+	recReady      chan struct{}
+	recFile       *os.File // the record's file from prepareRecord, until committed
+	recErr        error
 	fam           families
 	endpoints     Endpoints
 	binding       *spiderpool.Binding
@@ -146,6 +150,12 @@ func (c *addCall) close() {
 		c.endpoints.Close()
 	}
 	_ = c.podNS.Close()
+	if c.recReady != nil {
+		<-c.recReady
+		if c.recFile != nil {
+			discardRecordFile(c.recFile)
+		}
+	}
 	if c.closerStarted && c.p.WaitCloser != nil {
 		if err := c.p.WaitCloser(); err != nil {
 			c.log.Debug("socket closer did not start; the pre-flight's sockets are released at exit", "error", err.Error())
@@ -167,6 +177,7 @@ func (c *addCall) run() error {
 		c.p.PrepareCloser()
 		c.closerStarted = true
 	}
+	c.prepareRecord()
 	if err := c.t.time(&c.t.endpoint, c.bind); err != nil {
 		return err
 	}
@@ -233,11 +244,12 @@ func (c *addCall) bind() error {
 }
 
 // claim makes (master, VLAN ID) this pod's under the state lock: resolve a
-// previous holder, create the link under a temporary name in the pod netns
-// and write the ownership record (at the same time when the pair had no
-// record). Its undos delete the link and drop the record. On failure those
-// two undos run before the lock is released (so no other ADD finds a device
-// without its record) and IPAM's after it.
+// previous holder, write the ownership record into the file prepareRecord
+// made (before the link when the pair had no record, after it when the
+// record was this attachment's own) and create the link under a temporary
+// name in the pod netns. Its undos delete the link and drop the record. On
+// failure those two undos run before the lock is released (so no other ADD
+// finds a device without its record) and IPAM's after it.
 func (c *addCall) claim() (err error) {
 	unlock, err := lockState(c.conf.StateDir)
 	if err != nil {
@@ -260,15 +272,19 @@ func (c *addCall) claim() (err error) {
 		Master: c.conf.Master, VLAN: vlan, MAC: c.binding.MAC.String(), ContainerID: cid, NetNS: c.args.Netns, IfName: c.args.IfName,
 		PodNamespace: k.PodNamespace, PodName: k.PodName, PodUID: k.PodUID,
 	}
+	f, err := c.recordFile()
+	if err != nil {
+		return err
+	}
 	// With no record for the pair (the usual case) the record is written
-	// while the kernel creates the link: neither needs the other, and both
-	// are undone under the lock if either fails, so no other ADD sees the
-	// difference. Our own record from an earlier attempt is only replaced
-	// once the link exists, as before: a failed link must not drop it.
-	var wrote chan error
+	// before the link is created: both are undone under the lock if either
+	// fails, so no other ADD sees the difference. Our own record from an
+	// earlier attempt is only replaced once the link exists: a failed link
+	// must not drop it.
 	if !own {
-		wrote = make(chan error, 1)
-		go func() { wrote <- writeRecord(c.conf.StateDir, rec) }()
+		if err := c.commitRecord(f, rec); err != nil {
+			return err
+		}
 	}
 	c.linkName = fmt.Sprintf("ev%x", time.Now().UnixNano()&0xffffffffff)
 	spec := link.Spec{
@@ -281,29 +297,51 @@ func (c *addCall) claim() (err error) {
 	} else {
 		err = c.p.Linker.Add(spec)
 	}
-	if err == nil {
-		c.undo.push(undo{
-			what:   func() string { return fmt.Sprintf("deleting link %q", c.linkName) },
-			logErr: func(log *slog.Logger, err error) { log.Error("failed to delete link after failed ADD", keyErr, err) },
-			fn:     func() error { return c.podNS.Do(func(ns.NetNS) error { return c.deleteLink() }) },
-		})
-	}
-	var werr error
-	if wrote != nil {
-		werr = <-wrote
-	} else if err == nil {
-		werr = writeRecord(c.conf.StateDir, rec)
-	}
-	if werr == nil && (err == nil || wrote != nil) {
-		c.undo.push(undo{fn: func() error { removeRecord(c.conf.StateDir, c.conf.Master, vlan); return nil }})
-	}
 	if errors.Is(err, link.ErrVLANExists) {
 		return fmt.Errorf("failed to create the link for pod %s/%s: VLAN %d on master %q is already held by a device eni-vlan has no record of (created outside eni-vlan?): %w", k.PodNamespace, k.PodName, vlan, c.conf.Master, err)
 	}
 	if err != nil {
 		return err
 	}
-	return werr
+	c.undo.push(undo{
+		what:   func() string { return fmt.Sprintf("deleting link %q", c.linkName) },
+		logErr: func(log *slog.Logger, err error) { log.Error("failed to delete link after failed ADD", keyErr, err) },
+		fn:     func() error { return c.podNS.Do(func(ns.NetNS) error { return c.deleteLink() }) },
+	})
+	if own {
+		return c.commitRecord(f, rec)
+	}
+	return nil
+}
+
+// prepareRecord creates the ownership record's file (createRecordFile) on
+// another goroutine, while ADD waits for spiderpool-agent: a new inode is
+// the costly part of writing the record, and neither the pair nor the
+// state lock is needed for it. close joins it and removes the file if no
+// record was made of it.
+func (c *addCall) prepareRecord() {
+	c.recReady = make(chan struct{})
+	go func() {
+		defer close(c.recReady)
+		c.recFile, c.recErr = createRecordFile(c.conf.StateDir, c.args.ContainerID, c.args.IfName)
+	}()
+}
+
+// recordFile waits for prepareRecord's file.
+func (c *addCall) recordFile() (*os.File, error) {
+	<-c.recReady
+	return c.recFile, c.recErr
+}
+
+// commitRecord makes f the pair's ownership record (commitRecord; the
+// state lock is held) and pushes dropping it onto the undo stack.
+func (c *addCall) commitRecord(f *os.File, rec *record) error {
+	if err := commitRecord(f, c.conf.StateDir, rec); err != nil {
+		return err
+	}
+	c.recFile = nil
+	c.undo.push(undo{fn: func() error { removeRecord(c.conf.StateDir, rec.Master, rec.VLAN); return nil }})
+	return nil
 }
 
 // configure runs in the pod netns, entered once: rename the link to

@@ -257,6 +257,14 @@ func records(t *testing.T, dir string) []string {
 	return m
 }
 
+// recordFiles lists the record files an ADD prepares before it knows the
+// pair; none may be left once ADD returns.
+func recordFiles(t *testing.T, dir string) []string {
+	t.Helper()
+	m, _ := filepath.Glob(filepath.Join(dir, "*.tmp"))
+	return m
+}
+
 // TestAddFailsClosed drives every failure branch of ADD with fakes and
 // checks the CNI code, the message and that every undo ran exactly once:
 // IPAM released (if it allocated), no pod link, no ownership record, the
@@ -320,7 +328,8 @@ func TestAddFailsClosed(t *testing.T) {
 		{
 			name: "ownership record not writable", validate: true,
 			setup: func(t *testing.T, u *unit) {
-				if err := os.MkdirAll(filepath.Join(u.stateDir, "ens5.100.json.tmp"), 0o700); err != nil {
+				// The attachment's record file cannot be created.
+				if err := os.MkdirAll(filepath.Join(u.stateDir, "c0ffee.eth1.tmp"), 0o700); err != nil {
 					t.Fatal(err)
 				}
 			},
@@ -421,6 +430,9 @@ func TestAddFailsClosed(t *testing.T) {
 			if r := records(t, u.stateDir); len(r) != 0 && tt.name != "VLAN held by a live pod" {
 				t.Errorf("ownership records left: %v", r)
 			}
+			if r := recordFiles(t, u.stateDir); len(r) != 0 && tt.name != "ownership record not writable" {
+				t.Errorf("record files left: %v", r)
+			}
 			if u.prober.probes != tt.probes {
 				t.Errorf("pre-flight probed %d times, want %d", u.prober.probes, tt.probes)
 			}
@@ -486,6 +498,9 @@ func TestAddSteps(t *testing.T) {
 			})
 			if r := records(t, u.stateDir); len(r) != 1 || filepath.Base(r[0]) != "ens5.100.json" {
 				t.Errorf("records = %v, want ens5.100.json", r)
+			}
+			if r := recordFiles(t, u.stateDir); len(r) != 0 {
+				t.Errorf("record files left: %v", r)
 			}
 			if u.ipam.deletes != 0 {
 				t.Errorf("IPAM DEL ran %d times on success", u.ipam.deletes)
@@ -556,6 +571,9 @@ func TestAddKeepsOwnRecord(t *testing.T) {
 	if b, err := os.ReadFile(path); err != nil || string(b) != own {
 		t.Errorf("own record = %q, %v; want it kept as it was", b, err)
 	}
+	if r := recordFiles(t, u.stateDir); len(r) != 0 {
+		t.Errorf("record files left: %v", r)
+	}
 	if u.ipam.deletes != 1 {
 		t.Errorf("IPAM DEL ran %d times, want 1", u.ipam.deletes)
 	}
@@ -572,5 +590,25 @@ func TestAddBadArgs(t *testing.T) {
 	}
 	if u.ipam.adds != 0 {
 		t.Errorf("IPAM ADD ran %d times", u.ipam.adds)
+	}
+}
+
+// TestDelRemovesRecordFile: the record file an ADD prepares (and leaves
+// only if it dies before committing it) goes with the attachment's DEL;
+// another attachment's stays.
+func TestDelRemovesRecordFile(t *testing.T) {
+	u := newUnit(t)
+	mine, other := filepath.Join(u.stateDir, "c0ffee.eth1.tmp"), filepath.Join(u.stateDir, "c0ffee.eth2.tmp")
+	for _, p := range []string{mine, other} {
+		if err := os.WriteFile(p, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a := &skel.CmdArgs{ContainerID: "c0ffee", IfName: "eth1", Args: "K8S_POD_NAMESPACE=default;K8S_POD_NAME=web-0", StdinData: u.conf(true)}
+	if err := cniutil.Funcs(u.p.Verbs()).Del(a); err != nil {
+		t.Fatalf("DEL: %v", err)
+	}
+	if r := recordFiles(t, u.stateDir); len(r) != 1 || r[0] != other {
+		t.Errorf("record files after DEL = %v, want only %s", r, other)
 	}
 }

@@ -408,6 +408,8 @@ func (p *Plugin) Del(a *skel.CmdArgs) error {
 	}
 	if unlock, err := lockState(conf.StateDir); err == nil {
 		removeRecordsOf(conf.StateDir, k.ContainerID(a.ContainerID), a.IfName)
+		// An ADD that died before it committed its record file left it.
+		_ = os.Remove(recordFilePath(conf.StateDir, a.ContainerID, a.IfName))
 		unlock()
 	}
 	return nil

@@ -57,20 +57,58 @@ func readRecord(dir, master string, vlan int) (*record, error) {
 	return &r, nil
 }
 
-func writeRecord(dir string, r *record) error {
-	b, err := json.Marshal(r)
+// recordFilePath is the file an ADD prepares its record in before it
+// knows the (master, VLAN ID) pair: one name per attachment (a runtime
+// runs no two operations on one container at once), not a *.json name, so
+// the scans of the state directory never read it, and a process that died
+// before renaming it leaves at most one, which the attachment's DEL
+// removes.
+func recordFilePath(dir, containerID, ifName string) string {
+	return filepath.Join(dir, containerID+"."+ifName+".tmp")
+}
+
+// createRecordFile creates the state directory and the attachment's record
+// file (recordFilePath), truncated. Creating the file, the costly part of
+// writing a record (a new inode), needs neither the state lock nor the
+// pair, so ADD does it while it waits for spiderpool-agent.
+func createRecordFile(dir, containerID, ifName string) (*os.File, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("failed to write ownership record: failed to create state directory %q: %w", dir, err)
+	}
+	p := recordFilePath(dir, containerID, ifName)
+	f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
 	if err != nil {
-		return err
+		return nil, fmt.Errorf("failed to write ownership record: failed to create %q: %w", p, err)
 	}
+	return f, nil
+}
+
+// commitRecord writes r into f (from createRecordFile), closes it and
+// renames it to r's record path, replacing any record there at once.
+// Callers hold the state lock.
+func commitRecord(f *os.File, dir string, r *record) error {
 	p := recordPath(dir, r.Master, r.VLAN)
-	tmp := p + ".tmp"
-	if err := os.WriteFile(tmp, b, 0o600); err != nil {
-		return fmt.Errorf("failed to write ownership record %q: %w", p, err)
+	b, err := json.Marshal(r)
+	if err == nil {
+		_, err = f.Write(b)
 	}
-	if err := os.Rename(tmp, p); err != nil {
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(f.Name(), p)
+	}
+	if err != nil {
 		return fmt.Errorf("failed to write ownership record %q: %w", p, err)
 	}
 	return nil
+}
+
+// discardRecordFile closes and removes a record file that was not
+// committed.
+func discardRecordFile(f *os.File) {
+	_ = f.Close()
+	_ = os.Remove(f.Name())
 }
 
 func removeRecord(dir, master string, vlan int) {
