@@ -32,7 +32,6 @@ const goAwayTimeout = time.Second
 // buffer with room for the frame header in front and sends DATA frames.
 type h2Conn struct {
 	s        *Server
-	conn     h2Transport
 	peer     spiffeid.ID // the client's verified SPIFFE ID
 	fr       *http2.Framer
 	peerAddr netip.AddrPort
@@ -40,15 +39,7 @@ type h2Conn struct {
 	cancel   context.CancelFunc
 	done     chan struct{} // closed when the connection closes
 
-	// Frame writes are serialized by wmu. Control frames (SETTINGS and
-	// PING acks, WINDOW_UPDATE, RST_STREAM, GOAWAY) are appended to ctl
-	// and written ahead of the next write, or by writeLoop when wake is
-	// signaled: the read loop never waits for the connection's writer.
-	wmu   sync.Mutex
-	cmu   sync.Mutex
-	ctl   []byte
-	spare []byte
-	wake  chan struct{}
+	h2Out // frame writes and the control-frame queue
 
 	// The read loop's batch of DATA for one stream (readFrame): payloads
 	// batch[batchLo:batchDone] are complete and not written yet; one may
@@ -61,7 +52,6 @@ type h2Conn struct {
 	recvConn   atomic.Int64  // connection receive window left
 	connCredit atomic.Int64  // bytes taken by upstreams, not yet granted back
 	frames     atomic.Uint64 // frames read, for the ping check
-	flooded    atomic.Bool   // maxQueuedControl was passed: closing
 
 	mu           sync.Mutex
 	cond         sync.Cond // send windows grew, a stream stopped, or the connection closed
@@ -99,9 +89,9 @@ type h2Transport interface {
 func newH2Conn(s *Server, conn h2Transport, peer spiffeid.ID) *h2Conn {
 	ctx, cancel := context.WithCancel(context.Background())
 	c := &h2Conn{
-		s: s, conn: conn, peer: peer, ctx: ctx, cancel: cancel,
+		h2Out: newH2Out(conn),
+		s:     s, peer: peer, ctx: ctx, cancel: cancel,
 		done:         make(chan struct{}),
-		wake:         make(chan struct{}, 1),
 		streams:      map[uint32]*h2Stream{},
 		sendConn:     initialWindow,
 		peerInitial:  initialWindow,
@@ -571,28 +561,17 @@ func (c *h2Conn) creditConn(n int64) {
 	}
 }
 
-// queue appends control frames for the next write.
+// queue appends control frames for the next write; a client that lets
+// more than maxQueuedControl of them pile up loses its connection.
 func (c *h2Conn) queue(b []byte) {
-	c.cmu.Lock()
-	flooded := len(c.ctl)+len(b) > maxQueuedControl
-	if !flooded {
-		c.ctl = append(c.ctl, b...)
-	}
-	c.cmu.Unlock()
-	if flooded {
-		// Closed from another goroutine: queue may run under c.mu.
-		if c.flooded.CompareAndSwap(false, true) {
-			c.s.stat.controlFloods.Add(1)
-			c.s.log.Warn("closing hbone connection: its client does not read the control frames it asks for",
-				"source_id", c.peer.String(), "remote", c.conn.RemoteAddr().String(), "queued_bytes", maxQueuedControl)
-			go c.close(errors.New("over 1 MiB of control frames queued for a client that does not read"))
-		}
+	if !c.enqueue(b) {
 		return
 	}
-	select {
-	case c.wake <- struct{}{}:
-	default:
-	}
+	// Closed from another goroutine: queue may run under c.mu.
+	c.s.stat.controlFloods.Add(1)
+	c.s.log.Warn("closing hbone connection: its client does not read the control frames it asks for",
+		"source_id", c.peer.String(), "remote", c.conn.RemoteAddr().String(), "queued_bytes", maxQueuedControl)
+	go c.close(errors.New("over 1 MiB of control frames queued for a client that does not read"))
 }
 
 // writeLoop writes queued control frames nobody else wrote.
@@ -616,37 +595,6 @@ func (c *h2Conn) writeLoop() {
 			return
 		}
 	}
-}
-
-// writeFrames writes the queued control frames, then b, in one write(2).
-func (c *h2Conn) writeFrames(b []byte) error {
-	c.wmu.Lock()
-	defer c.wmu.Unlock()
-	c.conn.beginBatch()
-	err := c.writeQueuedLocked()
-	if err == nil && len(b) > 0 {
-		_, err = c.conn.Write(b)
-	}
-	if ferr := c.conn.endBatch(); err == nil {
-		err = ferr
-	}
-	return err
-}
-
-// writeQueuedLocked writes the queued control frames (wmu held).
-func (c *h2Conn) writeQueuedLocked() error {
-	c.cmu.Lock()
-	b := c.ctl
-	c.ctl, c.spare = c.spare, nil
-	c.cmu.Unlock()
-	if len(b) == 0 {
-		return nil
-	}
-	_, err := c.conn.Write(b)
-	c.cmu.Lock()
-	c.spare = b[:0]
-	c.cmu.Unlock()
-	return err
 }
 
 // fail ends the connection on a connection error: GOAWAY with code, close.

@@ -729,3 +729,78 @@ func TestSlowStreamDoesNotStallOthers(t *testing.T) {
 	_ = stuck.Close()
 	<-writerDone
 }
+
+// silencingConn is a client connection whose incoming bytes can be cut
+// off (the network goes silent): once silenced, reads drop what comes
+// and block until Close.
+type silencingConn struct {
+	net.Conn
+	silent, closed chan struct{}
+	once           sync.Once
+}
+
+func (c *silencingConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	select {
+	case <-c.silent:
+		<-c.closed
+		return 0, net.ErrClosed
+	default:
+		return n, err
+	}
+}
+
+func (c *silencingConn) Close() error {
+	c.once.Do(func() { close(c.closed) })
+	return c.Conn.Close()
+}
+
+// TestPingTimeoutEvicts: a pooled connection whose server goes silent gets
+// a PING and is closed when the ack does not come within PingTimeout; its
+// stream fails with an error (not EOF) and the next Dial evicts it and
+// opens a new connection.
+func TestPingTimeoutEvicts(t *testing.T) {
+	e := newEnv(t, nil)
+	var mu sync.Mutex
+	var conns []*silencingConn
+	d, err := hbone.NewDialer(hbone.DialerConfig{
+		Certs:        e.certs,
+		PingInterval: 10 * time.Millisecond, PingTimeout: 10 * time.Millisecond,
+		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			var nd net.Dialer
+			c, err := nd.DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			sc := &silencingConn{Conn: c, silent: make(chan struct{}), closed: make(chan struct{})}
+			mu.Lock()
+			conns = append(conns, sc)
+			mu.Unlock()
+			return sc, nil
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	s, err := d.Dial(context.Background(), e.request())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	mu.Lock()
+	close(conns[0].silent)
+	mu.Unlock()
+	if _, err := s.Read(make([]byte, 1)); err == nil || errors.Is(err, io.EOF) {
+		t.Fatalf("read on a connection whose pings go unanswered = %v, want an error", err)
+	}
+	s2, err := d.Dial(context.Background(), e.request())
+	if err != nil {
+		t.Fatal(err)
+	}
+	roundTrip(t, s2, []byte("after"))
+	_ = s2.Close()
+	if st := d.Stats(); st.ConnsOpened != 2 || st.ConnsEvicted != 1 || st.ConnsPooled != 1 {
+		t.Errorf("dialer stats = %+v, want 2 opened, 1 evicted, 1 pooled", st)
+	}
+}
