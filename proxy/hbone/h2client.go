@@ -10,7 +10,6 @@ import (
 	"net/netip"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -52,9 +51,7 @@ type h2Client struct {
 	// the connection failed before).
 	ready chan struct{}
 
-	recvConn   atomic.Int64  // connection receive window left
-	connCredit atomic.Int64  // bytes Read took, not yet granted back
-	frames     atomic.Uint64 // frames read, for the ping check
+	keep h2Keepalive // the ping check
 
 	mu           sync.Mutex
 	cond         sync.Cond // send windows grew, a stream ended, or the connection closed
@@ -69,15 +66,11 @@ type h2Client struct {
 	sendConn     int64 // connection send window
 	peerInitial  int64 // the server's SETTINGS_INITIAL_WINDOW_SIZE
 	peerMaxFrame int   // the server's SETTINGS_MAX_FRAME_SIZE
-	ping         *time.Timer
-	pinging      bool   // a PING of ours awaits its ack
-	pingFrames   uint64 // frames at the last ping check
 }
 
 func newH2Client(cfg *DialerConfig, log *slog.Logger, wg *sync.WaitGroup, conn h2Transport, peer spiffeid.ID) *h2Client {
 	c := &h2Client{
-		h2Out: newH2Out(conn),
-		cfg:   cfg, log: log, peer: peer, wg: wg,
+		cfg: cfg, log: log, peer: peer, wg: wg,
 		done:         make(chan struct{}),
 		ready:        make(chan struct{}),
 		streams:      map[uint32]*Stream{},
@@ -88,7 +81,7 @@ func newH2Client(cfg *DialerConfig, log *slog.Logger, wg *sync.WaitGroup, conn h
 		peerMaxFrame: DefaultMaxFrameSize,
 	}
 	c.cond.L = &c.mu
-	c.recvConn.Store(int64(cfg.ConnWindow))
+	c.h2Out.init(conn, cfg.ConnWindow, c.flood)
 	c.fr = http2.NewFramer(nil, conn)
 	c.fr.SetReuseFrames()
 	c.fr.SetMaxReadFrameSize(uint32(cfg.MaxFrameSize))
@@ -115,9 +108,9 @@ func (c *h2Client) start(ctx context.Context) error {
 		c.close(err)
 		return err
 	}
-	c.mu.Lock()
-	c.ping = time.AfterFunc(c.cfg.PingInterval, c.pingCheck)
-	c.mu.Unlock()
+	c.keep.start(c.cfg.PingInterval, c.cfg.PingTimeout, c.queue, func() {
+		c.close(fmt.Errorf("%w: no ping ack within %s", errConnClosed, c.cfg.PingTimeout))
+	})
 	go c.readLoop()
 	go c.writeLoop()
 	select {
@@ -280,7 +273,7 @@ func (c *h2Client) readFrames() error {
 			}
 			return err
 		}
-		c.frames.Add(1)
+		c.keep.frames.Add(1)
 		if first && fh.Type != http2.FrameSettings {
 			return connErrorf(http2.ErrCodeProtocol, "first http/2 frame from the server is not SETTINGS")
 		}
@@ -299,47 +292,21 @@ func (c *h2Client) readFrames() error {
 			}
 			return err
 		}
-		if err := c.handle(f); err != nil {
+		if err := handleFrame(c, c.queue, &c.keep, f); err != nil {
 			return err
 		}
 	}
 }
 
-// handle processes one frame; an error is a connection error.
-func (c *h2Client) handle(f http2.Frame) error {
-	switch f := f.(type) {
-	case *http2.DataFrame: // padded
-		return c.onData(f.FrameHeader, f)
-	case *http2.MetaHeadersFrame:
-		return c.onHeaders(f)
-	case *http2.SettingsFrame:
-		if f.IsAck() {
-			return nil
-		}
-		return c.onSettings(f)
-	case *http2.WindowUpdateFrame:
-		return c.onWindowUpdate(f)
-	case *http2.RSTStreamFrame:
-		st, err := c.stream(f.StreamID, "RST_STREAM")
-		if st != nil {
-			st.onReset(f.ErrCode)
-		}
-		return err
-	case *http2.PingFrame:
-		if !f.IsAck() {
-			c.queue(appendPing(nil, true, f.Data))
-			return nil
-		}
-		c.mu.Lock()
-		c.pinging = false
-		c.mu.Unlock()
-	case *http2.GoAwayFrame:
-		c.onGoAway(f.LastStreamID, f.ErrCode)
-	case *http2.PushPromiseFrame:
-		return connErrorf(http2.ErrCodeProtocol, "PUSH_PROMISE with push disabled")
+// onDataFrame takes a padded DATA frame (the Framer read it).
+func (c *h2Client) onDataFrame(f *http2.DataFrame) error { return c.onData(f.FrameHeader, f) }
+
+func (c *h2Client) onRSTStream(f *http2.RSTStreamFrame) error {
+	st, err := c.stream(f.StreamID, "RST_STREAM")
+	if st != nil {
+		st.onReset(f.ErrCode)
 	}
-	// PRIORITY and unknown frame types are ignored (RFC 9113 §5.5, §6.3).
-	return nil
+	return err
 }
 
 // stream returns the open stream id; nil when it is closed (an error when
@@ -393,28 +360,26 @@ func (c *h2Client) onSettings(f *http2.SettingsFrame) error {
 }
 
 func (c *h2Client) onWindowUpdate(f *http2.WindowUpdateFrame) error {
-	inc := int64(f.Increment)
-	if f.StreamID == 0 {
-		c.mu.Lock()
-		c.sendConn += inc
-		over := c.sendConn > maxWindow
-		c.cond.Broadcast()
-		c.mu.Unlock()
-		if over {
-			return connErrorf(http2.ErrCodeFlowControl, "connection window above 2^31-1")
+	var st *Stream
+	if f.StreamID != 0 {
+		var err error
+		if st, err = c.stream(f.StreamID, "WINDOW_UPDATE"); st == nil {
+			return err // closed (nil: ignored) or idle
 		}
-		return nil
-	}
-	st, err := c.stream(f.StreamID, "WINDOW_UPDATE")
-	if st == nil {
-		return err
 	}
 	c.mu.Lock()
-	st.sendWin += inc
-	over := st.sendWin > maxWindow
+	win := &c.sendConn
+	if st != nil {
+		win = &st.sendWin
+	}
+	*win += int64(f.Increment)
+	over := *win > maxWindow
 	c.cond.Broadcast()
 	c.mu.Unlock()
-	if over {
+	switch {
+	case over && st == nil:
+		return connErrorf(http2.ErrCodeFlowControl, "connection window above 2^31-1")
+	case over:
 		c.streamError(f.StreamID, http2.ErrCodeFlowControl, errors.New("server grew the stream window above 2^31-1"))
 	}
 	return nil
@@ -463,7 +428,7 @@ func (c *h2Client) onHeaders(f *http2.MetaHeadersFrame) error {
 // from the connection; padded: in f) goes to its stream.
 func (c *h2Client) onData(fh http2.FrameHeader, f *http2.DataFrame) error {
 	n := int64(fh.Length)
-	if c.recvConn.Add(-n) < 0 {
+	if c.recvConn.left.Add(-n) < 0 {
 		return connErrorf(http2.ErrCodeFlowControl, "DATA beyond the connection window")
 	}
 	st, err := c.stream(fh.StreamID, "DATA")
@@ -493,9 +458,10 @@ func (c *h2Client) discard(n int64) error {
 	return err
 }
 
-// onGoAway stops new streams; streams above last were not processed and
-// fail (Dial retries them on a new connection).
-func (c *h2Client) onGoAway(last uint32, code http2.ErrCode) {
+// onGoAway stops new streams; streams above its last stream ID were not
+// processed and fail (Dial retries them on a new connection).
+func (c *h2Client) onGoAway(f *http2.GoAwayFrame) {
+	last, code := f.LastStreamID, f.ErrCode
 	c.mu.Lock()
 	c.goingAway = true
 	var gone []*Stream
@@ -530,27 +496,9 @@ func (c *h2Client) streamError(id uint32, code http2.ErrCode, err error) {
 	c.queue(appendRSTStream(nil, id, code))
 }
 
-// creditConn returns n bytes of the connection's receive window; a
-// WINDOW_UPDATE goes out once a quarter of the window is due.
-func (c *h2Client) creditConn(n int64) {
-	if n <= 0 {
-		return
-	}
-	if c.connCredit.Add(n) < int64(c.cfg.ConnWindow)/4 {
-		return
-	}
-	if inc := c.connCredit.Swap(0); inc > 0 {
-		c.recvConn.Add(inc)
-		c.queue(appendWindowUpdate(nil, 0, uint32(inc)))
-	}
-}
-
-// queue appends control frames for the next write; a server that lets
-// more than maxQueuedControl of them pile up loses its connection.
-func (c *h2Client) queue(b []byte) {
-	if !c.enqueue(b) {
-		return
-	}
+// flood closes a connection whose server lets more than maxQueuedControl
+// of control frames pile up (h2Out.onFlood).
+func (c *h2Client) flood() {
 	c.log.Warn("closing hbone connection: its server does not read the control frames it asks for",
 		"remote", c.conn.RemoteAddr().String(), "queued_bytes", maxQueuedControl)
 	// Closed from another goroutine: queue may run under a stream's lock.
@@ -560,43 +508,7 @@ func (c *h2Client) queue(b []byte) {
 // writeLoop writes queued control frames nobody else wrote.
 func (c *h2Client) writeLoop() {
 	defer c.wg.Done()
-	for {
-		select {
-		case <-c.wake:
-		case <-c.done:
-			return
-		}
-		if err := c.writeFrames(nil); err != nil {
-			c.close(err)
-			return
-		}
-	}
-}
-
-// pingCheck runs every PingInterval: a connection that read no frame since
-// the last check gets a PING, and is closed when PingTimeout passes
-// without its ack.
-func (c *h2Client) pingCheck() {
-	c.mu.Lock()
-	if c.closed {
-		c.mu.Unlock()
-		return
-	}
-	if c.pinging {
-		c.mu.Unlock()
-		c.close(fmt.Errorf("%w: no ping ack within %s", errConnClosed, c.cfg.PingTimeout))
-		return
-	}
-	if n := c.frames.Load(); n != c.pingFrames {
-		c.pingFrames = n
-		c.ping.Reset(c.cfg.PingInterval)
-		c.mu.Unlock()
-		return
-	}
-	c.pinging = true
-	c.ping.Reset(c.cfg.PingTimeout)
-	c.mu.Unlock()
-	c.queue(appendPing(nil, false, [8]byte{'h', 'b', 'o', 'n', 'e'}))
+	c.close(c.writeControl(c.done, nil))
 }
 
 // fail ends the connection on a connection error: GOAWAY with code, close.
@@ -625,9 +537,7 @@ func (c *h2Client) close(err error) {
 		streams = append(streams, st)
 	}
 	clear(c.streams)
-	if c.ping != nil {
-		c.ping.Stop()
-	}
+	c.keep.stop()
 	settled := c.settled
 	c.settled = true
 	c.cond.Broadcast()

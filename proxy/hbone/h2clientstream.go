@@ -136,14 +136,7 @@ func (s *Stream) takeLocked(p []byte) int {
 // creditLocked counts n bytes taken by Read and returns a stream
 // WINDOW_UPDATE once a quarter of the window is due (mu held).
 func (s *Stream) creditLocked(n int) []byte {
-	s.credit += int64(n)
-	if s.remoteEnd || s.credit < int64(s.c.cfg.StreamWindow)/4 {
-		return nil
-	}
-	inc := s.credit
-	s.credit = 0
-	s.recvWin += inc
-	return appendWindowUpdate(nil, s.id, uint32(inc))
+	return grantStream(s.id, &s.credit, &s.recvWin, int64(n), int64(s.c.cfg.StreamWindow), s.remoteEnd)
 }
 
 // dropQueueLocked releases the queue and returns how many bytes it held
@@ -415,29 +408,15 @@ func (s *Stream) writeFramed(b []byte, wrote func(int)) error {
 		if err != nil {
 			return err
 		}
-		err = func() error {
-			c.wmu.Lock()
-			defer c.wmu.Unlock()
-			c.conn.beginBatch()
-			err := c.writeQueuedLocked()
-			for err == nil && m > 0 {
-				k := min(m, maxFrame)
-				if whole := (k+frameHeaderLen)/tlsRecord*tlsRecord - frameHeaderLen; whole > 0 {
-					k = whole
-				}
-				putFrameHeader(b[off:], k, http2.FrameData, 0, s.id)
-				_, err = c.conn.Write(b[off : off+frameHeaderLen+k])
-				off += k
-				m -= k
-				if err == nil && wrote != nil {
-					wrote(k)
-				}
+		c.wmu.Lock()
+		off, err = c.writeDataLocked(b, off, m, s.id, func(left int) int {
+			k := min(left, maxFrame)
+			if whole := (k+frameHeaderLen)/tlsRecord*tlsRecord - frameHeaderLen; whole > 0 {
+				return whole
 			}
-			if ferr := c.conn.endBatch(); err == nil {
-				err = ferr
-			}
-			return err
-		}()
+			return k
+		}, wrote)
+		c.wmu.Unlock()
 		if err != nil {
 			c.close(err)
 			return fmt.Errorf("failed to write to hbone stream: %w", err)
