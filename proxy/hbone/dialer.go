@@ -320,7 +320,7 @@ func (d *Dialer) evict(key poolKey, cc *h2Client) {
 			d.stat.connsEvicted.Add(1)
 			d.stat.connsPooled.Add(-1)
 			// A working connection finishes its streams and closes.
-			go cc.drain()
+			cc.drain()
 			return
 		}
 	}

@@ -165,9 +165,17 @@ func (c *h2Client) unreserve() {
 func (c *h2Client) drain() {
 	c.mu.Lock()
 	c.goingAway = true
-	idle := len(c.streams) == 0 && c.reserved == 0
 	c.mu.Unlock()
-	if idle {
+	c.closeIfDone()
+}
+
+// closeIfDone closes a connection that takes no new streams once it has
+// none left (nor slots reserved for them).
+func (c *h2Client) closeIfDone() {
+	c.mu.Lock()
+	done := c.goingAway && !c.closed && len(c.streams) == 0 && c.reserved == 0
+	c.mu.Unlock()
+	if done {
 		c.close(errConnClosed)
 	}
 }
@@ -188,6 +196,7 @@ func (c *h2Client) openStream(ctx context.Context, target netip.AddrPort) (*Stre
 		}
 		c.mu.Unlock()
 		c.wmu.Unlock()
+		c.closeIfDone()
 		return nil, err
 	}
 	st.id = c.nextID
@@ -476,12 +485,7 @@ func (c *h2Client) onGoAway(f *http2.GoAwayFrame) {
 		st.fail(errGoAway)
 		c.removeStream(st)
 	}
-	c.mu.Lock()
-	idle := len(c.streams) == 0 && c.reserved == 0
-	c.mu.Unlock()
-	if idle {
-		c.close(fmt.Errorf("%w: GOAWAY %s", errConnClosed, code))
-	}
+	c.closeIfDone()
 }
 
 // streamError resets stream id with code and fails it with err.
@@ -561,9 +565,6 @@ func (c *h2Client) removeStream(st *Stream) {
 		delete(c.streams, st.id)
 	}
 	c.cond.Broadcast()
-	closing := c.goingAway && !c.closed && len(c.streams) == 0 && c.reserved == 0
 	c.mu.Unlock()
-	if closing {
-		c.close(errConnClosed)
-	}
+	c.closeIfDone()
 }
