@@ -366,3 +366,65 @@ func TestClientStatusAndReset(t *testing.T) {
 	c.close(nil)
 	wg.Wait()
 }
+
+// observedStream is a StreamWriter over a Stream that counts what Copy
+// wrote to it directly.
+type observedStream struct {
+	*Stream
+	direct int
+}
+
+func (o *observedStream) HBONEStream() *Stream { return o.Stream }
+func (o *observedStream) StreamWritten(n int)  { o.direct += n }
+
+// TestCopyIntoStream: Copy of a socket into a Stream (through a
+// StreamWriter) sends every byte in order as DATA frames of at most 16,375
+// bytes against a 16 KiB MAX_FRAME_SIZE (frame and header fit one 16 KiB
+// TLS record), and reports them to StreamWritten.
+func TestCopyIntoStream(t *testing.T) {
+	ln := loopbackListener(t)
+	c, fs, wg := newClientPair(t, ln, testDialerConfig())
+	if err := fs.start(c, wg, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	if err := fs.fr.WriteWindowUpdate(0, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	st := fs.open(c)
+	w, err := net.DialTCP("tcp", nil, ln.Addr().(*net.TCPAddr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := ln.AcceptTCP()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = w.Close(); _ = r.Close() })
+	src := make([]byte, 300<<10)
+	for i := range src {
+		src[i] = byte(i * 7)
+	}
+	go func() {
+		_, _ = w.Write(src)
+		_ = w.CloseWrite()
+	}()
+	obs := &observedStream{Stream: st}
+	copied := make(chan error, 1)
+	go func() { copied <- Copy(obs, r) }()
+	var got []byte
+	for len(got) < len(src) {
+		d := fs.next(http2.FrameData).(*http2.DataFrame)
+		if n := len(d.Data()); n >= 1<<14 {
+			t.Fatalf("DATA frame of %d bytes, want at most %d (a frame and its header in one record)", n, 1<<14-frameHeaderLen)
+		}
+		got = append(got, d.Data()...)
+	}
+	if err := <-copied; err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, src) || obs.direct != len(src) {
+		t.Fatalf("server got %d bytes (equal %v), StreamWritten told %d, want %d", len(got), bytes.Equal(got, src), obs.direct, len(src))
+	}
+	c.close(nil)
+	wg.Wait()
+}
