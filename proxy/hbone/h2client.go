@@ -81,7 +81,7 @@ func newH2Client(cfg *DialerConfig, log *slog.Logger, wg *sync.WaitGroup, conn h
 		peerMaxFrame: DefaultMaxFrameSize,
 	}
 	c.cond.L = &c.mu
-	c.h2Out.init(conn, cfg.ConnWindow, c.flood)
+	c.initOut(conn, cfg.ConnWindow, c.flood)
 	c.fr = http2.NewFramer(nil, conn)
 	c.fr.SetReuseFrames()
 	c.fr.SetMaxReadFrameSize(uint32(cfg.MaxFrameSize))
@@ -151,13 +151,6 @@ func (c *h2Client) reserve() bool {
 	}
 	c.reserved++
 	return true
-}
-
-// unreserve gives back a slot reserve took.
-func (c *h2Client) unreserve() {
-	c.mu.Lock()
-	c.reserved--
-	c.mu.Unlock()
 }
 
 // drain takes no new streams and closes the connection once its streams

@@ -95,7 +95,7 @@ func newH2Conn(s *Server, conn h2Transport, peer spiffeid.ID) *h2Conn {
 		ap := a.AddrPort()
 		c.peerAddr = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
 	}
-	c.h2Out.init(conn, s.cfg.ConnWindow, c.flood)
+	c.initOut(conn, s.cfg.ConnWindow, c.flood)
 	conn.setBeforeRead(c.flushBatch)
 	c.fr = http2.NewFramer(nil, conn)
 	c.fr.SetReuseFrames()

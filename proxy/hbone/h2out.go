@@ -32,7 +32,8 @@ type h2Out struct {
 	recvConn recvWindow // bytes consumed are granted back
 }
 
-func (o *h2Out) init(conn h2Transport, connWindow int, onFlood func()) {
+// initOut sets the connection, its receive window and the flood hook.
+func (o *h2Out) initOut(conn h2Transport, connWindow int, onFlood func()) {
 	o.conn, o.wake, o.onFlood = conn, make(chan struct{}, 1), onFlood
 	o.recvConn.init(connWindow)
 }
