@@ -104,15 +104,17 @@ func (c *h2Client) start(ctx context.Context) error {
 	if c.cfg.ConnWindow > initialWindow {
 		b = appendWindowUpdate(b, 0, uint32(c.cfg.ConnWindow-initialWindow))
 	}
+	// The loops first: they end when the connection closes, also when
+	// this write fails.
+	go c.readLoop()
+	go c.writeLoop()
 	if err := c.writeFrames(b); err != nil {
 		c.close(err)
-		return err
+		return fmt.Errorf("failed to send the http/2 preface: %w", err)
 	}
 	c.keep.start(c.cfg.PingInterval, c.cfg.PingTimeout, c.queue, func() {
 		c.close(fmt.Errorf("%w: no ping ack within %s", errConnClosed, c.cfg.PingTimeout))
 	})
-	go c.readLoop()
-	go c.writeLoop()
 	select {
 	case <-c.ready:
 	case <-ctx.Done():
