@@ -80,11 +80,10 @@ func FuzzClientConn(f *testing.F) {
 		f.Add(s.Bytes())
 	}
 
-	ln := loopbackListener(f)
 	cfg := testDialerConfig()
 	cfg.StreamWindow, cfg.ConnWindow = 1<<16, 1<<17
 	f.Fuzz(func(t *testing.T, in []byte) {
-		c, fs, wg := newClientPair(t, ln, cfg)
+		c, fs, wg := newClientPair(t, cfg)
 		if err := fs.start(c, wg); err != nil {
 			t.Fatal(err)
 		}

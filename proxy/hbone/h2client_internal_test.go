@@ -36,20 +36,32 @@ func testDialerConfig() *DialerConfig {
 	}
 }
 
+// tcpPair returns the two ends of a loopback TCP connection.
+func tcpPair(tb testing.TB) (a, b *net.TCPConn) {
+	tb.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer l.Close()
+	c, err := net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		tb.Fatal(err)
+	}
+	s, err := l.Accept()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = c.Close(); _ = s.Close() })
+	return c.(*net.TCPConn), s.(*net.TCPConn)
+}
+
 // newClientPair connects a client engine (cfg) over loopback TCP to a
 // fakeServer and returns both; the client is not started. wg counts the
 // engine's goroutines once started.
-func newClientPair(tb testing.TB, ln *net.TCPListener, cfg *DialerConfig) (*h2Client, *fakeServer, *sync.WaitGroup) {
+func newClientPair(tb testing.TB, cfg *DialerConfig) (*h2Client, *fakeServer, *sync.WaitGroup) {
 	tb.Helper()
-	cli, err := net.DialTCP("tcp", nil, ln.Addr().(*net.TCPAddr))
-	if err != nil {
-		tb.Fatal(err)
-	}
-	srv, err := ln.AcceptTCP()
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { _ = srv.Close(); _ = cli.Close() })
+	cli, srv := tcpPair(tb)
 	pc := &plainConn{TCPConn: cli}
 	pc.setBeforeRead(func() {})
 	wg := &sync.WaitGroup{}
@@ -134,8 +146,7 @@ func (fs *fakeServer) open(c *h2Client) *Stream {
 // bounds the stream slots, its INITIAL_WINDOW_SIZE bounds what a Write sends
 // before a WINDOW_UPDATE, and its MAX_FRAME_SIZE bounds every DATA frame.
 func TestClientHonoursServerSettings(t *testing.T) {
-	ln := loopbackListener(t)
-	c, fs, wg := newClientPair(t, ln, testDialerConfig())
+	c, fs, wg := newClientPair(t, testDialerConfig())
 	if err := fs.start(c, wg,
 		http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: 1},
 		http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1000},
@@ -200,10 +211,9 @@ func TestClientHonoursServerSettings(t *testing.T) {
 // stream window we advertised gets GOAWAY FLOW_CONTROL_ERROR, and the
 // stream fails with an error (not EOF).
 func TestClientFlowControlViolation(t *testing.T) {
-	ln := loopbackListener(t)
 	cfg := testDialerConfig()
 	cfg.StreamWindow = 1000
-	c, fs, wg := newClientPair(t, ln, cfg)
+	c, fs, wg := newClientPair(t, cfg)
 	if err := fs.start(c, wg); err != nil {
 		t.Fatal(err)
 	}
@@ -227,8 +237,7 @@ func TestClientFlowControlViolation(t *testing.T) {
 // TestClientControlFlood: a server that keeps sending PINGs and never reads
 // the acks loses its connection once 1 MiB of control frames is queued.
 func TestClientControlFlood(t *testing.T) {
-	ln := loopbackListener(t)
-	c, fs, wg := newClientPair(t, ln, testDialerConfig())
+	c, fs, wg := newClientPair(t, testDialerConfig())
 	if err := fs.start(c, wg); err != nil {
 		t.Fatal(err)
 	}
@@ -264,8 +273,7 @@ func TestClientControlFlood(t *testing.T) {
 // (unprocessed: Dial retries it), stops new streams, lets stream 1 finish,
 // and the connection closes after it.
 func TestClientGoAwayMidStream(t *testing.T) {
-	ln := loopbackListener(t)
-	c, fs, wg := newClientPair(t, ln, testDialerConfig())
+	c, fs, wg := newClientPair(t, testDialerConfig())
 	if err := fs.start(c, wg); err != nil {
 		t.Fatal(err)
 	}
@@ -302,10 +310,9 @@ func TestClientGoAwayMidStream(t *testing.T) {
 // the connection closes when PingTimeout passes without the ack; its
 // streams fail with an error.
 func TestClientPingTimeout(t *testing.T) {
-	ln := loopbackListener(t)
 	cfg := testDialerConfig()
 	cfg.PingInterval, cfg.PingTimeout = 10*time.Millisecond, 10*time.Millisecond
-	c, fs, wg := newClientPair(t, ln, cfg)
+	c, fs, wg := newClientPair(t, cfg)
 	if err := fs.start(c, wg); err != nil {
 		t.Fatal(err)
 	}
@@ -324,8 +331,7 @@ func TestClientPingTimeout(t *testing.T) {
 // code; a server RST_STREAM fails the stream's reads and writes; a
 // REFUSED_STREAM fails the dial with the retryable error.
 func TestClientStatusAndReset(t *testing.T) {
-	ln := loopbackListener(t)
-	c, fs, wg := newClientPair(t, ln, testDialerConfig())
+	c, fs, wg := newClientPair(t, testDialerConfig())
 	if err := fs.start(c, wg); err != nil {
 		t.Fatal(err)
 	}
@@ -382,8 +388,7 @@ func (o *observedStream) StreamWritten(n int)  { o.direct += n }
 // bytes against a 16 KiB MAX_FRAME_SIZE (frame and header fit one 16 KiB
 // TLS record), and reports them to StreamWritten.
 func TestCopyIntoStream(t *testing.T) {
-	ln := loopbackListener(t)
-	c, fs, wg := newClientPair(t, ln, testDialerConfig())
+	c, fs, wg := newClientPair(t, testDialerConfig())
 	if err := fs.start(c, wg, http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1 << 20}); err != nil {
 		t.Fatal(err)
 	}
@@ -391,15 +396,7 @@ func TestCopyIntoStream(t *testing.T) {
 		t.Fatal(err)
 	}
 	st := fs.open(c)
-	w, err := net.DialTCP("tcp", nil, ln.Addr().(*net.TCPAddr))
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := ln.AcceptTCP()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = w.Close(); _ = r.Close() })
+	w, r := tcpPair(t)
 	src := make([]byte, 300<<10)
 	for i := range src {
 		src[i] = byte(i * 7)
