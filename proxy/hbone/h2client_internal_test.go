@@ -425,3 +425,43 @@ func TestCopyIntoStream(t *testing.T) {
 	c.close(nil)
 	wg.Wait()
 }
+
+// TestDialRetriesGoAway: a stream that a pooled connection's GOAWAY leaves
+// unprocessed is retried once on a new connection (here one that cannot be
+// opened), and the pooled connection is evicted and closes.
+func TestDialRetriesGoAway(t *testing.T) {
+	dials := make(chan struct{}, 2)
+	d, err := NewDialer(DialerConfig{
+		Certs: noCerts{},
+		DialContext: func(context.Context, string, string) (net.Conn, error) {
+			dials <- struct{}{}
+			return nil, errors.New("no new connection in this test")
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	c, fs, wg := newClientPair(t, &d.cfg)
+	if err := fs.start(c, wg); err != nil {
+		t.Fatal(err)
+	}
+	req := Request{Source: fuzzClient, Proxy: netip.MustParseAddrPort("127.0.0.1:15008"), Target: netip.MustParseAddrPort("127.0.0.1:80")}
+	key := poolKey{source: req.Source, proxy: req.Proxy}
+	d.pool[key] = &poolEntry{conns: []*h2Client{c}}
+	d.stat.connsPooled.Add(1)
+	go func() {
+		fs.next(http2.FrameHeaders) // stream 1
+		_ = fs.fr.WriteGoAway(0, http2.ErrCodeNo, nil)
+	}()
+	if _, err := d.Dial(context.Background(), req); err == nil {
+		t.Fatal("dial succeeded without a server")
+	}
+	if len(dials) != 1 {
+		t.Errorf("%d new connections tried, want 1 (one retry)", len(dials))
+	}
+	if st := d.Stats(); st.ConnsEvicted != 1 || st.ConnsFailed != 1 || st.StreamsFailed != 1 || st.ConnsPooled != 0 {
+		t.Errorf("dialer stats = %+v, want 1 evicted, 1 failed connection, 1 failed stream, none pooled", st)
+	}
+	wg.Wait() // the connection that sent GOAWAY closes: its loops end
+}
