@@ -486,10 +486,24 @@ type countWriter struct {
 func (c countWriter) Write(b []byte) (int, error) {
 	n, err := c.w.Write(b)
 	if n > 0 {
-		c.act.touch()
-		c.add(int64(n))
+		c.StreamWritten(n)
 	}
 	return n, err
+}
+
+var _ hbone.StreamWriter = countWriter{}
+
+// HBONEStream returns the stream c writes to, if it is one
+// (hbone.StreamWriter): hbone.Copy then frames its reads in place.
+func (c countWriter) HBONEStream() *hbone.Stream {
+	s, _ := c.w.(*hbone.Stream)
+	return s
+}
+
+// StreamWritten counts n bytes written and stamps the activity.
+func (c countWriter) StreamWritten(n int) {
+	c.act.touch()
+	c.add(int64(n))
 }
 
 // pipe copies both ways like pipe does for plain pairs: EOF → half-close
@@ -499,8 +513,9 @@ func (t *streamPair) pipe(tc *telemetry.Conn) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		// Large raw reads of the client's socket, no buffer while idle:
-		// each Write of the stream costs net/http one hand-off.
+		// Large raw reads of the client's socket, no buffer while idle,
+		// framed in place into the stream (countWriter is an
+		// hbone.StreamWriter).
 		if err := hbone.Copy(countWriter{t.up, tc.Received, &t.act}, t.down); err != nil {
 			t.abort()
 			return

@@ -38,15 +38,37 @@ const (
 
 var largeBufs = sync.Pool{New: func() any { b := make([]byte, frameHeaderLen+largeBuf); return &b }}
 
+// StreamWriter is implemented by a Copy destination that wraps a Stream
+// only to observe what is written to it (the data plane counts the bytes
+// and stamps activity). Copy then writes to HBONEStream() itself, framing
+// what it reads in place, and reports every write to StreamWritten.
+type StreamWriter interface {
+	io.Writer
+	// HBONEStream returns the wrapped stream; nil when it wraps none.
+	HBONEStream() *Stream
+	// StreamWritten is called with the byte count of each write Copy made
+	// to the stream directly.
+	StreamWritten(n int)
+}
+
 // Copy copies src to dst until src's EOF (nil) or an error: a
 // *net.TCPConn or *net.UnixConn src (or a SocketConn over one) is read, on
 // Linux, in reads of up to 256 KiB into a pooled buffer taken only while
 // data is there, so an idle copy holds no buffer; any other src through a
-// 2 KiB buffer that grows to 32 KiB while busy. Copy into a Stream with it:
-// net/http's request writer takes each Write frame by frame with one
-// goroutine hand-off per Write, so large writes cost less per byte than
-// io.Copy's 32 KiB ones.
+// 2 KiB buffer that grows to 32 KiB while busy. Into a Stream (or a
+// StreamWriter over one) every read is sent as it lies in the buffer: the
+// DATA frame headers are written into it, no copy, one TLS write per frame.
 func Copy(dst io.Writer, src io.Reader) error {
+	st, _ := dst.(*Stream)
+	var wrote func(int)
+	if sw, ok := dst.(StreamWriter); ok {
+		if st = sw.HBONEStream(); st != nil {
+			wrote = sw.StreamWritten
+		}
+	}
+	if st != nil {
+		return readChunks(src, frameHeaderLen, func(b []byte) error { return st.writeFramed(b, wrote) })
+	}
 	return readChunks(src, 0, func(b []byte) error {
 		_, err := dst.Write(b)
 		return err

@@ -9,8 +9,8 @@ import (
 )
 
 // sockBuf is the read size of copies from a socket (the upstream → client
-// direction of the server): a read fills up to this much, net/http sends it
-// as frames of up to the client's SETTINGS_MAX_FRAME_SIZE
+// direction of the server, and Copy into a Stream): a read fills up to this
+// much, sent as frames of up to the peer's SETTINGS_MAX_FRAME_SIZE
 // (DefaultDialerMaxFrameSize for our Dialer).
 const sockBuf = 256 << 10
 

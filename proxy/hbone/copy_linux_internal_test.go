@@ -7,26 +7,6 @@ import (
 	"testing"
 )
 
-// tcpPair returns the two ends of a loopback TCP connection.
-func tcpPair(t *testing.T) (a, b *net.TCPConn) {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	c, err := net.Dial("tcp", l.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := l.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = c.Close(); _ = s.Close() })
-	return c.(*net.TCPConn), s.(*net.TCPConn)
-}
-
 // counted wraps a socket as the data plane does: SocketConn, counting reads.
 type counted struct {
 	net.Conn

@@ -5,12 +5,9 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
-	"net/http"
 	"net/netip"
-	"net/url"
 	"sync"
 	"time"
 
@@ -73,20 +70,22 @@ type poolKey struct {
 }
 
 type poolEntry struct {
-	conns   []*http.ClientConn
+	conns   []*h2Client
 	dialing chan struct{} // non-nil while a connection is being opened
 }
 
-// Dialer opens HBONE streams over pooled HTTP/2 connections.
+// Dialer opens HBONE streams over pooled HTTP/2 connections of its own
+// client engine (h2Client).
 type Dialer struct {
 	cfg  DialerConfig
 	log  *slog.Logger
-	tr   *http.Transport
 	stat dialerCounters
+	wg   sync.WaitGroup // the connections' read and write loops
 
-	mu     sync.Mutex
-	closed bool
-	pool   map[poolKey]*poolEntry
+	mu      sync.Mutex
+	closed  bool
+	pool    map[poolKey]*poolEntry
+	opening map[*h2Client]struct{} // connections waiting for the server's SETTINGS
 }
 
 type keyCtx struct{}
@@ -102,6 +101,9 @@ func NewDialer(cfg DialerConfig) (*Dialer, error) {
 	orDefault(&cfg.StreamWindow, DefaultStreamWindow)
 	orDefault(&cfg.ConnWindow, DefaultConnWindow)
 	orDefault(&cfg.MaxFrameSize, DefaultDialerMaxFrameSize)
+	cfg.MaxFrameSize = min(max(cfg.MaxFrameSize, DefaultMaxFrameSize), 1<<24-1)
+	cfg.StreamWindow = min(cfg.StreamWindow, maxWindow)
+	cfg.ConnWindow = min(max(cfg.ConnWindow, initialWindow), maxWindow)
 	if cfg.DialContext == nil {
 		cfg.DialContext = (&net.Dialer{}).DialContext
 	}
@@ -109,30 +111,16 @@ func NewDialer(cfg DialerConfig) (*Dialer, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	d := &Dialer{cfg: cfg, log: log, pool: map[poolKey]*poolEntry{}}
-	// HTTP/2 "without TLS" over the mTLS connection dialTLS returns (see
-	// hboneConn): the wire is HTTP/2 over TLS with ALPN h2.
-	var protos http.Protocols
-	protos.SetUnencryptedHTTP2(true)
-	d.tr = &http.Transport{
-		Protocols:   &protos,
-		DialContext: d.dialTLS,
-		HTTP2:       h2Config(0, cfg.MaxFrameSize, cfg.ConnWindow, cfg.StreamWindow, cfg.PingInterval, cfg.PingTimeout),
-	}
-	return d, nil
+	return &Dialer{cfg: cfg, log: log, pool: map[poolKey]*poolEntry{}, opening: map[*h2Client]struct{}{}}, nil
 }
 
 // Stats returns a snapshot of the counters.
 func (d *Dialer) Stats() DialerStats { return d.stat.snapshot() }
 
-// dialTLS opens the TCP connection and runs the mTLS handshake for the pool
-// key carried by ctx.
-func (d *Dialer) dialTLS(ctx context.Context, network, address string) (net.Conn, error) {
-	key, ok := ctx.Value(keyCtx{}).(poolKey)
-	if !ok {
-		return nil, errors.New("failed to dial hbone: no pool key")
-	}
-	c, err := d.cfg.DialContext(ctx, network, address)
+// dialTLS opens the TCP connection and runs the mTLS handshake for key.
+func (d *Dialer) dialTLS(ctx context.Context, key poolKey) (*hboneConn, error) {
+	address := key.proxy.String()
+	c, err := d.cfg.DialContext(context.WithValue(ctx, keyCtx{}, key), "tcp", address)
 	if err != nil {
 		return nil, fmt.Errorf("failed to dial hbone proxy %q: %w", address, err)
 	}
@@ -160,19 +148,21 @@ func OriginFrom(ctx context.Context) string {
 // their open streams fail.
 func (d *Dialer) CloseOrigin(origin string) {
 	d.mu.Lock()
-	defer d.mu.Unlock()
+	var gone []*h2Client
 	for k, e := range d.pool {
 		if k.origin != origin {
 			continue
 		}
-		for _, cc := range e.conns {
-			_ = cc.Close()
-			d.stat.connsPooled.Add(-1)
-		}
+		gone = append(gone, e.conns...)
+		d.stat.connsPooled.Add(-int64(len(e.conns)))
 		e.conns = nil
 		if e.dialing == nil {
 			delete(d.pool, k)
 		}
+	}
+	d.mu.Unlock()
+	for _, cc := range gone {
+		cc.close(errConnClosed)
 	}
 }
 
@@ -187,27 +177,27 @@ func (d *Dialer) Dial(ctx context.Context, req Request) (*Stream, error) {
 			d.stat.streamsFailed.Add(1)
 			return nil, err
 		}
-		st, err := d.connect(ctx, cc, req)
+		st, err := cc.openStream(ctx, req.Target)
 		if err == nil {
 			d.stat.streamsOpened.Add(1)
 			return st, nil
 		}
 		// A reused connection that failed the request without an answer
-		// (it broke or got GOAWAY since the pool check) is evicted and the
-		// stream retried once on a new one.
+		// (it broke or got GOAWAY since the pool check, or refused the
+		// stream) is evicted and the stream retried once on a new one.
 		var se *StatusError
-		if !fresh && attempt == 0 && !errors.As(err, &se) {
+		if !fresh && attempt == 0 && !errors.As(err, &se) && ctx.Err() == nil {
 			d.evict(key, cc)
 			continue
 		}
 		d.stat.streamsFailed.Add(1)
-		return nil, err
+		return nil, fmt.Errorf("failed to connect %q via hbone proxy %q: %w", req.Target, req.Proxy, err)
 	}
 }
 
 // reserve returns a pooled connection of key with a stream slot reserved,
 // opening a connection when none has a free slot. fresh reports a new one.
-func (d *Dialer) reserve(ctx context.Context, key poolKey) (*http.ClientConn, bool, error) {
+func (d *Dialer) reserve(ctx context.Context, key poolKey) (*h2Client, bool, error) {
 	for {
 		d.mu.Lock()
 		if d.closed {
@@ -220,16 +210,17 @@ func (d *Dialer) reserve(ctx context.Context, key poolKey) (*http.ClientConn, bo
 			d.pool[key] = e
 		}
 		live := e.conns[:0]
-		var found *http.ClientConn
+		var found *h2Client
 		for _, cc := range e.conns {
-			if cc.Err() != nil {
+			if cc.unusable() {
+				// Broken, or GOAWAY: a closing connection finishes its
+				// streams and closes itself.
 				d.stat.connsEvicted.Add(1)
 				d.stat.connsPooled.Add(-1)
-				_ = cc.Close()
 				continue
 			}
 			live = append(live, cc)
-			if found == nil && cc.Reserve() == nil {
+			if found == nil && cc.reserve() {
 				found = cc
 			}
 		}
@@ -259,12 +250,13 @@ func (d *Dialer) reserve(ctx context.Context, key poolKey) (*http.ClientConn, bo
 		if err == nil {
 			if d.closed {
 				err = errors.New("failed to dial hbone: dialer closed")
-				_ = cc.Close()
-			} else if err = cc.Reserve(); err == nil {
+				defer cc.close(errConnClosed)
+			} else if cc.reserve() {
 				e.conns = append(e.conns, cc)
 				d.stat.connsPooled.Add(1)
 			} else {
-				_ = cc.Close()
+				err = fmt.Errorf("failed to open hbone connection %q from %q: the server allows no stream", key.proxy, key.source)
+				defer cc.close(errConnClosed)
 			}
 		}
 		d.mu.Unlock()
@@ -275,10 +267,12 @@ func (d *Dialer) reserve(ctx context.Context, key poolKey) (*http.ClientConn, bo
 	}
 }
 
-func (d *Dialer) open(ctx context.Context, key poolKey) (*http.ClientConn, error) {
-	hctx, cancel := context.WithTimeout(context.WithValue(ctx, keyCtx{}, key), d.cfg.HandshakeTimeout)
+// open opens a pooled connection for key: TCP, mTLS, the HTTP/2 preface
+// and the server's SETTINGS, within HandshakeTimeout.
+func (d *Dialer) open(ctx context.Context, key poolKey) (*h2Client, error) {
+	hctx, cancel := context.WithTimeout(ctx, d.cfg.HandshakeTimeout)
 	defer cancel()
-	cc, err := d.tr.NewClientConn(hctx, "http", key.proxy.String())
+	cc, err := d.start(hctx, key)
 	if err != nil {
 		d.stat.connsFailed.Add(1)
 		return nil, fmt.Errorf("failed to open hbone connection %q from %q: %w", key.proxy, key.source, err)
@@ -288,7 +282,32 @@ func (d *Dialer) open(ctx context.Context, key poolKey) (*http.ClientConn, error
 	return cc, nil
 }
 
-func (d *Dialer) evict(key poolKey, cc *http.ClientConn) {
+func (d *Dialer) start(ctx context.Context, key poolKey) (*h2Client, error) {
+	hc, err := d.dialTLS(ctx, key)
+	if err != nil {
+		return nil, err
+	}
+	cc := newH2Client(&d.cfg, d.log, &d.wg, hc, hc.peer)
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		_ = hc.Close()
+		return nil, errors.New("dialer closed")
+	}
+	d.opening[cc] = struct{}{}
+	d.wg.Add(2)
+	d.mu.Unlock()
+	err = cc.start(ctx)
+	d.mu.Lock()
+	delete(d.opening, cc)
+	d.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	return cc, nil
+}
+
+func (d *Dialer) evict(key poolKey, cc *h2Client) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	e := d.pool[key]
@@ -300,120 +319,31 @@ func (d *Dialer) evict(key poolKey, cc *http.ClientConn) {
 			e.conns = append(e.conns[:i], e.conns[i+1:]...)
 			d.stat.connsEvicted.Add(1)
 			d.stat.connsPooled.Add(-1)
-			if cc.Err() != nil {
-				_ = cc.Close()
-			}
-			// Otherwise it is closing (GOAWAY): its streams finish and it
-			// closes itself.
+			// A working connection finishes its streams and closes.
+			cc.drain()
 			return
 		}
 	}
 }
 
-// connect sends CONNECT on cc (a slot is reserved) and waits for the answer.
-func (d *Dialer) connect(ctx context.Context, cc *http.ClientConn, req Request) (*Stream, error) {
-	pr, pw := io.Pipe()
-	// The stream outlives ctx: ctx only bounds the wait for the headers.
-	sctx, cancel := context.WithCancel(context.Background())
-	stop := context.AfterFunc(ctx, cancel)
-	hreq := (&http.Request{
-		Method: http.MethodConnect,
-		URL:    &url.URL{Scheme: "http", Host: req.Proxy.String()},
-		Host:   req.Target.String(),
-		Header: http.Header{},
-		Body:   pr,
-	}).WithContext(sctx)
-	resp, err := cc.RoundTrip(hreq)
-	stopped := stop()
-	if err == nil && !stopped {
-		// ctx ended while the headers arrived: the stream is canceled.
-		_ = resp.Body.Close()
-		err = ctx.Err()
-	}
-	if err != nil {
-		cancel()
-		_ = pw.CloseWithError(err)
-		return nil, fmt.Errorf("failed to connect %q via hbone proxy %q: %w", req.Target, req.Proxy, err)
-	}
-	if resp.StatusCode != http.StatusOK {
-		cancel()
-		_ = resp.Body.Close()
-		_ = pw.Close()
-		return nil, fmt.Errorf("failed to connect %q via hbone proxy %q: %w", req.Target, req.Proxy,
-			&StatusError{Code: resp.StatusCode, Err: errors.New(resp.Status)})
-	}
-	var peer spiffeid.ID
-	if resp.TLS != nil {
-		peer, _ = peerID(resp.TLS.PeerCertificates)
-	}
-	return &Stream{body: resp.Body, pw: pw, cancel: cancel, target: req.Target, peer: peer}, nil
-}
-
-// Close closes every pooled connection; streams on them fail.
+// Close closes every pooled connection (streams on them fail) and waits
+// for their goroutines.
 func (d *Dialer) Close() error {
 	d.mu.Lock()
-	defer d.mu.Unlock()
 	d.closed = true
+	var conns []*h2Client
 	for k, e := range d.pool {
-		for _, cc := range e.conns {
-			_ = cc.Close()
-			d.stat.connsPooled.Add(-1)
-		}
+		conns = append(conns, e.conns...)
+		d.stat.connsPooled.Add(-int64(len(e.conns)))
 		delete(d.pool, k)
 	}
+	for cc := range d.opening {
+		conns = append(conns, cc)
+	}
+	d.mu.Unlock()
+	for _, cc := range conns {
+		cc.close(errors.New("hbone dialer closed"))
+	}
+	d.wg.Wait()
 	return nil
 }
-
-// Stream is one HBONE CONNECT stream; it implements net.Conn without
-// deadlines (they return ErrDeadlineUnsupported) and CloseWrite, which sends
-// END_STREAM.
-type Stream struct {
-	body   io.ReadCloser
-	pw     *io.PipeWriter
-	cancel context.CancelFunc
-	target netip.AddrPort
-	peer   spiffeid.ID
-	once   sync.Once
-}
-
-// ErrDeadlineUnsupported is returned by a Stream's deadline setters.
-var ErrDeadlineUnsupported = errors.New("hbone stream deadlines are not supported")
-
-var _ net.Conn = (*Stream)(nil)
-
-// Peer returns the verified SPIFFE ID of the destination proxy.
-func (s *Stream) Peer() spiffeid.ID { return s.peer }
-
-// Read reads what the target sent; io.EOF after the server ends the stream.
-func (s *Stream) Read(p []byte) (int, error) { return s.body.Read(p) }
-
-// Write sends p to the target.
-func (s *Stream) Write(p []byte) (int, error) { return s.pw.Write(p) }
-
-// CloseWrite half-closes the stream (END_STREAM); Read keeps working.
-func (s *Stream) CloseWrite() error { return s.pw.Close() }
-
-// Close resets the stream in both directions.
-func (s *Stream) Close() error {
-	s.once.Do(func() {
-		_ = s.pw.CloseWithError(net.ErrClosed)
-		_ = s.body.Close()
-		s.cancel()
-	})
-	return nil
-}
-
-// LocalAddr returns a placeholder: a stream has no local socket address.
-func (s *Stream) LocalAddr() net.Addr { return hboneAddr{} }
-
-// RemoteAddr returns the CONNECT target.
-func (s *Stream) RemoteAddr() net.Addr { return net.TCPAddrFromAddrPort(s.target) }
-
-// SetDeadline is not supported.
-func (s *Stream) SetDeadline(time.Time) error { return ErrDeadlineUnsupported }
-
-// SetReadDeadline is not supported.
-func (s *Stream) SetReadDeadline(time.Time) error { return ErrDeadlineUnsupported }
-
-// SetWriteDeadline is not supported.
-func (s *Stream) SetWriteDeadline(time.Time) error { return ErrDeadlineUnsupported }

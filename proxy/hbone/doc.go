@@ -6,7 +6,8 @@
 // own (CONNECT streams only, DATA written straight to the delivered socket)
 // and hands each CONNECT stream to a Deliver callback with the verified
 // source SPIFFE ID; Dialer opens CONNECT streams from a source identity over
-// pooled HTTP/2 connections (net/http's client).
+// pooled HTTP/2 connections of a client engine of its own (Stream writes
+// DATA frames straight onto the TLS connection).
 // Certificates come from a Certs source (the SPIFFE Workload API watcher in
 // production). See README.md for the wire format, the pool key and limits.
 package hbone

@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"net/netip"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -32,7 +31,6 @@ const goAwayTimeout = time.Second
 // buffer with room for the frame header in front and sends DATA frames.
 type h2Conn struct {
 	s        *Server
-	conn     h2Transport
 	peer     spiffeid.ID // the client's verified SPIFFE ID
 	fr       *http2.Framer
 	peerAddr netip.AddrPort
@@ -40,15 +38,7 @@ type h2Conn struct {
 	cancel   context.CancelFunc
 	done     chan struct{} // closed when the connection closes
 
-	// Frame writes are serialized by wmu. Control frames (SETTINGS and
-	// PING acks, WINDOW_UPDATE, RST_STREAM, GOAWAY) are appended to ctl
-	// and written ahead of the next write, or by writeLoop when wake is
-	// signaled: the read loop never waits for the connection's writer.
-	wmu   sync.Mutex
-	cmu   sync.Mutex
-	ctl   []byte
-	spare []byte
-	wake  chan struct{}
+	h2Out // frame writes and the control-frame queue
 
 	// The read loop's batch of DATA for one stream (readFrame): payloads
 	// batch[batchLo:batchDone] are complete and not written yet; one may
@@ -58,10 +48,7 @@ type h2Conn struct {
 	batchLo, batchDone int
 	batchBuf           *[]byte
 
-	recvConn   atomic.Int64  // connection receive window left
-	connCredit atomic.Int64  // bytes taken by upstreams, not yet granted back
-	frames     atomic.Uint64 // frames read, for the ping check
-	flooded    atomic.Bool   // maxQueuedControl was passed: closing
+	keep h2Keepalive // the ping check
 
 	mu           sync.Mutex
 	cond         sync.Cond // send windows grew, a stream stopped, or the connection closed
@@ -75,9 +62,6 @@ type h2Conn struct {
 	peerInitial  int64 // the client's SETTINGS_INITIAL_WINDOW_SIZE
 	peerMaxFrame int   // the client's SETTINGS_MAX_FRAME_SIZE
 	idle         *time.Timer
-	ping         *time.Timer
-	pinging      bool   // a PING of ours awaits its ack
-	pingFrames   uint64 // frames at the last ping check
 }
 
 // h2Transport is the connection under an h2Conn: an *hboneConn (TLS),
@@ -99,9 +83,8 @@ type h2Transport interface {
 func newH2Conn(s *Server, conn h2Transport, peer spiffeid.ID) *h2Conn {
 	ctx, cancel := context.WithCancel(context.Background())
 	c := &h2Conn{
-		s: s, conn: conn, peer: peer, ctx: ctx, cancel: cancel,
+		s: s, peer: peer, ctx: ctx, cancel: cancel,
 		done:         make(chan struct{}),
-		wake:         make(chan struct{}, 1),
 		streams:      map[uint32]*h2Stream{},
 		sendConn:     initialWindow,
 		peerInitial:  initialWindow,
@@ -112,7 +95,7 @@ func newH2Conn(s *Server, conn h2Transport, peer spiffeid.ID) *h2Conn {
 		ap := a.AddrPort()
 		c.peerAddr = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
 	}
-	c.recvConn.Store(int64(s.cfg.ConnWindow))
+	c.initOut(conn, s.cfg.ConnWindow, c.flood)
 	conn.setBeforeRead(c.flushBatch)
 	c.fr = http2.NewFramer(nil, conn)
 	c.fr.SetReuseFrames()
@@ -143,8 +126,10 @@ func (c *h2Conn) serve() {
 	}
 	c.started = true
 	c.idle = time.AfterFunc(cfg.IdleTimeout, c.idleTimeout)
-	c.ping = time.AfterFunc(cfg.PingInterval, c.pingCheck)
 	c.mu.Unlock()
+	c.keep.start(cfg.PingInterval, cfg.PingTimeout, c.queue, func() {
+		c.close(errors.New("failed to get a ping ack: timeout"))
+	})
 
 	settings := appendSettings(nil,
 		http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: uint32(cfg.MaxConcurrentStreams)},
@@ -189,7 +174,7 @@ func (c *h2Conn) serve() {
 			c.fail(http2.ErrCodeProtocol, errors.New("first http/2 frame is not SETTINGS"))
 			return
 		}
-		if err := c.handle(f); err != nil {
+		if err := handleFrame(c, c.queue, &c.keep, f); err != nil {
 			var ce http2.ConnectionError
 			code := http2.ErrCodeProtocol
 			if errors.As(err, &ce) {
@@ -214,7 +199,7 @@ func (c *h2Conn) readFrame(first bool) (http2.Frame, error) {
 		c.flushBatch()
 		return nil, err
 	}
-	c.frames.Add(1)
+	c.keep.frames.Add(1)
 	if !first && c.takeData(fh) {
 		return nil, c.readBatch(fh)
 	}
@@ -231,7 +216,7 @@ const batchMax = 256 << 10
 // path, which checks and answers it).
 func (c *h2Conn) takeData(fh http2.FrameHeader) bool {
 	if fh.Type != http2.FrameData || fh.StreamID == 0 || fh.Flags.Has(http2.FlagDataPadded) ||
-		fh.Length == 0 || int64(fh.Length) > c.recvConn.Load() {
+		fh.Length == 0 || int64(fh.Length) > c.recvConn.left.Load() {
 		return false
 	}
 	st := c.batchSt
@@ -252,7 +237,7 @@ func (c *h2Conn) takeData(fh http2.FrameHeader) bool {
 	if !ok {
 		return false
 	}
-	c.recvConn.Add(-int64(fh.Length))
+	c.recvConn.left.Add(-int64(fh.Length))
 	if c.batchSt != st || len(c.batch)+int(fh.Length) > batchMax {
 		c.flushBatch()
 	}
@@ -306,46 +291,20 @@ func (c *h2Conn) flushBatch() {
 	}
 }
 
-// handle processes one frame; an error is a connection error.
-func (c *h2Conn) handle(f http2.Frame) error {
-	switch f := f.(type) {
-	case *http2.DataFrame:
-		return c.onData(f)
-	case *http2.MetaHeadersFrame:
-		return c.onHeaders(f)
-	case *http2.SettingsFrame:
-		if f.IsAck() {
-			return nil
-		}
-		return c.onSettings(f)
-	case *http2.WindowUpdateFrame:
-		return c.onWindowUpdate(f)
-	case *http2.RSTStreamFrame:
-		c.mu.Lock()
-		st, idle := c.streams[f.StreamID], f.StreamID > c.maxID
-		c.mu.Unlock()
-		if idle {
-			return connErrorf(http2.ErrCodeProtocol, "RST_STREAM on idle stream %d", f.StreamID)
-		}
-		if st != nil {
-			st.stop()
-		}
-	case *http2.PingFrame:
-		if !f.IsAck() {
-			c.queue(appendPing(nil, true, f.Data))
-			return nil
-		}
-		c.mu.Lock()
-		c.pinging = false
-		c.mu.Unlock()
-	case *http2.GoAwayFrame:
-		c.goAway(http2.ErrCodeNo)
-	case *http2.PushPromiseFrame:
-		return connErrorf(http2.ErrCodeProtocol, "PUSH_PROMISE from a client")
+func (c *h2Conn) onRSTStream(f *http2.RSTStreamFrame) error {
+	c.mu.Lock()
+	st, idle := c.streams[f.StreamID], f.StreamID > c.maxID
+	c.mu.Unlock()
+	if idle {
+		return connErrorf(http2.ErrCodeProtocol, "RST_STREAM on idle stream %d", f.StreamID)
 	}
-	// PRIORITY and unknown frame types are ignored (RFC 9113 §5.5, §6.3).
+	if st != nil {
+		st.stop()
+	}
 	return nil
 }
+
+func (c *h2Conn) onGoAway(*http2.GoAwayFrame) { c.goAway(http2.ErrCodeNo) }
 
 type connError struct {
 	code http2.ErrCode
@@ -524,10 +483,10 @@ func (c *h2Conn) answer(id uint32, code int, ended bool) {
 	c.queue(b)
 }
 
-// onData hands a DATA frame to its stream.
-func (c *h2Conn) onData(f *http2.DataFrame) error {
+// onDataFrame hands a DATA frame to its stream.
+func (c *h2Conn) onDataFrame(f *http2.DataFrame) error {
 	n := int64(f.Length) // with padding: what flow control counts
-	if c.recvConn.Add(-n) < 0 {
+	if c.recvConn.left.Add(-n) < 0 {
 		return connErrorf(http2.ErrCodeFlowControl, "DATA beyond the connection window")
 	}
 	c.mu.Lock()
@@ -556,97 +515,25 @@ func (c *h2Conn) streamError(id uint32, code http2.ErrCode) {
 	}
 }
 
-// creditConn returns n bytes of the connection's receive window; a
-// WINDOW_UPDATE goes out once a quarter of the window is due.
-func (c *h2Conn) creditConn(n int64) {
-	if n <= 0 {
-		return
-	}
-	if c.connCredit.Add(n) < int64(c.s.cfg.ConnWindow)/4 {
-		return
-	}
-	if inc := c.connCredit.Swap(0); inc > 0 {
-		c.recvConn.Add(inc)
-		c.queue(appendWindowUpdate(nil, 0, uint32(inc)))
-	}
+// flood closes a connection whose client lets more than maxQueuedControl
+// of control frames pile up (h2Out.onFlood).
+func (c *h2Conn) flood() {
+	// Closed from another goroutine: queue may run under c.mu.
+	c.s.stat.controlFloods.Add(1)
+	c.s.log.Warn("closing hbone connection: its client does not read the control frames it asks for",
+		"source_id", c.peer.String(), "remote", c.conn.RemoteAddr().String(), "queued_bytes", maxQueuedControl)
+	go c.close(errors.New("over 1 MiB of control frames queued for a client that does not read"))
 }
 
-// queue appends control frames for the next write.
-func (c *h2Conn) queue(b []byte) {
-	c.cmu.Lock()
-	flooded := len(c.ctl)+len(b) > maxQueuedControl
-	if !flooded {
-		c.ctl = append(c.ctl, b...)
-	}
-	c.cmu.Unlock()
-	if flooded {
-		// Closed from another goroutine: queue may run under c.mu.
-		if c.flooded.CompareAndSwap(false, true) {
-			c.s.stat.controlFloods.Add(1)
-			c.s.log.Warn("closing hbone connection: its client does not read the control frames it asks for",
-				"source_id", c.peer.String(), "remote", c.conn.RemoteAddr().String(), "queued_bytes", maxQueuedControl)
-			go c.close(errors.New("over 1 MiB of control frames queued for a client that does not read"))
-		}
-		return
-	}
-	select {
-	case c.wake <- struct{}{}:
-	default:
-	}
-}
-
-// writeLoop writes queued control frames nobody else wrote.
+// writeLoop writes queued control frames nobody else wrote; after a
+// GOAWAY it closes the connection once they are written.
 func (c *h2Conn) writeLoop() {
 	defer c.s.wg.Done()
-	for {
-		select {
-		case <-c.wake:
-		case <-c.done:
-			return
-		}
-		if err := c.writeFrames(nil); err != nil {
-			c.close(err)
-			return
-		}
+	c.close(c.writeControl(c.done, func() bool {
 		c.mu.Lock()
-		closing := c.closeFlushed
-		c.mu.Unlock()
-		if closing {
-			c.close(nil)
-			return
-		}
-	}
-}
-
-// writeFrames writes the queued control frames, then b, in one write(2).
-func (c *h2Conn) writeFrames(b []byte) error {
-	c.wmu.Lock()
-	defer c.wmu.Unlock()
-	c.conn.beginBatch()
-	err := c.writeQueuedLocked()
-	if err == nil && len(b) > 0 {
-		_, err = c.conn.Write(b)
-	}
-	if ferr := c.conn.endBatch(); err == nil {
-		err = ferr
-	}
-	return err
-}
-
-// writeQueuedLocked writes the queued control frames (wmu held).
-func (c *h2Conn) writeQueuedLocked() error {
-	c.cmu.Lock()
-	b := c.ctl
-	c.ctl, c.spare = c.spare, nil
-	c.cmu.Unlock()
-	if len(b) == 0 {
-		return nil
-	}
-	_, err := c.conn.Write(b)
-	c.cmu.Lock()
-	c.spare = b[:0]
-	c.cmu.Unlock()
-	return err
+		defer c.mu.Unlock()
+		return c.closeFlushed
+	}))
 }
 
 // fail ends the connection on a connection error: GOAWAY with code, close.
@@ -691,32 +578,6 @@ func (c *h2Conn) idleTimeout() {
 	}
 }
 
-// pingCheck runs every PingInterval: a connection that read no frame since
-// the last check gets a PING, and is closed when PingTimeout passes
-// without its ack.
-func (c *h2Conn) pingCheck() {
-	c.mu.Lock()
-	if c.closed {
-		c.mu.Unlock()
-		return
-	}
-	if c.pinging {
-		c.mu.Unlock()
-		c.close(errors.New("failed to get a ping ack: timeout"))
-		return
-	}
-	if n := c.frames.Load(); n != c.pingFrames {
-		c.pingFrames = n
-		c.ping.Reset(c.s.cfg.PingInterval)
-		c.mu.Unlock()
-		return
-	}
-	c.pinging = true
-	c.ping.Reset(c.s.cfg.PingTimeout)
-	c.mu.Unlock()
-	c.queue(appendPing(nil, false, [8]byte{'h', 'b', 'o', 'n', 'e'}))
-}
-
 // close ends the connection: every stream stops, its upstream is closed.
 func (c *h2Conn) close(err error) {
 	c.mu.Lock()
@@ -732,8 +593,8 @@ func (c *h2Conn) close(err error) {
 	}
 	if c.idle != nil {
 		c.idle.Stop()
-		c.ping.Stop()
 	}
+	c.keep.stop()
 	c.cond.Broadcast()
 	c.mu.Unlock()
 	if err != nil {

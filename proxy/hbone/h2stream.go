@@ -270,14 +270,7 @@ func (st *h2Stream) fastLocked() bool {
 // creditLocked counts n bytes taken by the upstream and returns a stream
 // WINDOW_UPDATE once a quarter of the window is due (st.mu held).
 func (st *h2Stream) creditLocked(n int64) []byte {
-	st.credit += n
-	if st.remoteEnd || st.credit < int64(st.c.s.cfg.StreamWindow)/4 {
-		return nil
-	}
-	inc := st.credit
-	st.credit = 0
-	st.recvWin += inc
-	return appendWindowUpdate(nil, st.id, uint32(inc))
+	return grantStream(st.id, &st.credit, &st.recvWin, n, int64(st.c.s.cfg.StreamWindow), st.remoteEnd)
 }
 
 // drain writes pending data to the upstream, waiting as long as it takes,
@@ -342,23 +335,10 @@ func (st *h2Stream) sendData(b []byte) error {
 		c.sendConn -= int64(m)
 		maxFrame := c.peerMaxFrame
 		c.mu.Unlock()
-		err := func() error {
-			c.wmu.Lock()
-			defer c.wmu.Unlock()
-			c.conn.beginBatch()
-			err := c.writeQueuedLocked()
-			for err == nil && m > 0 {
-				k := min(m, maxFrame)
-				putFrameHeader(b[off:], k, http2.FrameData, 0, st.id)
-				_, err = c.conn.Write(b[off : off+frameHeaderLen+k])
-				off += k
-				m -= k
-			}
-			if ferr := c.conn.endBatch(); err == nil {
-				err = ferr
-			}
-			return err
-		}()
+		c.wmu.Lock()
+		var err error
+		off, err = c.writeDataLocked(b, off, m, st.id, func(left int) int { return min(left, maxFrame) }, nil)
+		c.wmu.Unlock()
 		if err != nil {
 			c.close(err)
 			return err

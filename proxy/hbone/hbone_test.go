@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -329,34 +330,14 @@ func TestStreamLimit(t *testing.T) {
 // evicted and the next stream gets a new one.
 func TestEvictBrokenConn(t *testing.T) {
 	e := newEnv(t, nil)
-	var mu sync.Mutex
-	var raw []net.Conn
-	d, err := hbone.NewDialer(hbone.DialerConfig{
-		Certs: e.certs,
-		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-			var nd net.Dialer
-			c, err := nd.DialContext(ctx, network, addr)
-			if err == nil {
-				mu.Lock()
-				raw = append(raw, c)
-				mu.Unlock()
-			}
-			return c, err
-		},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = d.Close() })
+	d, conns := recordingDialer(t, hbone.DialerConfig{Certs: e.certs}, nil)
 	s, err := d.Dial(context.Background(), e.request())
 	if err != nil {
 		t.Fatal(err)
 	}
 	roundTrip(t, s, []byte("one"))
 	_ = s.Close()
-	mu.Lock()
-	_ = raw[0].Close() // the network breaks under the pooled connection
-	mu.Unlock()
+	_ = conns()[0].Close() // the network breaks under the pooled connection
 	s, err = d.Dial(context.Background(), e.request())
 	if err != nil {
 		t.Fatal(err)
@@ -365,6 +346,38 @@ func TestEvictBrokenConn(t *testing.T) {
 	_ = s.Close()
 	if st := d.Stats(); st.ConnsOpened != 2 || st.ConnsEvicted != 1 || st.ConnsPooled != 1 {
 		t.Errorf("dialer stats = %+v, want 2 opened, 1 evicted, 1 pooled", st)
+	}
+}
+
+// recordingDialer returns a Dialer for cfg whose TCP connections are passed
+// through wrap (when set) and recorded, and a function returning them.
+func recordingDialer(t *testing.T, cfg hbone.DialerConfig, wrap func(net.Conn) net.Conn) (*hbone.Dialer, func() []net.Conn) {
+	t.Helper()
+	var mu sync.Mutex
+	var conns []net.Conn
+	cfg.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		var nd net.Dialer
+		c, err := nd.DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		if wrap != nil {
+			c = wrap(c)
+		}
+		mu.Lock()
+		conns = append(conns, c)
+		mu.Unlock()
+		return c, nil
+	}
+	d, err := hbone.NewDialer(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	return d, func() []net.Conn {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(conns)
 	}
 }
 
@@ -728,4 +741,61 @@ func TestSlowStreamDoesNotStallOthers(t *testing.T) {
 	}
 	_ = stuck.Close()
 	<-writerDone
+}
+
+// silencingConn is a client connection whose incoming bytes can be cut
+// off (the network goes silent): once silenced, reads drop what comes
+// and block until Close.
+type silencingConn struct {
+	net.Conn
+	silent, closed chan struct{}
+	once           sync.Once
+}
+
+func (c *silencingConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	select {
+	case <-c.silent:
+		<-c.closed
+		return 0, net.ErrClosed
+	default:
+		return n, err
+	}
+}
+
+func (c *silencingConn) Close() error {
+	c.once.Do(func() { close(c.closed) })
+	return c.Conn.Close()
+}
+
+// TestPingTimeoutEvicts: a pooled connection whose server goes silent gets
+// a PING and is closed when the ack does not come within PingTimeout; its
+// stream fails with an error (not EOF) and the next Dial evicts it and
+// opens a new connection.
+func TestPingTimeoutEvicts(t *testing.T) {
+	e := newEnv(t, nil)
+	d, conns := recordingDialer(t, hbone.DialerConfig{
+		Certs:        e.certs,
+		PingInterval: 10 * time.Millisecond, PingTimeout: 10 * time.Millisecond,
+	}, func(c net.Conn) net.Conn {
+		return &silencingConn{Conn: c, silent: make(chan struct{}), closed: make(chan struct{})}
+	})
+	s, err := d.Dial(context.Background(), e.request())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	close(conns()[0].(*silencingConn).silent)
+	if _, err := s.Read(make([]byte, 1)); err == nil || errors.Is(err, io.EOF) {
+		t.Fatalf("read on a connection whose pings go unanswered = %v, want an error", err)
+	}
+	s2, err := d.Dial(context.Background(), e.request())
+	if err != nil {
+		t.Fatal(err)
+	}
+	roundTrip(t, s2, []byte("after"))
+	_ = s2.Close()
+	if st := d.Stats(); st.ConnsOpened != 2 || st.ConnsEvicted != 1 || st.ConnsPooled != 1 {
+		t.Errorf("dialer stats = %+v, want 2 opened, 1 evicted, 1 pooled", st)
+	}
 }

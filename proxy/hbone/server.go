@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"net/http"
 	"net/netip"
 	"sync"
 	"time"
@@ -132,18 +131,6 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 		pending:   map[net.Conn]struct{}{},
 		conns:     map[*h2Conn]struct{}{},
 	}, nil
-}
-
-// h2Config is the HTTP/2 configuration of the Dialer's net/http client.
-func h2Config(maxStreams, frame, connWindow, streamWindow int, ping, pingTimeout time.Duration) *http.HTTP2Config {
-	return &http.HTTP2Config{
-		MaxConcurrentStreams:          maxStreams,
-		MaxReadFrameSize:              frame,
-		MaxReceiveBufferPerConnection: connWindow,
-		MaxReceiveBufferPerStream:     streamWindow,
-		SendPingTimeout:               ping,
-		PingTimeout:                   pingTimeout,
-	}
 }
 
 // Stats returns a snapshot of the counters.

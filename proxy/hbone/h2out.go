@@ -1,0 +1,304 @@
+package hbone
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/net/http2"
+)
+
+// h2Out is the write side both HTTP/2 engines share (the Server's h2Conn
+// and the Dialer's h2Client). Frame writes are serialized by wmu. Control
+// frames (SETTINGS and PING acks, WINDOW_UPDATE, RST_STREAM, GOAWAY, PING)
+// are appended to ctl and written ahead of the next write, or by the
+// engine's writer goroutine when wake is signaled: a read loop never waits
+// for the connection's writer. The queue is bounded by maxQueuedControl.
+//
+// It also keeps the connection's receive window (recvConn), whose
+// WINDOW_UPDATEs go through that queue.
+type h2Out struct {
+	conn    h2Transport
+	wmu     sync.Mutex
+	cmu     sync.Mutex
+	ctl     []byte
+	spare   []byte
+	wake    chan struct{}
+	flooded atomic.Bool // maxQueuedControl was passed: closing
+	// onFlood runs once, on the goroutine that passed maxQueuedControl
+	// (possibly under the engine's locks): it closes the connection from
+	// another goroutine.
+	onFlood  func()
+	recvConn recvWindow // bytes consumed are granted back
+}
+
+// initOut sets the connection, its receive window and the flood hook.
+func (o *h2Out) initOut(conn h2Transport, connWindow int, onFlood func()) {
+	o.conn, o.wake, o.onFlood = conn, make(chan struct{}, 1), onFlood
+	o.recvConn.init(connWindow)
+}
+
+// queue appends control frames for the next write and wakes the writer.
+// Past maxQueuedControl it drops them and, the first time, calls onFlood:
+// the peer does not read what it asks for.
+func (o *h2Out) queue(b []byte) {
+	o.cmu.Lock()
+	over := len(o.ctl)+len(b) > maxQueuedControl
+	if !over {
+		o.ctl = append(o.ctl, b...)
+	}
+	o.cmu.Unlock()
+	if over {
+		if o.flooded.CompareAndSwap(false, true) {
+			o.onFlood()
+		}
+		return
+	}
+	select {
+	case o.wake <- struct{}{}:
+	default:
+	}
+}
+
+// creditConn returns n consumed bytes to the connection's receive window;
+// a WINDOW_UPDATE goes out once a quarter of the window is due.
+func (o *h2Out) creditConn(n int64) {
+	if wu := o.recvConn.give(n); wu != nil {
+		o.queue(wu)
+	}
+}
+
+// writeFrames writes the queued control frames, then b, in one write(2).
+func (o *h2Out) writeFrames(b []byte) error {
+	o.wmu.Lock()
+	defer o.wmu.Unlock()
+	return o.writeFramesLocked(b)
+}
+
+// writeFramesLocked is writeFrames with wmu held.
+func (o *h2Out) writeFramesLocked(b []byte) error {
+	o.conn.beginBatch()
+	err := o.writeQueuedLocked()
+	if err == nil && len(b) > 0 {
+		_, err = o.conn.Write(b)
+	}
+	if ferr := o.conn.endBatch(); err == nil {
+		err = ferr
+	}
+	return err
+}
+
+// writeQueuedLocked writes the queued control frames (wmu held).
+func (o *h2Out) writeQueuedLocked() error {
+	o.cmu.Lock()
+	b := o.ctl
+	o.ctl, o.spare = o.spare, nil
+	o.cmu.Unlock()
+	if len(b) == 0 {
+		return nil
+	}
+	_, err := o.conn.Write(b)
+	o.cmu.Lock()
+	o.spare = b[:0]
+	o.cmu.Unlock()
+	return err
+}
+
+// writeControl writes the queued control frames whenever wake is signaled,
+// until done is closed (nil) or a write fails (its error). after, when
+// set, runs after each write; the loop ends (nil) when it returns true.
+func (o *h2Out) writeControl(done <-chan struct{}, after func() bool) error {
+	for {
+		select {
+		case <-o.wake:
+		case <-done:
+			return nil
+		}
+		if err := o.writeFrames(nil); err != nil {
+			return err
+		}
+		if after != nil && after() {
+			return nil
+		}
+	}
+}
+
+// recvWindow is a connection's receive window, shared by both engines:
+// left is what the peer may still send, credit what was consumed and not
+// granted back yet.
+type recvWindow struct {
+	size         int64
+	left, credit atomic.Int64
+}
+
+func (w *recvWindow) init(size int) {
+	w.size = int64(size)
+	w.left.Store(w.size)
+}
+
+// give returns n consumed bytes to the window and, once a quarter of it is
+// due, the connection WINDOW_UPDATE to send (nil before).
+func (w *recvWindow) give(n int64) []byte {
+	if n <= 0 || w.credit.Add(n) < w.size/4 {
+		return nil
+	}
+	inc := w.credit.Swap(0)
+	if inc <= 0 {
+		return nil
+	}
+	w.left.Add(inc)
+	return appendWindowUpdate(nil, 0, uint32(inc))
+}
+
+// grantStream counts n bytes of a stream's receive window consumed (into
+// *credit) and returns the stream's WINDOW_UPDATE once a quarter of window
+// is due (added back to *recvWin), nil before or once the peer ended the
+// stream (ended).
+func grantStream(id uint32, credit, recvWin *int64, n, window int64, ended bool) []byte {
+	*credit += n
+	if ended || *credit < window/4 {
+		return nil
+	}
+	inc := *credit
+	*credit = 0
+	*recvWin += inc
+	return appendWindowUpdate(nil, id, uint32(inc))
+}
+
+// pingData is the payload of our keepalive PINGs.
+var pingData = [8]byte{'h', 'b', 'o', 'n', 'e'}
+
+// h2Keepalive is the ping check both engines run: every interval, a
+// connection that read no frame since the last check gets a PING, and
+// expire runs when timeout passes without its ack.
+type h2Keepalive struct {
+	frames atomic.Uint64 // frames read (the read loop counts them)
+
+	mu                sync.Mutex
+	timer             *time.Timer
+	stopped, pinging  bool
+	last              uint64 // frames at the last check
+	interval, timeout time.Duration
+	queue             func([]byte)
+	expire            func()
+}
+
+// start arms the check; queue sends a PING, expire closes the connection.
+func (k *h2Keepalive) start(interval, timeout time.Duration, queue func([]byte), expire func()) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.stopped {
+		return
+	}
+	k.interval, k.timeout, k.queue, k.expire = interval, timeout, queue, expire
+	k.timer = time.AfterFunc(interval, k.check)
+}
+
+func (k *h2Keepalive) check() {
+	k.mu.Lock()
+	switch {
+	case k.stopped:
+		k.mu.Unlock()
+	case k.pinging:
+		k.stopped = true
+		k.mu.Unlock()
+		k.expire()
+	case k.frames.Load() != k.last:
+		k.last = k.frames.Load()
+		k.timer.Reset(k.interval)
+		k.mu.Unlock()
+	default:
+		k.pinging = true
+		k.timer.Reset(k.timeout)
+		k.mu.Unlock()
+		k.queue(appendPing(nil, false, pingData))
+	}
+}
+
+// acked takes the ack of our PING.
+func (k *h2Keepalive) acked() {
+	k.mu.Lock()
+	k.pinging = false
+	k.mu.Unlock()
+}
+
+// stop ends the check (the connection closed).
+func (k *h2Keepalive) stop() {
+	k.mu.Lock()
+	k.stopped = true
+	if k.timer != nil {
+		k.timer.Stop()
+	}
+	k.mu.Unlock()
+}
+
+// writeDataLocked sends m bytes of b, from b[off+frameHeaderLen:], as DATA
+// frames of stream id, with wmu held and in one batch of the record
+// batcher: each frame's header is written into the 9 bytes before its
+// payload (the first into room the caller left, each later one over the
+// tail of the payload just sent) and goes out with its payload in one TLS
+// write. size gives each frame's payload length from the bytes left;
+// wrote, when set, is told each frame's. It returns the new off.
+func (o *h2Out) writeDataLocked(b []byte, off, m int, id uint32, size func(left int) int, wrote func(int)) (int, error) {
+	o.conn.beginBatch()
+	err := o.writeQueuedLocked()
+	for err == nil && m > 0 {
+		k := size(m)
+		putFrameHeader(b[off:], k, http2.FrameData, 0, id)
+		_, err = o.conn.Write(b[off : off+frameHeaderLen+k])
+		off += k
+		m -= k
+		if err == nil && wrote != nil {
+			wrote(k)
+		}
+	}
+	if ferr := o.conn.endBatch(); err == nil {
+		err = ferr
+	}
+	return off, err
+}
+
+// h2Handler is what an engine does with the frames whose handling is its
+// own; handleFrame does the rest.
+type h2Handler interface {
+	onDataFrame(*http2.DataFrame) error
+	onHeaders(*http2.MetaHeadersFrame) error
+	onSettings(*http2.SettingsFrame) error
+	onWindowUpdate(*http2.WindowUpdateFrame) error
+	onRSTStream(*http2.RSTStreamFrame) error
+	onGoAway(*http2.GoAwayFrame)
+}
+
+// handleFrame processes one frame read by either engine (an error is a
+// connection error): PINGs are answered through queue and acks go to
+// keep, SETTINGS acks and PRIORITY and unknown frame types are ignored
+// (RFC 9113 §5.5, §6.3), PUSH_PROMISE is an error (neither side enables
+// push: a server must not send it, a client cannot), the rest goes to h.
+func handleFrame(h h2Handler, queue func([]byte), keep *h2Keepalive, f http2.Frame) error {
+	switch f := f.(type) {
+	case *http2.DataFrame:
+		return h.onDataFrame(f)
+	case *http2.MetaHeadersFrame:
+		return h.onHeaders(f)
+	case *http2.SettingsFrame:
+		if f.IsAck() {
+			return nil
+		}
+		return h.onSettings(f)
+	case *http2.WindowUpdateFrame:
+		return h.onWindowUpdate(f)
+	case *http2.RSTStreamFrame:
+		return h.onRSTStream(f)
+	case *http2.PingFrame:
+		if !f.IsAck() {
+			queue(appendPing(nil, true, f.Data))
+			return nil
+		}
+		keep.acked()
+	case *http2.GoAwayFrame:
+		h.onGoAway(f)
+	case *http2.PushPromiseFrame:
+		return connErrorf(http2.ErrCodeProtocol, "PUSH_PROMISE with push disabled")
+	}
+	return nil
+}
