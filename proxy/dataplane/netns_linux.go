@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"sync"
 
 	"golang.org/x/sys/unix"
 )
@@ -13,10 +14,20 @@ import (
 type netNS struct {
 	path string
 	f    *os.File
+	fd   int // f's descriptor, valid until close
 	dev  uint64
 	ino  uint64
 	home int // the process's own netns fd, to return to
+
+	// mu is held (R) while a thread enters the namespace through fd and
+	// (W) by close, so a setns never races the close (the number could
+	// name another file by then).
+	mu     sync.RWMutex
+	closed bool
 }
+
+// errNetNSClosed fails a do after close: the pod is gone.
+var errNetNSClosed = errors.New("netns is closed: its pod was removed")
 
 func openNetNS(path string, home int) (*netNS, error) {
 	f, err := os.Open(path)
@@ -33,7 +44,7 @@ func openNetNS(path string, home int) (*netNS, error) {
 		f.Close()
 		return nil, fmt.Errorf("failed to open netns %q: not a namespace file (nsfs)", path)
 	}
-	return &netNS{path: path, f: f, dev: st.Dev, ino: st.Ino, home: home}, nil
+	return &netNS{path: path, f: f, fd: int(f.Fd()), dev: st.Dev, ino: st.Ino, home: home}, nil
 }
 
 // gone reports whether the path no longer names the namespace that was
@@ -46,7 +57,29 @@ func (n *netNS) gone() bool {
 	return st.Dev != n.dev || st.Ino != n.ino
 }
 
-func (n *netNS) close() error { return n.f.Close() }
+// close releases the namespace; a do after it fails with errNetNSClosed.
+func (n *netNS) close() error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.closed {
+		return nil
+	}
+	n.closed = true
+	return n.f.Close()
+}
+
+// enter switches the calling thread into the namespace.
+func (n *netNS) enter() error {
+	n.mu.RLock()
+	defer n.mu.RUnlock()
+	if n.closed {
+		return fmt.Errorf("failed to enter netns %q: %w", n.path, errNetNSClosed)
+	}
+	if err := unix.Setns(n.fd, unix.CLONE_NEWNET); err != nil {
+		return fmt.Errorf("failed to enter netns %q: %w", n.path, err)
+	}
+	return nil
+}
 
 // do runs fn on a fresh goroutine whose OS thread is locked and switched
 // into the namespace, then switched back. If switching back fails the thread
@@ -56,9 +89,9 @@ func (n *netNS) do(fn func() error) error {
 	errc := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread()
-		if err := unix.Setns(int(n.f.Fd()), unix.CLONE_NEWNET); err != nil {
+		if err := n.enter(); err != nil {
 			runtime.UnlockOSThread()
-			errc <- fmt.Errorf("failed to enter netns %q: %w", n.path, err)
+			errc <- err
 			return
 		}
 		err := fn()
