@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"flag"
+	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -39,6 +41,7 @@ var valueSets = []valueSet{
 	{name: "inbound-strict", files: []string{"inbound-strict.yaml"}},
 	{name: "identity-spire", files: []string{"identity-spire.yaml"}},
 	{name: "k3s", files: []string{"k3s.yaml"}},
+	{name: "ports", files: []string{"ports.yaml"}},
 }
 
 func (v valueSet) paths() []string {
@@ -229,6 +232,17 @@ func TestChartRejects(t *testing.T) {
 		{"CRI socket a bare path", "cni:\n  criSocket: /run/containerd/containerd.sock\n", `invalid cni.criSocket /run/containerd/containerd.sock: must be empty`},
 		{"CRI socket not clean", "cni:\n  criSocket: unix:///run/k3s//containerd.sock\n", `invalid cni.criSocket "unix:///run/k3s//containerd.sock": the path must be clean`},
 		{"CRI socket not a string", "cni:\n  criSocket: 7\n", `invalid cni.criSocket 7: must be empty`},
+		{"port out of range", "ports:\n  agentHTTP: 70000\n", "invalid ports.agentHTTP 70000: must be a port number, 1-65535"},
+		{"port not a number", "ports:\n  proxyAdmin: admin\n", "invalid ports.proxyAdmin admin: must be a port number"},
+		{"port not whole", "ports:\n  proxyAdmin: 18090.5\n", "invalid ports.proxyAdmin 18090.5: must be a port number"},
+		{"ports the same", "ports:\n  agentHTTP: 18090\n", "invalid ports.proxyAdmin 18090: the same port as ports.agentHTTP"},
+		{"shutdown drain past the grace period", "proxy:\n  shutdownDrainSeconds: 45\n", "invalid proxy.shutdownDrainSeconds 45: must be at least 10 below terminationGracePeriodSeconds (45)"},
+		{"shutdown drain leaves the installer no time", "proxy:\n  shutdownDrainSeconds: 36\n", "invalid proxy.shutdownDrainSeconds 36: must be at least 10 below"},
+		{"shutdown drain negative", "proxy:\n  shutdownDrainSeconds: -1\n", "invalid proxy.shutdownDrainSeconds -1: must be a whole number of seconds, 0 or more"},
+		{"pod drain zero", "proxy:\n  podDrainSeconds: 0\n", "invalid proxy.podDrainSeconds 0: must be a whole number of seconds, at least 1"},
+		{"grace period not a number", "terminationGracePeriodSeconds: soon\n", "invalid terminationGracePeriodSeconds soon"},
+		{"max unavailable zero", "maxUnavailable: 0\n", "invalid maxUnavailable 0: must be a number of at least 1 or a percentage"},
+		{"max unavailable bad percentage", "maxUnavailable: 150%\n", `invalid maxUnavailable "150%": must be`},
 		{"primary", "cni:\n  primary: calico\n", `invalid cni.primary "calico"`},
 		{"inbound policy", "inboundPolicy: mtls\n", `invalid inboundPolicy "mtls"`},
 		{"strict without inbound capture", "inboundPolicy: strict\n", "invalid inboundPolicy strict without cni.inboundCapture"},
@@ -296,4 +310,47 @@ func findContainer(r *render, name string) (corev1.Container, bool) {
 		}
 	}
 	return corev1.Container{}, false
+}
+
+// TestPortsAndDrain: the loopback ports, drain times and rolling update
+// move together wherever they are used (flags, probes, the strategy).
+func TestPortsAndDrain(t *testing.T) {
+	for _, tt := range []struct {
+		set                            string
+		agentPort, proxyPort           int32
+		shutdown, podDrain, maxUnavail string
+		grace                          int64
+	}{
+		{"default", 15029, 18090, "20s", "30s", "1", 45},
+		{"ports", 25029, 28090, "50s", "90s", "10%", 60},
+	} {
+		t.Run(tt.set, func(t *testing.T) {
+			r := renderSet(t, valueSets[slices.IndexFunc(valueSets, func(v valueSet) bool { return v.name == tt.set })])
+			agent, proxy := container(t, r, "aether-agent"), container(t, r, "aether-proxy")
+			if want := fmt.Sprintf("--http-addr=127.0.0.1:%d", tt.agentPort); !slices.Contains(agent.Args, want) {
+				t.Errorf("agent args %v lack %s", agent.Args, want)
+			}
+			for _, p := range []*corev1.Probe{agent.ReadinessProbe, agent.LivenessProbe} {
+				if p == nil || p.HTTPGet == nil || p.HTTPGet.Port.IntVal != tt.agentPort || p.HTTPGet.Host != "127.0.0.1" {
+					t.Errorf("agent probe %+v, want 127.0.0.1:%d", p, tt.agentPort)
+				}
+			}
+			for _, want := range []string{
+				fmt.Sprintf("-admin-address=127.0.0.1:%d", tt.proxyPort),
+				"-shutdown-drain=" + tt.shutdown,
+				"-drain-timeout=" + tt.podDrain,
+			} {
+				if !slices.Contains(proxy.Args, want) {
+					t.Errorf("proxy args %v lack %s", proxy.Args, want)
+				}
+			}
+			spec := r.ds.Spec
+			if ru := spec.UpdateStrategy.RollingUpdate; ru == nil || ru.MaxUnavailable == nil || ru.MaxUnavailable.String() != tt.maxUnavail {
+				t.Errorf("rolling update %+v, want maxUnavailable %s", spec.UpdateStrategy.RollingUpdate, tt.maxUnavail)
+			}
+			if g := spec.Template.Spec.TerminationGracePeriodSeconds; g == nil || *g != tt.grace {
+				t.Errorf("grace period %v, want %d", g, tt.grace)
+			}
+		})
+	}
 }

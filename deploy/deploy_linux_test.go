@@ -382,13 +382,14 @@ func TestImageCommands(t *testing.T) {
 	})
 }
 
-// TestGracePeriod checks a stopping pod leaves aether-proxy its whole drain
-// and the install-cni sidecar, stopped after it, time to uninstall.
+// TestGracePeriod checks a stopping pod leaves aether-proxy its whole
+// SIGTERM drain (-shutdown-drain) and the install-cni sidecar, stopped after
+// it, 10 s to uninstall.
 func TestGracePeriod(t *testing.T) {
 	forEachSet(t, func(t *testing.T, r *render) {
-		var drain time.Duration
+		drain := time.Duration(-1)
 		for _, a := range container(t, r, "aether-proxy").Args {
-			if v, ok := strings.CutPrefix(a, "-drain-timeout="); ok {
+			if v, ok := strings.CutPrefix(a, "-shutdown-drain="); ok {
 				d, err := time.ParseDuration(v)
 				if err != nil {
 					t.Fatalf("aether-proxy %s: %v", a, err)
@@ -397,8 +398,8 @@ func TestGracePeriod(t *testing.T) {
 			}
 		}
 		grace := r.ds.Spec.Template.Spec.TerminationGracePeriodSeconds
-		if drain == 0 || grace == nil || time.Duration(*grace)*time.Second < drain+10*time.Second {
-			t.Errorf("terminationGracePeriodSeconds %v, proxy -drain-timeout %s: want the grace period at least 10s above the drain", grace, drain)
+		if drain < 0 || grace == nil || time.Duration(*grace)*time.Second < drain+10*time.Second {
+			t.Errorf("terminationGracePeriodSeconds %v, proxy -shutdown-drain %s: want the grace period at least 10s above the drain", grace, drain)
 		}
 	})
 }

@@ -161,6 +161,7 @@ a mount of its own at the same path in the containers).
 {{- fail (printf "invalid cni.criSocket %q: the path must be clean (no trailing slash, no . or .., no //)" .) -}}
 {{- end -}}
 {{- end -}}
+{{- include "aether-node.validateRuntime" . -}}
 {{- if not (has .Values.cni.captureFailure (list "fail" "open")) -}}
 {{- fail (printf "invalid cni.captureFailure %q: must be fail or open" .Values.cni.captureFailure) -}}
 {{- end -}}
@@ -204,5 +205,42 @@ a mount of its own at the same path in the containers).
 {{- end -}}
 {{- if and .Values.identity.enabled .Values.identity.caSecret .Values.identity.generateCA -}}
 {{- fail "invalid identity: both caSecret and generateCA are set; give one" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Fails the render on ports, drain times or an update strategy the
+binaries or the API server would reject. */}}
+{{- define "aether-node.validateRuntime" -}}
+{{- range $name := list "agentHTTP" "proxyAdmin" -}}
+{{- $p := index $.Values.ports $name -}}
+{{- if not (and (or (kindIs "float64" $p) (kindIs "int" $p) (kindIs "int64" $p)) (eq (float64 $p) (floor $p)) (ge (float64 $p) 1.0) (le (float64 $p) 65535.0)) -}}
+{{- fail (printf "invalid ports.%s %v: must be a port number, 1-65535" $name $p) -}}
+{{- end -}}
+{{- end -}}
+{{- if eq (float64 .Values.ports.agentHTTP) (float64 .Values.ports.proxyAdmin) -}}
+{{- fail (printf "invalid ports.proxyAdmin %v: the same port as ports.agentHTTP; both listen on the node's 127.0.0.1" .Values.ports.proxyAdmin) -}}
+{{- end -}}
+{{- $grace := .Values.terminationGracePeriodSeconds -}}
+{{- if not (and (or (kindIs "float64" $grace) (kindIs "int" $grace) (kindIs "int64" $grace)) (eq (float64 $grace) (floor $grace)) (ge (float64 $grace) 1.0)) -}}
+{{- fail (printf "invalid terminationGracePeriodSeconds %v: must be a whole number of seconds, at least 1" $grace) -}}
+{{- end -}}
+{{- $drain := .Values.proxy.shutdownDrainSeconds -}}
+{{- if not (and (or (kindIs "float64" $drain) (kindIs "int" $drain) (kindIs "int64" $drain)) (eq (float64 $drain) (floor $drain)) (ge (float64 $drain) 0.0)) -}}
+{{- fail (printf "invalid proxy.shutdownDrainSeconds %v: must be a whole number of seconds, 0 or more" $drain) -}}
+{{- end -}}
+{{- if gt (addf $drain 10) (float64 $grace) -}}
+{{- fail (printf "invalid proxy.shutdownDrainSeconds %v: must be at least 10 below terminationGracePeriodSeconds (%v), or kubelet kills the proxy before its connections finish or the install-cni sidecar, stopped last, before it uninstalls" $drain $grace) -}}
+{{- end -}}
+{{- $podDrain := .Values.proxy.podDrainSeconds -}}
+{{- if not (and (or (kindIs "float64" $podDrain) (kindIs "int" $podDrain) (kindIs "int64" $podDrain)) (eq (float64 $podDrain) (floor $podDrain)) (ge (float64 $podDrain) 1.0)) -}}
+{{- fail (printf "invalid proxy.podDrainSeconds %v: must be a whole number of seconds, at least 1" $podDrain) -}}
+{{- end -}}
+{{- $mu := .Values.maxUnavailable -}}
+{{- if kindIs "string" $mu -}}
+{{- if not (regexMatch "^([1-9][0-9]?|100)%$" $mu) -}}
+{{- fail (printf "invalid maxUnavailable %q: must be a number of at least 1 or a percentage from 1%% to 100%%" $mu) -}}
+{{- end -}}
+{{- else if not (and (or (kindIs "float64" $mu) (kindIs "int" $mu) (kindIs "int64" $mu)) (eq (float64 $mu) (floor $mu)) (ge (float64 $mu) 1.0)) -}}
+{{- fail (printf "invalid maxUnavailable %v: must be a number of at least 1 or a percentage from 1%% to 100%%" $mu) -}}
 {{- end -}}
 {{- end -}}
