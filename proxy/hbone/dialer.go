@@ -287,7 +287,7 @@ func (d *Dialer) start(ctx context.Context, key poolKey) (*h2Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	cc := newH2Client(&d.cfg, d.log, &d.wg, hc, hc.peer)
+	cc := newH2Client(&d.cfg, d.log, &d.wg, &d.stat, hc, hc.peer)
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()

@@ -46,6 +46,7 @@ type h2Client struct {
 	peer spiffeid.ID // the server's verified SPIFFE ID
 	fr   *http2.Framer
 	wg   *sync.WaitGroup // the Dialer's: read and write loops
+	stat *dialerCounters // the Dialer's
 	done chan struct{}   // closed when the connection closes
 	// ready is closed when the server's first SETTINGS was applied (or
 	// the connection failed before).
@@ -68,9 +69,9 @@ type h2Client struct {
 	peerMaxFrame int   // the server's SETTINGS_MAX_FRAME_SIZE
 }
 
-func newH2Client(cfg *DialerConfig, log *slog.Logger, wg *sync.WaitGroup, conn h2Transport, peer spiffeid.ID) *h2Client {
+func newH2Client(cfg *DialerConfig, log *slog.Logger, wg *sync.WaitGroup, stat *dialerCounters, conn h2Transport, peer spiffeid.ID) *h2Client {
 	c := &h2Client{
-		cfg: cfg, log: log, peer: peer, wg: wg,
+		cfg: cfg, log: log, peer: peer, wg: wg, stat: stat,
 		done:         make(chan struct{}),
 		ready:        make(chan struct{}),
 		streams:      map[uint32]*Stream{},
@@ -498,6 +499,7 @@ func (c *h2Client) streamError(id uint32, code http2.ErrCode, err error) {
 // flood closes a connection whose server lets more than maxQueuedControl
 // of control frames pile up (h2Out.onFlood).
 func (c *h2Client) flood() {
+	c.stat.controlFloods.Add(1)
 	c.log.Warn("closing hbone connection: its server does not read the control frames it asks for",
 		"remote", c.conn.RemoteAddr().String(), "queued_bytes", maxQueuedControl)
 	// Closed from another goroutine: queue may run under a stream's lock.

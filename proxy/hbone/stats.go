@@ -46,6 +46,10 @@ type DialerStats struct {
 	// StreamsFailed counts CONNECT streams that failed (transport error or a
 	// status other than 200).
 	StreamsFailed uint64
+	// ControlFloods counts connections closed because their server did not
+	// read the control frames it asked for (PING/SETTINGS acks) while more
+	// than 1 MiB of them were queued.
+	ControlFloods uint64
 }
 
 type serverCounters struct {
@@ -71,6 +75,7 @@ func (c *serverCounters) snapshot() ServerStats {
 
 type dialerCounters struct {
 	connsOpened, connsFailed, connsEvicted, streamsOpened, streamsFailed atomic.Uint64
+	controlFloods                                                        atomic.Uint64
 	connsPooled                                                          atomic.Int64
 }
 
@@ -82,5 +87,6 @@ func (c *dialerCounters) snapshot() DialerStats {
 		ConnsPooled:   c.connsPooled.Load(),
 		StreamsOpened: c.streamsOpened.Load(),
 		StreamsFailed: c.streamsFailed.Load(),
+		ControlFloods: c.controlFloods.Load(),
 	}
 }

@@ -79,6 +79,8 @@ func newHBONECollector(stats func() HBONEStats) *hboneCollector {
 			func(s HBONEStats) float64 { return u(s.Dialer.StreamsOpened) }),
 		counter(dialerStreams, dialerStreamsHelp, prometheus.Labels{"outcome": "failed"},
 			func(s HBONEStats) float64 { return u(s.Dialer.StreamsFailed) }),
+		counter("aether_proxy_hbone_dialer_control_floods_total", "Outbound HBONE connections closed because the server did not read the control frames it asked for (PING/SETTINGS acks) while over 1 MiB of them were queued.", nil,
+			func(s HBONEStats) float64 { return u(s.Dialer.ControlFloods) }),
 	}}
 }
 
