@@ -2,7 +2,6 @@ package enivlan
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -173,29 +172,13 @@ func linkIndexMTU(name string) (index, mtu int, err error) {
 	return index, int(ifr.Uint32()), nil
 }
 
-// printResult prints res as version ver with ValidationKey added: the
-// result is marshalled once and the key appended to its JSON object.
+// printResult prints res as version ver with ValidationKey added
+// (encodeResult).
 func (p *Plugin) printResult(res *current.Result, ver string, validation map[string]string) error {
-	r, err := res.GetAsVersion(ver)
+	out, err := encodeResult(res, ver, validation)
 	if err != nil {
-		return fmt.Errorf("failed to convert result to version %s: %w", ver, err)
+		return err
 	}
-	b, err := json.Marshal(r)
-	if err != nil {
-		return fmt.Errorf("failed to encode the result: %w", err)
-	}
-	v, err := json.Marshal(map[string]map[string]string{ValidationKey: validation})
-	if err != nil {
-		return fmt.Errorf("failed to encode the result: %w", err)
-	}
-	if len(b) < 2 || b[0] != '{' || b[len(b)-1] != '}' {
-		return fmt.Errorf("failed to encode the result: %.64q is not a JSON object", b)
-	}
-	out := b[:len(b)-1]
-	if len(out) > 1 {
-		out = append(out, ',')
-	}
-	out = append(out, v[1:]...)
 	w := p.Stdout
 	if w == nil {
 		w = os.Stdout
