@@ -167,17 +167,19 @@ func (c *addCall) close() {
 // run runs the steps after parse; the caller unwinds on error.
 func (c *addCall) run() error {
 	c.t.start = time.Now()
+	// What ADD can make before the IPAM delegate answers is made while it
+	// waits for it, on the core the delegate leaves idle: the record's
+	// file and the codecs (prepare), and the closer process (validation
+	// on), needed after the pre-flight. Started after the delegate, the
+	// closer's fork and exec competed with spiderpool-agent's answer for
+	// the two cores (README.md, "Performance notes").
 	c.prepare()
-	if err := c.t.time(&c.t.ipam, c.allocate); err != nil {
-		return err
-	}
 	if c.conf.ValidateIaasNetConfig && c.p.PrepareCloser != nil {
-		// The closer process starts while this one waits for
-		// spiderpool-agent's answer, with the cores otherwise idle, rather
-		// than while the IPAM delegate starts up on them; it is needed only
-		// after the pre-flight, a few milliseconds later.
 		c.p.PrepareCloser()
 		c.closerStarted = true
+	}
+	if err := c.t.time(&c.t.ipam, c.allocate); err != nil {
+		return err
 	}
 	if err := c.t.time(&c.t.endpoint, c.bind); err != nil {
 		return err

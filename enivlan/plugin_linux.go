@@ -73,9 +73,9 @@ type Plugin struct {
 	// pod netns, and its sockets are opened there on first use.
 	OpenPreflight func(link *net.Interface) Prober
 	// PrepareCloser, when set, is called once by an ADD with validation
-	// on, after IPAM ADD and before the spiderpool-agent lookup, so that
-	// whatever the Prober's Close needs (the closer process,
-	// sockcloser.ExecCloser.Start) starts while ADD waits for the agent.
+	// on, before IPAM ADD, so that whatever the Prober's Close needs (the
+	// closer process, sockcloser.ExecCloser.Start) starts while ADD waits
+	// for the IPAM delegate.
 	PrepareCloser func()
 	// WaitCloser, when set, is called before an ADD that called
 	// PrepareCloser returns: the sockets handed to the closer wait in its
