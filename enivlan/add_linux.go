@@ -57,10 +57,11 @@ type addCall struct {
 	mtu    int
 
 	res           *current.Result
-	closerStarted bool // PrepareCloser was called
-	recReady      chan struct{}
-	recFile       *os.File // the record's file from prepareRecord, until committed
+	closerStarted bool          // PrepareCloser was called
+	recReady      chan struct{} // closed once prepare made the record's file
+	recFile       *os.File      // the record's file from prepare, until committed
 	recErr        error
+	prepared      chan struct{} // closed once prepare is over
 	fam           families
 	endpoints     Endpoints
 	binding       *spiderpool.Binding
@@ -150,8 +151,8 @@ func (c *addCall) close() {
 		c.endpoints.Close()
 	}
 	_ = c.podNS.Close()
-	if c.recReady != nil {
-		<-c.recReady
+	if c.prepared != nil {
+		<-c.prepared
 		if c.recFile != nil {
 			discardRecordFile(c.recFile)
 		}
@@ -166,18 +167,20 @@ func (c *addCall) close() {
 // run runs the steps after parse; the caller unwinds on error.
 func (c *addCall) run() error {
 	c.t.start = time.Now()
-	if err := c.t.time(&c.t.ipam, c.allocate); err != nil {
-		return err
-	}
+	// What ADD can make before the IPAM delegate answers is made while it
+	// waits for it, on the core the delegate leaves idle: the record's
+	// file and the codecs (prepare), and the closer process (validation
+	// on), needed after the pre-flight. Started after the delegate, the
+	// closer's fork and exec competed with spiderpool-agent's answer for
+	// the two cores (README.md, "Performance notes").
+	c.prepare()
 	if c.conf.ValidateIaasNetConfig && c.p.PrepareCloser != nil {
-		// The closer process starts while this one waits for
-		// spiderpool-agent's answer, with the cores otherwise idle, rather
-		// than while the IPAM delegate starts up on them; it is needed only
-		// after the pre-flight, a few milliseconds later.
 		c.p.PrepareCloser()
 		c.closerStarted = true
 	}
-	c.prepareRecord()
+	if err := c.t.time(&c.t.ipam, c.allocate); err != nil {
+		return err
+	}
 	if err := c.t.time(&c.t.endpoint, c.bind); err != nil {
 		return err
 	}
@@ -244,7 +247,7 @@ func (c *addCall) bind() error {
 }
 
 // claim makes (master, VLAN ID) this pod's under the state lock: resolve a
-// previous holder, write the ownership record into the file prepareRecord
+// previous holder, write the ownership record into the file prepare
 // made (before the link when the pair had no record, after it when the
 // record was this attachment's own) and create the link under a temporary
 // name in the pod netns. Its undos delete the link and drop the record. On
@@ -314,20 +317,28 @@ func (c *addCall) claim() (err error) {
 	return nil
 }
 
-// prepareRecord creates the ownership record's file (createRecordFile) on
-// another goroutine, while ADD waits for spiderpool-agent: a new inode is
-// the costly part of writing the record, and neither the pair nor the
-// state lock is needed for it. close joins it and removes the file if no
-// record was made of it.
-func (c *addCall) prepareRecord() {
-	c.recReady = make(chan struct{})
+// prepare does, on another goroutine while ADD waits for the IPAM
+// delegate (a core is otherwise idle then), what ADD needs later and can
+// make without the delegate's answer or the binding: the ownership
+// record's file (createRecordFile: a new inode is the costly part of
+// writing the record, and neither the pair nor the state lock is needed
+// for it), then encoding/json's codecs of what ADD decodes and encodes
+// after the delegate (prepareCodecs). claim waits for the file only; close
+// joins the goroutine and removes the file if no record was made of it.
+func (c *addCall) prepare() {
+	c.recReady, c.prepared = make(chan struct{}), make(chan struct{})
+	log, dir, cid, ifName, ver := c.log, c.conf.StateDir, c.args.ContainerID, c.args.IfName, c.conf.CNIVersion
 	go func() {
-		defer close(c.recReady)
-		c.recFile, c.recErr = createRecordFile(c.conf.StateDir, c.args.ContainerID, c.args.IfName)
+		defer close(c.prepared)
+		c.recFile, c.recErr = createRecordFile(dir, cid, ifName)
+		close(c.recReady)
+		if err := prepareCodecs(ver); err != nil {
+			log.Debug("failed to prepare the codecs; they are built on first use", keyErr, err)
+		}
 	}()
 }
 
-// recordFile waits for prepareRecord's file.
+// recordFile waits for prepare's record file.
 func (c *addCall) recordFile() (*os.File, error) {
 	<-c.recReady
 	return c.recFile, c.recErr

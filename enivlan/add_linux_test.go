@@ -512,12 +512,12 @@ func TestAddSteps(t *testing.T) {
 			if len(u.prober.announced) != wantAnnounce || u.opened != wantOpen || u.prober.closed != wantOpen {
 				t.Errorf("announced %v, opened %d, closed %d; want %d announcement(s), %d open/close", u.prober.announced, u.opened, u.prober.closed, wantAnnounce, wantOpen)
 			}
-			// The closer is prepared once, after IPAM ADD and before the
-			// agent lookup (its start overlaps the wait for the agent, not
-			// the delegate's start-up), only when the pre-flight will need
-			// it.
-			if u.prepared != wantOpen || (validate && (u.ipamAddsAtPrepare != 1 || u.lookupsAtPrepare != 0)) {
-				t.Errorf("PrepareCloser ran %d times (after %d IPAM ADDs, %d lookups); want %d, after the IPAM ADD, before the lookup", u.prepared, u.ipamAddsAtPrepare, u.lookupsAtPrepare, wantOpen)
+			// The closer is prepared once, before IPAM ADD (its start
+			// overlaps the wait for the delegate, not the wait for the
+			// agent, whose answer it would compete with), only when the
+			// pre-flight will need it.
+			if u.prepared != wantOpen || (validate && (u.ipamAddsAtPrepare != 0 || u.lookupsAtPrepare != 0)) {
+				t.Errorf("PrepareCloser ran %d times (after %d IPAM ADDs, %d lookups); want %d, before the IPAM ADD", u.prepared, u.ipamAddsAtPrepare, u.lookupsAtPrepare, wantOpen)
 			}
 			// ADD waits for the closer it prepared, after the pre-flight's
 			// sockets were handed over, so they never go back to this

@@ -2,7 +2,6 @@ package enivlan
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -74,9 +73,9 @@ type Plugin struct {
 	// pod netns, and its sockets are opened there on first use.
 	OpenPreflight func(link *net.Interface) Prober
 	// PrepareCloser, when set, is called once by an ADD with validation
-	// on, after IPAM ADD and before the spiderpool-agent lookup, so that
-	// whatever the Prober's Close needs (the closer process,
-	// sockcloser.ExecCloser.Start) starts while ADD waits for the agent.
+	// on, before IPAM ADD, so that whatever the Prober's Close needs (the
+	// closer process, sockcloser.ExecCloser.Start) starts while ADD waits
+	// for the IPAM delegate.
 	PrepareCloser func()
 	// WaitCloser, when set, is called before an ADD that called
 	// PrepareCloser returns: the sockets handed to the closer wait in its
@@ -173,29 +172,13 @@ func linkIndexMTU(name string) (index, mtu int, err error) {
 	return index, int(ifr.Uint32()), nil
 }
 
-// printResult prints res as version ver with ValidationKey added: the
-// result is marshalled once and the key appended to its JSON object.
+// printResult prints res as version ver with ValidationKey added
+// (encodeResult).
 func (p *Plugin) printResult(res *current.Result, ver string, validation map[string]string) error {
-	r, err := res.GetAsVersion(ver)
+	out, err := encodeResult(res, ver, validation)
 	if err != nil {
-		return fmt.Errorf("failed to convert result to version %s: %w", ver, err)
+		return err
 	}
-	b, err := json.Marshal(r)
-	if err != nil {
-		return fmt.Errorf("failed to encode the result: %w", err)
-	}
-	v, err := json.Marshal(map[string]map[string]string{ValidationKey: validation})
-	if err != nil {
-		return fmt.Errorf("failed to encode the result: %w", err)
-	}
-	if len(b) < 2 || b[0] != '{' || b[len(b)-1] != '}' {
-		return fmt.Errorf("failed to encode the result: %.64q is not a JSON object", b)
-	}
-	out := b[:len(b)-1]
-	if len(out) > 1 {
-		out = append(out, ',')
-	}
-	out = append(out, v[1:]...)
 	w := p.Stdout
 	if w == nil {
 		w = os.Stdout

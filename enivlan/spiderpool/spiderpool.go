@@ -100,6 +100,23 @@ var ErrIncomplete = errors.New("workload endpoint not ready")
 // range, malformed MAC): it is not retried.
 var ErrInvalid = errors.New("invalid workload endpoint")
 
+// decoderSample is an answer of GET /v1/workloadendpoint naming every field
+// of WorkloadEndpointStatus and of the types it holds (TestDecoderSample).
+var decoderSample = []byte(`{"podNamespace":"","podName":"","podUID":"","node":"","interfaces":[{"interface":"","ipv4":"","ipv6":"","ipv4Gateway":"","ipv6Gateway":"","ipv4Pool":"","ipv6Pool":"","mac":"","vlan":0,"routes":[{"ifName":"","dst":"","gw":""}]}]}`)
+
+// PrepareDecoder has encoding/json build its decoders for an answer of GET
+// /v1/workloadendpoint (WorkloadEndpointStatus and the types it holds), so
+// that Decode of the first real answer in a process does not pay for
+// building them (about 0.1 ms in a fresh process). A plugin calls it while
+// it waits for something else.
+func PrepareDecoder() error {
+	var s WorkloadEndpointStatus
+	if err := json.Unmarshal(decoderSample, &s); err != nil {
+		return fmt.Errorf("failed to decode the workload endpoint sample: %w", err)
+	}
+	return nil
+}
+
 // Decode parses a 200 body of GET /v1/workloadendpoint. Required fields of
 // the API (podNamespace, podName, podUID, node, interfaces, interface) must
 // be present.
