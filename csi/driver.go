@@ -44,14 +44,16 @@ const (
 	// root on the host looks inside; pods see their own directory through
 	// the bind mount, which never traverses the root.
 	RootMode fs.FileMode = 0o700
-	// PodDirMode is <root>/<uid>/ without a volume mount group: any user of
-	// the pod can create its socket, and the sticky bit keeps one container
-	// from removing another's socket (as /tmp).
-	PodDirMode = fs.ModeSticky | 0o777
+	// PodDirMode is <root>/<uid>/ without a volume mount group, owned
+	// root:root: only uid 0 in the pod can create its socket (a non-root app
+	// sets the pod's fsGroup). Never world-writable: the proxy delivers to
+	// this directory (meshcontract.PodDirMode).
+	PodDirMode = meshcontract.PodDirMode
 	// GroupPodDirMode is <root>/<uid>/ with a volume mount group (the pod's
 	// fsGroup), owned root:<group>: only the pod's users in that group can
-	// create sockets, and setgid gives each socket the group.
-	GroupPodDirMode = fs.ModeSetgid | 0o770
+	// create sockets, and setgid gives each socket the group
+	// (meshcontract.GroupPodDirMode).
+	GroupPodDirMode = meshcontract.GroupPodDirMode
 	// TargetMode is the mode of a target directory the driver creates.
 	TargetMode fs.FileMode = 0o750
 )
@@ -180,7 +182,7 @@ type publication struct {
 }
 
 // podDir returns <root>/<uid>.
-func (d *Driver) podDir(uid string) string { return filepath.Join(d.cfg.Root, uid) }
+func (d *Driver) podDir(uid string) string { return meshcontract.PodSocketDir(d.cfg.Root, uid) }
 
 // invalid returns an InvalidArgument status.
 func invalid(format string, a ...any) error {

@@ -132,6 +132,11 @@ func TestPublishBindsThePodDir(t *testing.T) {
 			if got := fi.Mode() & (fs.ModePerm | fs.ModeSticky | fs.ModeSetgid); got != tc.wantMode || !fi.IsDir() {
 				t.Errorf("pod dir mode %v, want directory %v", fi.Mode(), tc.wantMode)
 			}
+			// The proxy delivers to this directory as root: no user
+			// outside the owner (and the pod's fsGroup) may write it.
+			if fi.Mode()&0o002 != 0 {
+				t.Errorf("pod dir mode %v is world-writable; want at most %v", fi.Mode(), GroupPodDirMode)
+			}
 			if st := fi.Sys().(*syscall.Stat_t); st.Uid != 0 || st.Gid != tc.wantGID {
 				t.Errorf("pod dir owner %d:%d, want 0:%d", st.Uid, st.Gid, tc.wantGID)
 			}

@@ -15,6 +15,7 @@ import (
 	"strings"
 
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/pkg/meshcontract"
 )
 
 // Annotation names the pod's UDS socket as <volume>/<file>.
@@ -86,7 +87,7 @@ func Resolve(root string, pod *cniv1.CNIPod) (path string, ok bool, err error) {
 	if root == "" || !filepath.IsAbs(root) || filepath.Clean(root) != root && filepath.Clean(root)+"/" != root {
 		return "", true, refuse(ReasonInvalidPath, "uds csi root %q must be a clean absolute path", root)
 	}
-	p := filepath.Join(root, uid, file)
+	p := filepath.Join(meshcontract.PodSocketDir(root, uid), file)
 	if len(p) > MaxSunPath {
 		return "", true, refuse(ReasonInvalidPath, "socket path %q is %d bytes, over the %d-byte sun_path limit", p, len(p), MaxSunPath)
 	}

@@ -16,6 +16,7 @@ import (
 	"syscall"
 	"time"
 
+	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/proxy"
 	"aether.io/node/proxy/dataplane"
 )
@@ -36,6 +37,7 @@ func main() {
 	flag.DurationVar(&cfg.Dataplane.ShutdownDrain, "shutdown-drain", 20*time.Second, "on SIGTERM: how long established connections may finish after every pod stopped accepting (0 closes at once; keep it under the pod's termination grace period)")
 	flag.DurationVar(&cfg.Dataplane.DNSIdleTimeout, "dns-idle-timeout", dataplane.DefaultDNSIdleTimeout, "idle time after which a UDP flow to port 53 ends")
 	flag.DurationVar(&cfg.Dataplane.TCPIdleTimeout, "tcp-idle-timeout", dataplane.DefaultTCPIdleTimeout, "a proxied TCP connection with no data either way for this long is closed")
+	flag.StringVar(&cfg.Dataplane.UDSRoot, meshcontract.UDSCSIRootFlag, meshcontract.DefaultUDSCSIRoot, "root of the pods' UDS socket dirs (<root>/<pod uid>/, aether-csi's and aether-agent's flag of the same name); inbound delivery connects only to a socket in the pod's own dir there, never through a link")
 	flag.IntVar(&cfg.Dataplane.MaxConnsPerPod, "max-connections-per-pod", dataplane.DefaultMaxConnsPerPod, "open TCP connections one pod may have through the proxy; more are reset")
 	flag.IntVar(&cfg.Dataplane.MaxConns, "max-connections", dataplane.DefaultMaxConns, "open TCP connections of all pods together; more are reset")
 	flag.IntVar(&cfg.Dataplane.MaxUDPFlowsPerPod, "max-udp-flows-per-pod", dataplane.DefaultMaxUDPFlowsPerPod, "open UDP flows of one pod; a new one evicts the pod's least recently used")

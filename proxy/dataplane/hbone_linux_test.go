@@ -6,7 +6,6 @@ import (
 	"io"
 	"net"
 	"net/netip"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -240,8 +239,9 @@ func TestHBONE(t *testing.T) {
 // socket gets the HBONE stream on that socket; once the socket is gone the
 // stream goes over TCP (counted uds_fallback).
 func TestHBONEDeliversToUDS(t *testing.T) {
-	e := setupHBONE(t)
-	sock := filepath.Join(t.TempDir(), "app.sock")
+	udsRoot := t.TempDir()
+	e := setupHBONEConfig(t, dataplane.Config{ConnectTimeout: 3 * time.Second, UDSRoot: udsRoot})
+	sock := proxytest.PodSocketPath(t, udsRoot, "uid-server", "app.sock")
 	ln := proxytest.ServeUnix(t, sock, func(c net.Conn) {
 		b, _ := io.ReadAll(c)
 		_, _ = fmt.Fprintf(c, "uds got %s", b)
@@ -249,7 +249,7 @@ func TestHBONEDeliversToUDS(t *testing.T) {
 	e.server.Serve(t, 8080)
 	specs := e.server.Specs(t)
 	for i := range specs {
-		specs[i].UDSSocket = sock
+		specs[i].UID, specs[i].UDSSocket = "uid-server", sock
 	}
 	e.mgr.SetListeners(append(e.client.Specs(t), specs...))
 	// The server pod is re-bound with the socket (drained, then served).

@@ -25,8 +25,11 @@ var ErrNotThisPod = errors.New("inbound target is not an address of the pod")
 //   - when the pod's listeners name a UDS socket (the agent resolved the
 //     pod's csi.aether.io volume, seed 000), over that unix socket;
 //   - otherwise, or when the socket is missing or refuses (logged at ERROR
-//     and counted via="uds_fallback": never a dropped connection), over TCP
-//     to target from inside the pod's netns with the bypass mark.
+//     and counted via="uds_fallback": never a dropped connection), or is
+//     not a socket the proxy may trust (a link, another file type, outside
+//     the pod's own socket dir, another owner: dialPodSocket; counted
+//     via="uds_refused"), over TCP to target from inside the pod's netns
+//     with the bypass mark.
 //
 // target must be one of the pod's addresses.
 func (m *Manager) DeliverInbound(ctx context.Context, key string, target netip.AddrPort) (net.Conn, error) {
@@ -49,14 +52,18 @@ func (p *pod) deliverInbound(ctx context.Context, target, client netip.AddrPort)
 	}
 	via := telemetry.ViaTCP
 	if sock := p.specs[0].UDSSocket; sock != "" {
-		var d net.Dialer
-		c, err := d.DialContext(ctx, "unix", sock)
+		c, err := dialPodSocket(ctx, p.m.cfg.UDSRoot, p.specs[0].UID, sock)
 		if err == nil {
 			p.m.metrics.Delivered(telemetry.ViaUDS)
 			return c, nil
 		}
-		p.log.Error("inbound delivery over the pod's UDS socket failed; falling back to TCP", "socket", sock, "target", target.String(), "error", err.Error())
 		via = telemetry.ViaUDSFallback
+		msg := "inbound delivery over the pod's UDS socket failed; falling back to TCP"
+		if errors.Is(err, ErrUnsafeSocket) {
+			via = telemetry.ViaUDSRefused
+			msg = "refused the pod's UDS socket as unsafe; delivering over TCP"
+		}
+		p.log.Error(msg, "socket", sock, "target", target.String(), "error", err.Error())
 	}
 	c, err := p.deliverTCP(ctx, target, client)
 	if err != nil {

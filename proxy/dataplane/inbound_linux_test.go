@@ -33,12 +33,19 @@ func answer(ln net.Listener, reply string) {
 // missing or refuses — never a dropped connection. A target that is not
 // the pod's, or a pod not served, is refused.
 func TestDeliverInbound(t *testing.T) {
-	e := setup(t, dataplane.Config{})
+	root := t.TempDir()
+	e := setup(t, dataplane.Config{UDSRoot: root})
 	const appPort = 8080
 	for _, p := range []*proxytest.Pod{e.client, e.server} {
 		p.Handle(t, appPort, func(c net.Conn) { _, _ = io.WriteString(c, "tcp") })
 	}
-	sock := filepath.Join(t.TempDir(), "app.sock")
+	// The socket is where aether-csi and the agent put it:
+	// <uds-csi-root>/<pod uid>/<file>, in a root-owned 0700 dir.
+	const serverUID = "uid-server"
+	if err := os.Mkdir(filepath.Join(root, serverUID), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(root, serverUID, "app.sock")
 	ln, err := net.Listen("unix", sock)
 	if err != nil {
 		t.Fatal(err)
@@ -49,7 +56,7 @@ func TestDeliverInbound(t *testing.T) {
 	// The server pod's record now resolves a UDS socket.
 	specs := e.client.Specs(t)
 	for _, s := range e.server.Specs(t) {
-		s.UDSSocket = sock
+		s.UID, s.UDSSocket = serverUID, sock
 		specs = append(specs, s)
 	}
 	e.mgr.SetListeners(specs)

@@ -98,9 +98,17 @@ type Config struct {
 	Certs hbone.Certs
 	// HBONEPort is the pods' HBONE port.
 	HBONEPort uint16
+	// UDSRoot is <uds-csi-root>, below which the pods' socket dirs are
+	// (meshcontract.PodSocketDir); inbound UDS delivery connects only to a
+	// socket directly in the pod's own dir there (dialPodSocket).
+	// Default meshcontract.DefaultUDSCSIRoot.
+	UDSRoot string
 }
 
 func (c Config) withDefaults() Config {
+	if c.UDSRoot == "" {
+		c.UDSRoot = meshcontract.DefaultUDSCSIRoot
+	}
 	if c.BypassMark == 0 {
 		c.BypassMark = DefaultBypassMark
 	}

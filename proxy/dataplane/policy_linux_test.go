@@ -5,7 +5,6 @@ import (
 	"io"
 	"net"
 	"net/netip"
-	"path/filepath"
 	"slices"
 	"syscall"
 	"testing"
@@ -36,7 +35,8 @@ func TestHBONEPortAgrees(t *testing.T) {
 // address (inbound_plaintext_allow_cidrs) reaches the app in strict mode,
 // and a direct connection to the inbound port is reset.
 func TestInboundPolicy(t *testing.T) {
-	e := setup(t, dataplane.Config{})
+	udsRoot := t.TempDir()
+	e := setup(t, dataplane.Config{UDSRoot: udsRoot})
 	const appPort = 8080
 	// The node's address (an unmeshed client) and the kubelet's.
 	node4, kubelet4 := netip.MustParseAddr("10.88.0.1"), netip.MustParseAddr("10.88.0.254")
@@ -193,7 +193,7 @@ func TestInboundPolicy(t *testing.T) {
 		}
 	})
 	t.Run("permissive over the UDS socket", func(t *testing.T) {
-		sock := filepath.Join(t.TempDir(), "app.sock")
+		sock := proxytest.PodSocketPath(t, udsRoot, "uid-server", "app.sock")
 		proxytest.ServeUnix(t, sock, func(c net.Conn) {
 			b := make([]byte, 64)
 			n, _ := c.Read(b)
@@ -201,7 +201,7 @@ func TestInboundPolicy(t *testing.T) {
 		})
 		specs := e.client.Specs(t)
 		for _, s := range e.server.Specs(t) {
-			s.UDSSocket = sock
+			s.UID, s.UDSSocket = "uid-server", sock
 			specs = append(specs, s)
 		}
 		e.mgr.SetListeners(specs) // drained and bound again

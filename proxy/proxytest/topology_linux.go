@@ -14,12 +14,14 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"aether.io/node/api/istio/workload"
+	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/test/harness"
 	"aether.io/node/xds/listener"
 )
@@ -265,4 +267,16 @@ func WaitFor(ctx context.Context, cond func() bool) error {
 		}
 	}
 	return nil
+}
+
+// PodSocketPath makes the pod socket dir <root>/<uid>/ as aether-csi does
+// for a pod without fsGroup (root-owned, meshcontract.PodDirMode) and
+// returns <root>/<uid>/<file>, the path the agent would resolve.
+func PodSocketPath(tb testing.TB, root, uid, file string) string {
+	tb.Helper()
+	dir := meshcontract.PodSocketDir(root, uid)
+	if err := os.MkdirAll(dir, meshcontract.PodDirMode); err != nil {
+		tb.Fatal(err)
+	}
+	return filepath.Join(dir, file)
 }

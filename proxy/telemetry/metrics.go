@@ -173,7 +173,11 @@ const (
 	ViaUDS         = "uds"
 	ViaTCP         = "tcp"
 	ViaUDSFallback = "uds_fallback"
-	ViaFailed      = "failed"
+	// ViaUDSRefused is a TCP delivery because the pod's UDS socket was
+	// refused as unsafe (a link, not a socket, outside the pod's socket
+	// dir, another owner).
+	ViaUDSRefused = "uds_refused"
+	ViaFailed     = "failed"
 )
 
 // Delivered counts one inbound delivery to the app.

@@ -394,6 +394,10 @@ type Spec struct {
 	Role Role
 	// PodIPs are the pod's addresses (from the metadata).
 	PodIPs []netip.Addr
+	// UID is the pod's Kubernetes UID ("" from an agent that sent none):
+	// the proxy delivers to a UDS socket only inside that pod's own socket
+	// directory (meshcontract.PodSocketDir).
+	UID string
 	// UDSSocket is where inbound connections go instead of TCP ("" =
 	// TCP): see Pod.UDSSocket.
 	UDSSocket string
@@ -427,6 +431,7 @@ func Parse(l *listenerv3.Listener) (Spec, error) {
 	s.PodKey = f["container_id"].GetStringValue()
 	s.Namespace = f["namespace"].GetStringValue()
 	s.PodName = f["name"].GetStringValue()
+	s.UID = f["uid"].GetStringValue()
 	s.UDSSocket = f["uds_socket"].GetStringValue()
 	switch s.InboundPolicy = f["inbound_policy"].GetStringValue(); {
 	case s.InboundPolicy == "":

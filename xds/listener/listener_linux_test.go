@@ -113,6 +113,9 @@ func TestBuildParse(t *testing.T) {
 				if len(s.PodIPs) != len(tc.pod.IPs) || s.PodIPs[0] != tc.pod.IPs[0] {
 					t.Errorf("listener %s parsed pod IPs %v, want %v", l.GetName(), s.PodIPs, tc.pod.IPs)
 				}
+				if s.UID != tc.pod.UID {
+					t.Errorf("listener %s parsed pod uid %q, want %q", l.GetName(), s.UID, tc.pod.UID)
+				}
 				if s.UDSSocket != tc.pod.UDSSocket {
 					t.Errorf("listener %s parsed UDS socket %q, want %q", l.GetName(), s.UDSSocket, tc.pod.UDSSocket)
 				}
