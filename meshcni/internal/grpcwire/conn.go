@@ -6,7 +6,10 @@
 // aether-cni is exec'd once per pod and verb and makes one to three calls:
 // grpc-go, and the net/http, crypto/tls and protobuf JSON packages it
 // links, cost every exec more package init and page faults than the calls
-// themselves (meshcni/README.md, "Start-up"). The agent keeps serving with
+// themselves (meshcni/README.md, "Start-up"). x/net's http2.Framer would
+// link net/http and crypto/tls again: +45 package inits and +9-14 % CPU per
+// exec measured (meshcni/README.md, "Why grpcwire frames HTTP/2 itself").
+// The agent keeps serving with
 // grpc-go; the tests of meshcni/agentclient run this client against it.
 //
 // One call runs at a time on a Conn. A call that fails on the connection
