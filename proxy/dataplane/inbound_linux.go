@@ -57,13 +57,13 @@ func (p *pod) deliverInbound(ctx context.Context, target, client netip.AddrPort)
 			p.m.metrics.Delivered(telemetry.ViaUDS)
 			return c, nil
 		}
-		via = telemetry.ViaUDSFallback
-		msg := "inbound delivery over the pod's UDS socket failed; falling back to TCP"
 		if errors.Is(err, ErrUnsafeSocket) {
 			via = telemetry.ViaUDSRefused
-			msg = "refused the pod's UDS socket as unsafe; delivering over TCP"
+			p.log.Error("refused the pod's UDS socket as unsafe; delivering over TCP", "socket", sock, "target", target.String(), "error", err.Error())
+		} else {
+			via = telemetry.ViaUDSFallback
+			p.log.Error("inbound delivery over the pod's UDS socket failed; falling back to TCP", "socket", sock, "target", target.String(), "error", err.Error())
 		}
-		p.log.Error(msg, "socket", sock, "target", target.String(), "error", err.Error())
 	}
 	c, err := p.deliverTCP(ctx, target, client)
 	if err != nil {
