@@ -174,6 +174,11 @@ func (c *h2Conn) serve() {
 			c.fail(http2.ErrCodeProtocol, errors.New("first http/2 frame is not SETTINGS"))
 			return
 		}
+		if p, ok := f.(*http2.PriorityFrame); ok && p.StreamDep == p.StreamID {
+			// RFC 7540 §5.3.1: a stream cannot depend on itself.
+			c.streamError(p.StreamID, http2.ErrCodeProtocol)
+			continue
+		}
 		if err := handleFrame(c, c.queue, &c.keep, f); err != nil {
 			var ce http2.ConnectionError
 			code := http2.ErrCodeProtocol
@@ -414,6 +419,11 @@ func (c *h2Conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	c.maxID = id
 	refuse := c.goingAway || c.closed || len(c.streams) >= cfg.MaxConcurrentStreams
 	c.mu.Unlock()
+	if f.HasPriority() && f.Priority.StreamDep == id {
+		// RFC 7540 §5.3.1: a stream cannot depend on itself.
+		c.queue(appendRSTStream(nil, id, http2.ErrCodeProtocol))
+		return nil
+	}
 	if refuse {
 		c.queue(appendRSTStream(nil, id, http2.ErrCodeRefusedStream))
 		return nil
