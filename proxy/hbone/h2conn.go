@@ -435,6 +435,9 @@ func (c *h2Conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	case f.Truncated:
 		c.answer(id, http.StatusRequestHeaderFieldsTooLarge, ended)
 		return nil
+	case hasConnectionHeader(f):
+		c.queue(appendRSTStream(nil, id, http2.ErrCodeProtocol))
+		return nil
 	case method == http.MethodConnect:
 		// RFC 9113 §8.5: only :method and :authority.
 		if scheme != "" || path != "" || authority == "" || f.PseudoValue("protocol") != "" {
@@ -482,6 +485,25 @@ func (c *h2Conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	c.s.wg.Add(1)
 	go st.serve(target)
 	return nil
+}
+
+// hasConnectionHeader reports whether f carries a connection-specific
+// header field, which makes a request malformed (RFC 9113 §8.2.2):
+// Connection, Proxy-Connection, Keep-Alive, Transfer-Encoding, Upgrade, or
+// TE with a value other than "trailers". The Framer has lower-cased the
+// names already (an upper-case one is a stream error there).
+func hasConnectionHeader(f *http2.MetaHeadersFrame) bool {
+	for _, hf := range f.RegularFields() {
+		switch hf.Name {
+		case "connection", "proxy-connection", "keep-alive", "transfer-encoding", "upgrade":
+			return true
+		case "te":
+			if hf.Value != "trailers" {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // answer ends a request the server does not deliver with status code.

@@ -49,6 +49,19 @@ func TestMalformedStreamsReset(t *testing.T) {
 		{"http2/5.3.1/2 PRIORITY depending on itself", func(f *frames) {
 			_ = f.fr.WritePriority(1, http2.PriorityParam{StreamDep: 1, Weight: 15})
 		}},
+		{"http2/8.1.2.2/1 connection-specific header", func(f *frames) {
+			f.headers(1, false, append(connect, "connection", "keep-alive")...)
+		}},
+		{"http2/8.1.2.2/2 TE other than trailers", func(f *frames) {
+			f.headers(1, false, append(connect, "te", "gzip")...)
+		}},
+		{"transfer-encoding", func(f *frames) { f.headers(1, false, append(connect, "transfer-encoding", "chunked")...) }},
+		{"upgrade", func(f *frames) { f.headers(1, false, append(connect, "upgrade", "websocket")...) }},
+		{"keep-alive", func(f *frames) { f.headers(1, false, append(connect, "keep-alive", "timeout=5")...) }},
+		{"proxy-connection", func(f *frames) { f.headers(1, false, append(connect, "proxy-connection", "close")...) }},
+		{"GET with a connection-specific header", func(f *frames) {
+			f.headers(1, true, ":method", "GET", ":scheme", "https", ":path", "/", ":authority", "x", "connection", "close")
+		}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			cli, _, _, served := serveConn(t, srv, ln, false)
@@ -66,17 +79,37 @@ func TestMalformedStreamsReset(t *testing.T) {
 			if _, err := cli.Write(f.Bytes()); err != nil {
 				t.Fatal(err)
 			}
-			if got, want := readStreamOutcomes(t, cli), "1:RST_STREAM PROTOCOL_ERROR ping 3:200"; got != want {
+			if got, want := readStreamOutcomes(t, cli, 3), "1:RST_STREAM PROTOCOL_ERROR ping 3:200"; got != want {
 				t.Fatalf("server answered %q, want %q", got, want)
 			}
 		})
 	}
+	t.Run("TE trailers is allowed", func(t *testing.T) {
+		cli, _, _, served := serveConn(t, srv, ln, false)
+		defer func() {
+			_ = cli.Close()
+			<-served
+		}()
+		f := newFrames().settings().headers(1, true, append(connect, "te", "trailers")...)
+		_ = f.fr.WritePing(false, [8]byte{})
+		f.connect(3, portTCP, true)
+		if _, err := io.WriteString(cli, clientPreface); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := cli.Write(f.Bytes()); err != nil {
+			t.Fatal(err)
+		}
+		got := readStreamOutcomes(t, cli, 1, 3)
+		if got != "ping 1:200 3:200" && got != "ping 3:200 1:200" {
+			t.Fatalf("server answered %q, want both CONNECTs delivered (200)", got)
+		}
+	})
 }
 
-// readStreamOutcomes reads what the server sends until stream 3's answer:
-// per stream the first answer ("id:status" or "id:RST_STREAM code"),
-// "ping" for the PING ack, or a GOAWAY.
-func readStreamOutcomes(t *testing.T, cli net.Conn) string {
+// readStreamOutcomes reads what the server sends until every stream of
+// until has its answer: per stream the first answer ("id:status" or
+// "id:RST_STREAM code"), "ping" for the PING ack, or a GOAWAY.
+func readStreamOutcomes(t *testing.T, cli net.Conn, until ...uint32) string {
 	t.Helper()
 	fr := http2.NewFramer(nil, cli)
 	fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
@@ -88,7 +121,15 @@ func readStreamOutcomes(t *testing.T, cli net.Conn) string {
 		}
 		out += s
 	}
-	for !seen[3] {
+	answered := func() bool {
+		for _, id := range until {
+			if !seen[id] {
+				return false
+			}
+		}
+		return true
+	}
+	for !answered() {
 		fm, err := fr.ReadFrame()
 		if err != nil {
 			add(fmt.Sprintf("read error: %v", err))
