@@ -45,7 +45,9 @@ const h2specModule = "testdata/h2spec"
 // (RST_STREAM NO_ERROR) when the client had not ended it. So a request stream
 // is closed before the frames a case sends after its HEADERS arrive. The
 // cases below need a response body or a request stream that stays open while
-// the server handles it.
+// the server handles it. TestH2SpecExcludedWithConnect runs each of them
+// (but the content-length ones, which have no CONNECT counterpart) with a
+// CONNECT stream instead.
 var h2specExcluded = map[string]string{
 	"generic/2/2":     "needs a response body: expects a DATA frame of the GET's response after a WINDOW_UPDATE on the half-closed (remote) stream; the 405 has none",
 	"generic/2/3":     "needs a response body: expects a DATA frame of the GET's response after a PRIORITY on the half-closed (remote) stream; the 405 has none",
