@@ -490,8 +490,8 @@ func (c *h2Conn) onHeaders(f *http2.MetaHeadersFrame) error {
 // hasConnectionHeader reports whether f carries a connection-specific
 // header field, which makes a request malformed (RFC 9113 §8.2.2):
 // Connection, Proxy-Connection, Keep-Alive, Transfer-Encoding, Upgrade, or
-// TE with a value other than "trailers". The Framer has lower-cased the
-// names already (an upper-case one is a stream error there).
+// TE with a value other than "trailers". Names are lower case here: the
+// Framer rejects any other as a stream error.
 func hasConnectionHeader(f *http2.MetaHeadersFrame) bool {
 	for _, hf := range f.RegularFields() {
 		switch hf.Name {
