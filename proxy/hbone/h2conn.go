@@ -174,6 +174,11 @@ func (c *h2Conn) serve() {
 			c.fail(http2.ErrCodeProtocol, errors.New("first http/2 frame is not SETTINGS"))
 			return
 		}
+		if p, ok := f.(*http2.PriorityFrame); ok && p.StreamDep == p.StreamID {
+			// RFC 7540 §5.3.1: a stream cannot depend on itself.
+			c.streamError(p.StreamID, http2.ErrCodeProtocol)
+			continue
+		}
 		if err := handleFrame(c, c.queue, &c.keep, f); err != nil {
 			var ce http2.ConnectionError
 			code := http2.ErrCodeProtocol
@@ -414,6 +419,11 @@ func (c *h2Conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	c.maxID = id
 	refuse := c.goingAway || c.closed || len(c.streams) >= cfg.MaxConcurrentStreams
 	c.mu.Unlock()
+	if f.HasPriority() && f.Priority.StreamDep == id {
+		// RFC 7540 §5.3.1: a stream cannot depend on itself.
+		c.queue(appendRSTStream(nil, id, http2.ErrCodeProtocol))
+		return nil
+	}
 	if refuse {
 		c.queue(appendRSTStream(nil, id, http2.ErrCodeRefusedStream))
 		return nil
@@ -424,6 +434,9 @@ func (c *h2Conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	switch {
 	case f.Truncated:
 		c.answer(id, http.StatusRequestHeaderFieldsTooLarge, ended)
+		return nil
+	case hasConnectionHeader(f):
+		c.queue(appendRSTStream(nil, id, http2.ErrCodeProtocol))
 		return nil
 	case method == http.MethodConnect:
 		// RFC 9113 §8.5: only :method and :authority.
@@ -472,6 +485,25 @@ func (c *h2Conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	c.s.wg.Add(1)
 	go st.serve(target)
 	return nil
+}
+
+// hasConnectionHeader reports whether f carries a connection-specific
+// header field, which makes a request malformed (RFC 9113 §8.2.2):
+// Connection, Proxy-Connection, Keep-Alive, Transfer-Encoding, Upgrade, or
+// TE with a value other than "trailers". Names are lower case here: the
+// Framer rejects any other as a stream error.
+func hasConnectionHeader(f *http2.MetaHeadersFrame) bool {
+	for _, hf := range f.RegularFields() {
+		switch hf.Name {
+		case "connection", "proxy-connection", "keep-alive", "transfer-encoding", "upgrade":
+			return true
+		case "te":
+			if hf.Value != "trailers" {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // answer ends a request the server does not deliver with status code.
