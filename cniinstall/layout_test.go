@@ -86,14 +86,21 @@ func runtimeChain(t testing.TB, dir string) (string, []string) {
 		t.Fatal(err)
 	}
 	slices.Sort(files)
+	earlierBad := false
 	for _, f := range files {
 		var l *libcni.NetworkConfigList
 		if strings.HasSuffix(f, ".conflist") {
 			if l, err = libcni.ConfListFromFile(f); err != nil {
+				earlierBad = true
 				continue
 			}
-			// The same network through libcni's loader by name.
+			// The same network through libcni's loader by name (which,
+			// like go-cni, fails on an earlier conflist that does not
+			// load, so only without one).
 			byName, err := libcni.LoadConfList(dir, l.Name)
+			if earlierBad {
+				return f, chainOf(l)
+			}
 			if err != nil {
 				t.Fatalf("libcni.LoadConfList(%q, %q): %v", dir, l.Name, err)
 			}
@@ -106,6 +113,7 @@ func runtimeChain(t testing.TB, dir string) (string, []string) {
 		} else {
 			c, err := libcni.ConfFromFile(f) //nolint:staticcheck // what go-cni calls
 			if err != nil || c.Network.Type == "" {
+				earlierBad = true
 				continue
 			}
 			if l, err = libcni.ConfListFromConf(c); err != nil { //nolint:staticcheck // what go-cni calls
