@@ -512,3 +512,31 @@ func waitFor(t testing.TB, what string, cond func() bool) {
 	}
 	t.Logf("%s after %v", what, time.Since(begin))
 }
+
+// TestWatcherUnreadableLink: a symlinked conf file sorting first whose
+// target the installer cannot read (not mounted into its container) may
+// be the host runtime's primary: the ready file goes (a failed reconcile
+// is not "chained"), and comes back once the link is gone. Before, the
+// link was silently passed over and the probe kept passing.
+func TestWatcherUnreadableLink(t *testing.T) {
+	e := newEnv(t)
+	orig := primaries(t)["10-calico.conflist"]
+	e.write(t, "10-calico.conflist", orig)
+	ready := filepath.Join(t.TempDir(), "ready")
+	stop := start(t, e, func(c *Config) { c.ReadyFile = ready })
+	isReady := func() bool { _, err := os.Stat(ready); return err == nil }
+	waitFor(t, "ready", isReady)
+	link := filepath.Join(e.conf, "05-host.conflist")
+	if err := os.Symlink("/host-only/05-host.conflist", link); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "not ready with an unreadable first file", func() bool { return !isReady() })
+	remove(t, link)
+	waitFor(t, "ready again", isReady)
+	if err := stop(); err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if got := e.read(t, "10-calico.conflist"); string(got) != string(orig) {
+		t.Fatalf("after stop:\n%s", got)
+	}
+}
