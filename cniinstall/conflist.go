@@ -6,8 +6,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 
@@ -41,50 +43,99 @@ type Skipped struct {
 	Err error
 }
 
-// FindPrimary returns the runtime's primary network configuration: the
-// lexically first file of dir ending in .conf, .conflist or .json that loads, as
-// containerd does (".conflist" as a list with at least one inline plugin;
-// ".conf" and ".json" as a single plugin with a "type"). It returns "" when
-// there is none, and the files it skipped before the primary.
-func FindPrimary(dir string) (string, []Skipped, error) {
+// Primary is the runtime's primary network configuration.
+type Primary struct {
+	// Path is its file in the conf dir (a symlink stays the link's path).
+	Path string
+	// List is the plugin chain the runtime builds from it, as libcni
+	// loads it: the inline "plugins", then (CNI spec 1.1, unless
+	// "loadOnlyInlinedPlugins") the plugin objects of
+	// <conf dir>/<network name>/*.conf in lexical order.
+	List *libcni.NetworkConfigList
+}
+
+// FindPrimary returns the runtime's primary network configuration, chosen
+// as containerd's CRI does (go-cni's loadFromConfDir): libcni.ConfFiles of
+// dir with .conf, .conflist and .json, sorted, and the first file that
+// libcni loads: a ".conflist" with libcni.ConfListFromFile (inline plugins
+// and the plugin objects of the network's sub-directory), a ".conf" or
+// ".json" as one plugin with a "type", up-converted with
+// libcni.ConfListFromConf. It returns nil when there is none, and the
+// files it skipped before the primary. A file that does not parse is
+// skipped (CRI-O skips it too; go-cni fails the whole load, so containerd
+// starts no pod while it is first). A symlink whose target the installer
+// cannot read (not mounted into its container) is an error: the runtime
+// on the host may load it, so no later file may be chained in its place.
+func FindPrimary(dir string) (*Primary, []Skipped, error) {
 	files, err := libcni.ConfFiles(dir, confExtensions)
 	if err != nil {
-		return "", nil, fmt.Errorf("failed to list conf dir %q: %w", dir, err)
+		return nil, nil, fmt.Errorf("failed to list conf dir %q: %w", dir, err)
 	}
 	sort.Strings(files)
 	var skipped []Skipped
 	for _, f := range files {
-		data, err := os.ReadFile(f)
-		if errors.Is(err, os.ErrNotExist) {
-			continue // removed since the listing
-		}
-		if err != nil {
+		l, err := LoadNetwork(f)
+		var pe *fs.PathError
+		switch {
+		case err == nil:
+			return &Primary{Path: f, List: l}, skipped, nil
+		case errors.As(err, &pe) && pe.Path == f && isSymlink(f):
+			return nil, skipped, fmt.Errorf("failed to read conf file %q: %w (a symlink whose target the installer cannot read; the runtime on the host may load it, so no later file can be chained in its place: mount the target into the installer's container or remove the link)", f, err)
+		case errors.Is(err, fs.ErrNotExist) && pe != nil && pe.Path == f:
+			// Removed since the listing.
+		default:
 			skipped = append(skipped, Skipped{Path: f, Err: err})
-			continue
 		}
-		if err := validate(f, data); err != nil {
-			skipped = append(skipped, Skipped{Path: f, Err: err})
-			continue
-		}
-		return f, skipped, nil
 	}
-	return "", skipped, nil
+	return nil, skipped, nil
 }
 
-// validate checks data the way the runtime loads a file of this name.
-func validate(path string, data []byte) error {
+func isSymlink(path string) bool {
+	fi, err := os.Lstat(path)
+	return err == nil && fi.Mode()&fs.ModeSymlink != 0
+}
+
+// LoadNetwork loads one conf dir file the way containerd's go-cni does.
+func LoadNetwork(path string) (*libcni.NetworkConfigList, error) {
 	if isList(path) {
-		l, err := libcni.NetworkConfFromBytes(data)
+		l, err := libcni.ConfListFromFile(path)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		if len(l.Plugins) == 0 {
-			return errors.New("no inline \"plugins\": a conflist needs at least one plugin")
+			return nil, errors.New("no plugins in the network")
 		}
-		return nil
+		return l, nil
 	}
-	_, err := libcni.NetworkPluginConfFromBytes(data)
-	return err
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	conf, err := libcni.NetworkPluginConfFromBytes(data) // libcni.ConfFromFile's parse, with its "type" check
+	if err != nil {
+		return nil, err
+	}
+	return libcni.ConfListFromConf(conf) //nolint:staticcheck // the up-conversion go-cni applies to a single-plugin file
+}
+
+// ChainTypes returns the plugin types of a loaded chain, in order.
+func ChainTypes(l *libcni.NetworkConfigList) []string {
+	types := make([]string, 0, len(l.Plugins))
+	for _, p := range l.Plugins {
+		types = append(types, p.Network.Type)
+	}
+	return types
+}
+
+// chainHas reports whether a loaded chain runs aether-cni.
+func chainHas(l *libcni.NetworkConfigList) bool {
+	return slices.Contains(ChainTypes(l), PluginType)
+}
+
+// chainEndsWith reports whether aether-cni is the last plugin of a loaded chain.
+func chainEndsWith(l *libcni.NetworkConfigList) bool {
+	t := ChainTypes(l)
+	return len(t) > 0 && t[len(t)-1] == PluginType
 }
 
 func isList(path string) bool { return strings.HasSuffix(path, ".conflist") }
@@ -274,7 +325,9 @@ func splice(data []byte, start, end int, ins []byte) []byte {
 
 // ConfToList turns a single plugin configuration (".conf" or ".json") into
 // a conflist with the same name and cniVersion whose only plugin is the
-// original object, bytes unchanged, as libcni.ConfListFromConf does.
+// original object, bytes unchanged, as libcni.ConfListFromConf does. It
+// sets "loadOnlyInlinedPlugins": a ".conflist" would also load the plugin
+// objects of <conf dir>/<name>/, which the single-plugin file never did.
 func ConfToList(conf []byte) ([]byte, error) {
 	var head struct {
 		Name       string `json:"name"`
@@ -292,6 +345,6 @@ func ConfToList(conf []byte) ([]byte, error) {
 		return nil, err
 	}
 	var b bytes.Buffer
-	fmt.Fprintf(&b, "{\n  \"cniVersion\": %s,\n  \"name\": %s,\n  \"plugins\": [\n    %s\n  ]\n}\n", ver, name, bytes.TrimSpace(conf))
+	fmt.Fprintf(&b, "{\n  \"cniVersion\": %s,\n  \"name\": %s,\n  \"loadOnlyInlinedPlugins\": true,\n  \"plugins\": [\n    %s\n  ]\n}\n", ver, name, bytes.TrimSpace(conf))
 	return b.Bytes(), nil
 }

@@ -6,7 +6,11 @@ import (
 	"flag"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
+
+	"github.com/containernetworking/cni/libcni"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden files in testdata/")
@@ -66,7 +70,7 @@ func TestInsertRemove(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := validate("x.conflist", chained); err != nil {
+			if _, err := libcni.NetworkConfFromBytes(chained); err != nil {
 				t.Fatalf("chained conflist does not load in libcni: %v\n%s", err, chained)
 			}
 			types := pluginTypes(t, chained)
@@ -170,9 +174,13 @@ func TestFindPrimary(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			got, skipped, err := FindPrimary(dir)
+			p, skipped, err := FindPrimary(dir)
 			if err != nil {
 				t.Fatal(err)
+			}
+			got := ""
+			if p != nil {
+				got = p.Path
 			}
 			if tc.want != "" {
 				tc.want = filepath.Join(dir, tc.want)
@@ -198,5 +206,109 @@ func TestRepeatedPluginsKey(t *testing.T) {
 	want := `{"name":"n","plugins":[{"type":"a"}],"plugins":[{"type":"b"},{"type":"aether-cni"}]}`
 	if string(got) != want {
 		t.Fatalf("Insert = %s, want %s", got, want)
+	}
+}
+
+// TestFindPrimarySpec11: the primary is chosen with libcni's loader, so a
+// conflist whose plugins are in its network's plugin directory (CNI spec
+// 1.1) is a primary, one without any plugin is skipped, and a symlink the
+// installer cannot read stops the choice (the runtime on the host may read
+// it).
+func TestFindPrimarySpec11(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		files   map[string]string
+		links   map[string]string
+		want    string
+		chain   []string
+		skipped int
+		err     string
+	}{
+		{
+			name:  "plugins only in the plugin directory",
+			files: map[string]string{"10-net.conflist": spec11("net", ""), "net/10-bridge.conf": plugin("bridge"), "net/20-portmap.conf": plugin("portmap"), "20-b.conflist": list("b")},
+			want:  "10-net.conflist", chain: []string{"bridge", "portmap"},
+		},
+		{
+			name:  "inline plugins first, then the plugin directory",
+			files: map[string]string{"10-net.conflist": spec11("net", `,"plugins":[{"type":"ptp"}]`), "net/10-bridge.conf": plugin("bridge")},
+			want:  "10-net.conflist", chain: []string{"ptp", "bridge"},
+		},
+		{
+			name:  "loadOnlyInlinedPlugins ignores the plugin directory",
+			files: map[string]string{"10-net.conflist": spec11("net", `,"loadOnlyInlinedPlugins":true,"plugins":[{"type":"ptp"}]`), "net/10-bridge.conf": plugin("bridge")},
+			want:  "10-net.conflist", chain: []string{"ptp"},
+		},
+		{
+			name:  "only .conf files of the plugin directory count",
+			files: map[string]string{"10-net.conflist": spec11("net", ""), "net/10-bridge.json": plugin("bridge"), "20-b.conflist": list("b")},
+			want:  "20-b.conflist", chain: []string{"bridge"}, skipped: 1,
+		},
+		{
+			name:  "no plugins anywhere: skipped",
+			files: map[string]string{"10-net.conflist": spec11("net", ""), "20-b.conflist": list("b")},
+			want:  "20-b.conflist", chain: []string{"bridge"}, skipped: 1,
+		},
+		{
+			name:  "an invalid plugin file: the network does not load",
+			files: map[string]string{"10-net.conflist": spec11("net", ""), "net/10-bad.conf": `{"name":"x"}`, "20-b.conflist": list("b")},
+			want:  "20-b.conflist", chain: []string{"bridge"}, skipped: 1,
+		},
+		{
+			name:  "a symlinked conflist loads through its link",
+			files: map[string]string{"real/10-a.conflist": list("a")},
+			links: map[string]string{"10-a.conflist": "real/10-a.conflist"},
+			want:  "10-a.conflist", chain: []string{"bridge"},
+		},
+		{
+			name:  "a dangling symlink first: no primary can be told",
+			files: map[string]string{"20-b.conflist": list("b")},
+			links: map[string]string{"10-a.conflist": "/nonexistent/10-a.conflist"},
+			err:   "a symlink whose target the installer cannot read",
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			for n, c := range tc.files {
+				writeFile(t, filepath.Join(dir, n), c)
+			}
+			for n, target := range tc.links {
+				if err := os.Symlink(target, filepath.Join(dir, n)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			p, skipped, err := FindPrimary(dir)
+			if tc.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("FindPrimary error = %v; want one saying %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if p == nil || p.Path != filepath.Join(dir, tc.want) || !slices.Equal(ChainTypes(p.List), tc.chain) || len(skipped) != tc.skipped {
+				t.Fatalf("FindPrimary = %+v, %d skipped (%v); want %s with %v, %d skipped", p, len(skipped), skipped, tc.want, tc.chain, tc.skipped)
+			}
+			// The runtime's choice, spelled out with libcni in the test.
+			if got, chain := runtimeChain(t, dir); got != p.Path || !slices.Equal(chain, tc.chain) {
+				t.Fatalf("runtime's primary %s %v; FindPrimary %s %v", got, chain, p.Path, tc.chain)
+			}
+		})
+	}
+}
+
+// TestPluginFileName: the installer's plugin file sorts after every other.
+func TestPluginFileName(t *testing.T) {
+	for _, others := range [][]string{nil, {"10-a.conf"}, {"zz-aether-cni.conf"}, {"zzz.conf"}, {"10-a.conf", "~~.conf"}, {"\u00e9.conf"}} {
+		name := pluginFileName(others)
+		for _, o := range others {
+			if name <= o {
+				t.Errorf("pluginFileName(%q) = %q, not after %q", others, name, o)
+			}
+		}
+		if filepath.Ext(name) != ".conf" || strings.ContainsRune(name, '/') {
+			t.Errorf("pluginFileName(%q) = %q: want a .conf file name", others, name)
+		}
 	}
 }

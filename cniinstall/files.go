@@ -9,12 +9,19 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
 )
 
 // tempPattern names temporary files. It ends in ".tmp" so a runtime
 // listing the conf dir (.conf, .conflist, .json) never loads one, and it
 // starts with a dot so operators see it is transient.
 const tempPattern = ".aether-cni-install-*.tmp"
+
+// isTempName reports whether a file name is one of the installer's temp files.
+func isTempName(name string) bool {
+	prefix, suffix, _ := strings.Cut(tempPattern, "*")
+	return strings.HasPrefix(name, prefix) && strings.HasSuffix(name, suffix)
+}
 
 // WriteFileAtomic replaces path with data: a temporary file in the same
 // directory (same filesystem), written, fsynced and chmodded, is renamed
@@ -136,4 +143,33 @@ func RemoveBinary(src, dst string) (bool, error) {
 		return false, fmt.Errorf("failed to remove installed binary %q: %w", dst, err)
 	}
 	return true, nil
+}
+
+// SymlinkAtomic makes path a symlink to target: a link made under a
+// temporary name in the same directory is renamed over path and the
+// directory is fsynced, so a reader sees the old entry or the link.
+func SymlinkAtomic(target, path string) error {
+	dir := filepath.Dir(path)
+	for range 10 {
+		f, err := os.CreateTemp(dir, tempPattern)
+		if err != nil {
+			return fmt.Errorf("failed to create temporary file in %q: %w", dir, err)
+		}
+		tmp := f.Name()
+		_ = f.Close()
+		if err := os.Remove(tmp); err != nil {
+			return fmt.Errorf("failed to remove temporary file %q: %w", tmp, err)
+		}
+		if err := os.Symlink(target, tmp); errors.Is(err, fs.ErrExist) {
+			continue // the name was taken meanwhile: another one
+		} else if err != nil {
+			return fmt.Errorf("failed to create symlink %q: %w", tmp, err)
+		}
+		if err := os.Rename(tmp, path); err != nil {
+			_ = os.Remove(tmp)
+			return fmt.Errorf("failed to rename %q to %q: %w", tmp, path, err)
+		}
+		return syncDir(dir)
+	}
+	return fmt.Errorf("failed to create a temporary symlink in %q: every name was taken", dir)
 }

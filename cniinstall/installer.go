@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 )
 
@@ -201,61 +202,111 @@ func (i *Installer) RemoveBinaries() error {
 	return errors.Join(errs...)
 }
 
-// Reconcile makes the runtime's primary chain aether-cni: it chains a new
-// primary, repairs one rewritten without aether-cni, and releases a
+// Reconcile makes the runtime's primary chain aether-cni as its last
+// plugin: it chains a new primary, repairs one rewritten without
+// aether-cni (or whose chain no longer ends with it), and releases a
 // previous primary that is no longer the first file. It is idempotent.
 func (i *Installer) Reconcile() (Outcome, error) {
+	out, p, err := i.reconcile()
+	if err == nil && (out == Unchanged || out == Foreign) && !chainEndsWith(p.List) {
+		// Only an entry the installer did not write can end up here: its
+		// own is the last plugin by construction (the plugin directory's
+		// last file when libcni loads one, else the last inline plugin).
+		i.log.Warn("aether-cni is not the last plugin of the runtime's chain; the entry is not the installer's, left as it is", "primary", p.Path, "plugins", strings.Join(ChainTypes(p.List), ","))
+	}
+	return out, err
+}
+
+func (i *Installer) reconcile() (Outcome, *Primary, error) {
 	st, err := loadState(i.cfg.StateFile)
 	if err != nil {
-		return Unchanged, err
+		return Unchanged, nil, err
 	}
-	primary, err := i.findPrimary()
-	if err != nil || primary == "" {
-		return NoPrimary, err
+	p, err := i.findPrimary()
+	if err != nil || p == nil {
+		return NoPrimary, nil, err
 	}
-	if st != nil && primary != st.Written {
-		// A new lexically-first file, or the single-plugin original came
-		// back next to our conflist: give the old one back first.
-		i.log.Info("primary changed", "previous", st.Written, "primary", primary)
-		if err := i.release(st); err != nil {
-			return Unchanged, err
-		}
-		st = nil
-		if primary, err = i.findPrimary(); err != nil || primary == "" {
-			return NoPrimary, err
-		}
-	}
-	data, mode, err := readFile(primary)
+	layout, err := i.layoutFor(p, st)
 	if err != nil {
-		return Unchanged, err
+		return Unchanged, nil, err
+	}
+	if st != nil {
+		if why := stale(st, p, layout); why != "" {
+			// A new lexically-first file, the single-plugin original
+			// back next to our conflist, a retargeted symlink, or a
+			// plugin directory that now decides what is last: give the
+			// old chain back first.
+			i.log.Info("chain moves", "reason", why, "previous", st.Written, "primary", p.Path)
+			if err := i.release(st); err != nil {
+				return Unchanged, nil, err
+			}
+			st = nil
+			if p, err = i.findPrimary(); err != nil || p == nil {
+				return NoPrimary, nil, err
+			}
+			if layout, err = i.layoutFor(p, nil); err != nil {
+				return Unchanged, nil, err
+			}
+		}
+	}
+	if layout == LayoutPluginDir {
+		out, err := i.reconcilePluginDir(p, st)
+		return out, p, err
+	}
+	data, mode, err := readFile(p.Path)
+	if err != nil {
+		return Unchanged, nil, err
 	}
 	if st != nil && sha256Hex(data) == st.WrittenSHA256 {
-		return Unchanged, nil
+		return Unchanged, p, nil
 	}
-	has := false
-	if isList(primary) { // st != nil: primary is what we wrote, a conflist
-		if has, err = HasPlugin(data); err != nil {
-			return Unchanged, fmt.Errorf("failed to parse primary %q: %w", primary, err)
-		}
-	}
-	switch {
+	switch has := chainHas(p.List); {
 	case has && st != nil:
 		// Rewritten by someone who kept aether-cni: theirs now;
 		// uninstall removes only the aether-cni entry.
-		return Unchanged, nil
+		return Unchanged, p, nil
 	case has:
-		return Foreign, nil
+		return Foreign, p, nil
 	}
-	if err := i.chain(primary, data, mode, st); err != nil {
-		return Unchanged, err
+	if err := i.chain(p.Path, data, mode, st); err != nil {
+		return Unchanged, nil, err
 	}
 	if st != nil {
-		return Repaired, nil
+		return Repaired, p, nil
 	}
-	return Chained, nil
+	return Chained, p, nil
 }
 
-func (i *Installer) findPrimary() (string, error) {
+// stale says why the chain recorded in st is not the one to keep for
+// primary p (laid out as layout), or "" when it is.
+func stale(st *State, p *Primary, layout string) string {
+	switch {
+	case st.Layout == LayoutPluginDir && st.Original != p.Path, st.Layout == "" && st.Written != p.Path:
+		return "primary changed"
+	case st.Layout != layout:
+		if layout == LayoutPluginDir {
+			return "the network's plugin directory holds plugins, loaded after the inline ones"
+		}
+		return "the network's plugin directory holds no other plugin"
+	case st.WrittenTarget != linkTarget(st.Written):
+		return "symlink retargeted"
+	}
+	return ""
+}
+
+// linkTarget is the file a symlink resolves to, "" for anything else.
+func linkTarget(path string) string {
+	if !isSymlink(path) {
+		return ""
+	}
+	t, err := filepath.EvalSymlinks(path)
+	if err != nil {
+		return ""
+	}
+	return t
+}
+
+func (i *Installer) findPrimary() (*Primary, error) {
 	primary, skipped, err := FindPrimary(i.cfg.ConfDir)
 	for _, s := range skipped {
 		i.log.Warn("conf file skipped: the runtime would not load it", "path", s.Path, "error", s.Err.Error())
@@ -281,6 +332,7 @@ func readFile(path string) ([]byte, fs.FileMode, error) {
 func (i *Installer) chain(primary string, data []byte, mode fs.FileMode, prev *State) error {
 	target := ListPath(primary)
 	list := data
+	st := &State{Original: primary, OriginalBytes: data, OriginalMode: mode, Written: target}
 	if target != primary {
 		if _, err := os.Lstat(target); err == nil && (prev == nil || prev.Written != target) {
 			return fmt.Errorf("failed to chain single-plugin primary %q: converting it needs %q, which exists and was not written by the installer; remove one of them", primary, target)
@@ -289,24 +341,33 @@ func (i *Installer) chain(primary string, data []byte, mode fs.FileMode, prev *S
 		if list, err = ConfToList(data); err != nil {
 			return fmt.Errorf("failed to convert primary %q to a conflist: %w", primary, err)
 		}
+		if isSymlink(primary) {
+			// The conversion removes the link; uninstall puts it back.
+			if st.OriginalLink, err = os.Readlink(primary); err != nil {
+				return fmt.Errorf("failed to read symlink %q: %w", primary, err)
+			}
+		}
+	} else {
+		// A symlinked conflist stays a link: its target is written.
+		st.WrittenTarget = linkTarget(primary)
 	}
 	out, err := Insert(list, i.cfg.Entry)
 	if err != nil {
 		return fmt.Errorf("failed to insert aether-cni into primary %q: %w", primary, err)
 	}
-	st := &State{Original: primary, OriginalBytes: data, OriginalMode: mode, Written: target, WrittenSHA256: sha256Hex(out)}
+	st.WrittenSHA256 = sha256Hex(out)
 	if err := saveState(i.cfg.StateFile, st); err != nil {
 		return err
 	}
-	if err := WriteFileAtomic(target, out, mode); err != nil {
-		return fmt.Errorf("failed to write primary %q: %w", target, err)
+	if err := WriteFileAtomic(st.file(), out, mode); err != nil {
+		return fmt.Errorf("failed to write primary %q: %w", st.file(), err)
 	}
 	if target != primary {
 		if err := os.Remove(primary); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return fmt.Errorf("failed to remove converted primary %q: %w", primary, err)
 		}
 	}
-	i.log.Info("aether-cni chained", "primary", primary, "path", target)
+	i.log.Info("aether-cni chained", "primary", primary, "path", st.file())
 	return nil
 }
 
@@ -315,12 +376,19 @@ func (i *Installer) chain(primary string, data []byte, mode fs.FileMode, prev *S
 // otherwise only the aether-cni entry is removed and the other writer's
 // changes stay. It never overwrites a file the installer did not write.
 func (i *Installer) release(st *State) error {
-	cur, err := os.ReadFile(st.Written)
+	if st.Layout == LayoutPluginDir {
+		if err := i.releasePluginDir(st); err != nil {
+			return err
+		}
+		return removeState(i.cfg.StateFile)
+	}
+	file := st.file()
+	cur, err := os.ReadFile(file)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
-		i.log.Info("chained primary is gone: nothing to restore", "path", st.Written)
+		i.log.Info("chained primary is gone: nothing to restore", "path", file)
 	case err != nil:
-		return fmt.Errorf("failed to read chained primary %q: %w", st.Written, err)
+		return fmt.Errorf("failed to read chained primary %q: %w", file, err)
 	case sha256Hex(cur) == st.WrittenSHA256:
 		if err := i.restore(st); err != nil {
 			return err
@@ -328,35 +396,39 @@ func (i *Installer) release(st *State) error {
 	default:
 		out, removed, err := Remove(cur)
 		if err != nil {
-			return fmt.Errorf("failed to remove aether-cni from %q: %w", st.Written, err)
+			return fmt.Errorf("failed to remove aether-cni from %q: %w", file, err)
 		}
 		if removed {
 			mode := st.OriginalMode
-			if fi, err := os.Stat(st.Written); err == nil {
+			if fi, err := os.Stat(file); err == nil {
 				mode = fi.Mode().Perm()
 			}
-			if err := WriteFileAtomic(st.Written, out, mode); err != nil {
-				return fmt.Errorf("failed to write primary %q: %w", st.Written, err)
+			if err := WriteFileAtomic(file, out, mode); err != nil {
+				return fmt.Errorf("failed to write primary %q: %w", file, err)
 			}
 		}
-		i.log.Info("primary rewritten by another writer: removed only aether-cni", "path", st.Written, "removed", removed)
+		i.log.Info("primary rewritten by another writer: removed only aether-cni", "path", file, "removed", removed)
 	}
 	return removeState(i.cfg.StateFile)
 }
 
 func (i *Installer) restore(st *State) error {
 	if !st.Converted() {
-		if err := WriteFileAtomic(st.Written, st.OriginalBytes, st.OriginalMode); err != nil {
-			return fmt.Errorf("failed to restore primary %q: %w", st.Written, err)
+		if err := WriteFileAtomic(st.file(), st.OriginalBytes, st.OriginalMode); err != nil {
+			return fmt.Errorf("failed to restore primary %q: %w", st.file(), err)
 		}
-		i.log.Info("primary restored", "path", st.Written)
+		i.log.Info("primary restored", "path", st.Written, "file", st.file())
 		return nil
 	}
-	// Converted: the single-plugin original comes back first (it sorts
-	// before our conflist), then our conflist goes. When the owner has
-	// already written a new original, it is kept.
+	// Converted: the single-plugin original (or its symlink) comes back
+	// first (it sorts before our conflist), then our conflist goes. When
+	// the owner has already written a new original, it is kept.
 	if _, err := os.Lstat(st.Original); errors.Is(err, fs.ErrNotExist) {
-		if err := WriteFileAtomic(st.Original, st.OriginalBytes, st.OriginalMode); err != nil {
+		if st.OriginalLink != "" {
+			if err := SymlinkAtomic(st.OriginalLink, st.Original); err != nil {
+				return fmt.Errorf("failed to restore primary %q: %w", st.Original, err)
+			}
+		} else if err := WriteFileAtomic(st.Original, st.OriginalBytes, st.OriginalMode); err != nil {
 			return fmt.Errorf("failed to restore primary %q: %w", st.Original, err)
 		}
 	}

@@ -31,6 +31,7 @@ func (i *Installer) Run(ctx context.Context) (err error) {
 	if err := w.Add(i.cfg.ConfDir); err != nil {
 		return fmt.Errorf("failed to watch conf dir %q: %w", i.cfg.ConfDir, err)
 	}
+	i.syncWatches(w)
 	keep := false
 	defer func() {
 		i.setReady(false)
@@ -95,8 +96,8 @@ func (i *Installer) watch(ctx context.Context, w *fsnotify.Watcher) error {
 			if !ok {
 				return errors.New("conf dir watcher closed")
 			}
-			if ev.Op == fsnotify.Chmod || !IsConfName(filepath.Base(ev.Name)) {
-				continue // temp files, unrelated files, metadata only
+			if ev.Op == fsnotify.Chmod || isTempName(filepath.Base(ev.Name)) {
+				continue // our temp files, metadata only
 			}
 			arm(i.cfg.Debounce)
 		case werr, ok := <-w.Errors:
@@ -109,9 +110,17 @@ func (i *Installer) watch(ctx context.Context, w *fsnotify.Watcher) error {
 			arm(0)
 		case <-debounce.C:
 			pending = false
+			// Watches first, so a change after this reconcile read the
+			// directories is an event.
+			i.syncWatches(w)
 			out, err := i.Reconcile()
 			now := time.Now()
+			if i.syncWatches(w) {
+				arm(0) // a directory that appeared meanwhile: read it once more
+			}
 			if err != nil {
+				// Not known to be chained: the probe waits (the safe side).
+				i.setReady(false)
 				errBackoff = nextBackoff(errBackoff, i.cfg.MaxBackoff)
 				i.log.Error("failed to reconcile the chain; retrying", "error", err.Error(), "backoff", errBackoff.String())
 				arm(errBackoff)
@@ -133,6 +142,54 @@ func (i *Installer) watch(ctx context.Context, w *fsnotify.Watcher) error {
 			i.logOutcome(out)
 		}
 	}
+}
+
+// syncWatches watches, besides the conf dir, every directory whose change
+// can change the runtime's chain: each sub-directory of the conf dir (a
+// network's plugin directory, CNI spec 1.1, is one; the others cost a
+// cheap reconcile per change) and the directory of each symlinked conf
+// file's target. It reports whether it added a watch.
+func (i *Installer) syncWatches(w *fsnotify.Watcher) bool {
+	want := map[string]bool{}
+	ents, err := os.ReadDir(i.cfg.ConfDir)
+	if err != nil {
+		i.log.Warn("failed to list conf dir for its watches", "path", i.cfg.ConfDir, "error", err.Error())
+		return false
+	}
+	for _, e := range ents {
+		path := filepath.Join(i.cfg.ConfDir, e.Name())
+		fi, err := os.Stat(path) // through symlinks
+		switch {
+		case err != nil:
+		case fi.IsDir():
+			want[path] = true
+		case e.Type()&fs.ModeSymlink != 0 && IsConfName(e.Name()):
+			if t, err := filepath.EvalSymlinks(path); err == nil && filepath.Dir(t) != filepath.Clean(i.cfg.ConfDir) {
+				want[filepath.Dir(t)] = true
+			}
+		}
+	}
+	have := map[string]bool{}
+	for _, d := range w.WatchList() {
+		have[d] = true
+	}
+	added := false
+	for d := range want {
+		if have[d] {
+			continue
+		}
+		if err := w.Add(d); err != nil {
+			i.log.Warn("failed to watch directory; the resync still covers it", "path", d, "error", err.Error())
+			continue
+		}
+		added = true
+	}
+	for d := range have {
+		if !want[d] && d != filepath.Clean(i.cfg.ConfDir) {
+			_ = w.Remove(d) // gone already, or no longer relevant
+		}
+	}
+	return added
 }
 
 func nextBackoff(cur, limit time.Duration) time.Duration {

@@ -3,14 +3,18 @@ package main
 import (
 	"bytes"
 	"errors"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/containernetworking/cni/libcni"
 
 	"aether.io/node/cniinstall"
 	"aether.io/node/test/harness"
@@ -378,5 +382,81 @@ func TestBinaryReadyProbe(t *testing.T) {
 		return 0, string(out)
 	}(); code != 1 || !strings.Contains(out, "--check-ready needs --ready-file") {
 		t.Fatalf("--check-ready without --ready-file = %d %q, want 1 and the reason", code, out)
+	}
+}
+
+// TestBinaryReadyProbeSpec11: on a node whose primary network is in the
+// CNI spec 1.1 layout (a conflist without "plugins", its plugin objects in
+// <conf dir>/<network name>/*.conf) followed by another conflist, the
+// probe passes only once libcni's own loader gives the primary's chain
+// with aether-cni last; the other conflist (which the runtime never uses)
+// is untouched, and SIGTERM gives the layout back byte for byte. Before,
+// the installer skipped the primary, chained the later file and the probe
+// passed while pods ran uncaptured.
+func TestBinaryReadyProbeSpec11(t *testing.T) {
+	n := newNode(t)
+	files := map[string]string{
+		"10-net.conflist":     `{"cniVersion":"1.1.0","name":"net"}` + "\n",
+		"net/10-bridge.conf":  `{"type":"bridge","bridge":"cni0"}` + "\n",
+		"net/20-portmap.conf": `{"type":"portmap","capabilities":{"portMappings":true}}` + "\n",
+		"20-other.conflist":   `{"cniVersion":"1.0.0","name":"other","plugins":[{"type":"ptp"}]}` + "\n",
+	}
+	for name, c := range files {
+		p := filepath.Join(n.conf, name)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte(c), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ready := filepath.Join(t.TempDir(), "ready")
+	bin := filepath.Join(harness.BuildOwn(t, "aether-cni-install"), "aether-cni-install")
+	probe := func() int {
+		err := exec.Command(bin, "--check-ready", "--ready-file", ready).Run()
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			return ee.ExitCode()
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		return 0
+	}
+	cmd, stderr := run(t, n.flags("--ready-file", ready, "--uninstall-on-exit", "always")...)
+	waitFor(t, "probe passes", func() bool { return probe() == 0 })
+	l, err := libcni.LoadConfList(n.conf, "net")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var chain []string
+	for _, p := range l.Plugins {
+		chain = append(chain, p.Network.Type)
+	}
+	if want := []string{"bridge", "portmap", "aether-cni"}; !slices.Equal(chain, want) {
+		t.Fatalf("probe passed with the runtime's chain of network net %v; want %v", chain, want)
+	}
+	for _, name := range []string{"10-net.conflist", "20-other.conflist"} {
+		if got, err := os.ReadFile(filepath.Join(n.conf, name)); err != nil || string(got) != files[name] {
+			t.Fatalf("%s was changed (err %v):\n%s", name, err, got)
+		}
+	}
+	term(t, cmd, stderr)
+	var left []string
+	if err := filepath.WalkDir(n.conf, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		rel, _ := filepath.Rel(n.conf, p)
+		if got, err := os.ReadFile(p); err != nil || string(got) != files[rel] {
+			t.Errorf("%s after uninstall (err %v):\n%s", rel, err, got)
+		}
+		left = append(left, rel)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if len(left) != len(files) {
+		t.Fatalf("conf dir after uninstall holds %v; want only the owner's %d files", left, len(files))
 	}
 }
