@@ -120,7 +120,7 @@ func (a *agent) appendIdentity() {
 		})
 	}
 	a.lc.Serve("workload_api_socket", func() (net.Listener, lifecycle.Server, error) {
-		ln, err := listenSocket("workload-api-socket", c.WorkloadAPISocket)
+		ln, err := a.listenSocket("workload-api-socket", c.WorkloadAPISocket)
 		if err != nil {
 			return nil, lifecycle.Server{}, err
 		}

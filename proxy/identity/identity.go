@@ -84,7 +84,7 @@ type Watcher struct {
 var _ Provider = (*Watcher)(nil)
 
 // New returns a Watcher of the Workload API on the unix socket at path
-// (e.g. /run/aether/agent/workload.sock). now is the clock SVID expiry is
+// (e.g. /run/aether/proxy/workload.sock). now is the clock SVID expiry is
 // judged by (time.Now when nil); log may be nil.
 func New(path string, now func() time.Time, log *slog.Logger) *Watcher {
 	if log == nil {
