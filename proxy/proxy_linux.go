@@ -56,6 +56,10 @@ type Config struct {
 	// --workload-api-socket); empty turns identity off. Mutually exclusive
 	// with SPIREAdminSocket.
 	WorkloadAPISocket string
+	// WorkloadAPITokenFile is the file of the token every Workload API call
+	// carries (aether-agent writes it); "" means workload-api.token next
+	// to WorkloadAPISocket.
+	WorkloadAPITokenFile string
 	// SPIREAdminSocket is a SPIRE agent's admin socket (its
 	// admin_socket_path, serving the Delegated Identity API) the pods' SVIDs
 	// and the trust bundle are subscribed on instead (proxy/identity/spire);
@@ -102,7 +106,7 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 	dp := cfg.Dataplane
 	switch {
 	case cfg.WorkloadAPISocket != "":
-		p.Identity = identity.New(cfg.WorkloadAPISocket, nil, log.With("component", "identity"))
+		p.Identity = identity.New(cfg.WorkloadAPISocket, cfg.WorkloadAPITokenFile, nil, log.With("component", "identity"))
 	case cfg.SPIREAdminSocket != "":
 		sp := spire.New(cfg.SPIREAdminSocket, nil, log.With("component", "identity"))
 		registerSPIREMetrics(p.Metrics.Registry, sp)

@@ -42,6 +42,7 @@ func main() {
 	flag.IntVar(&cfg.Dataplane.MaxUDPFlowsPerPod, "max-udp-flows-per-pod", dataplane.DefaultMaxUDPFlowsPerPod, "open UDP flows of one pod; a new one evicts the pod's least recently used")
 	flag.IntVar(&cfg.Dataplane.MaxUDPFlows, "max-udp-flows", dataplane.DefaultMaxUDPFlows, "open UDP flows of all pods together; a new one evicts the same pod's least recently used, or is dropped")
 	flag.StringVar(&cfg.WorkloadAPISocket, "workload-api-socket", "", "SPIFFE Workload API socket of the node's workload identities (aether-agent's --workload-api-socket, e.g. "+meshcontract.ProxySocketDir+"/"+meshcontract.WorkloadAPISocketName+"); empty turns identity off")
+	flag.StringVar(&cfg.WorkloadAPITokenFile, "workload-api-token", "", "file of the token sent on every Workload API call (aether-agent writes a new one at each start; read again at every reconnect); empty means "+meshcontract.WorkloadAPITokenFile+" next to -workload-api-socket")
 	hbonePort := flag.Uint("hbone-port", dataplane.DefaultHBONEPort, "port of every pod's HBONE listener (with -workload-api-socket)")
 	flag.StringVar(&cfg.SPIREAdminSocket, "spire-admin-socket", "", "SPIRE agent admin socket (its admin_socket_path) serving the Delegated Identity API; the proxy must be one of the agent's authorized_delegates; mutually exclusive with -workload-api-socket")
 	level := flag.String("log-level", "info", "debug, info, warn or error")
