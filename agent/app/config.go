@@ -72,6 +72,9 @@ type Config struct {
 	// loopback); XDSMaxRecvBytes bounds one request received there.
 	XDSTLS          tlsfiles.Files
 	XDSMaxRecvBytes int
+	// XDSHandshakeTimeout bounds the TLS handshake (and HTTP/2 preface) of
+	// a new --xds-address connection; it holds a connection slot until then.
+	XDSHandshakeTimeout time.Duration
 	// ClusterID, TrustDomain and Network go into every served workload.
 	ClusterID, TrustDomain, Network string
 	// Registry is "local" or "etcd"; the Etcd* fields configure etcd.
@@ -154,6 +157,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.StringVar(&c.XDSTLS.Key, "xds-tls-key", "", "PEM private key of --xds-tls-cert")
 	fs.StringVar(&c.XDSTLS.CA, "xds-client-ca", "", "PEM bundle that verifies the client certificates --xds-address requires")
 	fs.IntVar(&c.XDSMaxRecvBytes, "xds-max-recv-bytes", DefaultXDSMaxRecvBytes, "largest request --xds-address accepts (a reconnect's initial_resource_versions grows with the cluster; the unix socket has no such limit)")
+	fs.DurationVar(&c.XDSHandshakeTimeout, "xds-handshake-timeout", DefaultXDSHandshakeTimeout, "longest TLS handshake (and HTTP/2 preface) of a new --xds-address connection; a slower one is closed and its slot of the "+strconv.Itoa(xdsTCPMaxConns)+" connections freed (at most "+maxXDSHandshakeTimeout.String()+")")
 	fs.StringVar(&c.LDSSocket, "lds-socket", ProxySocketDir+"/"+meshcontract.LDSSocketName, "unix socket serving aether-proxy's per-pod listeners (envoy.config.listener.v3.Listener, ADS); empty disables it")
 	fs.StringVar(&c.ClusterID, "cluster-id", "Kubernetes", "cluster name: the first segment of every workload uid and its cluster_id")
 	fs.StringVar(&c.TrustDomain, "trust-domain", "cluster.local", "SPIFFE trust domain of the workloads")
