@@ -75,8 +75,10 @@ func TestProxyIdentityFromAgent(t *testing.T) {
 		}
 	})
 
-	args := []string{"--pod-manifests", mdir, "--pod-manifests-interval", "50ms",
-		"--ca-cert", cert, "--ca-key", key, "--svid-ttl", "6s", "--workload-api-socket", wsock}
+	args := []string{
+		"--pod-manifests", mdir, "--pod-manifests-interval", "50ms",
+		"--ca-cert", cert, "--ca-key", key, "--svid-ttl", "6s", "--workload-api-socket", wsock,
+	}
 	a := startAgent(t, dir, args...)
 	a.waitReady(t)
 	c := a.client(t)

@@ -89,7 +89,7 @@ func NewGRPCServer(s *Server, o GRPCOptions) (*grpc.Server, error) {
 		if o.TokenRejected != nil {
 			o.TokenRejected.WithLabelValues(reason).Inc()
 		}
-		o.Logger.Warn("workload api call rejected: token "+reason, "method", method, "peer_uid", int64(uid), "token_file", o.TokenFile)
+		o.Logger.Warn("workload api call rejected: token missing or invalid", "reason", reason, "method", method, "peer_uid", int64(uid), "token_file", o.TokenFile)
 		if reason == TokenMissing {
 			return status.Errorf(codes.PermissionDenied, "workload api token missing from %s: send metadata %s with the contents of %s (aether-agent writes a new token there at every start; aether-proxy reads it)",
 				method, meshcontract.WorkloadAPITokenMetadata, o.TokenFile)

@@ -109,10 +109,14 @@ func TestTokenRequired(t *testing.T) {
 		reason string
 	}{
 		{name: "token", ctx: withToken(withHeader(testCtx(t)), testToken), want: codes.OK},
-		{name: "no token", ctx: withHeader(testCtx(t)), want: codes.PermissionDenied,
-			msg: []string{"token missing", meshcontract.WorkloadAPITokenMetadata, file}, reason: TokenMissing},
-		{name: "another token", ctx: withToken(withHeader(testCtx(t)), strings.Repeat("f", len(testToken))), want: codes.PermissionDenied,
-			msg: []string{"does not match", file}, reason: TokenInvalid},
+		{
+			name: "no token", ctx: withHeader(testCtx(t)), want: codes.PermissionDenied,
+			msg: []string{"token missing", meshcontract.WorkloadAPITokenMetadata, file}, reason: TokenMissing,
+		},
+		{
+			name: "another token", ctx: withToken(withHeader(testCtx(t)), strings.Repeat("f", len(testToken))), want: codes.PermissionDenied,
+			msg: []string{"does not match", file}, reason: TokenInvalid,
+		},
 		{name: "a prefix of the token", ctx: withToken(withHeader(testCtx(t)), testToken[:32]), want: codes.PermissionDenied, reason: TokenInvalid},
 		{name: "two tokens, one right", ctx: withToken(withToken(withHeader(testCtx(t)), "x"), testToken), want: codes.PermissionDenied, reason: TokenInvalid},
 	} {
