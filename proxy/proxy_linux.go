@@ -23,6 +23,7 @@ import (
 
 	"aether.io/node/api/istio/workload"
 	"aether.io/node/pkg/lifecycle"
+	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/proxy/dataplane"
 	"aether.io/node/proxy/identity"
 	"aether.io/node/proxy/identity/spire"
@@ -36,7 +37,7 @@ import (
 // Config is the proxy's configuration (the flags of cmd/aether-proxy).
 type Config struct {
 	// XDSTarget is the agent's xDS endpoint as a gRPC target
-	// ("unix:///run/aether/agent/xds.sock").
+	// ("unix:///run/aether/proxy/xds.sock", meshcontract.ProxySocketDir).
 	XDSTarget string
 	// LDSTarget, when set and different from XDSTarget, is a second xDS
 	// endpoint the Listener type is subscribed to on its own stream (the
@@ -55,6 +56,10 @@ type Config struct {
 	// --workload-api-socket); empty turns identity off. Mutually exclusive
 	// with SPIREAdminSocket.
 	WorkloadAPISocket string
+	// WorkloadAPITokenFile is the file of the token every Workload API call
+	// carries (aether-agent writes it); "" means workload-api.token next
+	// to WorkloadAPISocket.
+	WorkloadAPITokenFile string
 	// SPIREAdminSocket is a SPIRE agent's admin socket (its
 	// admin_socket_path, serving the Delegated Identity API) the pods' SVIDs
 	// and the trust bundle are subscribed on instead (proxy/identity/spire);
@@ -89,7 +94,7 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	if cfg.XDSTarget == "" {
-		return nil, errors.New("xds target is empty: set it to the agent's socket, e.g. unix:///run/aether/agent/xds.sock")
+		return nil, errors.New("xds target is empty: set it to the agent's socket, e.g. unix://" + meshcontract.ProxySocketDir + "/" + meshcontract.XDSSocketName)
 	}
 	if cfg.WorkloadAPISocket != "" && cfg.SPIREAdminSocket != "" {
 		return nil, fmt.Errorf("workload api socket %q and spire admin socket %q are both set: choose one identity provider", cfg.WorkloadAPISocket, cfg.SPIREAdminSocket)
@@ -101,7 +106,7 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 	dp := cfg.Dataplane
 	switch {
 	case cfg.WorkloadAPISocket != "":
-		p.Identity = identity.New(cfg.WorkloadAPISocket, nil, log.With("component", "identity"))
+		p.Identity = identity.New(cfg.WorkloadAPISocket, cfg.WorkloadAPITokenFile, nil, log.With("component", "identity"))
 	case cfg.SPIREAdminSocket != "":
 		sp := spire.New(cfg.SPIREAdminSocket, nil, log.With("component", "identity"))
 		registerSPIREMetrics(p.Metrics.Registry, sp)

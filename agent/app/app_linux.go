@@ -64,6 +64,7 @@ func Run(ctx context.Context, c *Config, log *slog.Logger) error {
 	gcPercent := applyGCPercent(c.GCPercent)
 	self, _ := os.ReadFile("/proc/self/cgroup")
 	log.Info("go runtime memory settings", "gc_percent", gcPercent, "memory_limit_bytes", applyMemoryLimit("/sys/fs/cgroup", self))
+	c.warnSharedSocketDirs(log)
 	err := newAgent(c, log).lc.Run(ctx)
 	log.Info("stopped")
 	return err
@@ -264,7 +265,7 @@ func (a *agent) listenCNI() (net.Listener, lifecycle.Server, error) {
 	if err != nil {
 		return nil, lifecycle.Server{}, err
 	}
-	ln, err := listenSocket("cni-socket", a.c.CNISocket)
+	ln, err := a.listenSocket("cni-socket", a.c.CNISocket)
 	if err != nil {
 		return nil, lifecycle.Server{}, err
 	}
@@ -273,7 +274,7 @@ func (a *agent) listenCNI() (net.Listener, lifecycle.Server, error) {
 }
 
 func (a *agent) listenAdmin() (net.Listener, lifecycle.Server, error) {
-	ln, err := listenSocket("admin-socket", a.c.AdminSocket)
+	ln, err := a.listenSocket("admin-socket", a.c.AdminSocket)
 	if err != nil {
 		return nil, lifecycle.Server{}, err
 	}
@@ -292,16 +293,24 @@ func (a *agent) listenAdmin() (net.Listener, lifecycle.Server, error) {
 
 // listenSocket opens the unix socket of --flag at path with the one socket
 // policy (pkg/unixsock: a missing directory is created 0700, one open to
-// group or others is refused). A refused directory gets an error that says
-// how to fix it.
-func listenSocket(flag, path string) (*net.UnixListener, error) {
+// group or others is refused), after tightening an open directory that is
+// safe to tighten (tightenSocketDir). A refused directory gets an error
+// that says why it was not tightened and how to fix it.
+func (a *agent) listenSocket(flag, path string) (*net.UnixListener, error) {
+	reason, err := a.c.prepareSocketDir(flag, path, a.log)
+	if err != nil {
+		return nil, err
+	}
 	ln, err := unixsock.Listen(path)
 	if err == nil {
 		return ln, nil
 	}
 	dir := filepath.Dir(path)
 	if fi, serr := os.Stat(dir); serr == nil && fi.IsDir() && fi.Mode().Perm()&0o077 != 0 {
-		return nil, fmt.Errorf("failed to serve --%s %q: %w; fix: chmod 0700 %q, or point --%s at a directory only the agent uses (the default %s is created 0700)", flag, path, err, dir, flag, SocketDir)
+		if reason != "" {
+			reason = fmt.Sprintf(" (not tightened: %s)", reason)
+		}
+		return nil, fmt.Errorf("failed to serve --%s %q: %w%s; fix: chmod 0700 %q, or point --%s at a directory only the agent uses (the defaults %s and %s are created 0700)", flag, path, err, reason, dir, flag, SocketDir, ProxySocketDir)
 	}
 	return nil, err
 }

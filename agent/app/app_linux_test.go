@@ -171,7 +171,8 @@ func TestRunCleanStop(t *testing.T) {
 }
 
 // openDir makes a directory open to group and others (0755) next to c's
-// state dir: the socket policy refuses to serve from it.
+// state dir, holding a file that is not the agent's: the agent does not
+// tighten it, and the socket policy refuses to serve from it.
 func openDir(t *testing.T, c *Config) string {
 	t.Helper()
 	open := filepath.Join(filepath.Dir(c.StateDir), "open")
@@ -179,6 +180,9 @@ func openDir(t *testing.T, c *Config) string {
 		t.Fatal(err)
 	}
 	if err := os.Chmod(open, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(open, "notes.txt"), nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
 	return open
@@ -219,7 +223,7 @@ func TestRunFailedStart(t *testing.T) {
 			breakIt: func(t *testing.T, c *Config) {
 				c.XDSSocket = filepath.Join(openDir(t, c), "xds.sock")
 			},
-			wantErr: []string{"failed to start wds_socket", "must be 0700", "--xds-socket", "fix: chmod 0700"},
+			wantErr: []string{"failed to start wds_socket", "must be 0700", "--xds-socket", `not tightened: it holds "notes.txt"`, "fix: chmod 0700"},
 		},
 		{
 			name: "workload api socket dir open to others",
@@ -230,7 +234,7 @@ func TestRunFailedStart(t *testing.T) {
 					t.Fatal(err)
 				}
 			},
-			wantErr: []string{"failed to start workload_api_socket", "must be 0700", "--workload-api-socket", "fix: chmod 0700"},
+			wantErr: []string{"failed to start workload_api_socket", "must be 0700", "--workload-api-socket", `not tightened: it holds "notes.txt"`, "fix: chmod 0700"},
 		},
 		{
 			name: "cni socket served by another process",
@@ -279,34 +283,56 @@ func TestRunFailedStart(t *testing.T) {
 }
 
 // TestRunSocketDirUnderOpenParent lays the sockets out as the defaults do
-// (<root>/run/aether/agent/*.sock) with <root>/run/aether already 0755, as
-// kubelet's hostPath DirectoryOrCreate and aether-cni's pin directory make
-// it: the agent starts, creates its own socket directory 0700 and serves.
+// (<root>/run/aether/agent/{cni,admin}.sock and
+// <root>/run/aether/proxy/{xds,lds,workload}.sock) with <root>/run/aether
+// already 0755, as kubelet's hostPath DirectoryOrCreate and aether-cni's
+// pin directory make it, and the proxy directory already created 0755 by
+// kubelet for the proxy's mount: the agent starts, creates its own socket
+// directory 0700, tightens the proxy's to 0700 in place (the same
+// directory, so a bind mount of it still sees the sockets) and serves.
 func TestRunSocketDirUnderOpenParent(t *testing.T) {
 	root := t.TempDir()
-	parent := filepath.Join(root, strings.TrimPrefix(filepath.Dir(SocketDir), "/"))
+	under := func(p string) string { return filepath.Join(root, strings.TrimPrefix(p, "/")) }
+	parent := under(filepath.Dir(SocketDir))
 	if err := os.MkdirAll(parent, 0o755); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.Chmod(parent, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	sockDir := filepath.Join(root, strings.TrimPrefix(SocketDir, "/"))
-	var extra []string
-	for _, name := range []string{"cni", "admin", "xds", "lds"} {
-		extra = append(extra, "--"+name+"-socket", filepath.Join(sockDir, name+".sock"))
+	agentDir, proxyDir := under(SocketDir), under(ProxySocketDir)
+	if err := os.Mkdir(proxyDir, 0o755); err != nil {
+		t.Fatal(err)
 	}
-	c := testConfig(t, extra...)
-	ctx, done := runAgent(t, c)
-	waitServing(ctx, t, c, done)
-	fi, err := os.Stat(sockDir)
+	if err := os.Chmod(proxyDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	before, err := os.Stat(proxyDir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if perm := fi.Mode().Perm(); perm != 0o700 {
-		t.Errorf("socket dir %q mode = %04o, want 0700", sockDir, perm)
+	cert, key := identitytest.Files(t, t.TempDir(), identitytest.Valid("cluster.local"))
+	extra := []string{"--ca-cert", cert, "--ca-key", key}
+	for name, dir := range map[string]string{"cni": agentDir, "admin": agentDir, "xds": proxyDir, "lds": proxyDir} {
+		extra = append(extra, "--"+name+"-socket", filepath.Join(dir, name+".sock"))
 	}
-	for _, p := range []string{c.CNISocket, c.XDSSocket, c.LDSSocket} {
+	extra = append(extra, "--workload-api-socket", filepath.Join(proxyDir, "workload.sock"))
+	c := testConfig(t, extra...)
+	ctx, done := runAgent(t, c)
+	waitServing(ctx, t, c, done)
+	for _, dir := range []string{agentDir, proxyDir} {
+		fi, err := os.Stat(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if perm := fi.Mode().Perm(); perm != 0o700 {
+			t.Errorf("socket dir %q mode = %04o, want 0700", dir, perm)
+		}
+	}
+	if after, err := os.Stat(proxyDir); err != nil || !os.SameFile(before, after) {
+		t.Errorf("proxy socket dir %q was replaced (err %v); it must be tightened in place", proxyDir, err)
+	}
+	for _, p := range []string{c.CNISocket, c.XDSSocket, c.LDSSocket, c.WorkloadAPISocket} {
 		conn, err := net.Dial("unix", p)
 		if err != nil {
 			t.Errorf("socket %q not served: %v", p, err)

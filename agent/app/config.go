@@ -24,13 +24,20 @@ import (
 	"aether.io/node/xds/resource"
 )
 
-// SocketDir is the directory of the agent's default sockets. The agent
-// creates it 0700 and serves only from a directory closed to group and
-// others; its parent (/run/aether, which kubelet's hostPath
-// DirectoryOrCreate and aether-cni's pin directory may create 0755) is not
-// checked. Before this directory existed the defaults were
-// /run/aether/<name>.sock.
-const SocketDir = "/run/aether/agent"
+// SocketDir is the directory of the agent's private sockets (cni.sock,
+// admin.sock), which aether-proxy never mounts; ProxySocketDir holds the
+// sockets aether-proxy consumes (xds.sock, lds.sock, workload.sock) and the
+// Workload API token. The agent creates each 0700 and serves only from a
+// directory closed to group and others; an existing one kubelet made 0755
+// (hostPath DirectoryOrCreate) is tightened when it is safe to
+// (tightenSocketDir). Their parent (/run/aether, which kubelet and
+// aether-cni's pin directory may create 0755) is not checked. Before these
+// directories existed the defaults were /run/aether/<name>.sock, then
+// /run/aether/agent/<name>.sock for all five.
+const (
+	SocketDir      = meshcontract.AgentSocketDir
+	ProxySocketDir = meshcontract.ProxySocketDir
+)
 
 // Config is the agent's configuration (one field per flag).
 type Config struct {
@@ -65,6 +72,9 @@ type Config struct {
 	// loopback); XDSMaxRecvBytes bounds one request received there.
 	XDSTLS          tlsfiles.Files
 	XDSMaxRecvBytes int
+	// XDSHandshakeTimeout bounds the TLS handshake (and HTTP/2 preface) of
+	// a new --xds-address connection; it holds a connection slot until then.
+	XDSHandshakeTimeout time.Duration
 	// ClusterID, TrustDomain and Network go into every served workload.
 	ClusterID, TrustDomain, Network string
 	// Registry is "local" or "etcd"; the Etcd* fields configure etcd.
@@ -123,8 +133,8 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 		defNode = host
 	}
 	var uids, sysNS, etcdEndpoints, locality string
-	fs.StringVar(&c.CNISocket, "cni-socket", SocketDir+"/cni.sock", "unix socket serving aether.cni.v1.CNIService (mode 0600; its directory must be 0700)")
-	fs.StringVar(&c.AdminSocket, "admin-socket", SocketDir+"/admin.sock", "unix socket serving the read-only admin API used by aetherctl (mode 0600); empty disables it")
+	fs.StringVar(&c.CNISocket, "cni-socket", SocketDir+"/"+meshcontract.CNISocketName, "unix socket serving aether.cni.v1.CNIService (mode 0600; its directory must be 0700)")
+	fs.StringVar(&c.AdminSocket, "admin-socket", SocketDir+"/"+meshcontract.AdminSocketName, "unix socket serving the read-only admin API used by aetherctl (mode 0600); empty disables it")
 	fs.StringVar(&c.StateDir, "state-dir", "/var/lib/aether", "directory of the durable pod store (agent.log, locked by agent.lock)")
 	fs.StringVar(&c.PodManifests, "pod-manifests", "", "directory of Pod manifests (YAML/JSON) to use as the pod source instead of the Kubernetes API")
 	fs.DurationVar(&c.ManifestInterval, "pod-manifests-interval", time.Second, "how often --pod-manifests is rescanned (a lookup miss also rescans)")
@@ -141,13 +151,14 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.StringVar(&c.OTLPEndpoint, "otlp-endpoint", "", "OTLP/gRPC collector (host:port) for traces; empty disables export")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.IntVar(&c.GCPercent, "gc-percent", DefaultGCPercent, "Go GC target percentage (as GOGC, at least 1); the GOGC environment variable, when set, takes precedence")
-	fs.StringVar(&c.XDSSocket, "xds-socket", SocketDir+"/xds.sock", "unix socket serving workload discovery ("+resource.WorkloadType+", delta and SotW ADS); empty disables it")
+	fs.StringVar(&c.XDSSocket, "xds-socket", ProxySocketDir+"/"+meshcontract.XDSSocketName, "unix socket serving workload discovery ("+resource.WorkloadType+", delta and SotW ADS); empty disables it")
 	fs.StringVar(&c.XDSAddress, "xds-address", "", "optional TCP host:port also serving workload discovery; beyond loopback it requires --xds-tls-cert, --xds-tls-key and --xds-client-ca (mutual TLS)")
 	fs.StringVar(&c.XDSTLS.Cert, "xds-tls-cert", "", "PEM certificate chain --xds-address presents (reloaded when the file changes)")
 	fs.StringVar(&c.XDSTLS.Key, "xds-tls-key", "", "PEM private key of --xds-tls-cert")
 	fs.StringVar(&c.XDSTLS.CA, "xds-client-ca", "", "PEM bundle that verifies the client certificates --xds-address requires")
 	fs.IntVar(&c.XDSMaxRecvBytes, "xds-max-recv-bytes", DefaultXDSMaxRecvBytes, "largest request --xds-address accepts (a reconnect's initial_resource_versions grows with the cluster; the unix socket has no such limit)")
-	fs.StringVar(&c.LDSSocket, "lds-socket", SocketDir+"/lds.sock", "unix socket serving aether-proxy's per-pod listeners (envoy.config.listener.v3.Listener, ADS); empty disables it")
+	fs.DurationVar(&c.XDSHandshakeTimeout, "xds-handshake-timeout", DefaultXDSHandshakeTimeout, "longest TLS handshake (and HTTP/2 preface) of a new --xds-address connection; a slower one is closed and its slot of the "+strconv.Itoa(xdsTCPMaxConns)+" connections freed (at most "+maxXDSHandshakeTimeout.String()+")")
+	fs.StringVar(&c.LDSSocket, "lds-socket", ProxySocketDir+"/"+meshcontract.LDSSocketName, "unix socket serving aether-proxy's per-pod listeners (envoy.config.listener.v3.Listener, ADS); empty disables it")
 	fs.StringVar(&c.ClusterID, "cluster-id", "Kubernetes", "cluster name: the first segment of every workload uid and its cluster_id")
 	fs.StringVar(&c.TrustDomain, "trust-domain", "cluster.local", "SPIFFE trust domain of the workloads")
 	fs.StringVar(&c.Network, "network", "", "network of the pods' addresses; empty for the default network")
@@ -164,7 +175,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.StringVar(&c.CATrustBundleFile, "ca-trust-bundle", "", "PEM file of extra CA certificates the trust bundle carries besides --ca-cert (the next or the previous CA during a CA rotation, docs/identity.md)")
 	fs.DurationVar(&c.CAReloadInterval, "ca-reload-interval", 10*time.Second, "how often --ca-cert, --ca-key and --ca-trust-bundle are read again; a changed CA re-mints every SVID, a changed bundle is pushed at once (0 = never)")
 	fs.DurationVar(&c.SVIDTTL, "svid-ttl", 4*time.Hour, "lifetime of each X.509-SVID; SVIDs rotate at half of it (at least "+MinSVIDTTL.String()+")")
-	fs.StringVar(&c.WorkloadAPISocket, "workload-api-socket", SocketDir+"/workload.sock", "unix socket serving the SPIFFE Workload API (X.509-SVIDs of this node's managed pods) to aether-proxy, mode 0600, --allowed-uids; served only with --ca-cert")
+	fs.StringVar(&c.WorkloadAPISocket, "workload-api-socket", ProxySocketDir+"/"+meshcontract.WorkloadAPISocketName, "unix socket serving the SPIFFE Workload API (X.509-SVIDs of this node's managed pods) to aether-proxy, mode 0600, --allowed-uids; served only with --ca-cert")
 	fs.BoolVar(&c.ExternalIdentities, "external-identities", false, "the pods' SPIFFE identities come from another provider (SPIRE: aether-proxy -spire-admin-socket): listeners carry each pod's SPIFFE ID and workloads are served tunnel_protocol HBONE without --ca-cert; refused together with --ca-cert")
 	fs.StringVar(&c.InboundPolicy, "inbound-policy", meshcontract.InboundPolicyPermissive, "inbound policy of a pod without a valid "+meshcontract.InboundPolicyAnnotation+" annotation: permissive (plaintext delivered too) or strict (only HBONE; needs aether-cni's capture.inbound_capture); an invalid annotation is served strict")
 	fs.StringVar(&locality, "locality", "", "node locality region/zone/subzone; empty reads the Node's topology labels (Kubernetes source only)")

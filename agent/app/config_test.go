@@ -127,8 +127,8 @@ func TestParseFlagsIdentity(t *testing.T) {
 	base := []string{"--node-name", "n1"}
 
 	c, err := ParseFlags(base, &bytes.Buffer{})
-	if err != nil || c.CA != nil || c.SVIDTTL != 4*time.Hour || c.WorkloadAPISocket != SocketDir+"/workload.sock" {
-		t.Fatalf("defaults: %+v, %v; want identity off, 4h TTL, %s/workload.sock", c, err, SocketDir)
+	if err != nil || c.CA != nil || c.SVIDTTL != 4*time.Hour || c.WorkloadAPISocket != ProxySocketDir+"/workload.sock" {
+		t.Fatalf("defaults: %+v, %v; want identity off, 4h TTL, %s/workload.sock", c, err, ProxySocketDir)
 	}
 	c, err = ParseFlags(append(base, "--ca-cert", cert, "--ca-key", key, "--svid-ttl", "1h"), &bytes.Buffer{})
 	if err != nil || c.CA == nil || c.SVIDTTL != time.Hour {
@@ -247,5 +247,28 @@ func TestApplyMemoryLimit(t *testing.T) {
 	t.Setenv("GOMEMLIMIT", "1GiB")
 	if got := applyMemoryLimit(root, []byte("0::/\n")); got != 0 || debug.SetMemoryLimit(-1) != prev {
 		t.Fatalf("applyMemoryLimit with GOMEMLIMIT set = %d, runtime at %d; want 0 and the runtime untouched", got, debug.SetMemoryLimit(-1))
+	}
+}
+
+// TestSocketDefaultsByAudience: the sockets aether-proxy consumes default
+// to ProxySocketDir, the ones it must never see (CNI, admin) to SocketDir,
+// and the two directories differ.
+func TestSocketDefaultsByAudience(t *testing.T) {
+	c, err := ParseFlags([]string{"--node-name", "n1"}, &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if SocketDir == ProxySocketDir {
+		t.Fatalf("SocketDir and ProxySocketDir are both %q", SocketDir)
+	}
+	for flag, got := range map[string]string{"cni-socket": c.CNISocket, "admin-socket": c.AdminSocket} {
+		if want := "/run/aether/agent/"; filepath.Dir(got)+"/" != want {
+			t.Errorf("--%s default %q, want it in %s", flag, got, want)
+		}
+	}
+	for flag, got := range map[string]string{"xds-socket": c.XDSSocket, "lds-socket": c.LDSSocket, "workload-api-socket": c.WorkloadAPISocket} {
+		if want := "/run/aether/proxy/"; filepath.Dir(got)+"/" != want {
+			t.Errorf("--%s default %q, want it in %s", flag, got, want)
+		}
 	}
 }

@@ -120,12 +120,28 @@ func (a *agent) appendIdentity() {
 		})
 	}
 	a.lc.Serve("workload_api_socket", func() (net.Listener, lifecycle.Server, error) {
-		ln, err := listenSocket("workload-api-socket", c.WorkloadAPISocket)
+		ln, err := a.listenSocket("workload-api-socket", c.WorkloadAPISocket)
 		if err != nil {
 			return nil, lifecycle.Server{}, err
 		}
+		// A fresh token at every start, written before anything is served
+		// (aether-proxy reads it per call, so it follows a restart).
+		tokenFile := WorkloadAPITokenPath(c.WorkloadAPISocket)
+		token, err := writeWorkloadAPIToken(tokenFile)
+		if err != nil {
+			_ = ln.Close()
+			return nil, lifecycle.Server{}, err
+		}
 		srv := workloadapi.New(a.svids, log)
-		g := workloadapi.NewGRPCServer(srv, workloadapi.GRPCOptions{AllowedUIDs: c.AllowedUIDs, Rejected: a.metrics.PeerRejected.WithLabelValues(telemetry.SocketWorkloadAPI), Logger: log})
+		g, err := workloadapi.NewGRPCServer(srv, workloadapi.GRPCOptions{
+			AllowedUIDs: c.AllowedUIDs, Token: token, TokenFile: tokenFile,
+			Rejected:      a.metrics.PeerRejected.WithLabelValues(telemetry.SocketWorkloadAPI),
+			TokenRejected: a.metrics.WorkloadAPITokenRejected, Logger: log,
+		})
+		if err != nil {
+			_ = ln.Close()
+			return nil, lifecycle.Server{}, err
+		}
 		s := lifecycle.GRPC(g)
 		drain := s.Shutdown
 		s.Shutdown = func(ctx context.Context) {
@@ -133,7 +149,7 @@ func (a *agent) appendIdentity() {
 			srv.Stop()
 			drain(ctx)
 		}
-		log.Info("workload api serving", "socket", c.WorkloadAPISocket, "trust_domain", c.TrustDomain, "svid_ttl", c.SVIDTTL.String())
+		log.Info("workload api serving", "socket", c.WorkloadAPISocket, "token_file", tokenFile, "trust_domain", c.TrustDomain, "svid_ttl", c.SVIDTTL.String())
 		return ln, s, nil
 	})
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"regexp"
+	"strings"
 	"testing"
 	"time"
 
@@ -18,6 +20,7 @@ import (
 	"aether.io/node/agent/identity/identitytest"
 	cniv1 "aether.io/node/api/aether/cni/v1"
 	"aether.io/node/api/aether/cni/v1/cniv1grpc"
+	proxyidentity "aether.io/node/proxy/identity"
 )
 
 // x509Watcher forwards go-spiffe's watch callbacks to channels.
@@ -97,7 +100,26 @@ func TestIdentityWorkloadAPI(t *testing.T) {
 
 	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
-	client, err := workloadapi.New(wctx, workloadapi.WithAddr("unix://"+sock))
+	// The token is next to the socket, 0600, 32 random bytes in hex; a
+	// client of an allowed uid without it is refused.
+	tokenFile := filepath.Join(filepath.Dir(sock), "workload-api.token")
+	if fi, err := os.Stat(tokenFile); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("token file: %v, %v; want mode 0600", fi, err)
+	}
+	if b, err := os.ReadFile(tokenFile); err != nil || !regexp.MustCompile(`^[0-9a-f]{64}\n$`).Match(b) {
+		t.Fatalf("token file holds %q, %v; want 64 hex digits", b, err)
+	}
+	bare, err := workloadapi.New(wctx, workloadapi.WithAddr("unix://"+sock))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = bare.FetchX509Bundles(wctx)
+	_ = bare.Close()
+	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), tokenFile) {
+		t.Fatalf("FetchX509Bundles without the token = %v; want PermissionDenied naming %s", err, tokenFile)
+	}
+	client, err := workloadapi.New(wctx, workloadapi.WithAddr("unix://"+sock),
+		workloadapi.WithDialOptions(grpc.WithPerRPCCredentials(proxyidentity.TokenCredentials(tokenFile))))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -405,7 +405,7 @@ func (a *agent) appendXDS() {
 		}
 		if c.XDSSocket != "" {
 			a.lc.Serve("wds_socket", func() (net.Listener, lifecycle.Server, error) {
-				ln, err := listenSocket("xds-socket", c.XDSSocket)
+				ln, err := a.listenSocket("xds-socket", c.XDSSocket)
 				if err != nil {
 					return nil, lifecycle.Server{}, err
 				}
@@ -428,7 +428,7 @@ func (a *agent) appendXDS() {
 	}
 	if c.LDSSocket != "" {
 		a.lc.Serve("lds_socket", func() (net.Listener, lifecycle.Server, error) {
-			ln, err := listenSocket("lds-socket", c.LDSSocket)
+			ln, err := a.listenSocket("lds-socket", c.LDSSocket)
 			if err != nil {
 				return nil, lifecycle.Server{}, err
 			}

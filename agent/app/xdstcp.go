@@ -28,8 +28,13 @@ const (
 	xdsTCPMaxStreams = 16
 	// xdsTCPMaxConns bounds the open TCP connections.
 	xdsTCPMaxConns = 256
-	// xdsTCPHandshake bounds the TLS handshake of a new connection.
-	xdsTCPHandshake = 10 * time.Second
+	// DefaultXDSHandshakeTimeout is the default --xds-handshake-timeout:
+	// how long a new connection may take for its TLS handshake and HTTP/2
+	// preface. Until then it holds one of the xdsTCPMaxConns slots, so a
+	// peer that opens connections and sends nothing must lose them soon.
+	DefaultXDSHandshakeTimeout = 3 * time.Second
+	// maxXDSHandshakeTimeout is the longest --xds-handshake-timeout.
+	maxXDSHandshakeTimeout = time.Minute
 	// xdsTCPKeepaliveMin is the shortest client ping interval accepted;
 	// a client pinging more often is disconnected (GOAWAY).
 	xdsTCPKeepaliveMin = 10 * time.Second
@@ -69,6 +74,9 @@ func (c *Config) checkXDSAddress() error {
 	case !loop && c.XDSTLS.Empty():
 		return fmt.Errorf("invalid --xds-address %q: beyond loopback workload discovery requires mutual TLS; give --xds-tls-cert, --xds-tls-key and --xds-client-ca (the CA that signs the clients' certificates), or bind 127.0.0.1/[::1]", c.XDSAddress)
 	}
+	if c.XDSHandshakeTimeout <= 0 || c.XDSHandshakeTimeout > maxXDSHandshakeTimeout {
+		return fmt.Errorf("invalid --xds-handshake-timeout %s: must be more than 0 and at most %s", c.XDSHandshakeTimeout, maxXDSHandshakeTimeout)
+	}
 	if c.XDSMaxRecvBytes <= 0 || c.XDSMaxRecvBytes > 64<<20 {
 		return fmt.Errorf("invalid --xds-max-recv-bytes %d: must be 1-%d", c.XDSMaxRecvBytes, 64<<20)
 	}
@@ -86,7 +94,11 @@ func tcpServerOptions(c *Config, log *slog.Logger) ([]grpc.ServerOption, error) 
 		grpc.InitialWindowSize(int32(min(c.XDSMaxRecvBytes, 8<<20))),
 		grpc.InitialConnWindowSize(int32(min(c.XDSMaxRecvBytes, 16<<20))),
 		grpc.MaxConcurrentStreams(xdsTCPMaxStreams),
-		grpc.ConnectionTimeout(xdsTCPHandshake),
+		// A connection that has not finished its TLS handshake and HTTP/2
+		// preface by then is closed, and its slot of xdsTCPMaxConns
+		// (netutil.LimitListener) freed; one that fails earlier frees it at
+		// once (gRPC closes it).
+		grpc.ConnectionTimeout(c.XDSHandshakeTimeout),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: xdsTCPKeepaliveMin, PermitWithoutStream: true}),
 		grpc.KeepaliveParams(keepalive.ServerParameters{Time: time.Minute, Timeout: 20 * time.Second}),
 		grpc.ChainStreamInterceptor(func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {

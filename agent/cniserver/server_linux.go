@@ -47,6 +47,11 @@ func (s *Server) AddPod(ctx context.Context, req *cniv1.AddPodRequest) (*cniv1.A
 	if errors.Is(err, pods.ErrPodUnavailable) || errors.Is(err, pods.ErrPodUIDMismatch) {
 		return nil, status.Error(grpccodes.Unavailable, err.Error())
 	}
+	if errors.Is(err, pods.ErrPodOtherNode) {
+		// A refusal, not a failure: retrying cannot make the pod this
+		// node's.
+		return nil, status.Error(grpccodes.PermissionDenied, err.Error())
+	}
 	if err != nil {
 		return nil, status.Error(grpccodes.Internal, err.Error())
 	}

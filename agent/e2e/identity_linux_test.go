@@ -43,7 +43,8 @@ func waitSVID(t *testing.T, p *proxy.Proxy, id spiffeid.ID, what string, cond fu
 // before the aether-agent binary exists, then starts the agent with a CA:
 // the proxy's identity watch picks up the SVID of a managed pod added
 // through the CNI socket (it verifies against the bundle it got), gets
-// the rotation pushed, and drops the SVID at RemovePod.
+// the rotation pushed, gets SVIDs again from a restarted agent (which
+// wrote a new Workload API token), and drops the SVID at RemovePod.
 func TestProxyIdentityFromAgent(t *testing.T) {
 	harness.RequireRoot(t)
 	dir := newAgentDirs(t)
@@ -53,7 +54,9 @@ func TestProxyIdentityFromAgent(t *testing.T) {
 	}
 	writeManifest(t, mdir, "web.yaml", podYAML("shop", "web-1", "uid-web-1", true, "", ""))
 	cert, key := identitytest.Files(t, dir, identitytest.Valid("cluster.local"))
-	wsock := filepath.Join(dir, "run", "workload.sock")
+	// The Workload API in a directory of its own, as the proxy mounts it.
+	wsock := filepath.Join(dir, "proxy", "workload.sock")
+	tokenFile := filepath.Join(dir, "proxy", "workload-api.token")
 
 	// The proxy first: its identity watch must not block its start.
 	p, err := proxy.New(proxy.Config{
@@ -72,8 +75,11 @@ func TestProxyIdentityFromAgent(t *testing.T) {
 		}
 	})
 
-	a := startAgent(t, dir, "--pod-manifests", mdir, "--pod-manifests-interval", "50ms",
-		"--ca-cert", cert, "--ca-key", key, "--svid-ttl", "6s", "--workload-api-socket", wsock)
+	args := []string{
+		"--pod-manifests", mdir, "--pod-manifests-interval", "50ms",
+		"--ca-cert", cert, "--ca-key", key, "--svid-ttl", "6s", "--workload-api-socket", wsock,
+	}
+	a := startAgent(t, dir, args...)
 	a.waitReady(t)
 	c := a.client(t)
 	resp, err := c.AddPod(ctxT(t, 10*time.Second), &cniv1.AddPodRequest{Pod: cniPod("shop", "web-1", "cid-web-1", "10.1.0.5")})
@@ -104,6 +110,28 @@ func TestProxyIdentityFromAgent(t *testing.T) {
 	if v := a.metric(t, "aether_agent_identity_svid_mint_failures_total"); v != 0 {
 		t.Errorf("aether_agent_identity_svid_mint_failures_total = %v, want 0", v)
 	}
+
+	// The agent restarts: it writes a new token, and the proxy's watch,
+	// which reads the token file again when it reconnects, gets the SVIDs
+	// the new agent mints (a serial the old agent never served).
+	oldToken, err := os.ReadFile(tokenFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.terminate(t)
+	held, _ := p.Identity.SVID(id)
+	a = startAgent(t, dir, args...)
+	a.waitReady(t)
+	if newToken, err := os.ReadFile(tokenFile); err != nil || string(newToken) == string(oldToken) {
+		t.Fatalf("token after the restart: %q, %v; want a new one (was %q)", newToken, err, oldToken)
+	}
+	waitSVID(t, p, id, "an SVID of the restarted agent", func(sv *x509svid.SVID, ok bool) bool {
+		return ok && held != nil && sv.Certificates[0].SerialNumber.Cmp(held.Certificates[0].SerialNumber) != 0
+	})
+	if v := a.metric(t, `aether_agent_workload_api_token_rejected_total{reason="missing"}`) + a.metric(t, `aether_agent_workload_api_token_rejected_total{reason="invalid"}`); v != 0 {
+		t.Errorf("token rejections after the restart = %v, want 0 (the proxy sent the new token)", v)
+	}
+	c = a.client(t)
 
 	if _, err := c.RemovePod(ctxT(t, 10*time.Second), &cniv1.RemovePodRequest{ContainerId: "cid-web-1", Name: "web-1", Namespace: "shop"}); err != nil {
 		t.Fatal(err)

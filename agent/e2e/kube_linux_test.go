@@ -305,3 +305,39 @@ current-context: test
 		t.Errorf("order = %q, want %q", order, want)
 	}
 }
+
+// TestKubernetesPodOtherNodeRefused: the agent (node-a) finds pods of
+// another node, and pods not scheduled yet, through the API server's GET
+// on a cache miss, and refuses their AddPod with PermissionDenied naming
+// the pod, its nodeName and this node; nothing is recorded for them.
+func TestKubernetesPodOtherNodeRefused(t *testing.T) {
+	cl := startKube(t)
+	ctx := context.Background()
+	pods := cl.Client.CoreV1().Pods("shop")
+	for name, node := range map[string]string{"theirs": "node-b", "unscheduled": ""} {
+		if _, err := pods.Create(ctx, kubePod(name, true, node), metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dir := newAgentDirs(t)
+	a := startAgent(t, dir, "--kubeconfig", cl.Kubeconfig)
+	a.waitReady(t)
+	c := a.client(t)
+	for name, node := range map[string]string{"theirs": "node-b", "unscheduled": ""} {
+		_, err := c.AddPod(ctxT(t, 10*time.Second), &cniv1.AddPodRequest{Pod: cniPod("shop", name, "cid-"+name, "10.2.0.9")})
+		if status.Code(err) != codes.PermissionDenied {
+			t.Fatalf("AddPod %s (nodeName %q) = %v; want PermissionDenied", name, node, err)
+		}
+		for _, w := range []string{"shop/" + name, fmt.Sprintf("spec.nodeName is %q", node), `this node is "node-a"`} {
+			if !strings.Contains(err.Error(), w) {
+				t.Errorf("refusal %q does not contain %q", err, w)
+			}
+		}
+		if _, err := c.GetPod(ctxT(t, 5*time.Second), &cniv1.GetPodRequest{ContainerId: "cid-" + name}); status.Code(err) != codes.NotFound {
+			t.Errorf("GetPod %s after the refusal = %v; want NotFound (no record)", name, err)
+		}
+	}
+	if l := a.logs.find("pod refused: not scheduled to this node"); l == nil {
+		t.Error("no log line for the refused pod")
+	}
+}

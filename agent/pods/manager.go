@@ -56,6 +56,12 @@ var ErrPodUnavailable = errors.New("pod not known to the pod source yet")
 // the same name (the plugin maps it to CNI code 11, try again later).
 var ErrPodUIDMismatch = errors.New("pod source has another pod of this name")
 
+// ErrPodOtherNode means the pod source's pod is not scheduled to this node
+// (its spec.nodeName names another node, or none yet): the agent never
+// records it, registers its endpoint or mints its SVID. A sandbox for it on
+// this node is not the pod's (the plugin fails the ADD; no retry helps).
+var ErrPodOtherNode = errors.New("pod is not scheduled to this node")
+
 // Config configures a Manager.
 type Config struct {
 	// Node is this node's name.
@@ -374,6 +380,14 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 		log.Warn("pod refused: uid mismatch", "error", err.Error())
 		return cniv1.AddPodResponse_RESULT_ERROR, err
 	}
+	// Only a pod scheduled here: the kube source's GET on a cache miss
+	// answers for any node's pod (the manifests source keeps only this
+	// node's, and gives a manifest without nodeName this node's name).
+	if p.NodeName != m.cfg.Node {
+		err := fmt.Errorf("failed to add pod %s/%s: %w: its spec.nodeName is %q, this node is %q", ns, name, ErrPodOtherNode, p.NodeName, m.cfg.Node)
+		log.Warn("pod refused: not scheduled to this node", "node_name", p.NodeName, "node", m.cfg.Node, "uid", p.UID)
+		return cniv1.AddPodResponse_RESULT_ERROR, err
+	}
 	if p.Labels[ManagedLabel] != "true" {
 		log.Debug("pod ignored", "reason", "not_managed")
 		return cniv1.AddPodResponse_RESULT_IGNORED, nil
@@ -387,11 +401,7 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 	pod.Volumes = p.Volumes
 	pod.UdsCsiVolume = p.UDSCSIVolume
 	pod.UdsCsiVolumes = p.UDSCSIVolumes
-	node := p.NodeName
-	if node == "" {
-		node = m.cfg.Node
-	}
-	rec := &store.Record{Pod: pod, Node: node, Owner: p.Owner, HostNetwork: p.HostNetwork, FixedName: p.FixedName, AddedAt: m.now().UTC()}
+	rec := &store.Record{Pod: pod, Node: m.cfg.Node, Owner: p.Owner, HostNetwork: p.HostNetwork, FixedName: p.FixedName, AddedAt: m.now().UTC()}
 	if timings != nil {
 		rec.LastTimings = proto.Clone(timings).(*cniv1.PluginTimings)
 	}

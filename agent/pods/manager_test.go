@@ -184,7 +184,7 @@ func TestNeverReregisterTerminating(t *testing.T) {
 				src.remove(pods[i].ID())
 				m.Handler(ctx).OnDelete(pods[i])
 				src.set(&podsource.Pod{
-					Namespace: "ns", Name: pods[i].Name, UID: pods[i].UID, Terminating: true,
+					Namespace: "ns", Name: pods[i].Name, UID: pods[i].UID, NodeName: "n", Terminating: true,
 					Labels: map[string]string{ManagedLabel: "true"},
 				})
 			},

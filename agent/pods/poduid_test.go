@@ -44,7 +44,7 @@ func TestAddPodUID(t *testing.T) {
 		{name: "no uid: cached pod taken as before", cached: oldPod, authority: newPod, wantUID: oldUID, wantTerminating: true},
 		// A source without uids (manifests) cannot tell the pods apart:
 		// today's behaviour stays (any terminating mark of the name applies).
-		{name: "source pod without uid", cached: &podsource.Pod{Namespace: "ns", Name: "db-0", Labels: managed}, uid: newUID, wantTerminating: true},
+		{name: "source pod without uid", cached: &podsource.Pod{Namespace: "ns", Name: "db-0", NodeName: "n", Labels: managed}, uid: newUID, wantTerminating: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx := context.Background()

@@ -26,7 +26,7 @@ func webPodStore(t *testing.T) (*store.Store, *fakeSource) {
 	}
 	t.Cleanup(func() { st.Close() })
 	src := newFakeSource()
-	src.set(&podsource.Pod{Namespace: "ns", Name: "web", UID: "u1", Labels: map[string]string{ManagedLabel: "true"}})
+	src.set(&podsource.Pod{Namespace: "ns", Name: "web", UID: "u1", NodeName: "n", Labels: map[string]string{ManagedLabel: "true"}})
 	return st, src
 }
 

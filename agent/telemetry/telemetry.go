@@ -46,6 +46,9 @@ type Metrics struct {
 	// PeerRejected counts connections refused by the SO_PEERCRED uid check,
 	// by socket (SocketCNI, SocketAdmin, SocketWorkloadAPI).
 	PeerRejected *prometheus.CounterVec
+	// WorkloadAPITokenRejected counts Workload API calls of an allowed uid
+	// refused for their token, by reason (missing, invalid).
+	WorkloadAPITokenRejected *prometheus.CounterVec
 	// UDSRefusals counts refused UDS socket requests by reason.
 	UDSRefusals *prometheus.CounterVec
 	// PodLookupRetry counts pod-source lookups retried on a miss.
@@ -94,6 +97,10 @@ func NewMetrics() *Metrics {
 			Name: "aether_agent_peer_rejected_total",
 			Help: "Connections to an agent unix socket (cni, admin, workload_api) refused because the peer uid is not allowed.",
 		}, []string{"socket"}),
+		WorkloadAPITokenRejected: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "aether_agent_workload_api_token_rejected_total",
+			Help: "Workload API calls refused because they lack the token aether-proxy reads from the token file (missing) or carry another one (invalid).",
+		}, []string{"reason"}),
 		UDSRefusals: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "aether_agent_uds_refusals_total",
 			Help: "UDS socket requests refused, by reason.",
@@ -143,7 +150,7 @@ func NewMetrics() *Metrics {
 			Help: "Pod listener builds whose aether.io/inbound-policy annotation is neither permissive nor strict: the pod is served strict.",
 		}),
 	}
-	m.Registry.MustRegister(m.Operations, m.Quarantined, m.PeerRejected, m.UDSRefusals, m.PodLookupRetry, m.Pods,
+	m.Registry.MustRegister(m.Operations, m.Quarantined, m.PeerRejected, m.WorkloadAPITokenRejected, m.UDSRefusals, m.PodLookupRetry, m.Pods,
 		m.PendingDeregistrations, m.RegistryGhostsDeleted, m.RegistryReregistered,
 		m.SVIDs, m.SVIDRotations, m.SVIDMintFailures, m.CAReloads, m.CAReloadFailures, m.InboundPolicyInvalid,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -155,6 +162,9 @@ func NewMetrics() *Metrics {
 	m.Operations.WithLabelValues(OpAddPod, ResultIgnored)
 	for _, s := range []string{SocketCNI, SocketAdmin, SocketWorkloadAPI} {
 		m.PeerRejected.WithLabelValues(s)
+	}
+	for _, r := range []string{"missing", "invalid"} {
+		m.WorkloadAPITokenRejected.WithLabelValues(r)
 	}
 	for _, r := range uds.Reasons {
 		m.UDSRefusals.WithLabelValues(r)

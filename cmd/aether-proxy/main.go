@@ -24,7 +24,7 @@ import (
 func main() {
 	var cfg proxy.Config
 	host, _ := os.Hostname()
-	flag.StringVar(&cfg.XDSTarget, "xds-address", "unix:///run/aether/agent/xds.sock", "the agent's xDS endpoint as a gRPC target (unix:///path or host:port)")
+	flag.StringVar(&cfg.XDSTarget, "xds-address", "unix://"+meshcontract.ProxySocketDir+"/"+meshcontract.XDSSocketName, "the agent's xDS endpoint as a gRPC target (unix:///path or host:port)")
 	flag.StringVar(&cfg.LDSTarget, "lds-address", "", "optional separate xDS endpoint for the Listener type (default: the same ADS stream as -xds-address)")
 	flag.StringVar(&cfg.NodeID, "node-id", host, "node id sent to the agent (the node name)")
 	flag.StringVar(&cfg.AdminAddress, "admin-address", "127.0.0.1:18090", "address of /metrics, /healthz and /debug/pods (empty disables)")
@@ -42,7 +42,8 @@ func main() {
 	flag.IntVar(&cfg.Dataplane.MaxConns, "max-connections", dataplane.DefaultMaxConns, "open TCP connections of all pods together; more are reset")
 	flag.IntVar(&cfg.Dataplane.MaxUDPFlowsPerPod, "max-udp-flows-per-pod", dataplane.DefaultMaxUDPFlowsPerPod, "open UDP flows of one pod; a new one evicts the pod's least recently used")
 	flag.IntVar(&cfg.Dataplane.MaxUDPFlows, "max-udp-flows", dataplane.DefaultMaxUDPFlows, "open UDP flows of all pods together; a new one evicts the same pod's least recently used, or is dropped")
-	flag.StringVar(&cfg.WorkloadAPISocket, "workload-api-socket", "", "SPIFFE Workload API socket of the node's workload identities (aether-agent's --workload-api-socket, e.g. /run/aether/agent/workload.sock); empty turns identity off")
+	flag.StringVar(&cfg.WorkloadAPISocket, "workload-api-socket", "", "SPIFFE Workload API socket of the node's workload identities (aether-agent's --workload-api-socket, e.g. "+meshcontract.ProxySocketDir+"/"+meshcontract.WorkloadAPISocketName+"); empty turns identity off")
+	flag.StringVar(&cfg.WorkloadAPITokenFile, "workload-api-token", "", "file of the token sent on every Workload API call (aether-agent writes a new one at each start; read again at every reconnect); empty means "+meshcontract.WorkloadAPITokenFile+" next to -workload-api-socket")
 	hbonePort := flag.Uint("hbone-port", dataplane.DefaultHBONEPort, "port of every pod's HBONE listener (with -workload-api-socket)")
 	flag.StringVar(&cfg.SPIREAdminSocket, "spire-admin-socket", "", "SPIRE agent admin socket (its admin_socket_path) serving the Delegated Identity API; the proxy must be one of the agent's authorized_delegates; mutually exclusive with -workload-api-socket")
 	level := flag.String("log-level", "info", "debug, info, warn or error")

@@ -6,7 +6,8 @@
 // meshcni/capture, xds/listener and proxy/dataplane take their defaults from
 // here, so the two sides cannot drift. The ports stay clear of Istio's 150xx
 // range so both meshes can share a node. It also fixes the UDS contract
-// between the csi.aether.io driver and aether-agent (uds.go).
+// between the csi.aether.io driver and aether-agent (uds.go), and the
+// sockets aether-agent serves to aether-proxy (sockets.go).
 package meshcontract
 
 const (

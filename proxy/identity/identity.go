@@ -20,6 +20,12 @@
 // are dropped; on any other error (the agent restarting) they are kept
 // until they expire, so a restart of the agent does not stop new
 // handshakes.
+//
+// Every call carries the Workload API token (TokenCredentials): aether-
+// agent answers only callers that present the token it wrote next to the
+// socket, read again at every call so a restarted agent's new token is
+// picked up by the reconnect. A PermissionDenied that names the token keeps
+// the SVIDs (the retry reads the file again).
 package identity
 
 import (
@@ -27,14 +33,19 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/bundle/x509bundle"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"github.com/spiffe/go-spiffe/v2/svid/x509svid"
 	"github.com/spiffe/go-spiffe/v2/workloadapi"
+	"google.golang.org/grpc"
+	grpcbackoff "google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"aether.io/node/pkg/meshcontract"
 )
 
 // Source gives the proxy the SVID of each local workload identity and the
@@ -77,20 +88,26 @@ const (
 // its embedded Store. Build it with New; it does no I/O until Run.
 type Watcher struct {
 	*Store
-	addr string
-	log  *slog.Logger
+	addr      string
+	tokenFile string
+	log       *slog.Logger
 }
 
 var _ Provider = (*Watcher)(nil)
 
 // New returns a Watcher of the Workload API on the unix socket at path
-// (e.g. /run/aether/agent/workload.sock). now is the clock SVID expiry is
-// judged by (time.Now when nil); log may be nil.
-func New(path string, now func() time.Time, log *slog.Logger) *Watcher {
+// (e.g. /run/aether/proxy/workload.sock) that sends the token in tokenFile
+// on every call (TokenCredentials; "" means DefaultTokenFile(path)). now
+// is the clock SVID expiry is judged by (time.Now when nil); log may be
+// nil.
+func New(path, tokenFile string, now func() time.Time, log *slog.Logger) *Watcher {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Watcher{Store: NewStore(now), addr: "unix://" + path, log: log}
+	if tokenFile == "" {
+		tokenFile = DefaultTokenFile(path)
+	}
+	return &Watcher{Store: NewStore(now), addr: "unix://" + path, tokenFile: tokenFile, log: log}
 }
 
 // Want implements Provider as a no-op: the Workload API server decides
@@ -102,12 +119,20 @@ func (w *Watcher) Want([]spiffeid.ID) {}
 // (InvalidArgument), which no retry can fix.
 func (w *Watcher) Run(ctx context.Context) error {
 	client, err := workloadapi.New(ctx, workloadapi.WithAddr(w.addr),
+		workloadapi.WithDialOptions(grpc.WithPerRPCCredentials(TokenCredentials(w.tokenFile)),
+			// The connection's own reconnect backoff follows the watch's
+			// (gRPC's default grows to 120 s: an agent that came up late
+			// would be seen up to two minutes later).
+			grpc.WithConnectParams(grpc.ConnectParams{
+				Backoff:           grpcbackoff.Config{BaseDelay: retryMin, Multiplier: 2, Jitter: 0.2, MaxDelay: retryMax},
+				MinConnectTimeout: 20 * time.Second,
+			})),
 		workloadapi.WithLogger(debugLogger{w.log}), workloadapi.WithBackoffStrategy(backoffStrategy{}))
 	if err != nil {
 		return fmt.Errorf("failed to create the workload api client of %q: %w", w.addr, err)
 	}
 	defer func() { _ = client.Close() }()
-	w.log.Info("watching the workload api", "address", w.addr)
+	w.log.Info("watching the workload api", "address", w.addr, "token_file", w.tokenFile)
 	errs := make(chan error, 2)
 	go func() { errs <- client.WatchX509Context(ctx, svidWatcher{w}) }()
 	go func() { errs <- client.WatchX509Bundles(ctx, bundleWatcher{w}) }()
@@ -135,6 +160,12 @@ func (s svidWatcher) OnX509ContextUpdate(c *workloadapi.X509Context) {
 }
 
 func (s svidWatcher) OnX509ContextWatchError(err error) {
+	if status.Code(err) == codes.PermissionDenied && strings.Contains(status.Convert(err).Message(), meshcontract.WorkloadAPITokenMetadata) {
+		// Refused for the token (read just before the agent wrote a new
+		// one): not a statement about the SVIDs; the retry reads it again.
+		s.w.log.Warn("workload api refused the token; retrying with the token file read again", "token_file", s.w.tokenFile, "error", err.Error())
+		return
+	}
 	if status.Code(err) == codes.PermissionDenied {
 		n := s.w.DropSVIDs()
 		s.w.log.Info("workload api issues no identity: svids dropped", "dropped", n, "detail", err.Error())

@@ -6,10 +6,13 @@ import (
 	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/x509"
+	"fmt"
 	"math/big"
 	"net"
 	"net/url"
+	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -17,7 +20,10 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+
+	"aether.io/node/pkg/meshcontract"
 )
 
 var webID = spiffeid.RequireFromString("spiffe://cluster.local/ns/shop/sa/web")
@@ -105,17 +111,30 @@ func newSVIDs(t *testing.T) (caDER []byte, mint func(id spiffeid.ID, notAfter ti
 	}
 }
 
-// serveFake serves f on a unix socket at path.
-func serveFake(t *testing.T, path string, f *fakeAPI) {
+// serveFake serves f on a unix socket at path, and writes a token next
+// to it that every call must carry (as aether-agent does). It returns the
+// server; the test's end stops it.
+func serveFake(t *testing.T, path string, f *fakeAPI) *grpc.Server {
 	t.Helper()
+	tok := fmt.Sprintf("token-%d", time.Now().UnixNano())
+	if err := os.WriteFile(DefaultTokenFile(path), []byte(tok+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	ln, err := net.Listen("unix", path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := grpc.NewServer()
+	g := grpc.NewServer(grpc.ChainStreamInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+		md, _ := metadata.FromIncomingContext(ss.Context())
+		if got := md.Get(meshcontract.WorkloadAPITokenMetadata); len(got) != 1 || got[0] != tok {
+			return status.Errorf(codes.PermissionDenied, "token in %s: %q, want %q", meshcontract.WorkloadAPITokenMetadata, got, tok)
+		}
+		return h(srv, ss)
+	}))
 	workloadpb.RegisterSpiffeWorkloadAPIServer(g, f)
 	go func() { _ = g.Serve(ln) }()
 	t.Cleanup(g.Stop)
+	return g
 }
 
 // runWatcher runs w until the test ends.
@@ -156,7 +175,7 @@ func TestWatcherStartsBeforeTheSocket(t *testing.T) {
 	sock := filepath.Join(t.TempDir(), "workload.sock")
 	now := time.Now()
 	clock := now
-	w := New(sock, func() time.Time { return clock }, nil)
+	w := New(sock, "", func() time.Time { return clock }, nil)
 	runWatcher(t, w)
 	if _, ok := w.SVID(webID); ok || w.Bundle() != nil {
 		t.Fatal("SVID or bundle before any server")
@@ -219,5 +238,78 @@ func TestWatcherStartsBeforeTheSocket(t *testing.T) {
 		if len(w.IDs()) != 0 || w.Bundle() == nil {
 			t.Fatalf("%s: ids %v, bundle %v; want none and the bundle kept", tc.name, w.IDs(), w.Bundle())
 		}
+	}
+}
+
+// TestTokenReadAgainAfterRestart: the watcher sends the token of the file
+// next to the socket on every call and reads the file again at every
+// reconnect: a server restarted with a new token (as a restarted agent
+// writes one) serves the watcher again; a refusal that names the token
+// keeps the SVIDs.
+func TestTokenReadAgainAfterRestart(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "workload.sock")
+	w := New(sock, "", nil, nil)
+	runWatcher(t, w)
+	caDER, mint := newSVIDs(t)
+	newFake := func() *fakeAPI {
+		return &fakeAPI{msgs: make(chan *workloadpb.X509SVIDResponse, 4), end: make(chan error, 1), bundle: caDER, opened: make(chan struct{}, 8)}
+	}
+	f := newFake()
+	first := mint(webID, time.Now().Add(time.Hour))
+	f.msgs <- &workloadpb.X509SVIDResponse{Svids: []*workloadpb.X509SVID{first}}
+	g := serveFake(t, sock, f)
+	waitFor(t, w, "the first SVID", func() bool { _, ok := w.SVID(webID); return ok })
+
+	// A refusal for the token is not "no identity": the SVIDs stay.
+	f.end <- status.Errorf(codes.PermissionDenied, "workload api token in metadata %s does not match", meshcontract.WorkloadAPITokenMetadata)
+	select {
+	case <-f.opened: // the first stream
+	default:
+	}
+	select {
+	case <-f.opened: // the reconnect after the refusal
+	case <-time.After(10 * time.Second):
+		t.Fatal("the watch did not reconnect after a token refusal")
+	}
+	if _, ok := w.SVID(webID); !ok {
+		t.Fatal("a token refusal dropped the SVIDs")
+	}
+
+	// The "agent" restarts with a new token; its first message carries a
+	// new SVID, which the watcher gets only if it sent the new token.
+	g.Stop()
+	f2 := newFake()
+	second := mint(webID, time.Now().Add(2*time.Hour))
+	f2.msgs <- &workloadpb.X509SVIDResponse{Svids: []*workloadpb.X509SVID{second}}
+	serveFake(t, sock, f2)
+	waitFor(t, w, "the SVID of the restarted server", func() bool {
+		sv, ok := w.SVID(webID)
+		return ok && string(sv.Certificates[0].Raw) == string(second.GetX509Svid())
+	})
+}
+
+// TestTokenCredentials: the metadata is the file's token without the
+// newline; a missing or empty file is an error naming the file.
+func TestTokenCredentials(t *testing.T) {
+	path := filepath.Join(t.TempDir(), meshcontract.WorkloadAPITokenFile)
+	c := TokenCredentials(path)
+	if _, err := c.GetRequestMetadata(context.Background()); err == nil || !strings.Contains(err.Error(), path) {
+		t.Fatalf("missing file: %v; want an error naming %s", err, path)
+	}
+	if err := os.WriteFile(path, []byte("\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.GetRequestMetadata(context.Background()); err == nil || !strings.Contains(err.Error(), "empty") {
+		t.Fatalf("empty file: %v; want an error", err)
+	}
+	if err := os.WriteFile(path, []byte("abc\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	md, err := c.GetRequestMetadata(context.Background())
+	if err != nil || len(md) != 1 || md[meshcontract.WorkloadAPITokenMetadata] != "abc" {
+		t.Fatalf("metadata = %v, %v; want %s: abc", md, err, meshcontract.WorkloadAPITokenMetadata)
+	}
+	if c.RequireTransportSecurity() {
+		t.Error("RequireTransportSecurity = true; the token goes over a unix socket")
 	}
 }

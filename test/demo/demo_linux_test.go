@@ -284,7 +284,9 @@ func TestNodeDemo(t *testing.T) {
 			}
 		})
 		sock, admin = filepath.Join(dir, "run", "cni.sock"), filepath.Join(dir, "run", "admin.sock")
-		xdsSock, ldsSock = filepath.Join(dir, "run", "xds.sock"), filepath.Join(dir, "run", "lds.sock")
+		// The proxy's sockets in a directory of their own, as on a node
+		// (/run/aether/proxy beside the agent's private /run/aether/agent).
+		xdsSock, ldsSock = filepath.Join(dir, "proxy", "xds.sock"), filepath.Join(dir, "proxy", "lds.sock")
 		agentBin := filepath.Join(bins, "aether-agent")
 		args := []string{
 			"--cni-socket", sock, "--admin-socket", admin, "--state-dir", filepath.Join(dir, "state"),
@@ -304,7 +306,7 @@ func TestNodeDemo(t *testing.T) {
 		// Identities: a CA for the trust domain, so the agent serves each
 		// managed pod's SVID over the SPIFFE Workload API and marks the
 		// managed workloads HBONE; the proxy then tunnels between them.
-		workloadSock := filepath.Join(dir, "run", "workload.sock")
+		workloadSock := filepath.Join(dir, "proxy", "workload.sock")
 		if hbone = hasFlag(agentBin, "ca-cert"); hbone {
 			caCert, caKey := identitytest.Files(t, filepath.Join(dir, "ca"), identitytest.Valid(trustDomain))
 			args = append(args, "--ca-cert", caCert, "--ca-key", caKey, "--trust-domain", trustDomain, "--workload-api-socket", workloadSock)

@@ -46,8 +46,14 @@ type install struct {
 	state   string // hostPaths.stateDir: agent store, installer state
 }
 
-// agentSocketDir is where the agent serves its sockets (0700, its own).
+// agentSocketDir is where the agent serves its private sockets (cni.sock,
+// admin.sock; 0700, its own).
 func (in *install) agentSocketDir() string { return filepath.Join(in.runDir, "agent") }
+
+// proxySocketDir is where the agent serves the sockets aether-proxy
+// consumes (xds.sock, lds.sock, workload.sock) and the Workload API token
+// (0700; the only directory of runDir the proxy mounts).
+func (in *install) proxySocketDir() string { return filepath.Join(in.runDir, "proxy") }
 
 // buildImage builds the release binaries and the image `make image` writes
 // (tools/image), and imports it into containerd's k8s.io namespace under

@@ -63,7 +63,7 @@ type pod struct {
 	sbx   harness.Pod
 }
 
-func (n *node) xdsSocket() string { return filepath.Join(n.dir, "run", "xds.sock") }
+func (n *node) xdsSocket() string { return filepath.Join(n.dir, "proxy", "xds.sock") }
 func (n *node) cniSocket() string { return filepath.Join(n.dir, "run", "cni.sock") }
 
 // newNode makes node i's namespace (veth on the fabric bridge), its etcd
@@ -122,7 +122,7 @@ func (n *node) start(t *testing.T) {
 	n.stderr = &bytes.Buffer{}
 	cmd := exec.Command(n.bin,
 		"--cni-socket", n.cniSocket(), "--admin-socket", "", "--state-dir", filepath.Join(n.dir, "state"),
-		"--xds-socket", n.xdsSocket(), "--lds-socket", filepath.Join(n.dir, "run", "lds.sock"),
+		"--xds-socket", n.xdsSocket(), "--lds-socket", filepath.Join(n.dir, "proxy", "lds.sock"),
 		"--pod-manifests", filepath.Join(n.dir, "pods"), "--pod-manifests-interval", "100ms", "--node-name", n.name,
 		"--uds-csi-root", filepath.Join(n.dir, "uds"), "--http-addr", "127.0.0.1:0", "--log-level", "info",
 		"--registry", "etcd", "--etcd-endpoints", strings.Join(n.proxy.endpoints(), ","), "--etcd-insecure",

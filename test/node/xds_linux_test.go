@@ -191,8 +191,8 @@ func TestManagedPodOverXDS(t *testing.T) {
 		})
 	rt := harness.NewRuntime(t, node, []string{harness.BuildOwn(t, "aether-cni", "aether-agent"), harness.ReferencePlugins(t)}, conf)
 
-	wds := watchWDS(t, filepath.Join(agent.Dir, "run", "xds.sock"))
-	ldsw := watchLDS(t, filepath.Join(agent.Dir, "run", "lds.sock"))
+	wds := watchWDS(t, agent.XDSSocket)
+	ldsw := watchLDS(t, agent.LDSSocket)
 
 	podNS := harness.NewNS(t, "pod")
 	writePod(t, agent, "shop", "web-7d9f8c6b5-abcde", "uid-web", "", nil)

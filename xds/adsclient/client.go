@@ -42,7 +42,7 @@ type Handler func(typeURL string, updated []*discovery.Resource, removed []strin
 
 // Client is a delta ADS client. Set the fields, then call Run (once).
 type Client struct {
-	// Target is a gRPC target: "unix:///run/aether/agent/xds.sock" or "host:port".
+	// Target is a gRPC target: "unix:///run/aether/proxy/xds.sock" or "host:port".
 	Target string
 	// Node identifies the client to the server.
 	Node *core.Node

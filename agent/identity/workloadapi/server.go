@@ -4,8 +4,9 @@
 // rotation; FetchX509Bundles streams the bundle. The JWT and WIT methods
 // answer Unimplemented. The caller is aether-proxy acting for every managed
 // pod of its node, not a single workload, so no workload attestation is
-// done: the socket's SO_PEERCRED uid check (NewGRPCServer) is the access
-// control.
+// done: the access control is NewGRPCServer's, the socket's SO_PEERCRED uid
+// check and the token every call must carry (GRPCOptions.Token), which
+// only aether-proxy reads.
 //
 // No SVIDs: the spec says a server SHOULD answer PermissionDenied to a
 // workload entitled to none. go-spiffe's watchers (WatchX509Context,

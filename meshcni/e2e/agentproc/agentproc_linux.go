@@ -24,6 +24,10 @@ type Agent struct {
 	// Sock is the CNIService socket; Dir the agent's temp dir; PodsDir its
 	// pod source.
 	Sock, Dir, PodsDir string
+	// XDSSocket and LDSSocket are workload and listener discovery, in a
+	// directory of their own (<Dir>/proxy), as the proxy's sockets are
+	// split from the agent's private ones (<Dir>/run) on a node.
+	XDSSocket, LDSSocket string
 
 	t      testing.TB
 	bin    string
@@ -48,6 +52,7 @@ func Start(t testing.TB, node *harness.NS) *Agent {
 	a := &Agent{
 		t: t, bin: filepath.Join(bins, "aether-agent"), Dir: dir,
 		Sock: filepath.Join(dir, "run", "cni.sock"), PodsDir: filepath.Join(dir, "pods"), node: node,
+		XDSSocket: filepath.Join(dir, "proxy", "xds.sock"), LDSSocket: filepath.Join(dir, "proxy", "lds.sock"),
 	}
 	for _, d := range []string{filepath.Join(dir, "run"), a.PodsDir, filepath.Join(dir, "state"), filepath.Join(dir, "uds")} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
@@ -67,7 +72,7 @@ func (a *Agent) Restart() {
 	a.stderr = &bytes.Buffer{}
 	cmd := exec.Command(a.bin,
 		"--cni-socket", a.Sock, "--admin-socket", "", "--state-dir", filepath.Join(a.Dir, "state"),
-		"--xds-socket", filepath.Join(a.Dir, "run", "xds.sock"), "--lds-socket", filepath.Join(a.Dir, "run", "lds.sock"),
+		"--xds-socket", a.XDSSocket, "--lds-socket", a.LDSSocket,
 		"--pod-manifests", a.PodsDir, "--pod-manifests-interval", "100ms", "--node-name", NodeName,
 		"--uds-csi-root", filepath.Join(a.Dir, "uds"), "--http-addr", "127.0.0.1:0", "--log-level", "debug")
 	cmd.Stderr = a.stderr

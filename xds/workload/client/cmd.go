@@ -13,11 +13,13 @@ import (
 	"text/tabwriter"
 
 	"aether.io/node/api/istio/workload"
+	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/pkg/tlsfiles"
 )
 
-// DefaultSocket is the agent's xDS socket.
-const DefaultSocket = "/run/aether/agent/xds.sock"
+// DefaultSocket is the agent's xDS socket (aether-agent's --xds-socket
+// default, in the directory it shares with aether-proxy).
+const DefaultSocket = meshcontract.ProxySocketDir + "/" + meshcontract.XDSSocketName
 
 // Row is the printable form of a workload (JSON output).
 type Row struct {
