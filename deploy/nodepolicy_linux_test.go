@@ -64,11 +64,16 @@ func TestNodePatchOwnNodeOnly(t *testing.T) {
 	}
 	gate := corev1.Taint{Key: nodegate.TaintKey, Effect: corev1.TaintEffectNoSchedule}
 	other := corev1.Taint{Key: "example.com/other", Effect: corev1.TaintEffectNoSchedule}
+	// The taints each node was created with (the API server's admission
+	// adds node.kubernetes.io/not-ready): what nodegate must leave.
+	created := map[string][]corev1.Taint{}
 	for _, name := range []string{"node-a", "node-b"} {
 		n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: corev1.NodeSpec{Taints: []corev1.Taint{gate, other}}}
-		if _, err := admin.CoreV1().Nodes().Create(ctx, n, metav1.CreateOptions{}); err != nil {
+		n, err := admin.CoreV1().Nodes().Create(ctx, n, metav1.CreateOptions{})
+		if err != nil {
 			t.Fatal(err)
 		}
+		created[name] = n.Spec.Taints
 	}
 	no := false
 	pod, err := admin.CoreV1().Pods(chart.Namespace).Create(ctx, &corev1.Pod{
@@ -111,12 +116,20 @@ func TestNodePatchOwnNodeOnly(t *testing.T) {
 		_, err := c.CoreV1().Nodes().Patch(ctx, node, types.StrategicMergePatchType, b, opts)
 		return err
 	}
+	sameTaint := func(a, b corev1.Taint) bool { return a.Key == b.Key && a.Effect == b.Effect }
+	// without is the node's creation taints less t.
+	without := func(node string, t corev1.Taint) []corev1.Taint {
+		return slices.DeleteFunc(slices.Clone(created[node]), func(x corev1.Taint) bool { return sameTaint(x, t) })
+	}
 	policy := r.ds.Name + "-own-node"
 	deniedByPolicy := func(err error) bool { return err != nil && strings.Contains(err.Error(), policy) }
+	// Each attempt below breaks one rule of the policy; its message names
+	// which.
+	deniedFor := func(err error, rule string) bool { return deniedByPolicy(err) && strings.Contains(err.Error(), rule) }
 	// A new policy takes effect once the API server's admission has
 	// loaded it: wait with dry runs.
 	for deadline := time.Now().Add(time.Minute); ; {
-		err := patchTaints(agent, "node-b", true, other)
+		err := patchTaints(agent, "node-b", true, without("node-b", gate)...)
 		if deniedByPolicy(err) {
 			break
 		}
@@ -126,18 +139,23 @@ func TestNodePatchOwnNodeOnly(t *testing.T) {
 		time.Sleep(200 * time.Millisecond)
 	}
 
-	if err := patchTaints(agent, "node-b", false, other); !deniedByPolicy(err) {
-		t.Errorf("removing the taint from another node: error %v, want a denial by %s", err, policy)
+	if err := patchTaints(agent, "node-b", false, without("node-b", gate)...); !deniedFor(err, "only its own Node") {
+		t.Errorf("removing the taint from another node: error %v, want a denial by %s for the node", err, policy)
 	}
-	if err := patchTaints(agent, "node-a", false, gate, other, corev1.Taint{Key: "example.com/new", Effect: corev1.TaintEffectNoExecute}); !deniedByPolicy(err) {
-		t.Errorf("adding a taint to its own node: error %v, want a denial by %s", err, policy)
+	added := append(slices.Clone(created["node-a"]), corev1.Taint{Key: "example.com/new", Effect: corev1.TaintEffectNoExecute})
+	if err := patchTaints(agent, "node-a", false, added...); !deniedFor(err, "only remove the taint") {
+		t.Errorf("adding a taint to its own node: error %v, want a denial by %s for the taints", err, policy)
 	}
-	if err := patchTaints(agent, "node-a", false, gate); !deniedByPolicy(err) {
-		t.Errorf("removing another taint from its own node: error %v, want a denial by %s", err, policy)
+	if err := patchTaints(agent, "node-a", false, without("node-a", other)...); !deniedFor(err, "only remove the taint") {
+		t.Errorf("removing another taint from its own node: error %v, want a denial by %s for the taints", err, policy)
 	}
 	label := []byte(`{"metadata":{"labels":{"node-role.kubernetes.io/control-plane":""}}}`)
-	if _, err := agent.CoreV1().Nodes().Patch(ctx, "node-a", types.StrategicMergePatchType, label, metav1.PatchOptions{}); !deniedByPolicy(err) {
-		t.Errorf("labelling its own node: error %v, want a denial by %s", err, policy)
+	if _, err := agent.CoreV1().Nodes().Patch(ctx, "node-a", types.StrategicMergePatchType, label, metav1.PatchOptions{}); !deniedFor(err, "change nothing of a Node") {
+		t.Errorf("labelling its own node: error %v, want a denial by %s for the labels", err, policy)
+	}
+	spec := []byte(`{"spec":{"unschedulable":true}}`)
+	if _, err := agent.CoreV1().Nodes().Patch(ctx, "node-a", types.StrategicMergePatchType, spec, metav1.PatchOptions{}); !deniedFor(err, "change nothing of a Node") {
+		t.Errorf("cordoning its own node: error %v, want a denial by %s for the spec", err, policy)
 	}
 
 	// The agent's own removal goes through.
@@ -148,12 +166,12 @@ func TestNodePatchOwnNodeOnly(t *testing.T) {
 	if err := rm.Remove(rctx); err != nil {
 		t.Fatalf("nodegate with the pod's token: %v", err)
 	}
-	for name, want := range map[string][]corev1.Taint{"node-a": {other}, "node-b": {gate, other}} {
+	for name, want := range map[string][]corev1.Taint{"node-a": without("node-a", gate), "node-b": created["node-b"]} {
 		n, err := admin.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !slices.EqualFunc(n.Spec.Taints, want, func(a, b corev1.Taint) bool { return a.Key == b.Key && a.Effect == b.Effect }) {
+		if !slices.EqualFunc(n.Spec.Taints, want, sameTaint) {
 			t.Errorf("%s taints %+v, want %+v", name, n.Spec.Taints, want)
 		}
 	}
