@@ -47,6 +47,8 @@ in uds/.
 {{/* Container paths: secrets, never host paths. */}}
 {{- define "aether-node.etcdTLSDir" -}}/etc/aether/etcd{{- end -}}
 {{- define "aether-node.identityDir" -}}/etc/aether/identity{{- end -}}
+{{/* install-cni's ready file, in an emptyDir (its root file system is read-only). */}}
+{{- define "aether-node.installerReadyDir" -}}/etc/aether/install-cni{{- end -}}
 {{/* Where client-go's in-cluster config and aether-cni-install read the
 ServiceAccount token, the cluster CA and the namespace. */}}
 {{- define "aether-node.serviceAccountDir" -}}/var/run/secrets/kubernetes.io/serviceaccount{{- end -}}
@@ -127,7 +129,7 @@ runDir may be as long as the longest of them allows. */ -}}
 {{- end -}}
 {{- /* Each entry: name, path, whether it is a value (blamed) or a container path. */ -}}
 {{- $paths := list -}}
-{{- range list "/usr/local/bin" "/etc/aether" "/host/cni" "/csi" "/registration" "/tmp" (include "aether-node.serviceAccountDir" .) -}}
+{{- range list "/usr/local/bin" "/etc/aether" "/host/cni" "/csi" "/registration" (include "aether-node.serviceAccountDir" .) -}}
 {{- $paths = append $paths (list "the container path" . false) -}}
 {{- end -}}
 {{- range $checks -}}
