@@ -50,6 +50,10 @@ type install struct {
 // agentSocketDir is where the agent serves its sockets (0700, its own).
 func (in *install) agentSocketDir() string { return filepath.Join(in.runDir, "agent") }
 
+// proxySocketDir is where the chart has the agent serve the sockets
+// aether-proxy dials (xDS, LDS, Workload API).
+func (in *install) proxySocketDir() string { return filepath.Join(in.runDir, "proxy") }
+
 // buildImage builds the release binaries and the image `make image` writes
 // (tools/image), and imports it into containerd's k8s.io namespace under
 // every tag given.

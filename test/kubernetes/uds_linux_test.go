@@ -437,7 +437,7 @@ func wdsWorkload(t *testing.T, in *install, name string) *workloadpb.Workload {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	c, err := workloadclient.Dial(ctx, workloadclient.Options{Socket: filepath.Join(in.agentSocketDir(), "xds.sock"), NodeID: "kubernetes-lane"})
+	c, err := workloadclient.Dial(ctx, workloadclient.Options{Socket: filepath.Join(in.proxySocketDir(), "xds.sock"), NodeID: "kubernetes-lane"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -135,7 +135,7 @@ func agentPods(t *testing.T, in *install) []adminapi.Pod {
 func workloads(t *testing.T, in *install) []workloadclient.Row {
 	t.Helper()
 	var rows []workloadclient.Row
-	aetherctlJSON(t, &rows, "workloads", "--xds-socket", filepath.Join(in.agentSocketDir(), "xds.sock"))
+	aetherctlJSON(t, &rows, "workloads", "--xds-socket", filepath.Join(in.proxySocketDir(), "xds.sock"))
 	return rows
 }
 
@@ -294,7 +294,7 @@ func watchWorkloads(t *testing.T, in *install) <-chan watchEvent {
 	t.Helper()
 	own := harness.BuildOwn(t, "aetherctl")
 	cmd := exec.Command(filepath.Join(own, "aetherctl"), "workloads", "--watch", "-o", "json",
-		"--xds-socket", filepath.Join(in.agentSocketDir(), "xds.sock"))
+		"--xds-socket", filepath.Join(in.proxySocketDir(), "xds.sock"))
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
