@@ -272,6 +272,7 @@ func TestChartRejects(t *testing.T) {
 		{"a host path holding another", "hostPaths:\n  kubeletDir: /var/lib\n", `invalid hostPaths.kubeletDir "/var/lib": holds hostPaths.stateDir "/var/lib/aether"`},
 		{"a host path over the image's binaries", "hostPaths:\n  stateDir: /usr/local\n", `invalid hostPaths.stateDir "/usr/local": holds the container path "/usr/local/bin"`},
 		{"a host path inside a Secret's mount", "hostPaths:\n  runDir: /etc/aether/run\n", `invalid hostPaths.runDir "/etc/aether/run": lies inside the container path "/etc/aether"`},
+		{"a host path over the token", "hostPaths:\n  runDir: /var/run/secrets\n", `invalid hostPaths.runDir "/var/run/secrets": holds the container path "/var/run/secrets/kubernetes.io/serviceaccount"`},
 		{"cni.binDir moved", "cni:\n  binDir: /opt/cni/bin\n", "invalid cni.binDir: moved to hostPaths.cniBinDir"},
 		{"cni.confDir moved", "cni:\n  confDir: /etc/cni/net.d\n", "invalid cni.confDir: moved to hostPaths.cniConfDir"},
 		{"csi.kubeletDir moved", "csi:\n  kubeletDir: /var/lib/kubelet\n", "invalid csi.kubeletDir: moved to hostPaths.kubeletDir"},

@@ -216,8 +216,9 @@ func TestIdentityValues(t *testing.T) {
 			return
 		}
 		cfg := agentConfig(t, r)
-		if cfg.CA == nil || cfg.SVIDTTL != 2*time.Hour || filepath.Dir(cfg.WorkloadAPISocket) != app.SocketDir || cfg.TrustDomain != "mesh.example.com" {
-			t.Errorf("agent config %+v: want the CA loaded, 2h SVIDs, the socket in %s, trust domain mesh.example.com", cfg, app.SocketDir)
+		proxyDir := filepath.Join(chartValues(t, r).HostPaths["runDir"], "proxy")
+		if cfg.CA == nil || cfg.SVIDTTL != 2*time.Hour || filepath.Dir(cfg.WorkloadAPISocket) != proxyDir || cfg.TrustDomain != "mesh.example.com" {
+			t.Errorf("agent config %+v: want the CA loaded, 2h SVIDs, the socket in %s, trust domain mesh.example.com", cfg, proxyDir)
 		}
 		if len(cfg.CAAnchors) != 1 {
 			t.Errorf("agent trust anchors = %d, want the one of trustBundleConfigMap", len(cfg.CAAnchors))
@@ -602,8 +603,10 @@ func nodeVerbs(t *testing.T, r *render) []string {
 }
 
 // TestSocketLayout checks every side names the same sockets, and that they
-// sit in a directory of their own below the hostPath: kubelet creates the
-// hostPath 0755, which the agent refuses as a socket directory.
+// sit in directories of their own below the hostPath: the agent's own (CNI,
+// admin) in agent/, the ones the proxy dials (xDS, LDS) in proxy/, so the
+// proxy can mount proxy/ without the others; kubelet creates the hostPath
+// 0755, which the agent refuses as a socket directory.
 func TestSocketLayout(t *testing.T) {
 	forEachSet(t, func(t *testing.T, r *render) {
 		cfg := agentConfig(t, r)
@@ -617,13 +620,13 @@ func TestSocketLayout(t *testing.T) {
 			t.Fatal("no run-aether hostPath volume")
 		}
 		runDir := chartValues(t, r).HostPaths["runDir"]
-		socketDir := filepath.Join(runDir, "agent")
+		socketDir, proxyDir := filepath.Join(runDir, "agent"), filepath.Join(runDir, "proxy")
 		if hostPath != runDir {
 			t.Errorf("run-aether is host path %s, want hostPaths.runDir %s", hostPath, runDir)
 		}
-		for _, s := range []string{cfg.CNISocket, cfg.AdminSocket, cfg.XDSSocket, cfg.LDSSocket} {
-			if dir := filepath.Dir(s); dir != socketDir || dir == hostPath {
-				t.Errorf("agent socket %q: want it in %s, a directory of its own below the hostPath %s", s, socketDir, hostPath)
+		for s, want := range map[string]string{cfg.CNISocket: socketDir, cfg.AdminSocket: socketDir, cfg.XDSSocket: proxyDir, cfg.LDSSocket: proxyDir} {
+			if dir := filepath.Dir(s); dir != want || dir == hostPath {
+				t.Errorf("agent socket %q: want it in %s, a directory of its own below the hostPath %s", s, want, hostPath)
 			}
 		}
 		proxyArgs := expand(container(t, r, "aether-proxy").Args)

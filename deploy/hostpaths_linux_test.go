@@ -55,7 +55,7 @@ func TestHostPaths(t *testing.T) {
 	forEachSet(t, func(t *testing.T, r *render) {
 		hp := chartValues(t, r).HostPaths
 		run, state, kubelet := hp["runDir"], hp["stateDir"], hp["kubeletDir"]
-		socketDir := filepath.Join(run, "agent")
+		socketDir, proxyDir := filepath.Join(run, "agent"), filepath.Join(run, "proxy")
 		// sameOnHost checks c reaches each path at the same host path.
 		sameOnHost := func(c corev1.Container, paths ...string) {
 			t.Helper()
@@ -68,13 +68,14 @@ func TestHostPaths(t *testing.T) {
 
 		agent := container(t, r, "aether-agent")
 		cfg := agentConfig(t, r)
-		sockets := []string{cfg.CNISocket, cfg.AdminSocket, cfg.XDSSocket, cfg.LDSSocket}
+		want := map[string]string{cfg.CNISocket: socketDir, cfg.AdminSocket: socketDir, cfg.XDSSocket: proxyDir, cfg.LDSSocket: proxyDir}
 		if cfg.WorkloadAPISocket != "" && slices.ContainsFunc(agent.Args, func(a string) bool { return strings.HasPrefix(a, "--workload-api-socket=") }) {
-			sockets = append(sockets, cfg.WorkloadAPISocket)
+			want[cfg.WorkloadAPISocket] = proxyDir
 		}
+		sockets := slices.Sorted(maps.Keys(want))
 		for _, s := range sockets {
-			if filepath.Dir(s) != socketDir {
-				t.Errorf("aether-agent socket %s: want it in %s (hostPaths.runDir/agent)", s, socketDir)
+			if filepath.Dir(s) != want[s] {
+				t.Errorf("aether-agent socket %s: want it in %s (hostPaths.runDir/agent for its own, runDir/proxy for the proxy's)", s, want[s])
 			}
 		}
 		if cfg.StateDir != state || cfg.UDSRoot != filepath.Join(run, "uds") {
@@ -127,6 +128,9 @@ func TestHostPaths(t *testing.T) {
 		for _, s := range dialed {
 			if !slices.Contains(sockets, s) {
 				t.Errorf("aether-proxy dials %s, which the agent does not serve (%q)", s, sockets)
+			}
+			if filepath.Dir(s) != proxyDir {
+				t.Errorf("aether-proxy dials %s: want only sockets in %s, the directory it mounts", s, proxyDir)
 			}
 		}
 		sameOnHost(proxy, append(dialed, pinDir, cfg.UDSRoot)...)

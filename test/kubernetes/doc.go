@@ -38,8 +38,10 @@
 // DaemonSet is adapted: the pods reach the API server on the node's
 // loopback (no kube-proxy, so the Service IP does not route). Then, in
 // order:
-//   - the DaemonSet is Ready, the agent removed the agent-not-ready taint,
-//     the installer chained aether-cni onto the bridge conflist;
+//   - the DaemonSet is Ready, the agent removed the agent-not-ready taint
+//     (through the chart's node patch policy, with the token kubelet
+//     projects into its pod), the installer chained aether-cni onto the
+//     bridge conflist;
 //   - managed pods are captured, served by aether-proxy and listed by
 //     aetherctl (pods, workloads) with uid, service account and owner
 //     Deployment; the unmanaged pod is untouched; traffic from a managed

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	admissionv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -162,6 +163,12 @@ identity:
 			_, err = cs.AppsV1().DaemonSets(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
 		case *storagev1.CSIDriver:
 			_, err = cs.StorageV1().CSIDrivers().Create(ctx, o, metav1.CreateOptions{})
+		case *admissionv1.ValidatingAdmissionPolicy:
+			// The node patch policy: the agent's taint removal below goes
+			// through it with the token kubelet projects into its pod.
+			_, err = cs.AdmissionregistrationV1().ValidatingAdmissionPolicies().Create(ctx, o, metav1.CreateOptions{})
+		case *admissionv1.ValidatingAdmissionPolicyBinding:
+			_, err = cs.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Create(ctx, o, metav1.CreateOptions{})
 		default:
 			t.Fatalf("the chart renders a %T the lane does not install", obj)
 		}
@@ -255,6 +262,10 @@ func (in *install) uninstall(t *testing.T, n *node) {
 			err = cs.CoreV1().ServiceAccounts(o.Namespace).Delete(ctx, o.Name, opts)
 		case *corev1.Secret:
 			err = cs.CoreV1().Secrets(o.Namespace).Delete(ctx, o.Name, opts)
+		case *admissionv1.ValidatingAdmissionPolicyBinding:
+			err = cs.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Delete(ctx, o.Name, opts)
+		case *admissionv1.ValidatingAdmissionPolicy:
+			err = cs.AdmissionregistrationV1().ValidatingAdmissionPolicies().Delete(ctx, o.Name, opts)
 		case *corev1.Namespace:
 			// Deleted last, after its pods are gone (below).
 			continue

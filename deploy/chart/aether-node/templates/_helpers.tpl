@@ -28,13 +28,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/*
 Host paths (values hostPaths), each mounted at the same path in the
-containers. The agent serves its sockets from agent/ below runDir, a
-directory it creates 0700 itself (kubelet creates the hostPath 0755, which
-the agent refuses as a socket directory); aether-cni pins network namespaces
-in netns/; the pods' UDS socket dirs are in uds/.
+containers. The agent serves its own sockets (CNI, admin) from agent/ below
+runDir, a directory it creates 0700 itself (kubelet creates the hostPath
+0755, which the agent refuses as a socket directory), and the three the
+proxy consumes (xDS, LDS, Workload API, with the Workload API token file)
+from proxy/, a hostPath of its own that kubelet creates and the agent
+tightens to 0700: the proxy mounts proxy/, netns/ and uds/, never agent/.
+aether-cni pins network namespaces in netns/; the pods' UDS socket dirs are
+in uds/.
 */}}
 {{- define "aether-node.runDir" -}}{{ .Values.hostPaths.runDir }}{{- end -}}
 {{- define "aether-node.socketDir" -}}{{ .Values.hostPaths.runDir }}/agent{{- end -}}
+{{- define "aether-node.proxySocketDir" -}}{{ .Values.hostPaths.runDir }}/proxy{{- end -}}
 {{- define "aether-node.pinDir" -}}{{ .Values.hostPaths.runDir }}/netns{{- end -}}
 {{- define "aether-node.udsRoot" -}}{{ .Values.hostPaths.runDir }}/uds{{- end -}}
 {{- define "aether-node.stateDir" -}}{{ .Values.hostPaths.stateDir }}{{- end -}}
@@ -42,6 +47,11 @@ in netns/; the pods' UDS socket dirs are in uds/.
 {{/* Container paths: secrets, never host paths. */}}
 {{- define "aether-node.etcdTLSDir" -}}/etc/aether/etcd{{- end -}}
 {{- define "aether-node.identityDir" -}}/etc/aether/identity{{- end -}}
+{{/* install-cni's ready file, in an emptyDir (its root file system is read-only). */}}
+{{- define "aether-node.installerReadyDir" -}}/etc/aether/install-cni{{- end -}}
+{{/* Where client-go's in-cluster config and aether-cni-install read the
+ServiceAccount token, the cluster CA and the namespace. */}}
+{{- define "aether-node.serviceAccountDir" -}}/var/run/secrets/kubernetes.io/serviceaccount{{- end -}}
 {{/* The Secret of the identity CA: the one given, or the generated one. */}}
 {{- define "aether-node.identityCASecret" -}}
 {{- .Values.identity.caSecret | default (printf "%s-identity-ca" (include "aether-node.fullname" .)) -}}
@@ -94,7 +104,13 @@ a mount of its own at the same path in the containers).
 {{- fail (printf "invalid %s: moved to hostPaths.%s" $old $new) -}}
 {{- end -}}
 {{- end -}}
-{{- $socketLen := 20 -}}{{/* /agent/workload.sock */}}
+{{- /* The sockets below runDir: the agent's own in agent/, the ones the
+proxy dials in proxy/ (aether-node.socketDir, aether-node.proxySocketDir);
+runDir may be as long as the longest of them allows. */ -}}
+{{- $socketLen := 0 -}}
+{{- range list "/agent/cni.sock" "/agent/admin.sock" "/proxy/xds.sock" "/proxy/lds.sock" "/proxy/workload.sock" -}}
+{{- $socketLen = max $socketLen (len .) -}}
+{{- end -}}
 {{- $regLen := 40 -}}{{/* /plugins_registry/csi.aether.io-reg.sock */}}
 {{- $checks := list
   (list "hostPaths.runDir" $hp.runDir (sub 107 $socketLen))
@@ -113,7 +129,7 @@ a mount of its own at the same path in the containers).
 {{- end -}}
 {{- /* Each entry: name, path, whether it is a value (blamed) or a container path. */ -}}
 {{- $paths := list -}}
-{{- range list "/usr/local/bin" "/etc/aether" "/host/cni" "/csi" "/registration" -}}
+{{- range list "/usr/local/bin" "/etc/aether" "/host/cni" "/csi" "/registration" (include "aether-node.serviceAccountDir" .) -}}
 {{- $paths = append $paths (list "the container path" . false) -}}
 {{- end -}}
 {{- range $checks -}}
