@@ -164,12 +164,17 @@ func dialRaw(t *testing.T, e *env, ip string, s ...http2.Setting) *rawClient {
 	return rc
 }
 
-// connect sends a CONNECT for target on stream id.
-func (rc *rawClient) connect(id uint32, target netip.AddrPort) error {
+// block returns the header block of a CONNECT for target.
+func (rc *rawClient) block(target netip.AddrPort) []byte {
 	rc.hbuf.Reset()
 	_ = rc.henc.WriteField(hpack.HeaderField{Name: ":method", Value: "CONNECT"})
 	_ = rc.henc.WriteField(hpack.HeaderField{Name: ":authority", Value: target.String()})
-	return rc.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: rc.hbuf.Bytes(), EndHeaders: true})
+	return rc.hbuf.Bytes()
+}
+
+// connect sends a CONNECT for target on stream id.
+func (rc *rawClient) connect(id uint32, target netip.AddrPort) error {
+	return rc.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: rc.block(target), EndHeaders: true})
 }
 
 // TestServerZeroWindowBounded: a client that opens 4 connections of 100

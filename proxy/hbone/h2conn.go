@@ -292,6 +292,7 @@ func (c *h2Conn) startStreams() {
 			c.removeStream(st)
 			continue
 		}
+		st.started = true
 		c.s.wg.Add(1)
 		go st.serve()
 	}
@@ -390,9 +391,20 @@ func (c *h2Conn) onRSTStream(f *http2.RSTStreamFrame) error {
 		return connErrorf(http2.ErrCodeProtocol, "RST_STREAM on idle stream %d", f.StreamID)
 	}
 	if st != nil {
-		st.stop()
+		c.stopStream(st)
 	}
 	return nil
+}
+
+// stopStream stops st (read loop only); one not started yet leaves the
+// connection's streams at once, so a burst of rapid resets never counts
+// against MaxConcurrentStreams.
+func (c *h2Conn) stopStream(st *h2Stream) {
+	st.stop()
+	if !st.started {
+		st.cancel()
+		c.removeStream(st)
+	}
 }
 
 func (c *h2Conn) onGoAway(*http2.GoAwayFrame) { c.goAway(http2.ErrCodeNo) }
@@ -601,7 +613,7 @@ func (c *h2Conn) streamError(id uint32, code http2.ErrCode) {
 	st := c.streams[id]
 	c.mu.Unlock()
 	if st != nil {
-		st.stop()
+		c.stopStream(st)
 	}
 }
 

@@ -24,6 +24,8 @@ type h2Stream struct {
 	ctx    context.Context // canceled when the stream stops
 	cancel context.CancelFunc
 	target netip.AddrPort // the CONNECT authority
+	// started: serve runs (set by the read loop before it starts it).
+	started bool
 
 	// Under c.mu: the send side.
 	sendWin int64
