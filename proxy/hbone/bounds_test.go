@@ -396,3 +396,37 @@ func TestAbortWakesZeroWindowStream(t *testing.T) {
 		}
 	}
 }
+
+// TestSlowReaderSendBuffersBounded: a source whose 16 connections grant
+// large windows to 8 streams each (apps that write without end) and never
+// read makes every write wait (WriteTimeout, 30 s by default). Each
+// waiting stream used to hold its 256 KiB read buffer (128 streams: 32
+// MiB); the buffers are now bounded per connection (4), per source (32:
+// 8 MiB) and per node (256: 64 MiB), so the heap grows by less than 16 MiB
+// (the buffers, a record batch per blocked connection, the streams), and
+// another source's stream works meanwhile.
+func TestSlowReaderSendBuffersBounded(t *testing.T) {
+	e := newBoundsEnv(t, nil)
+	before := liveHeap()
+	const conns, streams = 16, 8
+	for range conns {
+		rc := dialRaw(t, e.env, "127.0.0.2", http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1 << 30})
+		_ = rc.c.NetConn().(*net.TCPConn).SetReadBuffer(4 << 10)
+		if err := rc.fr.WriteWindowUpdate(0, 1<<30); err != nil {
+			t.Fatal(err)
+		}
+		for i := range streams {
+			if err := rc.connect(uint32(2*i+1), e.flood); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	waitFor(t, func() bool { return e.srv.Stats().StreamsActive == conns*streams })
+	during := settledHeap()
+	victim(t, e.env)
+	const bound = 16 << 20
+	t.Logf("live heap %d -> %d bytes with %d streams to a client that does not read", before, during, conns*streams)
+	if during > before+bound {
+		t.Fatalf("live heap grew by %d bytes with %d streams to a client that does not read, want < %d", during-before, conns*streams, bound)
+	}
+}

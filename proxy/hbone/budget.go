@@ -18,6 +18,12 @@ const (
 	DefaultWindowBudget = 128 << 20
 	// DefaultWindowBudgetPerSource bounds that of one source (a pod).
 	DefaultWindowBudgetPerSource = 16 << 20
+	// DefaultSendBufs and DefaultSendBufsPerSource bound the 256 KiB read
+	// buffers the Servers' streams hold while their DATA is written (a
+	// client that reads slowly makes writes wait, up to WriteTimeout):
+	// 64 MiB per node, 8 MiB per source.
+	DefaultSendBufs          = 256
+	DefaultSendBufsPerSource = 32
 )
 
 // BudgetConfig sets the bounds of a Budget; a zero field takes its Default.
@@ -30,6 +36,10 @@ type BudgetConfig struct {
 	// source. Queued DATA never exceeds the window granted, so they bound
 	// the memory a peer that sends to a reader that does not read can take.
 	Window, WindowPerSource int64
+	// SendBufs and SendBufsPerSource bound the upstream read buffers
+	// (256 KiB each) the Servers' streams hold at once while sending, in
+	// total and per source; a stream waits for one without a buffer.
+	SendBufs, SendBufsPerSource int
 }
 
 // Budget is shared by the Servers of a node (or given to the Dialer): it
@@ -42,6 +52,8 @@ type BudgetConfig struct {
 type Budget struct {
 	cfg BudgetConfig
 
+	sendBufs chan struct{} // a token per send buffer held
+
 	mu     sync.Mutex
 	conns  int
 	window int64
@@ -51,6 +63,10 @@ type Budget struct {
 type budgetUse struct {
 	conns  int
 	window int64
+	// sendBufs is the source's send-buffer tokens, shared by its
+	// connections (refs of them hold it).
+	sendBufs chan struct{}
+	refs     int
 }
 
 // NewBudget returns a Budget for cfg.
@@ -69,7 +85,10 @@ func NewBudget(cfg BudgetConfig) (*Budget, error) {
 	if cfg.MaxConnsPerSource > cfg.MaxConns {
 		cfg.MaxConnsPerSource = cfg.MaxConns
 	}
-	return &Budget{cfg: cfg, per: map[string]*budgetUse{}}, nil
+	orDefault(&cfg.SendBufs, DefaultSendBufs)
+	orDefault(&cfg.SendBufsPerSource, DefaultSendBufsPerSource)
+	cfg.SendBufsPerSource = min(cfg.SendBufsPerSource, cfg.SendBufs)
+	return &Budget{cfg: cfg, per: map[string]*budgetUse{}, sendBufs: make(chan struct{}, cfg.SendBufs)}, nil
 }
 
 // defaultBudget is the Budget of a Server or Dialer configured without one.
@@ -93,9 +112,73 @@ func (b *Budget) useLocked(src string) *budgetUse {
 
 // forgetLocked drops src's entry once it holds nothing (b.mu held).
 func (b *Budget) forgetLocked(src string, u *budgetUse) {
-	if u.conns == 0 && u.window == 0 {
+	if u.conns == 0 && u.window == 0 && u.refs == 0 {
 		delete(b.per, src)
 	}
+}
+
+// sendSlots are the send-buffer tokens of one connection: the node's and
+// its source's.
+type sendSlots struct {
+	node, src chan struct{}
+}
+
+// slots returns src's send-buffer tokens for a connection, until
+// dropSlots.
+func (b *Budget) slots(src string) sendSlots {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	u := b.useLocked(src)
+	if u.sendBufs == nil {
+		u.sendBufs = make(chan struct{}, b.cfg.SendBufsPerSource)
+	}
+	u.refs++
+	return sendSlots{node: b.sendBufs, src: u.sendBufs}
+}
+
+// dropSlots ends a connection's use of src's tokens.
+func (b *Budget) dropSlots(src string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	u := b.useLocked(src)
+	u.refs--
+	b.forgetLocked(src, u)
+}
+
+// tryTake takes a token of both, without waiting.
+func (s sendSlots) tryTake() bool {
+	select {
+	case s.src <- struct{}{}:
+	default:
+		return false
+	}
+	select {
+	case s.node <- struct{}{}:
+		return true
+	default:
+		<-s.src
+		return false
+	}
+}
+
+// give returns the tokens tryTake took.
+func (s sendSlots) give() {
+	<-s.node
+	<-s.src
+}
+
+// waitFree blocks until both have a free token (not taking them), or stop
+// is closed (false).
+func (s sendSlots) waitFree(stop <-chan struct{}) bool {
+	for _, ch := range []chan struct{}{s.src, s.node} {
+		select {
+		case ch <- struct{}{}:
+			<-ch
+		case <-stop:
+			return false
+		}
+	}
+	return true
 }
 
 // admitConn takes a connection slot of src; false when a cap is reached.
@@ -159,11 +242,13 @@ type BudgetStats struct {
 	Window int64
 	// Sources is the number of sources holding a slot or window.
 	Sources int
+	// SendBufs is the number of send buffers held.
+	SendBufs int
 }
 
 // Stats returns a snapshot of the Budget's use.
 func (b *Budget) Stats() BudgetStats {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return BudgetStats{Conns: b.conns, Window: b.window, Sources: len(b.per)}
+	return BudgetStats{Conns: b.conns, Window: b.window, Sources: len(b.per), SendBufs: len(b.sendBufs)}
 }

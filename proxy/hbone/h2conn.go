@@ -99,6 +99,7 @@ type h2Conn struct {
 	leave  func()
 	src    string
 	window int64
+	slots  sendSlots // the send-buffer tokens of the node and of src
 
 	// unstarted are streams opened since the read loop last read its
 	// socket: they are delivered (serve started) only once every frame
@@ -154,6 +155,7 @@ func newH2Conn(s *Server, conn h2Transport, peer spiffeid.ID) *h2Conn {
 	}
 	c.src = sourceKey(conn.RemoteAddr())
 	c.window = s.cfg.Budget.reserveWindow(c.src, int64(s.cfg.ConnWindow-initialWindow))
+	c.slots = s.cfg.Budget.slots(c.src)
 	c.initOut(conn, initialWindow+int(c.window), s.cfg.WriteTimeout, c.flood)
 	conn.setBeforeRead(c.beforeRead)
 	c.fr = http2.NewFramer(nil, &c.block)
@@ -711,6 +713,7 @@ func (c *h2Conn) close(err error) {
 		st.closeIn()
 	}
 	c.s.cfg.Budget.releaseWindow(c.src, c.window)
+	c.s.cfg.Budget.dropSlots(c.src)
 	if c.leave != nil {
 		c.leave()
 	}

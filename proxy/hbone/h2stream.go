@@ -340,15 +340,17 @@ func putPend(b *[]byte) {
 const maxSendBufs = 4
 
 // wait blocks, holding no buffer, until the client's windows are open and
-// a send buffer of the connection is free (sendGate).
+// a send buffer of the connection, of its source and of the node is free
+// (sendGate).
 func (st *h2Stream) wait() error {
 	c := st.c
 	c.mu.Lock()
-	defer c.mu.Unlock()
 	for !st.stopped && (st.sendWin <= 0 || c.sendConn <= 0 || c.sendBufs >= maxSendBufs) {
 		c.cond.Wait()
 	}
-	if st.stopped {
+	stopped := st.stopped
+	c.mu.Unlock()
+	if stopped || !c.slots.waitFree(st.ctx.Done()) {
 		return errStreamStopped
 	}
 	return nil
@@ -360,7 +362,7 @@ func (st *h2Stream) take(limit int) int {
 	c := st.c
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if st.stopped || st.sendWin <= 0 || c.sendConn <= 0 || c.sendBufs >= maxSendBufs {
+	if st.stopped || st.sendWin <= 0 || c.sendConn <= 0 || c.sendBufs >= maxSendBufs || !c.slots.tryTake() {
 		return 0
 	}
 	m := int(min(int64(limit), st.sendWin, c.sendConn))
@@ -380,6 +382,7 @@ func (st *h2Stream) back(n int) {
 	c.sendBufs--
 	c.cond.Broadcast()
 	c.mu.Unlock()
+	c.slots.give()
 }
 
 // sendTaken sends b[frameHeaderLen:], whose windows take reserved, as DATA
