@@ -333,7 +333,7 @@ func (c *abortableConn) OnAbort(f func()) {
 }
 
 func (c *abortableConn) abort() {
-	_ = c.TCPConn.Close()
+	_ = c.Close()
 	c.mu.Lock()
 	f := c.f
 	c.mu.Unlock()

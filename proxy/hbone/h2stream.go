@@ -3,7 +3,6 @@ package hbone
 import (
 	"context"
 	"errors"
-	"log/slog"
 	"net"
 	"net/http"
 	"net/netip"
@@ -65,7 +64,9 @@ func (st *h2Stream) serve() {
 		if errors.As(err, &se) {
 			code = se.Code
 		}
-		s.deliverLog.log(s.log, slog.LevelError, "failed to deliver hbone stream", "source_id", c.peer.String(), "target", target.String(), "error", err)
+		if held, ok := s.deliverLog.allow(); ok {
+			s.log.Error("failed to deliver hbone stream", "source_id", c.peer.String(), "target", target.String(), "error", err, "suppressed", held)
+		}
 		if !st.isStopped() {
 			st.mu.Lock()
 			ended := st.remoteEnd

@@ -202,7 +202,8 @@ func TestDeliverFailureLogRateLimited(t *testing.T) {
 	start := time.Now()
 	rc := dialRaw(t, e, "127.0.0.1")
 	go func() { _, _ = io.Copy(io.Discard, rc.c) }() // the answers
-	const n, batch = 200, 50                         // batches within MaxConcurrentStreams
+	// Two batches (one ending, one starting) stay within MaxConcurrentStreams.
+	const n, batch = 200, 20
 	for i := range n {
 		if err := rc.connect(uint32(2*i+1), e.target); err != nil {
 			t.Fatal(err)

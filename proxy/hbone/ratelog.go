@@ -1,8 +1,6 @@
 package hbone
 
 import (
-	"context"
-	"log/slog"
 	"sync/atomic"
 	"time"
 )
@@ -18,19 +16,14 @@ type logLimiter struct {
 	suppressed atomic.Uint64
 }
 
-// log writes msg at level unless a line went out less than logInterval ago.
-func (l *logLimiter) log(lg *slog.Logger, level slog.Level, msg string, args ...any) {
-	if !lg.Enabled(context.Background(), level) {
-		return
-	}
+// allow reports whether a line may go out now, and how many were held
+// back since the last one that did.
+func (l *logLimiter) allow() (suppressed uint64, ok bool) {
 	now := time.Now().UnixNano()
 	next := l.next.Load()
 	if now < next || !l.next.CompareAndSwap(next, now+int64(logInterval)) {
 		l.suppressed.Add(1)
-		return
+		return 0, false
 	}
-	if n := l.suppressed.Swap(0); n > 0 {
-		args = append(args, "suppressed", n)
-	}
-	lg.Log(context.Background(), level, msg, args...)
+	return l.suppressed.Swap(0), true
 }

@@ -184,9 +184,11 @@ func (s *Server) Serve(l net.Listener) error {
 			// Over the node's or the source's connection cap: closed
 			// before the handshake costs anything.
 			s.stat.connsRejected.Add(1)
-			s.connLog.log(s.log, slog.LevelWarn, "hbone connection over the connection cap closed",
-				"remote", c.RemoteAddr().String(), "max_conns", s.cfg.Budget.cfg.MaxConns,
-				"max_conns_per_source", s.cfg.Budget.cfg.MaxConnsPerSource)
+			if held, ok := s.connLog.allow(); ok {
+				s.log.Warn("hbone connection over the connection cap closed",
+					"remote", c.RemoteAddr().String(), "max_conns", s.cfg.Budget.cfg.MaxConns,
+					"max_conns_per_source", s.cfg.Budget.cfg.MaxConnsPerSource, "suppressed", held)
+			}
 			_ = c.Close()
 			continue
 		}
