@@ -44,6 +44,10 @@ func main() {
 	flag.IntVar(&cfg.Dataplane.MaxUDPFlows, "max-udp-flows", dataplane.DefaultMaxUDPFlows, "open UDP flows of all pods together; a new one evicts the same pod's least recently used, or is dropped")
 	flag.StringVar(&cfg.WorkloadAPISocket, "workload-api-socket", "", "SPIFFE Workload API socket of the node's workload identities (aether-agent's --workload-api-socket, e.g. "+meshcontract.ProxySocketDir+"/"+meshcontract.WorkloadAPISocketName+"); empty turns identity off")
 	flag.StringVar(&cfg.WorkloadAPITokenFile, "workload-api-token", "", "file of the token sent on every Workload API call (aether-agent writes a new one at each start; read again at every reconnect); empty means "+meshcontract.WorkloadAPITokenFile+" next to -workload-api-socket")
+	flag.IntVar(&cfg.Dataplane.HBONEMaxConns, "hbone-max-connections", dataplane.DefaultHBONEMaxConns, "inbound HBONE connections (every pod's :15008, handshakes included) of the node; more are closed at accept")
+	flag.IntVar(&cfg.Dataplane.HBONEMaxConnsPerSource, "hbone-max-connections-per-source", dataplane.DefaultHBONEMaxConnsPerSource, "inbound HBONE connections of one source address; more are closed at accept")
+	windowMiB := flag.Int64("hbone-window-budget-mib", dataplane.DefaultHBONEWindowBudget>>20, "MiB of HTTP/2 receive window HBONE connections may grant beyond 64 KiB each (bounds data queued for readers that do not read), inbound and outbound each")
+	windowSrcMiB := flag.Int64("hbone-window-budget-per-source-mib", dataplane.DefaultHBONEWindowBudgetPerSource>>20, "the same per source address (inbound) and per source pod (outbound)")
 	hbonePort := flag.Uint("hbone-port", dataplane.DefaultHBONEPort, "port of every pod's HBONE listener (with -workload-api-socket)")
 	flag.StringVar(&cfg.SPIREAdminSocket, "spire-admin-socket", "", "SPIRE agent admin socket (its admin_socket_path) serving the Delegated Identity API; the proxy must be one of the agent's authorized_delegates; mutually exclusive with -workload-api-socket")
 	level := flag.String("log-level", "info", "debug, info, warn or error")
@@ -55,6 +59,17 @@ func main() {
 		os.Exit(2)
 	}
 	cfg.Dataplane.HBONEPort = uint16(*hbonePort)
+	for _, w := range []struct {
+		name string
+		mib  int64
+		dst  *int64
+	}{{"hbone-window-budget-mib", *windowMiB, &cfg.Dataplane.HBONEWindowBudget}, {"hbone-window-budget-per-source-mib", *windowSrcMiB, &cfg.Dataplane.HBONEWindowBudgetPerSource}} {
+		if w.mib < 1 || w.mib > 1<<20 {
+			fmt.Fprintf(os.Stderr, "aether-proxy: invalid -%s %d: must be 1-1048576\n", w.name, w.mib)
+			os.Exit(2)
+		}
+		*w.dst = w.mib << 20
+	}
 
 	var lvl slog.Level
 	if err := lvl.UnmarshalText([]byte(*level)); err != nil {

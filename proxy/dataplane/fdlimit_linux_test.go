@@ -4,6 +4,8 @@ import (
 	"log/slog"
 	"strings"
 	"testing"
+
+	"aether.io/node/proxy/hbone/hbonetest"
 )
 
 func TestFitFDLimit(t *testing.T) {
@@ -28,6 +30,17 @@ func TestFitFDLimit(t *testing.T) {
 	small.MaxUDPFlows, small.FDLimit = 6, 20000
 	if got, err := fitFDLimit(small, log); err != nil || got.MaxUDPFlows != 6 || got.MaxConns != (20000-1024-6)/6 {
 		t.Fatalf("small UDP cap: flows %d, conns %d, %v; want 6, %d", got.MaxUDPFlows, got.MaxConns, err, (20000-1024-6)/6)
+	}
+	// With HBONE on, the inbound HBONE connections count too (1024 by
+	// default, one descriptor each, within a quarter of the budget).
+	hb := base
+	hb.Certs, hb.FDLimit = hbonetest.NewCerts(nil), 20000
+	if got, err := fitFDLimit(hb, log); err != nil || got.HBONEMaxConns != 1024 || got.MaxConns != (18976-4744-1024)/6 {
+		t.Fatalf("with HBONE: hbone conns %d, conns %d, %v; want 1024, %d", got.HBONEMaxConns, got.MaxConns, err, (18976-4744-1024)/6)
+	}
+	hb.FDLimit = 4096 // budget 3072: flows 768, HBONE 768, connections the rest
+	if got, err := fitFDLimit(hb, log); err != nil || got.HBONEMaxConns != 768 || got.HBONEMaxConnsPerSource != 64 || got.MaxConns != (3072-768-768)/6 {
+		t.Fatalf("with HBONE at 4096: hbone conns %d/%d per source, conns %d, %v; want 768/64, %d", got.HBONEMaxConns, got.HBONEMaxConnsPerSource, got.MaxConns, err, (3072-768-768)/6)
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

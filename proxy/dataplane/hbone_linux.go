@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -46,8 +47,15 @@ type podCtxKey struct{}
 // newTunnel returns the manager's HBONE dialer; its connections are opened
 // from the source pod's netns with the bypass mark.
 func (m *Manager) newTunnel() (*hbone.Dialer, error) {
+	budget, err := hbone.NewBudget(hbone.BudgetConfig{
+		Window: m.cfg.HBONEWindowBudget, WindowPerSource: m.cfg.HBONEWindowBudgetPerSource,
+	})
+	if err != nil {
+		return nil, err
+	}
 	return hbone.NewDialer(hbone.DialerConfig{
 		Certs:            m.cfg.Certs,
+		Budget:           budget,
 		HandshakeTimeout: m.cfg.ConnectTimeout,
 		Logger:           m.log.With("component", "hbone_dialer"),
 		DialContext: func(ctx context.Context, _, address string) (net.Conn, error) {
@@ -106,7 +114,7 @@ func (p *pod) bindHBONE(seq uint64) error {
 		return err
 	}
 	hb.srv, err = hbone.NewServer(hbone.ServerConfig{
-		Identity: id, Certs: p.m.cfg.Certs, Deliver: p.deliverHBONE,
+		Identity: id, Certs: p.m.cfg.Certs, Deliver: p.deliverHBONE, Budget: p.m.hbBudget,
 		HandshakeTimeout: p.m.cfg.ConnectTimeout, Logger: p.log.With("component", "hbone_server"),
 	})
 	return err
@@ -187,6 +195,9 @@ func addServerStats(a, b hbone.ServerStats) hbone.ServerStats {
 	a.StreamsActive += b.StreamsActive
 	a.StreamsBadRequest += b.StreamsBadRequest
 	a.StreamsDeliverFailed += b.StreamsDeliverFailed
+	a.ControlFloods += b.ControlFloods
+	a.ConnsRejected += b.ConnsRejected
+	a.WriteTimeouts += b.WriteTimeouts
 	return a
 }
 
@@ -295,7 +306,10 @@ func (p *pod) deliverHBONE(ctx context.Context, src spiffeid.ID, target netip.Ad
 	return c, nil
 }
 
-var _ hbone.SocketConn = (*inboundConn)(nil)
+var (
+	_ hbone.SocketConn = (*inboundConn)(nil)
+	_ hbone.Abortable  = (*inboundConn)(nil)
+)
 
 // inboundConn is the app side of one HBONE stream: it counts the bytes and
 // the connection, and gives the pod's slot back when the server closes it.
@@ -306,7 +320,13 @@ type inboundConn struct {
 	untrack func(closer)
 	once    sync.Once
 	act     activity
+	onAbort atomic.Pointer[func()] // the server's stream reset (hbone.Abortable)
 }
+
+// OnAbort sets what abort calls after closing the app connection: the
+// server resets the stream and wakes its goroutine wherever it waits
+// (hbone.Abortable).
+func (c *inboundConn) OnAbort(f func()) { c.onAbort.Store(&f) }
 
 // Write carries bytes from the source to the app.
 func (c *inboundConn) Write(b []byte) (int, error) {
@@ -381,6 +401,9 @@ func (c *inboundConn) abort() {
 		_ = tc.SetLinger(0)
 	}
 	_ = c.Conn.Close()
+	if f := c.onAbort.Load(); f != nil {
+		(*f)()
+	}
 }
 
 // Values of aether_outbound_connections_total{path}.

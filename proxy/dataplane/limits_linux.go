@@ -25,10 +25,13 @@ func (c Config) validate() error {
 	for _, v := range []struct {
 		name string
 		n    int
-	}{{"MaxConnsPerPod", c.MaxConnsPerPod}, {"MaxConns", c.MaxConns}, {"MaxUDPFlowsPerPod", c.MaxUDPFlowsPerPod}, {"MaxUDPFlows", c.MaxUDPFlows}} {
+	}{{"MaxConnsPerPod", c.MaxConnsPerPod}, {"MaxConns", c.MaxConns}, {"MaxUDPFlowsPerPod", c.MaxUDPFlowsPerPod}, {"MaxUDPFlows", c.MaxUDPFlows}, {"HBONEMaxConns", c.HBONEMaxConns}, {"HBONEMaxConnsPerSource", c.HBONEMaxConnsPerSource}} {
 		if v.n < 1 {
 			return fmt.Errorf("invalid %s %d: must be at least 1", v.name, v.n)
 		}
+	}
+	if c.HBONEWindowBudget < 0 || c.HBONEWindowBudgetPerSource < 0 {
+		return fmt.Errorf("invalid HBONEWindowBudget %d / HBONEWindowBudgetPerSource %d: must not be negative", c.HBONEWindowBudget, c.HBONEWindowBudgetPerSource)
 	}
 	for _, v := range []struct {
 		name string
@@ -43,13 +46,23 @@ func (c Config) validate() error {
 
 // File descriptors the caps cost: a proxied TCP connection holds its two
 // sockets and, while spliced, one pipe (two descriptors) per direction; a
-// UDP flow holds its upstream socket. fdReserve is kept for everything
+// UDP flow holds its upstream socket; an inbound HBONE connection (with
+// HBONE on) its socket, from accept on. fdReserve is kept for everything
 // else (listeners, netns handles, the xDS and admin connections).
 const (
-	fdsPerConn = 6
-	fdsPerFlow = 1
-	fdReserve  = 1024
+	fdsPerConn      = 6
+	fdsPerFlow      = 1
+	fdsPerHBONEConn = 1
+	fdReserve       = 1024
 )
+
+// hboneFDs is the descriptors the inbound HBONE cap needs (0 with HBONE off).
+func (c Config) hboneFDs() uint64 {
+	if c.Certs == nil {
+		return 0
+	}
+	return uint64(c.HBONEMaxConns) * fdsPerHBONEConn
+}
 
 // fitFDLimit lowers the node caps when the descriptors they need exceed
 // the process's limit (cfg.FDLimit, or RLIMIT_NOFILE): MaxUDPFlows to a
@@ -65,7 +78,7 @@ func fitFDLimit(cfg Config, log *slog.Logger) (Config, error) {
 		}
 		limit = rl.Cur
 	}
-	need := uint64(cfg.MaxConns)*fdsPerConn + uint64(cfg.MaxUDPFlows)*fdsPerFlow + fdReserve
+	need := uint64(cfg.MaxConns)*fdsPerConn + uint64(cfg.MaxUDPFlows)*fdsPerFlow + cfg.hboneFDs() + fdReserve
 	if need <= limit {
 		return cfg, nil
 	}
@@ -74,12 +87,17 @@ func fitFDLimit(cfg Config, log *slog.Logger) (Config, error) {
 	}
 	// UDP flows keep their cap while it fits in a quarter of the budget;
 	// TCP connections, the larger cost, get the rest.
+	// Inbound HBONE connections likewise keep theirs within a quarter.
 	budget := limit - fdReserve
-	wantConns, wantFlows := cfg.MaxConns, cfg.MaxUDPFlows
+	wantConns, wantFlows, wantHBONE := cfg.MaxConns, cfg.MaxUDPFlows, cfg.HBONEMaxConns
 	if flows := uint64(cfg.MaxUDPFlows) * fdsPerFlow; flows > budget/4 {
 		cfg.MaxUDPFlows = int(budget / 4 / fdsPerFlow)
 	}
-	cfg.MaxConns = min(cfg.MaxConns, int((budget-uint64(cfg.MaxUDPFlows)*fdsPerFlow)/fdsPerConn))
+	if hb := cfg.hboneFDs(); hb > budget/4 {
+		cfg.HBONEMaxConns = int(budget / 4 / fdsPerHBONEConn)
+		cfg.HBONEMaxConnsPerSource = min(cfg.HBONEMaxConnsPerSource, cfg.HBONEMaxConns)
+	}
+	cfg.MaxConns = min(cfg.MaxConns, int((budget-uint64(cfg.MaxUDPFlows)*fdsPerFlow-cfg.hboneFDs())/fdsPerConn))
 	cfg.MaxConnsPerPod = min(cfg.MaxConnsPerPod, cfg.MaxConns)
 	cfg.MaxUDPFlowsPerPod = min(cfg.MaxUDPFlowsPerPod, cfg.MaxUDPFlows)
 	log.Warn("open file limit too small for the connection caps; caps lowered",
@@ -87,6 +105,7 @@ func fitFDLimit(cfg Config, log *slog.Logger) (Config, error) {
 		"max_conns", cfg.MaxConns, "max_conns_wanted", wantConns,
 		"max_udp_flows", cfg.MaxUDPFlows, "max_udp_flows_wanted", wantFlows,
 		"max_conns_per_pod", cfg.MaxConnsPerPod, "max_udp_flows_per_pod", cfg.MaxUDPFlowsPerPod,
+		"hbone_max_conns", cfg.HBONEMaxConns, "hbone_max_conns_wanted", wantHBONE,
 		"fix", "raise LimitNOFILE or the container's nofile ulimit")
 	return cfg, nil
 }

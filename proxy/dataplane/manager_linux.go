@@ -46,6 +46,18 @@ const (
 	DefaultTCPIdleTimeout = time.Hour
 	// DefaultHBONEPort is the port every HBONE pod listens on (Istio's).
 	DefaultHBONEPort = hbone.DefaultPort
+	// DefaultHBONEMaxConns and DefaultHBONEMaxConnsPerSource cap the
+	// node's inbound HBONE connections (every pod's :15008, handshakes
+	// included) in total and per source address.
+	DefaultHBONEMaxConns          = hbone.DefaultMaxConns
+	DefaultHBONEMaxConnsPerSource = hbone.DefaultMaxConnsPerSource
+	// DefaultHBONEWindowBudget and DefaultHBONEWindowBudgetPerSource
+	// bound the HTTP/2 receive window (so the data queued for apps or pods
+	// that do not read) beyond 64 KiB per connection, in bytes, for the
+	// inbound side (per source address) and, separately, the outbound
+	// side (per source pod).
+	DefaultHBONEWindowBudget          = hbone.DefaultWindowBudget
+	DefaultHBONEWindowBudgetPerSource = hbone.DefaultWindowBudgetPerSource
 )
 
 // Config tunes the data plane. Zero fields take the defaults.
@@ -103,6 +115,16 @@ type Config struct {
 	// socket directly in the pod's own dir there (dialPodSocket).
 	// Default meshcontract.DefaultUDSCSIRoot.
 	UDSRoot string
+	// HBONEMaxConns and HBONEMaxConnsPerSource cap the inbound HBONE
+	// connections of the node, handshakes included, in total and per
+	// source address; one over a cap is closed at accept and counted.
+	// They count in the file-descriptor budget (fitFDLimit).
+	HBONEMaxConns, HBONEMaxConnsPerSource int
+	// HBONEWindowBudget and HBONEWindowBudgetPerSource bound, in bytes,
+	// the receive window HBONE connections grant beyond 64 KiB each:
+	// inbound in total and per source address, outbound (the dialer) in
+	// total and per source pod.
+	HBONEWindowBudget, HBONEWindowBudgetPerSource int64
 }
 
 func (c Config) withDefaults() Config {
@@ -147,6 +169,18 @@ func (c Config) withDefaults() Config {
 	}
 	if c.HBONEPort == 0 {
 		c.HBONEPort = DefaultHBONEPort
+	}
+	if c.HBONEMaxConns == 0 {
+		c.HBONEMaxConns = DefaultHBONEMaxConns
+	}
+	if c.HBONEMaxConnsPerSource == 0 {
+		c.HBONEMaxConnsPerSource = DefaultHBONEMaxConnsPerSource
+	}
+	if c.HBONEWindowBudget == 0 {
+		c.HBONEWindowBudget = DefaultHBONEWindowBudget
+	}
+	if c.HBONEWindowBudgetPerSource == 0 {
+		c.HBONEWindowBudgetPerSource = DefaultHBONEWindowBudgetPerSource
 	}
 	return c
 }
@@ -210,6 +244,9 @@ type Manager struct {
 	// numbers pod instances for its pool.
 	tunnel *hbone.Dialer
 	podSeq atomic.Uint64
+	// hbBudget caps the connections and receive windows of every pod's
+	// HBONE server together.
+	hbBudget *hbone.Budget
 	// servers are the pods' HBONE servers being served; retired sums the
 	// counters of those that shut down (aether_proxy_hbone_*).
 	hbMu    sync.Mutex
@@ -251,7 +288,14 @@ func New(cfg Config, lookup PeerLookup, m *telemetry.Metrics, log *slog.Logger) 
 		failed: map[string]string{}, kick: make(chan struct{}, 1), servers: map[*hbone.Server]struct{}{},
 	}
 	if cfg.Certs != nil {
-		if mg.tunnel, err = mg.newTunnel(); err == nil {
+		mg.hbBudget, err = hbone.NewBudget(hbone.BudgetConfig{
+			MaxConns: cfg.HBONEMaxConns, MaxConnsPerSource: cfg.HBONEMaxConnsPerSource,
+			Window: cfg.HBONEWindowBudget, WindowPerSource: cfg.HBONEWindowBudgetPerSource,
+		})
+		if err == nil {
+			mg.tunnel, err = mg.newTunnel()
+		}
+		if err == nil {
 			err = m.RegisterHBONE(mg.HBONEStats)
 		}
 		if err != nil {

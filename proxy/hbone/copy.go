@@ -26,6 +26,17 @@ type SocketConn interface {
 	SocketWritten(n int)
 }
 
+// Abortable is implemented by a DeliverFunc's connection that its owner
+// may abort (the data plane's idle timeout, the pod closing). The Server
+// gives it, once the stream is delivered, the function that resets the
+// stream (RST_STREAM INTERNAL_ERROR) and wakes every goroutine of the
+// stream, including one waiting for the client's flow-control window,
+// which closing the socket alone would not wake.
+type Abortable interface {
+	// OnAbort sets the function the connection's abort calls.
+	OnAbort(f func())
+}
+
 // Copy buffers: an idle tunnel holds only a small buffer per direction; a
 // busy one borrows a large pooled buffer once a read fills the small one,
 // and gives it back when the flow slows to a trickle (a read shorter than
@@ -67,21 +78,40 @@ func Copy(dst io.Writer, src io.Reader) error {
 		}
 	}
 	if st != nil {
-		return readChunks(src, frameHeaderLen, func(b []byte) error { return st.writeFramed(b, wrote) })
+		return readChunks(src, frameHeaderLen, st, func(b []byte) error { return st.writeTaken(b, wrote) })
 	}
-	return readChunks(src, 0, func(b []byte) error {
+	return readChunks(src, 0, nil, func(b []byte) error {
 		_, err := dst.Write(b)
 		return err
 	})
 }
 
+// sendGate is what a copy into an HTTP/2 stream reads through: the send
+// windows and the connection's send buffers. A socket is read only for
+// what take gave, so a stream whose peer grants no window holds no buffer.
+type sendGate interface {
+	// wait blocks, holding no buffer, until take may give something, or
+	// fails when the stream can send no more.
+	wait() error
+	// take reserves up to limit bytes of send window and one of the
+	// connection's send buffers; 0 when none is free now.
+	take(limit int) int
+	// back returns n reserved bytes that were not sent and the buffer.
+	back(n int)
+}
+
 // readChunks reads src until its EOF (nil) or an error and calls sink with
 // each chunk read, preceded by head bytes of room (b[:head] is free for the
 // caller's use, b[head:] was read). A socket src is read by copyFromSocket
-// (Linux): large reads, no buffer held while idle.
-func readChunks(src io.Reader, head int, sink func(b []byte) error) error {
-	if done, err := copyFromSocket(src, head, sink); done {
+// (Linux): large reads, no buffer held while idle. With a gate, every chunk
+// passed to sink is within what gate.take gave.
+func readChunks(src io.Reader, head int, gate sendGate, sink func(b []byte) error) error {
+	if done, err := copyFromSocket(src, head, gate, sink); done {
 		return err
+	}
+	if gate != nil {
+		inner := sink
+		sink = func(b []byte) error { return sendGated(gate, head, b, inner) }
 	}
 	var small [frameHeaderLen + smallBuf]byte
 	buf := small[frameHeaderLen-head:]
@@ -114,6 +144,27 @@ func readChunks(src io.Reader, head int, sink func(b []byte) error) error {
 			buf = small[frameHeaderLen-head:]
 		}
 	}
+}
+
+// sendGated passes b[head:] to sink in pieces gate gives, each preceded by
+// head bytes of room (over the tail of the piece sent before it).
+func sendGated(gate sendGate, head int, b []byte, sink func([]byte) error) error {
+	for off, end := 0, len(b)-head; off < end; {
+		if err := gate.wait(); err != nil {
+			return err
+		}
+		m := gate.take(end - off)
+		if m == 0 {
+			continue
+		}
+		err := sink(b[off : off+head+m])
+		gate.back(0)
+		if err != nil {
+			return err
+		}
+		off += m
+	}
+	return nil
 }
 
 // readConn reads what c has into (*buf)[frameHeaderLen:] of a pooled

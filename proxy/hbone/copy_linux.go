@@ -21,8 +21,10 @@ var sockBufs = sync.Pool{New: func() any { b := make([]byte, frameHeaderLen+sock
 // its Read), and reports whether it did. It reads with the socket's RawConn and
 // borrows the pooled buffer only for the read(2) that finds data: while
 // the socket is idle (EAGAIN, waiting in the poller) no buffer is held, so
-// the read size costs an idle tunnel nothing.
-func copyFromSocket(src io.Reader, head int, sink func([]byte) error) (bool, error) {
+// the read size costs an idle tunnel nothing. With a gate, it reads only
+// what the gate gives (the send window left) and waits for the gate
+// without a buffer.
+func copyFromSocket(src io.Reader, head int, gate sendGate, sink func([]byte) error) (bool, error) {
 	observe := func(int) {}
 	if c, ok := src.(SocketConn); ok {
 		src, observe = c.Socket(), c.SocketRead
@@ -36,17 +38,31 @@ func copyFromSocket(src io.Reader, head int, sink func([]byte) error) (bool, err
 	// its stack at 8 KiB instead of 4 (+4 KB per idle tunnel in
 	// BenchmarkHBONEIdleTunnels).
 	for {
+		if gate != nil {
+			if err := gate.wait(); err != nil {
+				return true, err
+			}
+		}
 		var (
-			buf  *[]byte
-			n    int
-			rerr error
+			buf    *[]byte
+			n, m   int
+			closed bool // the gate gave nothing: wait for it again
+			rerr   error
 		)
 		err := rc.Read(func(fd uintptr) bool {
+			lim := sockBuf
+			if gate != nil {
+				if m = gate.take(sockBuf); m == 0 {
+					closed = true
+					return true
+				}
+				lim = m
+			}
 			if buf == nil {
 				buf = sockBufs.Get().(*[]byte)
 			}
 			for {
-				n, rerr = syscall.Read(int(fd), (*buf)[frameHeaderLen:])
+				n, rerr = syscall.Read(int(fd), (*buf)[frameHeaderLen:frameHeaderLen+lim])
 				if !errors.Is(rerr, syscall.EINTR) {
 					break
 				}
@@ -54,10 +70,17 @@ func copyFromSocket(src io.Reader, head int, sink func([]byte) error) (bool, err
 			if errors.Is(rerr, syscall.EAGAIN) {
 				sockBufs.Put(buf)
 				buf = nil
-				return false // wait for readability without a buffer
+				if gate != nil {
+					gate.back(m)
+					m = 0
+				}
+				return false // wait for readability without a buffer or window
 			}
 			return true
 		})
+		if closed && err == nil {
+			continue
+		}
 		if err == nil && rerr != nil {
 			err = rerr
 		}
@@ -67,6 +90,9 @@ func copyFromSocket(src io.Reader, head int, sink func([]byte) error) (bool, err
 		}
 		if buf != nil {
 			sockBufs.Put(buf)
+		}
+		if gate != nil && m > 0 {
+			gate.back(m - max(n, 0))
 		}
 		switch {
 		case err != nil:

@@ -42,7 +42,7 @@ func TestCopyFromSocket(t *testing.T) {
 			}
 			var got bytes.Buffer
 			// With a frame header's room in front, as the server reads.
-			done, err := copyFromSocket(from, frameHeaderLen, func(b []byte) error {
+			done, err := copyFromSocket(from, frameHeaderLen, nil, func(b []byte) error {
 				got.Write(b[frameHeaderLen:])
 				return nil
 			})
@@ -59,7 +59,7 @@ func TestCopyFromSocket(t *testing.T) {
 	}
 	t.Run("other wrapper", func(t *testing.T) {
 		_, r := tcpPair(t)
-		if done, err := copyFromSocket(embedded{r}, 0, nil); done || err != nil {
+		if done, err := copyFromSocket(embedded{r}, 0, nil, nil); done || err != nil {
 			t.Fatalf("copyFromSocket = (%v, %v), want (false, nil)", done, err)
 		}
 	})
@@ -74,7 +74,7 @@ func TestCopyFromSocket(t *testing.T) {
 			return nil
 		}
 		go func() {
-			_, err := copyFromSocket(r, 0, sink)
+			_, err := copyFromSocket(r, 0, nil, sink)
 			errc <- err
 		}()
 		if err := <-errc; err == nil {

@@ -11,7 +11,9 @@ import (
 
 // copyFromSocket reads sockets through their Read off Linux: it reports
 // that it did not copy.
-func copyFromSocket(io.Reader, int, func([]byte) error) (bool, error) { return false, nil }
+func copyFromSocket(io.Reader, int, sendGate, func([]byte) error) (bool, error) {
+	return false, nil
+}
 
 // rawSocket finds no socket to write without waiting off Linux: the server
 // writes every DATA payload through the upstream's Write.

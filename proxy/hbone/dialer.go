@@ -40,6 +40,14 @@ type DialerConfig struct {
 	// PingInterval and PingTimeout detect dead peers; a connection whose
 	// ping is not answered is closed and evicted.
 	PingInterval, PingTimeout time.Duration
+	// WriteTimeout bounds every frame write: a server that does not read
+	// loses its connection after it (DialerStats.WriteTimeouts).
+	WriteTimeout time.Duration
+	// Budget bounds the receive window the Dialer's connections grant
+	// beyond the initial 64 KiB, in total and per Request.Origin (the
+	// source pod; its connection caps do not apply to the Dialer); nil: a
+	// Budget of its own with the defaults.
+	Budget *Budget
 }
 
 // Request names one HBONE stream.
@@ -98,6 +106,10 @@ func NewDialer(cfg DialerConfig) (*Dialer, error) {
 	orDefault(&cfg.HandshakeTimeout, DefaultHandshakeTimeout)
 	orDefault(&cfg.PingInterval, DefaultPingInterval)
 	orDefault(&cfg.PingTimeout, DefaultPingTimeout)
+	orDefault(&cfg.WriteTimeout, DefaultWriteTimeout)
+	if cfg.Budget == nil {
+		cfg.Budget = defaultBudget()
+	}
 	orDefault(&cfg.StreamWindow, DefaultStreamWindow)
 	orDefault(&cfg.ConnWindow, DefaultConnWindow)
 	orDefault(&cfg.MaxFrameSize, DefaultDialerMaxFrameSize)
@@ -287,7 +299,7 @@ func (d *Dialer) start(ctx context.Context, key poolKey) (*h2Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	cc := newH2Client(&d.cfg, d.log, &d.wg, &d.stat, hc, hc.peer)
+	cc := newH2Client(&d.cfg, d.log, &d.wg, &d.stat, hc, hc.peer, key.origin)
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()

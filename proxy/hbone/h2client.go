@@ -10,7 +10,6 @@ import (
 	"net/netip"
 	"strconv"
 	"sync"
-	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"golang.org/x/net/http2"
@@ -45,9 +44,15 @@ type h2Client struct {
 	log  *slog.Logger
 	peer spiffeid.ID // the server's verified SPIFFE ID
 	fr   *http2.Framer
-	wg   *sync.WaitGroup // the Dialer's: read and write loops
-	stat *dialerCounters // the Dialer's
-	done chan struct{}   // closed when the connection closes
+	// block is the Framer's reader (a header block's bound).
+	block blockReader
+	// origin and window: the receive window reserved from cfg.Budget
+	// beyond the initial 64 KiB, under the Request's Origin.
+	origin string
+	window int64
+	wg     *sync.WaitGroup // the Dialer's: read and write loops
+	stat   *dialerCounters // the Dialer's
+	done   chan struct{}   // closed when the connection closes
 	// ready is closed when the server's first SETTINGS was applied (or
 	// the connection failed before).
 	ready chan struct{}
@@ -67,11 +72,12 @@ type h2Client struct {
 	sendConn     int64 // connection send window
 	peerInitial  int64 // the server's SETTINGS_INITIAL_WINDOW_SIZE
 	peerMaxFrame int   // the server's SETTINGS_MAX_FRAME_SIZE
+	sendBufs     int   // streams holding a read buffer of their source (sendGate)
 }
 
-func newH2Client(cfg *DialerConfig, log *slog.Logger, wg *sync.WaitGroup, stat *dialerCounters, conn h2Transport, peer spiffeid.ID) *h2Client {
+func newH2Client(cfg *DialerConfig, log *slog.Logger, wg *sync.WaitGroup, stat *dialerCounters, conn h2Transport, peer spiffeid.ID, origin string) *h2Client {
 	c := &h2Client{
-		cfg: cfg, log: log, peer: peer, wg: wg, stat: stat,
+		cfg: cfg, log: log, peer: peer, wg: wg, stat: stat, origin: origin,
 		done:         make(chan struct{}),
 		ready:        make(chan struct{}),
 		streams:      map[uint32]*Stream{},
@@ -82,8 +88,14 @@ func newH2Client(cfg *DialerConfig, log *slog.Logger, wg *sync.WaitGroup, stat *
 		peerMaxFrame: DefaultMaxFrameSize,
 	}
 	c.cond.L = &c.mu
-	c.initOut(conn, cfg.ConnWindow, c.flood)
-	c.fr = http2.NewFramer(nil, conn)
+	window := cfg.ConnWindow
+	if cfg.Budget != nil {
+		c.window = cfg.Budget.reserveWindow(origin, int64(cfg.ConnWindow-initialWindow))
+		window = initialWindow + int(c.window)
+	}
+	c.initOut(conn, window, cfg.WriteTimeout, c.flood)
+	c.block.r = conn
+	c.fr = http2.NewFramer(nil, &c.block)
 	c.fr.SetReuseFrames()
 	c.fr.SetMaxReadFrameSize(uint32(cfg.MaxFrameSize))
 	c.fr.MaxHeaderListSize = maxHeaderList
@@ -102,8 +114,8 @@ func (c *h2Client) start(ctx context.Context) error {
 		http2.Setting{ID: http2.SettingMaxFrameSize, Val: uint32(c.cfg.MaxFrameSize)},
 		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: maxHeaderList},
 	)...)
-	if c.cfg.ConnWindow > initialWindow {
-		b = appendWindowUpdate(b, 0, uint32(c.cfg.ConnWindow-initialWindow))
+	if w := c.recvConn.size; w > initialWindow {
+		b = appendWindowUpdate(b, 0, uint32(w-initialWindow))
 	}
 	// The loops first: they end when the connection closes, also when
 	// this write fails.
@@ -278,7 +290,6 @@ func (c *h2Client) readFrames() error {
 			}
 			return err
 		}
-		c.keep.frames.Add(1)
 		if first && fh.Type != http2.FrameSettings {
 			return connErrorf(http2.ErrCodeProtocol, "first http/2 frame from the server is not SETTINGS")
 		}
@@ -288,7 +299,17 @@ func (c *h2Client) readFrames() error {
 			}
 			continue
 		}
+		block := fh.Type == http2.FrameHeaders && !fh.Flags.Has(http2.FlagHeadersEndHeaders)
+		if block {
+			c.block.start()
+		}
 		f, err := c.fr.ReadFrameForHeader(fh)
+		if block {
+			c.block.stop()
+		}
+		if errors.Is(err, errHeaderBlockTooLong) {
+			return connErrorf(http2.ErrCodeProtocol, "%s", err.Error())
+		}
 		if err != nil {
 			var se http2.StreamError
 			if errors.As(err, &se) {
@@ -515,8 +536,7 @@ func (c *h2Client) writeLoop() {
 // fail ends the connection on a connection error: GOAWAY with code, close.
 func (c *h2Client) fail(code http2.ErrCode, err error) {
 	c.queue(appendGoAway(nil, 0, code))
-	_ = c.conn.SetWriteDeadline(time.Now().Add(goAwayTimeout))
-	_ = c.writeFrames(nil)
+	_ = c.writeFramesWithin(goAwayTimeout, nil)
 	c.close(err)
 }
 
@@ -546,9 +566,15 @@ func (c *h2Client) close(err error) {
 	if !settled {
 		close(c.ready)
 	}
+	if isTimeout(err) {
+		c.stat.writeTimeouts.Add(1)
+	}
 	c.log.Debug("hbone connection closed", "remote", c.conn.RemoteAddr().String(), "error", err)
 	close(c.done)
 	_ = c.conn.Close()
+	if c.cfg.Budget != nil {
+		c.cfg.Budget.releaseWindow(c.origin, c.window)
+	}
 	for _, st := range streams {
 		st.fail(fmt.Errorf("%w: %w", errConnClosed, err))
 	}

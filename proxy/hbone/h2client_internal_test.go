@@ -65,7 +65,7 @@ func newClientPair(tb testing.TB, cfg *DialerConfig) (*h2Client, *fakeServer, *s
 	pc := &plainConn{TCPConn: cli}
 	pc.setBeforeRead(func() {})
 	wg := &sync.WaitGroup{}
-	c := newH2Client(cfg, slog.New(slog.DiscardHandler), wg, &dialerCounters{}, pc, fuzzServer)
+	c := newH2Client(cfg, slog.New(slog.DiscardHandler), wg, &dialerCounters{}, pc, fuzzServer, "")
 	fs := &fakeServer{t: tb, conn: srv, fr: http2.NewFramer(srv, srv)}
 	fs.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
 	fs.henc = hpack.NewEncoder(&fs.hbuf)

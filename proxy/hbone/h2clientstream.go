@@ -359,11 +359,9 @@ func (s *Stream) Write(p []byte) (int, error) {
 		}
 	}()
 	written := 0
+	const room = frameHeaderLen + sockBuf // cap of a sockBufs buffer
 	for written < len(p) {
-		if stage == nil {
-			stage = sockBufs.Get().(*[]byte)
-		}
-		room := cap(*stage)
+		// The window first: a Write waiting for the server holds no buffer.
 		m, maxFrame, err := s.waitSend(len(p)-written, func(maxFrame int) int {
 			if frames := room / (frameHeaderLen + maxFrame); frames > 0 {
 				return frames * maxFrame
@@ -372,6 +370,9 @@ func (s *Stream) Write(p []byte) (int, error) {
 		})
 		if err != nil {
 			return written, err
+		}
+		if stage == nil {
+			stage = sockBufs.Get().(*[]byte)
 		}
 		b := (*stage)[:0]
 		for q := p[written : written+m]; len(q) > 0; {
@@ -393,36 +394,91 @@ func (s *Stream) Write(p []byte) (int, error) {
 // records cost no extra record for their 9-byte header.
 const tlsRecord = 16 << 10
 
-// writeFramed sends b[frameHeaderLen:] as DATA frames (Copy's path):
-// b[:frameHeaderLen] is room for the first frame's header and each later
-// header is written over the payload just sent, so nothing is copied. A
-// frame and its header go out with one TLS write, sized to fill whole TLS
-// records where the payload allows; the frames of one window's worth share
-// one batch of the record batcher. wrote, when set, is told each amount
-// sent.
-func (s *Stream) writeFramed(b []byte, wrote func(int)) error {
+// writeTaken sends b[frameHeaderLen:], whose windows take reserved, as
+// DATA frames (Copy's path): b[:frameHeaderLen] is room for the first
+// frame's header and each later header is written over the payload just
+// sent, so nothing is copied. A frame and its header go out with one TLS
+// write, sized to fill whole TLS records where the payload allows; the
+// frames share one batch of the record batcher. wrote, when set, is told
+// each amount sent.
+func (s *Stream) writeTaken(b []byte, wrote func(int)) error {
 	c := s.c
-	off, end := 0, len(b)-frameHeaderLen
-	for off < end {
-		m, maxFrame, err := s.waitSend(end-off, nil)
-		if err != nil {
-			return err
+	c.mu.Lock()
+	maxFrame := c.peerMaxFrame
+	c.mu.Unlock()
+	c.wmu.Lock()
+	_, err := c.writeDataLocked(b, 0, len(b)-frameHeaderLen, s.id, func(left int) int {
+		k := min(left, maxFrame)
+		if whole := (k+frameHeaderLen)/tlsRecord*tlsRecord - frameHeaderLen; whole > 0 {
+			return whole
 		}
-		c.wmu.Lock()
-		off, err = c.writeDataLocked(b, off, m, s.id, func(left int) int {
-			k := min(left, maxFrame)
-			if whole := (k+frameHeaderLen)/tlsRecord*tlsRecord - frameHeaderLen; whole > 0 {
-				return whole
-			}
-			return k
-		}, wrote)
-		c.wmu.Unlock()
-		if err != nil {
-			c.close(err)
-			return fmt.Errorf("failed to write to hbone stream: %w", err)
-		}
+		return k
+	}, wrote)
+	c.wmu.Unlock()
+	if err != nil {
+		c.close(err)
+		return fmt.Errorf("failed to write to hbone stream: %w", err)
 	}
 	return nil
+}
+
+// sendErrLocked is why the stream cannot send (c.mu held); nil when it can.
+func (s *Stream) sendErrLocked() error {
+	c := s.c
+	switch {
+	case s.sendErr != nil:
+		return s.sendErr
+	case s.localEnd:
+		return errWriteAfterClose
+	case c.closed:
+		return fmt.Errorf("%w: %w", errConnClosed, c.err)
+	}
+	return nil
+}
+
+// wait blocks, holding no buffer, until the server's windows are open and
+// a send buffer of the connection is free (sendGate).
+func (s *Stream) wait() error {
+	c := s.c
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for {
+		if err := s.sendErrLocked(); err != nil {
+			return err
+		}
+		if s.sendWin > 0 && c.sendConn > 0 && c.sendBufs < maxSendBufs {
+			return nil
+		}
+		c.cond.Wait()
+	}
+}
+
+// take reserves up to limit bytes of the server's windows and a send
+// buffer (sendGate); 0 when there is none now.
+func (s *Stream) take(limit int) int {
+	c := s.c
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if s.sendErrLocked() != nil || s.sendWin <= 0 || c.sendConn <= 0 || c.sendBufs >= maxSendBufs {
+		return 0
+	}
+	m := int(min(int64(limit), s.sendWin, c.sendConn))
+	s.sendWin -= int64(m)
+	c.sendConn -= int64(m)
+	c.sendBufs++
+	return m
+}
+
+// back returns n bytes of window take reserved and not sent, and the send
+// buffer (sendGate).
+func (s *Stream) back(n int) {
+	c := s.c
+	c.mu.Lock()
+	s.sendWin += int64(n)
+	c.sendConn += int64(n)
+	c.sendBufs--
+	c.cond.Broadcast()
+	c.mu.Unlock()
 }
 
 // waitSend waits until both send windows are open and takes up to want
@@ -433,13 +489,8 @@ func (s *Stream) waitSend(want int, limit func(maxFrame int) int) (int, int, err
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for {
-		switch {
-		case s.sendErr != nil:
-			return 0, 0, s.sendErr
-		case s.localEnd:
-			return 0, 0, errWriteAfterClose
-		case c.closed:
-			return 0, 0, fmt.Errorf("%w: %w", errConnClosed, c.err)
+		if err := s.sendErrLocked(); err != nil {
+			return 0, 0, err
 		}
 		if s.sendWin > 0 && c.sendConn > 0 {
 			break

@@ -16,6 +16,48 @@ import (
 	"golang.org/x/net/http2/hpack"
 )
 
+// maxHeaderBlock bounds the bytes of one header block on the wire (HEADERS
+// and its CONTINUATION frames, with their frame headers): twice the header
+// list allowed, plus room for the frames' own headers. x/net's Framer
+// stops a block whose fragments carry too much, but not one of empty
+// CONTINUATION frames, which add nothing to the list and would hold the
+// read loop for as long as the peer sends them.
+const maxHeaderBlock = 2*maxHeaderList + 16<<10
+
+// errHeaderBlockTooLong ends a connection whose header block passed
+// maxHeaderBlock.
+var errHeaderBlockTooLong = errors.New("http/2 header block over 144 KiB (a CONTINUATION flood)")
+
+// blockReader is the Framer's reader: while a header block is read it
+// gives at most maxHeaderBlock bytes, then fails.
+type blockReader struct {
+	r    io.Reader
+	left int
+	on   bool
+}
+
+func (b *blockReader) start() { b.on, b.left = true, maxHeaderBlock }
+func (b *blockReader) stop()  { b.on = false }
+
+func (b *blockReader) Read(p []byte) (int, error) {
+	if !b.on {
+		return b.r.Read(p)
+	}
+	if b.left <= 0 {
+		return 0, errHeaderBlockTooLong
+	}
+	n, err := b.r.Read(p[:min(len(p), b.left)])
+	b.left -= n
+	return n, err
+}
+
+// isTimeout reports whether err is a deadline's (a write the peer did not
+// take in time).
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
 // goAwayTimeout bounds the write of a GOAWAY that ends a connection on a
 // protocol error (a peer that does not read does not hold the read loop).
 const goAwayTimeout = time.Second
@@ -33,6 +75,7 @@ type h2Conn struct {
 	s        *Server
 	peer     spiffeid.ID // the client's verified SPIFFE ID
 	fr       *http2.Framer
+	block    blockReader // the Framer's reader
 	peerAddr netip.AddrPort
 	ctx      context.Context // canceled when the connection closes
 	cancel   context.CancelFunc
@@ -50,6 +93,20 @@ type h2Conn struct {
 
 	keep h2Keepalive // the ping check
 
+	// The budget this connection holds (Server.cfg.Budget): leave gives
+	// its connection slot back (nil: none taken, tests), window is the
+	// receive window reserved beyond the initial 64 KiB under key src.
+	leave  func()
+	src    string
+	window int64
+	slots  sendSlots // the send-buffer tokens of the node and of src
+
+	// unstarted are streams opened since the read loop last read its
+	// socket: they are delivered (serve started) only once every frame
+	// that came with their HEADERS was read, so a stream reset in the
+	// same burst (a rapid reset) never dials its target (read loop only).
+	unstarted []*h2Stream
+
 	mu           sync.Mutex
 	cond         sync.Cond // send windows grew, a stream stopped, or the connection closed
 	streams      map[uint32]*h2Stream
@@ -61,6 +118,7 @@ type h2Conn struct {
 	sendConn     int64 // connection send window
 	peerInitial  int64 // the client's SETTINGS_INITIAL_WINDOW_SIZE
 	peerMaxFrame int   // the client's SETTINGS_MAX_FRAME_SIZE
+	sendBufs     int   // streams holding an upstream read buffer (sendGate)
 	idle         *time.Timer
 }
 
@@ -95,9 +153,13 @@ func newH2Conn(s *Server, conn h2Transport, peer spiffeid.ID) *h2Conn {
 		ap := a.AddrPort()
 		c.peerAddr = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
 	}
-	c.initOut(conn, s.cfg.ConnWindow, c.flood)
-	conn.setBeforeRead(c.flushBatch)
-	c.fr = http2.NewFramer(nil, conn)
+	c.src = sourceKey(conn.RemoteAddr())
+	c.window = s.cfg.Budget.reserveWindow(c.src, int64(s.cfg.ConnWindow-initialWindow))
+	c.slots = s.cfg.Budget.slots(c.src)
+	c.initOut(conn, initialWindow+int(c.window), s.cfg.WriteTimeout, c.flood)
+	conn.setBeforeRead(c.beforeRead)
+	c.fr = http2.NewFramer(nil, &c.block)
+	c.block.r = conn
 	c.fr.SetReuseFrames()
 	c.fr.SetMaxReadFrameSize(uint32(s.cfg.MaxFrameSize))
 	c.fr.MaxHeaderListSize = maxHeaderList
@@ -137,8 +199,8 @@ func (c *h2Conn) serve() {
 		http2.Setting{ID: http2.SettingMaxFrameSize, Val: uint32(cfg.MaxFrameSize)},
 		http2.Setting{ID: http2.SettingMaxHeaderListSize, Val: maxHeaderList},
 	)
-	if cfg.ConnWindow > initialWindow {
-		settings = appendWindowUpdate(settings, 0, uint32(min(cfg.ConnWindow, maxWindow)-initialWindow))
+	if c.window > 0 {
+		settings = appendWindowUpdate(settings, 0, uint32(c.window))
 	}
 	if err := c.writeFrames(settings); err != nil {
 		return
@@ -154,6 +216,10 @@ func (c *h2Conn) serve() {
 		if err != nil {
 			if errors.Is(err, http2.ErrFrameTooLarge) {
 				c.fail(http2.ErrCodeFrameSize, err)
+				return
+			}
+			if errors.Is(err, errHeaderBlockTooLong) {
+				c.fail(http2.ErrCodeProtocol, err)
 				return
 			}
 			var se http2.StreamError
@@ -204,12 +270,40 @@ func (c *h2Conn) readFrame(first bool) (http2.Frame, error) {
 		c.flushBatch()
 		return nil, err
 	}
-	c.keep.frames.Add(1)
 	if !first && c.takeData(fh) {
 		return nil, c.readBatch(fh)
 	}
 	c.flushBatch()
+	if fh.Type == http2.FrameHeaders && !fh.Flags.Has(http2.FlagHeadersEndHeaders) {
+		c.block.start()
+		defer c.block.stop()
+	}
 	return c.fr.ReadFrameForHeader(fh)
+}
+
+// beforeRead runs before every read of the connection's socket (the
+// transport's hook): the batch is written and the streams opened since
+// the last read are delivered, unless they were reset meanwhile.
+func (c *h2Conn) beforeRead() {
+	c.flushBatch()
+	c.startStreams()
+}
+
+// startStreams starts the delivery of the unstarted streams still open
+// and forgets those reset before it (read loop only).
+func (c *h2Conn) startStreams() {
+	for i, st := range c.unstarted {
+		c.unstarted[i] = nil
+		if st.isStopped() {
+			st.cancel()
+			c.removeStream(st)
+			continue
+		}
+		st.started = true
+		c.s.wg.Add(1)
+		go st.serve()
+	}
+	c.unstarted = c.unstarted[:0]
 }
 
 // batchMax bounds the DATA written to an upstream with one write(2).
@@ -304,9 +398,20 @@ func (c *h2Conn) onRSTStream(f *http2.RSTStreamFrame) error {
 		return connErrorf(http2.ErrCodeProtocol, "RST_STREAM on idle stream %d", f.StreamID)
 	}
 	if st != nil {
-		st.stop()
+		c.stopStream(st)
 	}
 	return nil
+}
+
+// stopStream stops st (read loop only); one not started yet leaves the
+// connection's streams at once, so a burst of rapid resets never counts
+// against MaxConcurrentStreams.
+func (c *h2Conn) stopStream(st *h2Stream) {
+	st.stop()
+	if !st.started {
+		st.cancel()
+		c.removeStream(st)
+	}
 }
 
 func (c *h2Conn) onGoAway(*http2.GoAwayFrame) { c.goAway(http2.ErrCodeNo) }
@@ -468,7 +573,7 @@ func (c *h2Conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	if c.peerAddr.IsValid() {
 		ctx = context.WithValue(ctx, peerAddrCtx{}, c.peerAddr)
 	}
-	st := &h2Stream{c: c, id: id, recvWin: int64(cfg.StreamWindow), remoteEnd: ended}
+	st := &h2Stream{c: c, id: id, target: target, recvWin: int64(cfg.StreamWindow), remoteEnd: ended}
 	st.ctx, st.cancel = context.WithCancel(ctx)
 	c.mu.Lock()
 	if c.closed {
@@ -482,8 +587,7 @@ func (c *h2Conn) onHeaders(f *http2.MetaHeadersFrame) error {
 		c.idle.Stop()
 	}
 	c.mu.Unlock()
-	c.s.wg.Add(1)
-	go st.serve(target)
+	c.unstarted = append(c.unstarted, st)
 	return nil
 }
 
@@ -543,7 +647,7 @@ func (c *h2Conn) streamError(id uint32, code http2.ErrCode) {
 	st := c.streams[id]
 	c.mu.Unlock()
 	if st != nil {
-		st.stop()
+		c.stopStream(st)
 	}
 }
 
@@ -576,8 +680,7 @@ func (c *h2Conn) fail(code http2.ErrCode, err error) {
 	c.goingAway = true
 	c.mu.Unlock()
 	c.queue(appendGoAway(nil, last, code))
-	_ = c.conn.SetWriteDeadline(time.Now().Add(goAwayTimeout))
-	_ = c.writeFrames(nil)
+	_ = c.writeFramesWithin(goAwayTimeout, nil)
 	c.close(err)
 }
 
@@ -630,6 +733,9 @@ func (c *h2Conn) close(err error) {
 	c.cond.Broadcast()
 	c.mu.Unlock()
 	if err != nil {
+		if isTimeout(err) {
+			c.s.stat.writeTimeouts.Add(1)
+		}
 		c.s.log.Debug("hbone connection closed", "remote", c.conn.RemoteAddr().String(), "error", err)
 	}
 	close(c.done)
@@ -637,6 +743,11 @@ func (c *h2Conn) close(err error) {
 	_ = c.conn.Close()
 	for _, st := range streams {
 		st.closeIn()
+	}
+	c.s.cfg.Budget.releaseWindow(c.src, c.window)
+	c.s.cfg.Budget.dropSlots(c.src)
+	if c.leave != nil {
+		c.leave()
 	}
 	c.s.removeConn(c)
 }

@@ -30,12 +30,40 @@ type h2Out struct {
 	// another goroutine.
 	onFlood  func()
 	recvConn recvWindow // bytes consumed are granted back
+	// writeTimeout bounds every write (wmu held): a peer that does not
+	// read fails the write, and the engine closes the connection.
+	writeTimeout time.Duration
 }
 
-// initOut sets the connection, its receive window and the flood hook.
-func (o *h2Out) initOut(conn h2Transport, connWindow int, onFlood func()) {
-	o.conn, o.wake, o.onFlood = conn, make(chan struct{}, 1), onFlood
+// initOut sets the connection, its receive window, the write timeout and
+// the flood hook.
+func (o *h2Out) initOut(conn h2Transport, connWindow int, writeTimeout time.Duration, onFlood func()) {
+	o.conn, o.wake, o.onFlood, o.writeTimeout = conn, make(chan struct{}, 1), onFlood, writeTimeout
 	o.recvConn.init(connWindow)
+}
+
+// armLocked sets the deadline of the write about to start (wmu held).
+func (o *h2Out) armLocked(d time.Duration) {
+	if d > 0 {
+		_ = o.conn.SetWriteDeadline(time.Now().Add(d))
+	}
+}
+
+// writeFramesWithin is writeFrames with its own deadline d (a GOAWAY
+// before the close).
+func (o *h2Out) writeFramesWithin(d time.Duration, b []byte) error {
+	o.wmu.Lock()
+	defer o.wmu.Unlock()
+	o.conn.beginBatch()
+	o.armLocked(d)
+	err := o.writeQueuedLocked()
+	if err == nil && len(b) > 0 {
+		_, err = o.conn.Write(b)
+	}
+	if ferr := o.conn.endBatch(); err == nil {
+		err = ferr
+	}
+	return err
 }
 
 // queue appends control frames for the next write and wakes the writer.
@@ -78,6 +106,7 @@ func (o *h2Out) writeFrames(b []byte) error {
 // writeFramesLocked is writeFrames with wmu held.
 func (o *h2Out) writeFramesLocked(b []byte) error {
 	o.conn.beginBatch()
+	o.armLocked(o.writeTimeout)
 	err := o.writeQueuedLocked()
 	if err == nil && len(b) > 0 {
 		_, err = o.conn.Write(b)
@@ -165,14 +194,20 @@ func grantStream(id uint32, credit, recvWin *int64, n, window int64, ended bool)
 	return appendWindowUpdate(nil, id, uint32(inc))
 }
 
+// maxSettings is the most entries a SETTINGS frame may carry (x/net's
+// server closes the connection past 100 as well).
+const maxSettings = 100
+
 // pingData is the payload of our keepalive PINGs.
 var pingData = [8]byte{'h', 'b', 'o', 'n', 'e'}
 
 // h2Keepalive is the ping check both engines run: every interval, a
-// connection that read no frame since the last check gets a PING, and
-// expire runs when timeout passes without its ack.
+// connection whose peer acknowledged nothing since the last check gets a
+// PING, and expire runs when timeout passes without its ack. Only the
+// acks of our PINGs count: they show the peer reads what we send, where
+// any other frame (a PRIORITY every 100 ms) shows only that it writes.
 type h2Keepalive struct {
-	frames atomic.Uint64 // frames read (the read loop counts them)
+	frames atomic.Uint64 // acks of our PINGs
 
 	mu                sync.Mutex
 	timer             *time.Timer
@@ -215,10 +250,14 @@ func (k *h2Keepalive) check() {
 	}
 }
 
-// acked takes the ack of our PING.
+// acked takes a PING ack; only the ack of a PING of ours in flight
+// counts (an unsolicited one shows nothing).
 func (k *h2Keepalive) acked() {
 	k.mu.Lock()
-	k.pinging = false
+	if k.pinging {
+		k.pinging = false
+		k.frames.Add(1)
+	}
 	k.mu.Unlock()
 }
 
@@ -241,6 +280,7 @@ func (k *h2Keepalive) stop() {
 // wrote, when set, is told each frame's. It returns the new off.
 func (o *h2Out) writeDataLocked(b []byte, off, m int, id uint32, size func(left int) int, wrote func(int)) (int, error) {
 	o.conn.beginBatch()
+	o.armLocked(o.writeTimeout)
 	err := o.writeQueuedLocked()
 	for err == nil && m > 0 {
 		k := size(m)
@@ -283,6 +323,11 @@ func handleFrame(h h2Handler, queue func([]byte), keep *h2Keepalive, f http2.Fra
 	case *http2.SettingsFrame:
 		if f.IsAck() {
 			return nil
+		}
+		if f.NumSettings() > maxSettings || f.HasDuplicates() {
+			// As x/net's server: every entry is applied under the
+			// engine's lock (INITIAL_WINDOW_SIZE walks every stream).
+			return connErrorf(http2.ErrCodeProtocol, "SETTINGS with %d entries or duplicates: at most %d distinct allowed", f.NumSettings(), maxSettings)
 		}
 		return h.onSettings(f)
 	case *http2.WindowUpdateFrame:

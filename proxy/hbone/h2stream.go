@@ -22,6 +22,9 @@ type h2Stream struct {
 	id     uint32
 	ctx    context.Context // canceled when the stream stops
 	cancel context.CancelFunc
+	target netip.AddrPort // the CONNECT authority
+	// started: serve runs (set by the read loop before it starts it).
+	started bool
 
 	// Under c.mu: the send side.
 	sendWin int64
@@ -48,8 +51,8 @@ const pendBuf = 16 << 10
 var pendBufs = sync.Pool{New: func() any { b := make([]byte, 0, pendBuf); return &b }}
 
 // serve delivers the stream, answers it, and copies the upstream into it.
-func (st *h2Stream) serve(target netip.AddrPort) {
-	c, s := st.c, st.c.s
+func (st *h2Stream) serve() {
+	c, s, target := st.c, st.c.s, st.target
 	defer s.wg.Done()
 	defer c.removeStream(st)
 	defer st.cancel()
@@ -61,7 +64,9 @@ func (st *h2Stream) serve(target netip.AddrPort) {
 		if errors.As(err, &se) {
 			code = se.Code
 		}
-		s.log.Error("failed to deliver hbone stream", "source_id", c.peer.String(), "target", target.String(), "error", err)
+		if held, ok := s.deliverLog.allow(); ok {
+			s.log.Error("failed to deliver hbone stream", "source_id", c.peer.String(), "target", target.String(), "error", err, "suppressed", held)
+		}
 		if !st.isStopped() {
 			st.mu.Lock()
 			ended := st.remoteEnd
@@ -86,7 +91,7 @@ func (st *h2Stream) serve(target netip.AddrPort) {
 		st.closeIn()
 		return
 	}
-	err = readChunks(up, frameHeaderLen, st.sendData)
+	err = readChunks(up, frameHeaderLen, st, st.sendTaken)
 	if !st.isStopped() {
 		var b []byte
 		if err == nil {
@@ -127,7 +132,21 @@ func (st *h2Stream) attach(up net.Conn) bool {
 	st.up, st.raw, st.wrote = up, raw, wrote
 	st.kickLocked()
 	st.mu.Unlock()
+	if a, ok := up.(Abortable); ok {
+		a.OnAbort(st.abort)
+	}
 	return true
+}
+
+// abort resets the stream because its upstream was aborted under it.
+func (st *h2Stream) abort() {
+	c := st.c
+	c.mu.Lock()
+	live := c.streams[st.id] == st && !st.stopped
+	c.mu.Unlock()
+	if live {
+		c.streamError(st.id, http2.ErrCodeInternal)
+	}
 }
 
 // kickLocked starts the writer of pending data, or passes the client's
@@ -315,34 +334,75 @@ func putPend(b *[]byte) {
 	pendBufs.Put(b)
 }
 
-// sendData sends b[frameHeaderLen:] as DATA frames within the client's
-// windows; b[:frameHeaderLen] is room for the first frame's header, and
-// each later header is written over the payload just sent.
-func (st *h2Stream) sendData(b []byte) error {
+// maxSendBufs is how many streams of a connection may hold a read buffer
+// of the upstream at once (sockBuf each): the rest wait for one without a
+// buffer, so a client that reads slowly holds at most 1 MiB of ours per
+// connection while its writes are waited for (up to WriteTimeout).
+const maxSendBufs = 4
+
+// wait blocks, holding no buffer, until the client's windows are open and
+// a send buffer of the connection, of its source and of the node is free
+// (sendGate).
+func (st *h2Stream) wait() error {
 	c := st.c
-	off, end := 0, len(b)-frameHeaderLen
-	for off < end {
-		c.mu.Lock()
-		for !st.stopped && (st.sendWin <= 0 || c.sendConn <= 0) {
-			c.cond.Wait()
-		}
-		if st.stopped {
-			c.mu.Unlock()
-			return errStreamStopped
-		}
-		m := int(min(int64(end-off), st.sendWin, c.sendConn))
-		st.sendWin -= int64(m)
-		c.sendConn -= int64(m)
-		maxFrame := c.peerMaxFrame
-		c.mu.Unlock()
-		c.wmu.Lock()
-		var err error
-		off, err = c.writeDataLocked(b, off, m, st.id, func(left int) int { return min(left, maxFrame) }, nil)
-		c.wmu.Unlock()
-		if err != nil {
-			c.close(err)
-			return err
-		}
+	c.mu.Lock()
+	for !st.stopped && (st.sendWin <= 0 || c.sendConn <= 0 || c.sendBufs >= maxSendBufs) {
+		c.cond.Wait()
+	}
+	stopped := st.stopped
+	c.mu.Unlock()
+	if stopped || !c.slots.waitFree(st.ctx.Done()) {
+		return errStreamStopped
+	}
+	return nil
+}
+
+// take reserves up to limit bytes of the client's windows and a send
+// buffer (sendGate); 0 when there is none now.
+func (st *h2Stream) take(limit int) int {
+	c := st.c
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if st.stopped || st.sendWin <= 0 || c.sendConn <= 0 || c.sendBufs >= maxSendBufs || !c.slots.tryTake() {
+		return 0
+	}
+	m := int(min(int64(limit), st.sendWin, c.sendConn))
+	st.sendWin -= int64(m)
+	c.sendConn -= int64(m)
+	c.sendBufs++
+	return m
+}
+
+// back returns n bytes of window take reserved and not sent, and the send
+// buffer (sendGate).
+func (st *h2Stream) back(n int) {
+	c := st.c
+	c.mu.Lock()
+	st.sendWin += int64(n)
+	c.sendConn += int64(n)
+	c.sendBufs--
+	c.cond.Broadcast()
+	c.mu.Unlock()
+	c.slots.give()
+}
+
+// sendTaken sends b[frameHeaderLen:], whose windows take reserved, as DATA
+// frames; b[:frameHeaderLen] is room for the first frame's header, and
+// each later header is written over the payload just sent.
+func (st *h2Stream) sendTaken(b []byte) error {
+	c := st.c
+	c.mu.Lock()
+	stopped, maxFrame := st.stopped, c.peerMaxFrame
+	c.mu.Unlock()
+	if stopped {
+		return errStreamStopped
+	}
+	c.wmu.Lock()
+	_, err := c.writeDataLocked(b, 0, len(b)-frameHeaderLen, st.id, func(left int) int { return min(left, maxFrame) }, nil)
+	c.wmu.Unlock()
+	if err != nil {
+		c.close(err)
+		return err
 	}
 	return nil
 }

@@ -20,12 +20,13 @@ const (
 	DefaultHandshakeTimeout     = 10 * time.Second
 	DefaultIdleTimeout          = time.Hour
 	DefaultMaxConcurrentStreams = 100
-	DefaultStreamWindow         = 4 << 20
-	DefaultConnWindow           = 16 << 20
+	DefaultStreamWindow         = 1 << 20
+	DefaultConnWindow           = 4 << 20
 	DefaultMaxFrameSize         = 16 << 10
 	DefaultDialerMaxFrameSize   = 256 << 10
 	DefaultPingInterval         = time.Minute
 	DefaultPingTimeout          = 15 * time.Second
+	DefaultWriteTimeout         = 30 * time.Second
 )
 
 // DeliverFunc connects a verified CONNECT stream to its target: the data plane
@@ -71,8 +72,18 @@ type ServerConfig struct {
 	// client may send. net/http's client holds a buffer of this size (at
 	// most 512 KiB) per open stream, idle or not (README.md).
 	MaxFrameSize int
-	// PingInterval and PingTimeout detect dead peers on idle connections.
+	// PingInterval and PingTimeout detect dead peers: a connection whose
+	// client acknowledged nothing (PING or SETTINGS acks) for PingInterval
+	// gets a PING, and is closed when its ack does not come in PingTimeout.
 	PingInterval, PingTimeout time.Duration
+	// WriteTimeout bounds every frame write: a client that does not read
+	// loses its connection after it (counted in ServerStats.WriteTimeouts).
+	WriteTimeout time.Duration
+	// Budget caps the connections and the receive window of this Server,
+	// shared with every Server given the same Budget (the data plane gives
+	// one to all pods of the node); nil: a Budget of its own with the
+	// defaults.
+	Budget *Budget
 }
 
 // orDefault sets a zero or negative limit to its default.
@@ -90,6 +101,8 @@ type Server struct {
 	log  *slog.Logger
 	tls  *tls.Config
 	stat serverCounters
+	// Rate limits of the log lines a client can cause at will.
+	connLog, deliverLog logLimiter
 
 	mu        sync.Mutex
 	closed    bool
@@ -112,6 +125,10 @@ func NewServer(cfg ServerConfig) (*Server, error) {
 	orDefault(&cfg.IdleTimeout, DefaultIdleTimeout)
 	orDefault(&cfg.PingInterval, DefaultPingInterval)
 	orDefault(&cfg.PingTimeout, DefaultPingTimeout)
+	orDefault(&cfg.WriteTimeout, DefaultWriteTimeout)
+	if cfg.Budget == nil {
+		cfg.Budget = defaultBudget()
+	}
 	orDefault(&cfg.MaxConcurrentStreams, DefaultMaxConcurrentStreams)
 	orDefault(&cfg.StreamWindow, DefaultStreamWindow)
 	orDefault(&cfg.ConnWindow, DefaultConnWindow)
@@ -162,11 +179,25 @@ func (s *Server) Serve(l net.Listener) error {
 			return fmt.Errorf("failed to accept hbone connection on %q: %w", l.Addr(), err)
 		}
 		s.stat.accepted.Add(1)
-		if !s.track(c) {
+		src := sourceKey(c.RemoteAddr())
+		if !s.cfg.Budget.admitConn(src) {
+			// Over the node's or the source's connection cap: closed
+			// before the handshake costs anything.
+			s.stat.connsRejected.Add(1)
+			if held, ok := s.connLog.allow(); ok {
+				s.log.Warn("hbone connection over the connection cap closed",
+					"remote", c.RemoteAddr().String(), "max_conns", s.cfg.Budget.cfg.MaxConns,
+					"max_conns_per_source", s.cfg.Budget.cfg.MaxConnsPerSource, "suppressed", held)
+			}
 			_ = c.Close()
 			continue
 		}
-		go s.handshake(c)
+		if !s.track(c) {
+			s.cfg.Budget.leaveConn(src)
+			_ = c.Close()
+			continue
+		}
+		go s.handshake(c, src)
 	}
 }
 
@@ -183,8 +214,9 @@ func (s *Server) track(c net.Conn) bool {
 
 // handshake runs the mTLS handshake under HandshakeTimeout and then serves
 // the connection's HTTP/2 until it closes.
-func (s *Server) handshake(c net.Conn) {
+func (s *Server) handshake(c net.Conn, src string) {
 	defer s.wg.Done()
+	leave := func() { s.cfg.Budget.leaveConn(src) }
 	_ = c.SetDeadline(time.Now().Add(s.cfg.HandshakeTimeout))
 	raw := &recordBatcher{Conn: c}
 	hc, err := handshake(context.Background(), raw, tls.Server(raw, s.tls))
@@ -201,6 +233,7 @@ func (s *Server) handshake(c net.Conn) {
 		s.log.Debug("hbone handshake failed", "remote", c.RemoteAddr().String(), "error", err)
 		s.untrack(c, nil)
 		_ = c.Close()
+		leave()
 		return
 	}
 	_ = c.SetDeadline(time.Time{})
@@ -208,8 +241,9 @@ func (s *Server) handshake(c net.Conn) {
 	// The connection leaves pending as it is established: from then on
 	// Shutdown drains it (GOAWAY) instead of closing it.
 	h := newH2Conn(s, hc, hc.peer)
+	h.leave = leave
 	if !s.untrack(c, h) {
-		_ = hc.Close()
+		h.close(nil)
 		return
 	}
 	h.serve()
@@ -239,6 +273,15 @@ func (s *Server) removeConn(h *h2Conn) {
 		close(s.connsGone)
 		s.connsGone = nil
 	}
+}
+
+// sourceKey is the Budget key of a client: its IP address (the source
+// pod's: the source proxy dials from the pod's netns).
+func sourceKey(a net.Addr) string {
+	if t, ok := a.(*net.TCPAddr); ok {
+		return t.AddrPort().Addr().Unmap().String()
+	}
+	return a.String()
 }
 
 type peerAddrCtx struct{}

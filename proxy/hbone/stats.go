@@ -28,6 +28,12 @@ type ServerStats struct {
 	// read the control frames it asked for (PING/SETTINGS acks, resets)
 	// while more than 1 MiB of them were queued.
 	ControlFloods uint64
+	// ConnsRejected counts connections closed at accept because the
+	// Budget's connection cap (node or source) was reached.
+	ConnsRejected uint64
+	// WriteTimeouts counts connections closed because a write to the
+	// client did not finish within WriteTimeout.
+	WriteTimeouts uint64
 }
 
 // DialerStats is a snapshot of a Dialer's counters, for the proxy's telemetry.
@@ -50,12 +56,15 @@ type DialerStats struct {
 	// read the control frames it asked for (PING/SETTINGS acks) while more
 	// than 1 MiB of them were queued.
 	ControlFloods uint64
+	// WriteTimeouts counts connections closed because a write to the
+	// server did not finish within WriteTimeout.
+	WriteTimeouts uint64
 }
 
 type serverCounters struct {
 	accepted, handshakes, handshakeTimeouts, handshakeFailures atomic.Uint64
 	streamsOpened, streamsBadRequest, streamsDeliverFailed     atomic.Uint64
-	controlFloods                                              atomic.Uint64
+	controlFloods, connsRejected, writeTimeouts                atomic.Uint64
 	streamsActive                                              atomic.Int64
 }
 
@@ -70,12 +79,14 @@ func (c *serverCounters) snapshot() ServerStats {
 		StreamsBadRequest:    c.streamsBadRequest.Load(),
 		StreamsDeliverFailed: c.streamsDeliverFailed.Load(),
 		ControlFloods:        c.controlFloods.Load(),
+		ConnsRejected:        c.connsRejected.Load(),
+		WriteTimeouts:        c.writeTimeouts.Load(),
 	}
 }
 
 type dialerCounters struct {
 	connsOpened, connsFailed, connsEvicted, streamsOpened, streamsFailed atomic.Uint64
-	controlFloods                                                        atomic.Uint64
+	controlFloods, writeTimeouts                                         atomic.Uint64
 	connsPooled                                                          atomic.Int64
 }
 
@@ -88,5 +99,6 @@ func (c *dialerCounters) snapshot() DialerStats {
 		StreamsOpened: c.streamsOpened.Load(),
 		StreamsFailed: c.streamsFailed.Load(),
 		ControlFloods: c.controlFloods.Load(),
+		WriteTimeouts: c.writeTimeouts.Load(),
 	}
 }

@@ -65,6 +65,10 @@ func newHBONECollector(stats func() HBONEStats) *hboneCollector {
 			func(s HBONEStats) float64 { return u(s.Server.StreamsDeliverFailed) }),
 		counter("aether_proxy_hbone_server_control_floods_total", "HBONE connections on :15008 closed because the client did not read the control frames it asked for (PING/SETTINGS acks, resets) while over 1 MiB of them were queued.", nil,
 			func(s HBONEStats) float64 { return u(s.Server.ControlFloods) }),
+		counter("aether_proxy_hbone_server_connections_rejected_total", "HBONE connections on :15008 closed at accept because the node's or the source address's connection cap (-hbone-max-connections, -hbone-max-connections-per-source) was reached.", nil,
+			func(s HBONEStats) float64 { return u(s.Server.ConnsRejected) }),
+		counter("aether_proxy_hbone_server_write_timeouts_total", "HBONE connections on :15008 closed because a write to the client did not finish within the write timeout (the client does not read).", nil,
+			func(s HBONEStats) float64 { return u(s.Server.WriteTimeouts) }),
 		gauge("aether_proxy_hbone_server_streams_active", "CONNECT streams being served on :15008 now.",
 			func(s HBONEStats) float64 { return float64(s.Server.StreamsActive) }),
 		counter("aether_proxy_hbone_dialer_connections_opened_total", "Pooled outbound HBONE connections established (mTLS done).", nil,
@@ -81,6 +85,8 @@ func newHBONECollector(stats func() HBONEStats) *hboneCollector {
 			func(s HBONEStats) float64 { return u(s.Dialer.StreamsFailed) }),
 		counter("aether_proxy_hbone_dialer_control_floods_total", "Outbound HBONE connections closed because the server did not read the control frames it asked for (PING/SETTINGS acks) while over 1 MiB of them were queued.", nil,
 			func(s HBONEStats) float64 { return u(s.Dialer.ControlFloods) }),
+		counter("aether_proxy_hbone_dialer_write_timeouts_total", "Outbound HBONE connections closed because a write to the server did not finish within the write timeout (the server does not read).", nil,
+			func(s HBONEStats) float64 { return u(s.Dialer.WriteTimeouts) }),
 	}}
 }
 

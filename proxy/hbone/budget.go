@@ -1,0 +1,254 @@
+package hbone
+
+import (
+	"fmt"
+	"sync"
+)
+
+// Defaults of BudgetConfig (see README.md, "Memory and connection bounds").
+const (
+	// DefaultMaxConns caps the HBONE connections (in the handshake or
+	// established) of every Server sharing a Budget: the node's :15008.
+	DefaultMaxConns = 1024
+	// DefaultMaxConnsPerSource caps those of one source address (a pod).
+	DefaultMaxConnsPerSource = 64
+	// DefaultWindowBudget bounds the receive window granted beyond HTTP/2's
+	// initial 64 KiB per connection, summed over every connection sharing
+	// the Budget.
+	DefaultWindowBudget = 128 << 20
+	// DefaultWindowBudgetPerSource bounds that of one source (a pod).
+	DefaultWindowBudgetPerSource = 16 << 20
+	// DefaultSendBufs and DefaultSendBufsPerSource bound the 256 KiB read
+	// buffers the Servers' streams hold while their DATA is written (a
+	// client that reads slowly makes writes wait, up to WriteTimeout):
+	// 64 MiB per node, 8 MiB per source.
+	DefaultSendBufs          = 256
+	DefaultSendBufsPerSource = 32
+)
+
+// BudgetConfig sets the bounds of a Budget; a zero field takes its Default.
+type BudgetConfig struct {
+	// MaxConns and MaxConnsPerSource cap open connections in total and per
+	// source (the Server's: TCP accepted, handshakes included).
+	MaxConns, MaxConnsPerSource int
+	// Window and WindowPerSource bound, in bytes, the receive window the
+	// connections grant beyond the initial 64 KiB each, in total and per
+	// source. Queued DATA never exceeds the window granted, so they bound
+	// the memory a peer that sends to a reader that does not read can take.
+	Window, WindowPerSource int64
+	// SendBufs and SendBufsPerSource bound the upstream read buffers
+	// (256 KiB each) the Servers' streams hold at once while sending, in
+	// total and per source; a stream waits for one without a buffer.
+	SendBufs, SendBufsPerSource int
+}
+
+// Budget is shared by the Servers of a node (or given to the Dialer): it
+// caps the connections they hold and the receive window they grant, in
+// total and per source (the client's address for a Server, the Request's
+// Origin for the Dialer). A connection over a cap is closed at accept; a
+// connection that finds the window budget spent gets what is left (at
+// least HTTP/2's initial 64 KiB, which needs no grant): slower, never
+// refused. It is safe for concurrent use.
+type Budget struct {
+	cfg BudgetConfig
+
+	sendBufs chan struct{} // a token per send buffer held
+
+	mu     sync.Mutex
+	conns  int
+	window int64
+	per    map[string]*budgetUse
+}
+
+type budgetUse struct {
+	conns  int
+	window int64
+	// sendBufs is the source's send-buffer tokens, shared by its
+	// connections (refs of them hold it).
+	sendBufs chan struct{}
+	refs     int
+}
+
+// NewBudget returns a Budget for cfg.
+func NewBudget(cfg BudgetConfig) (*Budget, error) {
+	orDefault(&cfg.MaxConns, DefaultMaxConns)
+	orDefault(&cfg.MaxConnsPerSource, DefaultMaxConnsPerSource)
+	if cfg.Window == 0 {
+		cfg.Window = DefaultWindowBudget
+	}
+	if cfg.WindowPerSource == 0 {
+		cfg.WindowPerSource = DefaultWindowBudgetPerSource
+	}
+	if cfg.Window < 0 || cfg.WindowPerSource < 0 {
+		return nil, fmt.Errorf("invalid hbone window budget %d / %d per source: must not be negative", cfg.Window, cfg.WindowPerSource)
+	}
+	if cfg.MaxConnsPerSource > cfg.MaxConns {
+		cfg.MaxConnsPerSource = cfg.MaxConns
+	}
+	orDefault(&cfg.SendBufs, DefaultSendBufs)
+	orDefault(&cfg.SendBufsPerSource, DefaultSendBufsPerSource)
+	cfg.SendBufsPerSource = min(cfg.SendBufsPerSource, cfg.SendBufs)
+	return &Budget{cfg: cfg, per: map[string]*budgetUse{}, sendBufs: make(chan struct{}, cfg.SendBufs)}, nil
+}
+
+// defaultBudget is the Budget of a Server or Dialer configured without one.
+func defaultBudget() *Budget {
+	b, _ := NewBudget(BudgetConfig{})
+	return b
+}
+
+// Config returns the bounds in force (defaults applied).
+func (b *Budget) Config() BudgetConfig { return b.cfg }
+
+// use returns src's entry, created when absent (b.mu held).
+func (b *Budget) useLocked(src string) *budgetUse {
+	u := b.per[src]
+	if u == nil {
+		u = &budgetUse{}
+		b.per[src] = u
+	}
+	return u
+}
+
+// forgetLocked drops src's entry once it holds nothing (b.mu held).
+func (b *Budget) forgetLocked(src string, u *budgetUse) {
+	if u.conns == 0 && u.window == 0 && u.refs == 0 {
+		delete(b.per, src)
+	}
+}
+
+// sendSlots are the send-buffer tokens of one connection: the node's and
+// its source's.
+type sendSlots struct {
+	node, src chan struct{}
+}
+
+// slots returns src's send-buffer tokens for a connection, until
+// dropSlots.
+func (b *Budget) slots(src string) sendSlots {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	u := b.useLocked(src)
+	if u.sendBufs == nil {
+		u.sendBufs = make(chan struct{}, b.cfg.SendBufsPerSource)
+	}
+	u.refs++
+	return sendSlots{node: b.sendBufs, src: u.sendBufs}
+}
+
+// dropSlots ends a connection's use of src's tokens.
+func (b *Budget) dropSlots(src string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	u := b.useLocked(src)
+	u.refs--
+	b.forgetLocked(src, u)
+}
+
+// tryTake takes a token of both, without waiting.
+func (s sendSlots) tryTake() bool {
+	select {
+	case s.src <- struct{}{}:
+	default:
+		return false
+	}
+	select {
+	case s.node <- struct{}{}:
+		return true
+	default:
+		<-s.src
+		return false
+	}
+}
+
+// give returns the tokens tryTake took.
+func (s sendSlots) give() {
+	<-s.node
+	<-s.src
+}
+
+// waitFree blocks until both have a free token (not taking them), or stop
+// is closed (false).
+func (s sendSlots) waitFree(stop <-chan struct{}) bool {
+	for _, ch := range []chan struct{}{s.src, s.node} {
+		select {
+		case ch <- struct{}{}:
+			<-ch
+		case <-stop:
+			return false
+		}
+	}
+	return true
+}
+
+// admitConn takes a connection slot of src; false when a cap is reached.
+func (b *Budget) admitConn(src string) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	u := b.useLocked(src)
+	if b.conns >= b.cfg.MaxConns || u.conns >= b.cfg.MaxConnsPerSource {
+		b.forgetLocked(src, u)
+		return false
+	}
+	b.conns++
+	u.conns++
+	return true
+}
+
+// leaveConn gives back a slot admitConn took.
+func (b *Budget) leaveConn(src string) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	u := b.useLocked(src)
+	b.conns--
+	u.conns--
+	b.forgetLocked(src, u)
+}
+
+// reserveWindow takes up to want bytes of window for src and returns how
+// many it got (0 when the budget is spent).
+func (b *Budget) reserveWindow(src string, want int64) int64 {
+	if want <= 0 {
+		return 0
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	u := b.useLocked(src)
+	got := max(0, min(want, b.cfg.Window-b.window, b.cfg.WindowPerSource-u.window))
+	b.window += got
+	u.window += got
+	b.forgetLocked(src, u)
+	return got
+}
+
+// releaseWindow gives back n bytes reserveWindow gave src.
+func (b *Budget) releaseWindow(src string, n int64) {
+	if n <= 0 {
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	u := b.useLocked(src)
+	b.window -= n
+	u.window -= n
+	b.forgetLocked(src, u)
+}
+
+// BudgetStats is a snapshot of a Budget's use.
+type BudgetStats struct {
+	// Conns is the number of connections holding a slot.
+	Conns int
+	// Window is the receive window reserved, in bytes.
+	Window int64
+	// Sources is the number of sources holding a slot or window.
+	Sources int
+	// SendBufs is the number of send buffers held.
+	SendBufs int
+}
+
+// Stats returns a snapshot of the Budget's use.
+func (b *Budget) Stats() BudgetStats {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return BudgetStats{Conns: b.conns, Window: b.window, Sources: len(b.per), SendBufs: len(b.sendBufs)}
+}
