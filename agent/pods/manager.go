@@ -387,6 +387,7 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 	pod.Volumes = p.Volumes
 	pod.UdsCsiVolume = p.UDSCSIVolume
 	pod.UdsCsiVolumes = p.UDSCSIVolumes
+	pod.DeclaredPorts = &cniv1.DeclaredPorts{Tcp: p.DeclaredTCPPorts}
 	node := p.NodeName
 	if node == "" {
 		node = m.cfg.Node
