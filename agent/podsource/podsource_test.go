@@ -25,8 +25,10 @@ func TestDeclaredTCPPorts(t *testing.T) {
 			{ContainerPort: 8080, Protocol: corev1.ProtocolTCP}, {ContainerPort: 9090},
 		}}}}, want: []uint32{8080, 9090}},
 		{name: "udp and sctp excluded", spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "app", Ports: []corev1.ContainerPort{
-			{ContainerPort: 53, Protocol: corev1.ProtocolUDP}, {ContainerPort: 53, Protocol: corev1.ProtocolTCP},
-			{ContainerPort: 5000, Protocol: corev1.ProtocolSCTP}, {ContainerPort: 5001, Protocol: corev1.ProtocolUDP},
+			{ContainerPort: 53, Protocol: corev1.ProtocolUDP},
+			{ContainerPort: 53, Protocol: corev1.ProtocolTCP},
+			{ContainerPort: 5000, Protocol: corev1.ProtocolSCTP},
+			{ContainerPort: 5001, Protocol: corev1.ProtocolUDP},
 		}}}}, want: []uint32{53}},
 		{name: "several containers sorted and deduplicated", spec: corev1.PodSpec{Containers: []corev1.Container{
 			{Name: "b", Ports: []corev1.ContainerPort{{ContainerPort: 9000}, {ContainerPort: 80}}},

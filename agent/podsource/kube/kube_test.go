@@ -25,8 +25,10 @@ func TestDeclaredPorts(t *testing.T) {
 				{Name: "migrate", Ports: []corev1.ContainerPort{{ContainerPort: 7000}}},
 			},
 			Containers: []corev1.Container{{Name: "app", Ports: []corev1.ContainerPort{
-				{ContainerPort: 9090}, {ContainerPort: 8080, Protocol: corev1.ProtocolTCP},
-				{ContainerPort: 53, Protocol: corev1.ProtocolUDP}, {ContainerPort: 5000, Protocol: corev1.ProtocolSCTP},
+				{ContainerPort: 9090},
+				{ContainerPort: 8080, Protocol: corev1.ProtocolTCP},
+				{ContainerPort: 53, Protocol: corev1.ProtocolUDP},
+				{ContainerPort: 5000, Protocol: corev1.ProtocolSCTP},
 			}}},
 		},
 	})
