@@ -384,10 +384,10 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 	pod.ServiceAccount = p.ServiceAccount
 	pod.Uid = p.UID
 	pod.Terminating = p.Terminating
+	pod.DeclaredPorts = &cniv1.DeclaredPorts{Tcp: p.DeclaredTCPPorts}
 	pod.Volumes = p.Volumes
 	pod.UdsCsiVolume = p.UDSCSIVolume
 	pod.UdsCsiVolumes = p.UDSCSIVolumes
-	pod.DeclaredPorts = &cniv1.DeclaredPorts{Tcp: p.DeclaredTCPPorts}
 	node := p.NodeName
 	if node == "" {
 		node = m.cfg.Node

@@ -25,8 +25,8 @@ func TestDeclaredPortsRecorded(t *testing.T) {
 	}
 	managed := map[string]string{ManagedLabel: "true"}
 	src := newFakeSource()
-	src.set(&podsource.Pod{Namespace: "ns", Name: "web", UID: "u1", Labels: managed, DeclaredTCPPorts: []uint32{80, 8080}})
-	src.set(&podsource.Pod{Namespace: "ns", Name: "bare", UID: "u2", Labels: managed})
+	src.set(&podsource.Pod{Namespace: "ns", Name: "web", UID: "u1", NodeName: "n", Labels: managed, DeclaredTCPPorts: []uint32{80, 8080}})
+	src.set(&podsource.Pod{Namespace: "ns", Name: "bare", UID: "u2", NodeName: "n", Labels: managed})
 	healthy := true
 	m := New(Config{Node: "n", PodWait: 200 * time.Millisecond}, st, local.New(), src, alwaysHealthy{&healthy}, nil, nil)
 	for _, p := range []*cniv1.CNIPod{
@@ -72,7 +72,7 @@ func TestDeclaredPortsRecorded(t *testing.T) {
 	if n, err := m.Replay(ctx); err != nil || n != 3 {
 		t.Fatalf("Replay = %d, %v; want 3 records", n, err)
 	}
-	m.Handler(ctx).OnPod(&podsource.Pod{Namespace: "ns", Name: "old", UID: "u3", Labels: managed, DeclaredTCPPorts: []uint32{9090}})
+	m.Handler(ctx).OnPod(&podsource.Pod{Namespace: "ns", Name: "old", UID: "u3", NodeName: "n", Labels: managed, DeclaredTCPPorts: []uint32{9090}})
 	if dp := get("c3"); dp == nil || !slices.Equal(dp.GetTcp(), []uint32{9090}) {
 		t.Errorf("old record's declared ports after the watch saw the pod = %v, want tcp [9090]", dp)
 	}
