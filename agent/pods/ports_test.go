@@ -3,12 +3,14 @@ package pods
 import (
 	"context"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
 	"aether.io/node/agent/podsource"
 	"aether.io/node/agent/store"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/registry"
 	"aether.io/node/registry/local"
 )
 
@@ -68,7 +70,8 @@ func TestDeclaredPortsRecorded(t *testing.T) {
 		t.Errorf("old record's declared ports = %v, want unset (unknown)", dp)
 	}
 
-	m = New(Config{Node: "n", PodWait: 200 * time.Millisecond}, st, local.New(), src, alwaysHealthy{&healthy}, nil, nil)
+	obs := &portsObserver{}
+	m = New(Config{Node: "n", PodWait: 200 * time.Millisecond, Observer: obs}, st, local.New(), src, alwaysHealthy{&healthy}, nil, nil)
 	if n, err := m.Replay(ctx); err != nil || n != 3 {
 		t.Fatalf("Replay = %d, %v; want 3 records", n, err)
 	}
@@ -76,4 +79,31 @@ func TestDeclaredPortsRecorded(t *testing.T) {
 	if dp := get("c3"); dp == nil || !slices.Equal(dp.GetTcp(), []uint32{9090}) {
 		t.Errorf("old record's declared ports after the watch saw the pod = %v, want tcp [9090]", dp)
 	}
+	// The observer (the listener sync) got the filled record.
+	if dp := obs.last("c3"); dp == nil || !slices.Equal(dp.GetTcp(), []uint32{9090}) {
+		t.Errorf("observer's last c3 record has declared ports %v, want tcp [9090]", dp)
+	}
+}
+
+// portsObserver keeps the declared ports of the last stored record per key.
+type portsObserver struct {
+	mu    sync.Mutex
+	ports map[string]*cniv1.DeclaredPorts
+}
+
+func (o *portsObserver) RecordStored(rec *store.Record, _ registry.Endpoint) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.ports == nil {
+		o.ports = map[string]*cniv1.DeclaredPorts{}
+	}
+	o.ports[rec.Key()] = rec.Pod.GetDeclaredPorts()
+}
+
+func (o *portsObserver) RecordRemoved(string) {}
+
+func (o *portsObserver) last(key string) *cniv1.DeclaredPorts {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.ports[key]
 }
