@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -65,6 +66,7 @@ func RunPod(ctx context.Context, args []string, stdout io.Writer) error {
 			{"Uncaptured:", yesNo(p.Uncaptured) + errSuffix(p.UncapturedError)},
 			{"UDS socket:", udsColumn(p)},
 			{"Inbound policy:", inboundPolicy(p)},
+			{"Declared ports:", declaredPorts(p)},
 			{"Volumes:", strings.Join(p.Volumes, ", ")},
 			{"Added:", p.AddedAt.Format(time.RFC3339)},
 		}
@@ -132,6 +134,21 @@ func errSuffix(e string) string {
 
 // inboundPolicy renders the pod's inbound policy ("-" from an agent that
 // predates it), saying when an invalid annotation made it strict.
+// declaredPorts renders the pod's declared TCP container ports.
+func declaredPorts(p adminapi.Pod) string {
+	switch {
+	case !p.DeclaredPortsKnown:
+		return "unknown (recorded before the agent kept them)"
+	case len(p.DeclaredTCPPorts) == 0:
+		return "none"
+	}
+	ports := make([]string, len(p.DeclaredTCPPorts))
+	for i, port := range p.DeclaredTCPPorts {
+		ports[i] = strconv.FormatUint(uint64(port), 10)
+	}
+	return strings.Join(ports, ", ") + " (TCP)"
+}
+
 func inboundPolicy(p adminapi.Pod) string {
 	switch {
 	case p.InboundPolicy == "":

@@ -63,8 +63,10 @@ func TestRunPod(t *testing.T) {
 	withID := pod
 	withID.SPIFFEID = "spiffe://cluster.local/ns/shop/sa/web"
 	withID.LastDel = nil
+	withID.DeclaredPortsKnown, withID.DeclaredTCPPorts = true, []uint32{80, 8080}
 	invalid := withID
 	invalid.InboundPolicy, invalid.InboundPolicyInvalid = "strict", true
+	invalid.DeclaredTCPPorts = nil // declares none
 	for _, tc := range []struct {
 		name, golden string
 		pods         []adminapi.Pod

@@ -49,6 +49,12 @@ type Pod struct {
 	Volumes         []string          `json:"volumes,omitempty"`
 	UDSCSIVolume    string            `json:"uds_csi_volume,omitempty"`
 	UDSCSIVolumes   uint32            `json:"uds_csi_volumes,omitempty"`
+	// DeclaredPortsKnown says the record carries the pod's declared
+	// container ports (false: a record written before the agent kept
+	// them); DeclaredTCPPorts are the TCP ones, what aether-proxy's
+	// -hbone-declared-ports-only delivers HBONE to.
+	DeclaredPortsKnown bool     `json:"declared_ports_known,omitempty"`
+	DeclaredTCPPorts   []uint32 `json:"declared_tcp_ports,omitempty"`
 	// InboundPolicy is what the pod's proxy does with plaintext inbound
 	// connections: permissive or strict (the pod's aether.io/inbound-policy
 	// annotation, else the agent's --inbound-policy); empty from an agent

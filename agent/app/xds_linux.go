@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -92,7 +93,30 @@ func (l *listenerSync) listenerInput(p *cniv1.CNIPod) string {
 		b.WriteString(s)
 		b.WriteByte(0)
 	}
+	if dp := p.GetDeclaredPorts(); dp != nil {
+		b.WriteString("ports")
+		for _, port := range dp.GetTcp() {
+			b.WriteByte(0)
+			b.WriteString(strconv.FormatUint(uint64(port), 10))
+		}
+	}
 	return b.String()
+}
+
+// declaredPorts is the record's declared TCP ports for listener.Pod: known
+// when the record carries them (an agent that predates them wrote none).
+// The API validates each port; one out of range is left out.
+func declaredPorts(p *cniv1.CNIPod) (known bool, ports []uint16) {
+	dp := p.GetDeclaredPorts()
+	if dp == nil {
+		return false, nil
+	}
+	for _, port := range dp.GetTcp() {
+		if port >= 1 && port <= 65535 {
+			ports = append(ports, uint16(port))
+		}
+	}
+	return true, ports
 }
 
 // udsSocket is the pod's resolved UDS socket, or "" (none asked, or
@@ -140,11 +164,13 @@ func (l *listenerSync) build(p *cniv1.CNIPod) ([]*listenerv3.Listener, error) {
 			ips = append(ips, a)
 		}
 	}
+	known, ports := declaredPorts(p)
 	return listener.Build(listener.Pod{
 		ContainerID: p.GetContainerId(), Namespace: p.GetNamespace(), Name: p.GetName(), UID: p.GetUid(),
 		NetNSPath: p.GetNetworkNamespace(), IPs: ips, Ports: l.ports, UDSSocket: l.udsSocket(p),
-		InboundPolicy: policy,
-		SPIFFEID:      l.spiffeID(p),
+		InboundPolicy:      policy,
+		SPIFFEID:           l.spiffeID(p),
+		DeclaredPortsKnown: known, DeclaredTCPPorts: ports,
 	})
 }
 

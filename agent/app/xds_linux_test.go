@@ -2,6 +2,7 @@ package app
 
 import (
 	"log/slog"
+	"slices"
 	"testing"
 
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
@@ -114,5 +115,39 @@ func TestListenerSyncPrepare(t *testing.T) {
 	l.RecordRemoved("c2")
 	if len(l.prepared) != 0 {
 		t.Fatalf("%d prepared builds left after RecordRemoved", len(l.prepared))
+	}
+}
+
+// TestListenerSyncDeclaredPorts: a record's declared ports reach the
+// published listeners (unknown for a record without them, known and empty
+// for a pod declaring none), and a change of them republishes.
+func TestListenerSyncDeclaredPorts(t *testing.T) {
+	l := newListenerSync(listener.Ports{}, "", slog.New(slog.DiscardHandler))
+	name := listener.ListenerName("c1", listener.RoleInbound)
+	for _, tc := range []struct {
+		name  string
+		dp    *cniv1.DeclaredPorts
+		known bool
+		want  []uint16
+	}{
+		{name: "old record: unknown"},
+		{name: "declares none", dp: &cniv1.DeclaredPorts{}, known: true},
+		{name: "declares two", dp: &cniv1.DeclaredPorts{Tcp: []uint32{80, 8080}}, known: true, want: []uint16{80, 8080}},
+	} {
+		l.RecordStored(&store.Record{Pod: &cniv1.CNIPod{
+			ContainerId: "c1", Namespace: "ns", Name: "web", NetworkNamespace: "/var/run/netns/c1", Ips: []string{"10.0.0.2"},
+			DeclaredPorts: tc.dp,
+		}})
+		r, ok := l.cache.GetResources()[name]
+		if !ok {
+			t.Fatalf("%s: listener %q not published", tc.name, name)
+		}
+		s, err := listener.Parse(r.(*listenerv3.Listener))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s.DeclaredPortsKnown != tc.known || !slices.Equal(s.DeclaredTCPPorts, tc.want) {
+			t.Errorf("%s: published declared ports known=%v %v, want known=%v %v", tc.name, s.DeclaredPortsKnown, s.DeclaredTCPPorts, tc.known, tc.want)
+		}
 	}
 }

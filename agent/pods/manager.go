@@ -398,6 +398,7 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 	pod.ServiceAccount = p.ServiceAccount
 	pod.Uid = p.UID
 	pod.Terminating = p.Terminating
+	pod.DeclaredPorts = &cniv1.DeclaredPorts{Tcp: p.DeclaredTCPPorts}
 	pod.Volumes = p.Volumes
 	pod.UdsCsiVolume = p.UDSCSIVolume
 	pod.UdsCsiVolumes = p.UDSCSIVolumes

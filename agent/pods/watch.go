@@ -8,6 +8,7 @@ import (
 
 	"aether.io/node/agent/podsource"
 	"aether.io/node/agent/store"
+	cniv1 "aether.io/node/api/aether/cni/v1"
 )
 
 // Handler returns the podsource.Handler that feeds pod changes into m.
@@ -68,7 +69,8 @@ func (m *Manager) MarkTerminating(ctx context.Context, ns, name, uid, reason str
 }
 
 // updatePod copies changed labels, annotations and service account of a
-// live pod into its records and re-registers them.
+// live pod into its records and re-registers them; it also fills the uid
+// and the declared ports of a record written before those fields existed.
 func (m *Manager) updatePod(ctx context.Context, p *podsource.Pod) {
 	m.mu.Lock()
 	var changed []*entry
@@ -78,13 +80,18 @@ func (m *Manager) updatePod(ctx context.Context, p *podsource.Pod) {
 		}
 		rp := e.rec.Pod
 		if maps.Equal(rp.GetLabels(), p.Labels) && maps.Equal(rp.GetAnnotations(), p.Annotations) &&
-			rp.GetServiceAccount() == p.ServiceAccount && (rp.GetUid() != "" || p.UID == "") {
+			rp.GetServiceAccount() == p.ServiceAccount && (rp.GetUid() != "" || p.UID == "") && rp.GetDeclaredPorts() != nil {
 			continue
 		}
 		r := e.rec.Clone()
 		r.Pod.Labels, r.Pod.Annotations, r.Pod.ServiceAccount = p.Labels, p.Annotations, p.ServiceAccount
 		if r.Pod.Uid == "" {
 			r.Pod.Uid = p.UID
+		}
+		if r.Pod.DeclaredPorts == nil {
+			// A record written before the field existed: container
+			// ports are immutable, so the source's are the pod's.
+			r.Pod.DeclaredPorts = &cniv1.DeclaredPorts{Tcp: p.DeclaredTCPPorts}
 		}
 		e.rec = r
 		changed = append(changed, e)

@@ -8,6 +8,7 @@ package podsource
 import (
 	"context"
 	"errors"
+	"slices"
 	"sort"
 
 	corev1 "k8s.io/api/core/v1"
@@ -42,6 +43,10 @@ type Pod struct {
 	UDSCSIVolume string
 	// UDSCSIVolumes counts the inline csi.aether.io volumes.
 	UDSCSIVolumes uint32
+	// DeclaredTCPPorts are the TCP ports (protocol TCP or unset) the
+	// pod's containers and restartable init containers (sidecars)
+	// declare, ascending, each once; empty when they declare none.
+	DeclaredTCPPorts []uint32
 	// Owner is the controlling owner reference, if any.
 	Owner *registry.Owner
 	// HostNetwork is spec.hostNetwork.
@@ -111,10 +116,38 @@ func FromKube(k *corev1.Pod) *Pod {
 	if p.UDSCSIVolumes != 1 {
 		p.UDSCSIVolume = ""
 	}
+	p.DeclaredTCPPorts = declaredTCPPorts(&k.Spec)
 	if ref := metav1.GetControllerOfNoCopy(k); ref != nil {
 		p.Owner = &registry.Owner{Kind: ref.Kind, Name: ref.Name}
 	}
 	return p
+}
+
+// declaredTCPPorts returns the TCP container ports of the pod's containers
+// and of its restartable init containers (sidecars: restartPolicy Always,
+// which run beside the app and may serve), ascending, each once. UDP and
+// SCTP ports are left out (HBONE carries TCP only); so are other init
+// containers, which are done before the app starts, and ephemeral
+// containers, which cannot declare ports.
+func declaredTCPPorts(spec *corev1.PodSpec) []uint32 {
+	var out []uint32
+	add := func(cs []corev1.Container, sidecarsOnly bool) {
+		for i := range cs {
+			c := &cs[i]
+			if sidecarsOnly && (c.RestartPolicy == nil || *c.RestartPolicy != corev1.ContainerRestartPolicyAlways) {
+				continue
+			}
+			for _, cp := range c.Ports {
+				if (cp.Protocol == "" || cp.Protocol == corev1.ProtocolTCP) && cp.ContainerPort > 0 && cp.ContainerPort <= 65535 {
+					out = append(out, uint32(cp.ContainerPort))
+				}
+			}
+		}
+	}
+	add(spec.InitContainers, true)
+	add(spec.Containers, false)
+	slices.Sort(out)
+	return slices.Compact(out)
 }
 
 func copyMap(m map[string]string) map[string]string {

@@ -50,6 +50,7 @@ func main() {
 	windowSrcMiB := flag.Int64("hbone-window-budget-per-source-mib", dataplane.DefaultHBONEWindowBudgetPerSource>>20, "the same per source address (inbound) and per source pod (outbound)")
 	hbonePort := flag.Uint("hbone-port", dataplane.DefaultHBONEPort, "port of every pod's HBONE listener (with -workload-api-socket)")
 	flag.StringVar(&cfg.SPIREAdminSocket, "spire-admin-socket", "", "SPIRE agent admin socket (its admin_socket_path) serving the Delegated Identity API; the proxy must be one of the agent's authorized_delegates; mutually exclusive with -workload-api-socket")
+	flag.BoolVar(&cfg.Dataplane.HBONEDeclaredPortsOnly, "hbone-declared-ports-only", false, "deliver an HBONE stream only to a TCP port the destination pod's containers declare (spec.containers[].ports, sidecars included); others are refused with 403 before the app sees a connection. A pod whose ports the agent does not know (its record predates them) gets every port, as without the flag")
 	level := flag.String("log-level", "info", "debug, info, warn or error")
 	flag.Parse()
 	cfg.Dataplane.BypassMark = uint32(*bypass)

@@ -29,6 +29,14 @@ type Pod struct {
 	UDSCSIVolume   string
 	Volumes        []string
 	UDSCSIVolumes  uint32
+	// DeclaredPorts is the pod's declared container ports; nil = unset
+	// (unknown).
+	DeclaredPorts *DeclaredPorts
+}
+
+// DeclaredPorts is aether.cni.v1.DeclaredPorts.
+type DeclaredPorts struct {
+	TCP []uint32
 }
 
 // Timestamp is a google.protobuf.Timestamp.

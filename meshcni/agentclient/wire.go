@@ -74,7 +74,11 @@ func appendPod(b []byte, num int32, p *Pod) []byte {
 		b = pbwire.AppendString(b, 11, p.UID)
 		b = pbwire.AppendString(b, 12, p.UDSCSIVolume)
 		b = pbwire.AppendRepeatedString(b, 13, p.Volumes)
-		return pbwire.AppendUint(b, 14, uint64(p.UDSCSIVolumes))
+		b = pbwire.AppendUint(b, 14, uint64(p.UDSCSIVolumes))
+		if p.DeclaredPorts != nil {
+			b = pbwire.AppendMessage(b, 15, func(b []byte) []byte { return pbwire.AppendPackedUint32(b, 1, p.DeclaredPorts.TCP) })
+		}
+		return b
 	})
 }
 
@@ -213,6 +217,18 @@ func decodePod(b []byte, p *Pod) error {
 			return f.AppendTo(&p.Volumes)
 		case 14:
 			f.Uint32(&p.UDSCSIVolumes)
+		case 15:
+			return f.Message(func(b []byte) error {
+				if p.DeclaredPorts == nil {
+					p.DeclaredPorts = &DeclaredPorts{}
+				}
+				return pbwire.Decode(b, func(f pbwire.Field) error {
+					if f.Num == 1 {
+						return f.AppendUint32s(&p.DeclaredPorts.TCP)
+					}
+					return nil
+				})
+			})
 		}
 		return nil
 	})

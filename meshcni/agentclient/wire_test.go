@@ -121,6 +121,9 @@ func podOf(p *cniv1.CNIPod) *Pod {
 		Terminating: p.GetTerminating(), UID: p.GetUid(), UDSCSIVolume: p.GetUdsCsiVolume(), Volumes: p.GetVolumes(),
 		UDSCSIVolumes: p.GetUdsCsiVolumes(),
 	}
+	if dp := p.GetDeclaredPorts(); dp != nil {
+		out.DeclaredPorts = &DeclaredPorts{TCP: dp.GetTcp()}
+	}
 	if p.GetPid() != nil {
 		v := p.GetPid().GetValue()
 		out.PID = &v
@@ -137,6 +140,9 @@ func podPB(p *Pod) *cniv1.CNIPod {
 		Ips: p.IPs, Labels: p.Labels, Annotations: p.Annotations, ServiceAccount: p.ServiceAccount,
 		Terminating: p.Terminating, Uid: p.UID, UdsCsiVolume: p.UDSCSIVolume, Volumes: p.Volumes,
 		UdsCsiVolumes: p.UDSCSIVolumes,
+	}
+	if p.DeclaredPorts != nil {
+		out.DeclaredPorts = &cniv1.DeclaredPorts{Tcp: p.DeclaredPorts.TCP}
 	}
 	if p.PID != nil {
 		out.Pid = wrapperspb.UInt32(*p.PID)

@@ -270,8 +270,12 @@ func (l *retryListener) Accept() (net.Conn, error) {
 // own address (else 502), the stream takes a connection slot of the pod's
 // caps (else 503), and it reaches the app over its UDS socket or TCP
 // (deliverInbound). The connection is counted with the verified source
-// principal.
+// principal. With HBONEDeclaredPortsOnly, a port the pod does not declare
+// is refused first (403: refuseUndeclaredPort).
 func (p *pod) deliverHBONE(ctx context.Context, src spiffeid.ID, target netip.AddrPort) (net.Conn, error) {
+	if err := p.refuseUndeclaredPort(src, target); err != nil {
+		return nil, err
+	}
 	release, limit := p.admitTCP()
 	if limit != "" {
 		p.m.metrics.LimitHit(limit)

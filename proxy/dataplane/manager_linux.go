@@ -104,6 +104,11 @@ type Config struct {
 	// lowered at New (see fitFDLimit), so a flood meets a cap, never
 	// EMFILE, which would fail every other pod's connections too.
 	FDLimit uint64
+	// HBONEDeclaredPortsOnly refuses (403) an HBONE stream to a port the
+	// destination pod's containers do not declare, before any connection
+	// to the app; a pod whose declared ports are unknown (an agent that
+	// predates them) is delivered to on every port. Off: every port.
+	HBONEDeclaredPortsOnly bool
 	// Certs (the proxy's identity.Watcher) turns HBONE on: pods whose
 	// listeners carry a SPIFFE ID serve HBONE on HBONEPort, and captured
 	// connections to HBONE workloads are tunnelled. nil: no HBONE.
@@ -221,6 +226,11 @@ type PodStatus struct {
 	// UDSSocket is the host path inbound traffic is delivered to (the
 	// listeners' uds_socket metadata); empty: TCP to the pod's address.
 	UDSSocket string
+	// DeclaredPortsKnown and DeclaredTCPPorts are the pod's declared TCP
+	// ports as its listeners carry them (HBONEDeclaredPortsOnly delivers
+	// HBONE only to those when known).
+	DeclaredPortsKnown bool
+	DeclaredTCPPorts   []uint16
 }
 
 // Manager owns every pod's listeners. Construct it with New, feed it the

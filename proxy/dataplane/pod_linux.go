@@ -48,6 +48,9 @@ type pod struct {
 	// strict is the pod's inbound policy (policy_linux.go): true resets
 	// plaintext on the inbound listener. Changed in place by adopt.
 	strict atomic.Bool
+	// gate holds the pod's declared ports for HBONEDeclaredPortsOnly
+	// (declaredports_linux.go). Changed in place by adopt.
+	gate portGate
 	// flows are the pod's open UDP flows, of both families.
 	flowMu sync.Mutex
 	flows  map[flowKey]*udpFlow
@@ -147,6 +150,7 @@ func (m *Manager) startPod(ctx context.Context, key string, specs []listener.Spe
 	}
 	p.dialer = net.Dialer{Timeout: m.cfg.ConnectTimeout, Control: markControl(m.cfg.BypassMark)}
 	p.setPolicy(specs)
+	p.setDeclaredPorts(specs)
 	p.ctx, p.cancel = context.WithCancel(ctx)
 	err = p.bind()
 	if err == nil {
@@ -401,6 +405,9 @@ func (p *pod) status() PodStatus {
 	st := PodStatus{Key: p.key, Namespace: p.namespace, Name: p.name, NetNS: p.netns.path, State: StateServing, Conns: p.openConns()}
 	if len(p.specs) > 0 {
 		st.UDSSocket = p.specs[0].UDSSocket
+	}
+	if d := p.gate.ports.Load(); d != nil {
+		st.DeclaredPortsKnown, st.DeclaredTCPPorts = d.known, d.tcp
 	}
 	p.flowMu.Lock()
 	st.UDPFlows = len(p.flows)

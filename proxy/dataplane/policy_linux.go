@@ -38,9 +38,11 @@ func (p *pod) setPolicy(specs []listener.Spec) {
 }
 
 // adopt reports whether want are the pod's listeners, the inbound policy
-// aside; if so the pod takes want's policy at once, so an annotation change
-// applies from the next connection without rebinding (which would drain
-// the pod and, under the inbound redirect, drop new connections meanwhile).
+// and the declared ports aside; if so the pod takes want's policy and
+// ports at once, so an annotation change (or ports filled in for a record
+// that predates them) applies from the next connection without rebinding
+// (which would drain the pod and, under the inbound redirect, drop new
+// connections meanwhile).
 func (p *pod) adopt(want []listener.Spec) bool {
 	if len(want) != len(p.specs) {
 		return false
@@ -48,11 +50,13 @@ func (p *pod) adopt(want []listener.Spec) bool {
 	for i := range want {
 		w := want[i]
 		w.InboundPolicy = p.specs[i].InboundPolicy
+		w.DeclaredPortsKnown, w.DeclaredTCPPorts = p.specs[i].DeclaredPortsKnown, p.specs[i].DeclaredTCPPorts
 		if !reflect.DeepEqual(w, p.specs[i]) {
 			return false
 		}
 	}
 	p.setPolicy(want)
+	p.setDeclaredPorts(want)
 	return true
 }
 

@@ -17,8 +17,12 @@
 //
 // The pod's identity travels in the listener metadata under the filter
 // metadata key MetadataKey, so the proxy groups listeners per pod without
-// parsing names; so do its UDS socket (uds_socket) and its inbound policy
-// (inbound_policy: permissive or strict).
+// parsing names; so do its UDS socket (uds_socket), its inbound policy
+// (inbound_policy: permissive or strict) and the TCP ports its containers
+// declare (declared_ports_known: true, with declared_tcp_ports the list,
+// absent when the pod declares none). An agent that predates the ports
+// sends neither key: the proxy then does not know them (see
+// Spec.DeclaredPortsKnown).
 package listener
 
 import (
@@ -139,6 +143,13 @@ type Pod struct {
 	// serves identities; the proxy then serves HBONE on the pod's :15008
 	// with that identity. "" = no identity, no HBONE.
 	SPIFFEID string
+	// DeclaredPortsKnown says the agent knows the pod's declared container
+	// ports; DeclaredTCPPorts are then the TCP ones (empty: it declares
+	// none). aether-proxy's -hbone-declared-ports-only delivers HBONE
+	// streams only to those. Unknown (a record written before the agent
+	// recorded ports) sends nothing.
+	DeclaredPortsKnown bool
+	DeclaredTCPPorts   []uint16
 }
 
 // Validate reports a record listeners cannot be built from.
@@ -164,6 +175,12 @@ func (p Pod) Validate() error {
 		if !ip.IsValid() {
 			return fmt.Errorf("pod %s/%s has an invalid IP", p.Namespace, p.Name)
 		}
+	}
+	if !p.DeclaredPortsKnown && len(p.DeclaredTCPPorts) > 0 {
+		return fmt.Errorf("pod %s/%s has declared ports %v but DeclaredPortsKnown is false", p.Namespace, p.Name, p.DeclaredTCPPorts)
+	}
+	if slices.Contains(p.DeclaredTCPPorts, 0) {
+		return fmt.Errorf("pod %s/%s declared port 0: ports are 1-65535", p.Namespace, p.Name)
 	}
 	return nil
 }
@@ -235,6 +252,16 @@ func podMetadata(p Pod, ips []string) *core.Metadata {
 	}
 	if p.SPIFFEID != "" {
 		fields["spiffe_id"] = structpb.NewStringValue(p.SPIFFEID)
+	}
+	if p.DeclaredPortsKnown {
+		fields["declared_ports_known"] = structpb.NewBoolValue(true)
+		if len(p.DeclaredTCPPorts) > 0 {
+			ports := make([]*structpb.Value, len(p.DeclaredTCPPorts))
+			for i, port := range p.DeclaredTCPPorts {
+				ports[i] = structpb.NewNumberValue(float64(port))
+			}
+			fields["declared_tcp_ports"] = structpb.NewListValue(&structpb.ListValue{Values: ports})
+		}
 	}
 	return &core.Metadata{FilterMetadata: map[string]*structpb.Struct{MetadataKey: {Fields: fields}}}
 }
@@ -408,6 +435,12 @@ type Spec struct {
 	InboundPolicy string
 	// SPIFFEID is the pod's SPIFFE identity ("" = none): see Pod.SPIFFEID.
 	SPIFFEID string
+	// DeclaredPortsKnown and DeclaredTCPPorts: see Pod. Parse reads a
+	// listener without declared_ports_known (an agent that predates it) as
+	// unknown, and declared_ports_known without declared_tcp_ports as a pod
+	// that declares none.
+	DeclaredPortsKnown bool
+	DeclaredTCPPorts   []uint16
 	// NetNSPath is the network namespace every bind lives in.
 	NetNSPath string
 	// Transparent asks for IP_TRANSPARENT sockets.
@@ -456,6 +489,9 @@ func Parse(l *listenerv3.Listener) (Spec, error) {
 	if s.SPIFFEID != "" && !strings.HasPrefix(s.SPIFFEID, spiffeScheme) {
 		return s, fmt.Errorf("failed to parse listener %q: spiffe_id %q does not start with %q", l.GetName(), s.SPIFFEID, spiffeScheme)
 	}
+	if err := parseDeclaredPorts(f, &s); err != nil {
+		return s, fmt.Errorf("failed to parse listener %q: %w", l.GetName(), err)
+	}
 	role := Role(l.GetName()[strings.LastIndex(l.GetName(), "/")+1:])
 	if !slices.Contains(Roles, role) {
 		return s, fmt.Errorf("failed to parse listener %q: role %q is not one of %v", l.GetName(), role, Roles)
@@ -490,4 +526,28 @@ func Parse(l *listenerv3.Listener) (Spec, error) {
 		})
 	}
 	return s, nil
+}
+
+// parseDeclaredPorts reads declared_ports_known and declared_tcp_ports into
+// s: each port a whole number 1-65535.
+func parseDeclaredPorts(f map[string]*structpb.Value, s *Spec) error {
+	known, ok := f["declared_ports_known"]
+	if !ok {
+		if _, ok := f["declared_tcp_ports"]; ok {
+			return errors.New("declared_tcp_ports without declared_ports_known")
+		}
+		return nil
+	}
+	if _, isBool := known.GetKind().(*structpb.Value_BoolValue); !isBool || !known.GetBoolValue() {
+		return fmt.Errorf("declared_ports_known is %v, want true", known.AsInterface())
+	}
+	s.DeclaredPortsKnown = true
+	for _, v := range f["declared_tcp_ports"].GetListValue().GetValues() {
+		n, isNum := v.GetKind().(*structpb.Value_NumberValue)
+		if !isNum || n.NumberValue < 1 || n.NumberValue > 65535 || n.NumberValue != float64(uint16(n.NumberValue)) {
+			return fmt.Errorf("declared_tcp_ports holds %v: ports are whole numbers 1-65535", v.AsInterface())
+		}
+		s.DeclaredTCPPorts = append(s.DeclaredTCPPorts, uint16(n.NumberValue))
+	}
+	return nil
 }

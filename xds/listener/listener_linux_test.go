@@ -3,6 +3,7 @@ package listener_test
 import (
 	"errors"
 	"net/netip"
+	"slices"
 	"strings"
 	"testing"
 
@@ -224,6 +225,88 @@ func TestParseInboundPolicy(t *testing.T) {
 			}
 			if s.InboundPolicy != tc.want {
 				t.Errorf("inbound_policy %q parsed as %q, want %q", tc.meta, s.InboundPolicy, tc.want)
+			}
+		})
+	}
+}
+
+// TestDeclaredPortsRoundTrip: Build then Parse keeps the declared ports on
+// every listener of the pod, tells "declares none" (known, empty) from
+// "unknown" (an agent that predates them sends neither key), and Parse
+// rejects a malformed list rather than guessing.
+func TestDeclaredPortsRoundTrip(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		known bool
+		ports []uint16
+	}{
+		{name: "unknown"},
+		{name: "declares none", known: true},
+		{name: "declares some", known: true, ports: []uint16{80, 8080, 65535}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := pod("10.0.0.2")
+			p.DeclaredPortsKnown, p.DeclaredTCPPorts = tc.known, tc.ports
+			ls, err := listener.Build(p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, l := range ls {
+				s, err := listener.Parse(l)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if s.DeclaredPortsKnown != tc.known || !slices.Equal(s.DeclaredTCPPorts, tc.ports) {
+					t.Errorf("listener %s parsed declared ports known=%v %v, want known=%v %v", l.GetName(), s.DeclaredPortsKnown, s.DeclaredTCPPorts, tc.known, tc.ports)
+				}
+			}
+			md := ls[0].GetMetadata().GetFilterMetadata()[listener.MetadataKey].GetFields()
+			if _, ok := md["declared_ports_known"]; ok != tc.known {
+				t.Errorf("declared_ports_known present = %v, want %v", ok, tc.known)
+			}
+		})
+	}
+
+	p := pod("10.0.0.2")
+	p.DeclaredTCPPorts = []uint16{80}
+	if _, err := listener.Build(p); err == nil || !strings.Contains(err.Error(), "DeclaredPortsKnown") {
+		t.Errorf("Build with ports but not known = %v, want an error naming DeclaredPortsKnown", err)
+	}
+	p.DeclaredPortsKnown, p.DeclaredTCPPorts = true, []uint16{0}
+	if _, err := listener.Build(p); err == nil || !strings.Contains(err.Error(), "1-65535") {
+		t.Errorf("Build with port 0 = %v, want an error naming the range", err)
+	}
+
+	for name, mut := range map[string]func(map[string]*structpb.Value){
+		"ports without known": func(f map[string]*structpb.Value) {
+			delete(f, "declared_ports_known")
+		},
+		"known false":    func(f map[string]*structpb.Value) { f["declared_ports_known"] = structpb.NewBoolValue(false) },
+		"known a string": func(f map[string]*structpb.Value) { f["declared_ports_known"] = structpb.NewStringValue("true") },
+		"port 0": func(f map[string]*structpb.Value) {
+			f["declared_tcp_ports"] = structpb.NewListValue(&structpb.ListValue{Values: []*structpb.Value{structpb.NewNumberValue(0)}})
+		},
+		"port 65536": func(f map[string]*structpb.Value) {
+			f["declared_tcp_ports"] = structpb.NewListValue(&structpb.ListValue{Values: []*structpb.Value{structpb.NewNumberValue(65536)}})
+		},
+		"port 80.5": func(f map[string]*structpb.Value) {
+			f["declared_tcp_ports"] = structpb.NewListValue(&structpb.ListValue{Values: []*structpb.Value{structpb.NewNumberValue(80.5)}})
+		},
+		"port a string": func(f map[string]*structpb.Value) {
+			f["declared_tcp_ports"] = structpb.NewListValue(&structpb.ListValue{Values: []*structpb.Value{structpb.NewStringValue("80")}})
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			p := pod("10.0.0.2")
+			p.DeclaredPortsKnown, p.DeclaredTCPPorts = true, []uint16{80}
+			ls, err := listener.Build(p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			l := ls[len(ls)-1]
+			mut(l.GetMetadata().GetFilterMetadata()[listener.MetadataKey].GetFields())
+			if _, err := listener.Parse(l); err == nil || !strings.Contains(err.Error(), "declared_") {
+				t.Errorf("Parse = %v, want an error naming the declared ports key", err)
 			}
 		})
 	}

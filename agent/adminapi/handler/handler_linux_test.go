@@ -205,7 +205,14 @@ func TestView(t *testing.T) {
 	if v.Owner != "" {
 		t.Fatalf("owner of a bare pod = %q, want none", v.Owner)
 	}
+	if v.DeclaredPortsKnown || v.DeclaredTCPPorts != nil {
+		t.Fatalf("declared ports of a record without them = %v %v, want unknown", v.DeclaredPortsKnown, v.DeclaredTCPPorts)
+	}
 	s := state("shop", "web", "c1")
+	s.Record.Pod.DeclaredPorts = &cniv1.DeclaredPorts{Tcp: []uint32{80, 8080}}
+	if v := View(s); !v.DeclaredPortsKnown || !reflect.DeepEqual(v.DeclaredTCPPorts, []uint32{80, 8080}) {
+		t.Fatalf("declared ports = %v %v, want known [80 8080]", v.DeclaredPortsKnown, v.DeclaredTCPPorts)
+	}
 	s.Record.Owner = &registry.Owner{Kind: "ReplicaSet", Name: "web-5d4b8c"}
 	if v := View(s); v.Owner != "ReplicaSet/web-5d4b8c" {
 		t.Fatalf("owner = %q, want ReplicaSet/web-5d4b8c", v.Owner)

@@ -25,6 +25,9 @@ func View(s pods.PodState) adminapi.Pod {
 		Uncaptured: r.Uncaptured, UncapturedError: r.UncapturedError, UDSPath: s.UDSPath, UDSRefusal: s.UDSRefusal,
 		Volumes: p.GetVolumes(), UDSCSIVolume: p.GetUdsCsiVolume(), UDSCSIVolumes: p.GetUdsCsiVolumes(), AddedAt: r.AddedAt,
 	}
+	if dp := p.GetDeclaredPorts(); dp != nil {
+		v.DeclaredPortsKnown, v.DeclaredTCPPorts = true, dp.GetTcp()
+	}
 	if r.Owner != nil {
 		v.Owner = r.Owner.Kind + "/" + r.Owner.Name
 	}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -196,5 +197,58 @@ func TestGetDoesNotWaitForHandler(t *testing.T) {
 	case <-s.Synced():
 	case <-time.After(30 * time.Second):
 		t.Fatal("not synced after the handler returned")
+	}
+}
+
+// TestDeclaredPorts: a manifest's container ports reach the pod the source
+// returns: TCP (and unset protocol) of its containers and sidecars
+// (restartable init containers), not UDP or SCTP, not a plain init
+// container's; a pod without ports has none.
+func TestDeclaredPorts(t *testing.T) {
+	dir := t.TempDir()
+	m := `apiVersion: v1
+kind: Pod
+metadata: {name: web, namespace: ns}
+spec:
+  initContainers:
+  - name: proxy
+    image: i
+    restartPolicy: Always
+    ports: [{containerPort: 15090}, {containerPort: 15091, protocol: UDP}]
+  - name: migrate
+    image: i
+    ports: [{containerPort: 7000}]
+  containers:
+  - name: app
+    image: i
+    ports:
+    - {containerPort: 8080, protocol: TCP}
+    - {containerPort: 9090}
+    - {containerPort: 53, protocol: UDP}
+    - {containerPort: 5000, protocol: SCTP}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: bare, namespace: ns}
+spec:
+  containers: [{name: c, image: i}]
+`
+	if err := os.WriteFile(filepath.Join(dir, "pods.yaml"), []byte(m), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s := New(dir, "n", time.Hour, nil)
+	p, err := s.Get(context.Background(), "ns", "web")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := fmt.Sprint(p.DeclaredTCPPorts); got != "[8080 9090 15090]" {
+		t.Fatalf("DeclaredTCPPorts = %s, want [8080 9090 15090]", got)
+	}
+	p, err = s.Get(context.Background(), "ns", "bare")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(p.DeclaredTCPPorts) != 0 {
+		t.Fatalf("DeclaredTCPPorts of a pod declaring none = %v", p.DeclaredTCPPorts)
 	}
 }

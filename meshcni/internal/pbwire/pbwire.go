@@ -105,6 +105,24 @@ func AppendUint(b []byte, num int32, v uint64) []byte {
 	return AppendVarint(b, v)
 }
 
+// AppendPackedUint32 appends the repeated uint32 field num packed, as
+// proto3 encodes it: nothing when vs is empty.
+func AppendPackedUint32(b []byte, num int32, vs []uint32) []byte {
+	if len(vs) == 0 {
+		return b
+	}
+	n := 0
+	for _, v := range vs {
+		n += SizeVarint(uint64(v))
+	}
+	b = AppendTag(b, num, BytesType)
+	b = AppendVarint(b, uint64(n))
+	for _, v := range vs {
+		b = AppendVarint(b, uint64(v))
+	}
+	return b
+}
+
 // AppendBool appends the proto3 bool field num: nothing when v is false.
 func AppendBool(b []byte, num int32, v bool) []byte {
 	if !v {
@@ -199,6 +217,26 @@ func (f Field) Bool(dst *bool) {
 	if f.Type == VarintType {
 		*dst = f.Varint != 0
 	}
+}
+
+// AppendUint32s appends a repeated uint32 field's elements to *dst: one
+// element of a VarintType field, or every element of a packed (BytesType)
+// one, as protobuf accepts both; values are truncated to 32 bits.
+func (f Field) AppendUint32s(dst *[]uint32) error {
+	switch f.Type {
+	case VarintType:
+		*dst = append(*dst, uint32(f.Varint))
+	case BytesType:
+		for b := f.Bytes; len(b) > 0; {
+			v, n := consumeVarint(b)
+			if n < 0 {
+				return malformed(fmt.Sprintf("field %d: truncated or overlong packed varint", f.Num))
+			}
+			*dst = append(*dst, uint32(v))
+			b = b[n:]
+		}
+	}
+	return nil
 }
 
 // StringMapEntry adds the map<string, string> entry a BytesType field

@@ -96,3 +96,37 @@ func TestDecode(t *testing.T) {
 		t.Fatalf("invalid UTF-8 string: %v", err)
 	}
 }
+
+// TestPackedUint32: AppendPackedUint32 writes what protowire writes for a
+// packed repeated uint32 (nothing when empty), and AppendUint32s reads it
+// back, and also the unpacked form protobuf parsers must accept; a
+// truncated packed payload is malformed.
+func TestPackedUint32(t *testing.T) {
+	vs := []uint32{1, 127, 128, 15008, 65535, 1 << 31}
+	var body []byte
+	for _, v := range vs {
+		body = protowire.AppendVarint(body, uint64(v))
+	}
+	want := protowire.AppendBytes(protowire.AppendTag(nil, 1, protowire.BytesType), body)
+	if got := AppendPackedUint32(nil, 1, vs); !bytes.Equal(got, want) {
+		t.Fatalf("packed: got %x, want %x", got, want)
+	}
+	if got := AppendPackedUint32(nil, 1, nil); len(got) != 0 {
+		t.Fatalf("empty: got %x, want nothing", got)
+	}
+	unpacked := []byte{}
+	for _, v := range vs {
+		unpacked = protowire.AppendVarint(protowire.AppendTag(unpacked, 1, protowire.VarintType), uint64(v))
+	}
+	for name, b := range map[string][]byte{"packed": want, "unpacked": unpacked} {
+		var got []uint32
+		if err := Decode(b, func(f Field) error { return f.AppendUint32s(&got) }); err != nil || !slices.Equal(got, vs) {
+			t.Fatalf("%s: decoded %v, %v; want %v", name, got, err, vs)
+		}
+	}
+	bad := protowire.AppendBytes(protowire.AppendTag(nil, 1, protowire.BytesType), []byte{0x80})
+	var got []uint32
+	if err := Decode(bad, func(f Field) error { return f.AppendUint32s(&got) }); !errors.Is(err, ErrMalformed) {
+		t.Fatalf("truncated packed varint: %v, want ErrMalformed", err)
+	}
+}

@@ -95,7 +95,7 @@ func (x AddPodResponse_Result) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use AddPodResponse_Result.Descriptor instead.
 func (AddPodResponse_Result) EnumDescriptor() ([]byte, []int) {
-	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{2, 0}
+	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{3, 0}
 }
 
 // Result is the outcome of the removal.
@@ -153,7 +153,7 @@ func (x RemovePodResponse_Result) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use RemovePodResponse_Result.Descriptor instead.
 func (RemovePodResponse_Result) EnumDescriptor() ([]byte, []int) {
-	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{4, 0}
+	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{5, 0}
 }
 
 // CNIPod is one pod sandbox as the CNI plugin and the agent see it.
@@ -217,6 +217,14 @@ type CNIPod struct {
 	// "multiple_csi_volumes" rather than misattributed. Zero on records written
 	// before the field existed.
 	UdsCsiVolumes uint32 `protobuf:"varint,14,opt,name=uds_csi_volumes,json=udsCsiVolumes,proto3" json:"uds_csi_volumes,omitempty"`
+	// declared_ports are the ports the pod's containers declare
+	// (spec.containers[].ports and those of its restartable init containers,
+	// the sidecars), recorded by the agent on CNI ADD from the pod spec and
+	// persisted, like the volumes. aether-proxy's -hbone-declared-ports-only
+	// delivers HBONE only to these. Unset (a record written before the field
+	// existed, or a plugin's request: the agent fills it) means unknown; set
+	// with no ports means the pod declares none.
+	DeclaredPorts *DeclaredPorts `protobuf:"bytes,15,opt,name=declared_ports,json=declaredPorts,proto3" json:"declared_ports,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -349,6 +357,59 @@ func (x *CNIPod) GetUdsCsiVolumes() uint32 {
 	return 0
 }
 
+func (x *CNIPod) GetDeclaredPorts() *DeclaredPorts {
+	if x != nil {
+		return x.DeclaredPorts
+	}
+	return nil
+}
+
+// DeclaredPorts are the container ports a pod declares.
+type DeclaredPorts struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// tcp are the TCP ports (protocol TCP or unset), ascending, each once.
+	Tcp           []uint32 `protobuf:"varint,1,rep,packed,name=tcp,proto3" json:"tcp,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DeclaredPorts) Reset() {
+	*x = DeclaredPorts{}
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeclaredPorts) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeclaredPorts) ProtoMessage() {}
+
+func (x *DeclaredPorts) ProtoReflect() protoreflect.Message {
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeclaredPorts.ProtoReflect.Descriptor instead.
+func (*DeclaredPorts) Descriptor() ([]byte, []int) {
+	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *DeclaredPorts) GetTcp() []uint32 {
+	if x != nil {
+		return x.Tcp
+	}
+	return nil
+}
+
 // AddPodRequest is sent by the plugin at CNI ADD.
 type AddPodRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -371,7 +432,7 @@ type AddPodRequest struct {
 
 func (x *AddPodRequest) Reset() {
 	*x = AddPodRequest{}
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[1]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -383,7 +444,7 @@ func (x *AddPodRequest) String() string {
 func (*AddPodRequest) ProtoMessage() {}
 
 func (x *AddPodRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[1]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -396,7 +457,7 @@ func (x *AddPodRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AddPodRequest.ProtoReflect.Descriptor instead.
 func (*AddPodRequest) Descriptor() ([]byte, []int) {
-	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{1}
+	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *AddPodRequest) GetPod() *CNIPod {
@@ -424,7 +485,7 @@ type AddPodResponse struct {
 
 func (x *AddPodResponse) Reset() {
 	*x = AddPodResponse{}
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[2]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -436,7 +497,7 @@ func (x *AddPodResponse) String() string {
 func (*AddPodResponse) ProtoMessage() {}
 
 func (x *AddPodResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[2]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -449,7 +510,7 @@ func (x *AddPodResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AddPodResponse.ProtoReflect.Descriptor instead.
 func (*AddPodResponse) Descriptor() ([]byte, []int) {
-	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{2}
+	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *AddPodResponse) GetResult() AddPodResponse_Result {
@@ -482,7 +543,7 @@ type RemovePodRequest struct {
 
 func (x *RemovePodRequest) Reset() {
 	*x = RemovePodRequest{}
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[3]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -494,7 +555,7 @@ func (x *RemovePodRequest) String() string {
 func (*RemovePodRequest) ProtoMessage() {}
 
 func (x *RemovePodRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[3]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -507,7 +568,7 @@ func (x *RemovePodRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemovePodRequest.ProtoReflect.Descriptor instead.
 func (*RemovePodRequest) Descriptor() ([]byte, []int) {
-	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{3}
+	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *RemovePodRequest) GetName() string {
@@ -549,7 +610,7 @@ type RemovePodResponse struct {
 
 func (x *RemovePodResponse) Reset() {
 	*x = RemovePodResponse{}
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[4]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -561,7 +622,7 @@ func (x *RemovePodResponse) String() string {
 func (*RemovePodResponse) ProtoMessage() {}
 
 func (x *RemovePodResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[4]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -574,7 +635,7 @@ func (x *RemovePodResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemovePodResponse.ProtoReflect.Descriptor instead.
 func (*RemovePodResponse) Descriptor() ([]byte, []int) {
-	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{4}
+	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *RemovePodResponse) GetResult() RemovePodResponse_Result {
@@ -622,7 +683,7 @@ type PluginTimings struct {
 
 func (x *PluginTimings) Reset() {
 	*x = PluginTimings{}
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[5]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -634,7 +695,7 @@ func (x *PluginTimings) String() string {
 func (*PluginTimings) ProtoMessage() {}
 
 func (x *PluginTimings) ProtoReflect() protoreflect.Message {
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[5]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -647,7 +708,7 @@ func (x *PluginTimings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PluginTimings.ProtoReflect.Descriptor instead.
 func (*PluginTimings) Descriptor() ([]byte, []int) {
-	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{5}
+	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *PluginTimings) GetStarted() *timestamppb.Timestamp {
@@ -716,7 +777,7 @@ type ReportAddResultRequest struct {
 
 func (x *ReportAddResultRequest) Reset() {
 	*x = ReportAddResultRequest{}
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[6]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -728,7 +789,7 @@ func (x *ReportAddResultRequest) String() string {
 func (*ReportAddResultRequest) ProtoMessage() {}
 
 func (x *ReportAddResultRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[6]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -741,7 +802,7 @@ func (x *ReportAddResultRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReportAddResultRequest.ProtoReflect.Descriptor instead.
 func (*ReportAddResultRequest) Descriptor() ([]byte, []int) {
-	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{6}
+	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ReportAddResultRequest) GetContainerId() string {
@@ -781,7 +842,7 @@ type ReportAddResultResponse struct {
 
 func (x *ReportAddResultResponse) Reset() {
 	*x = ReportAddResultResponse{}
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[7]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -793,7 +854,7 @@ func (x *ReportAddResultResponse) String() string {
 func (*ReportAddResultResponse) ProtoMessage() {}
 
 func (x *ReportAddResultResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[7]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -806,7 +867,7 @@ func (x *ReportAddResultResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReportAddResultResponse.ProtoReflect.Descriptor instead.
 func (*ReportAddResultResponse) Descriptor() ([]byte, []int) {
-	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{7}
+	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{8}
 }
 
 // GetPodRequest asks for the stored record of one container.
@@ -820,7 +881,7 @@ type GetPodRequest struct {
 
 func (x *GetPodRequest) Reset() {
 	*x = GetPodRequest{}
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[8]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -832,7 +893,7 @@ func (x *GetPodRequest) String() string {
 func (*GetPodRequest) ProtoMessage() {}
 
 func (x *GetPodRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[8]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -845,7 +906,7 @@ func (x *GetPodRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetPodRequest.ProtoReflect.Descriptor instead.
 func (*GetPodRequest) Descriptor() ([]byte, []int) {
-	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{8}
+	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *GetPodRequest) GetContainerId() string {
@@ -877,7 +938,7 @@ type GetPodResponse struct {
 
 func (x *GetPodResponse) Reset() {
 	*x = GetPodResponse{}
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[9]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -889,7 +950,7 @@ func (x *GetPodResponse) String() string {
 func (*GetPodResponse) ProtoMessage() {}
 
 func (x *GetPodResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_aether_cni_v1_cni_proto_msgTypes[9]
+	mi := &file_aether_cni_v1_cni_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -902,7 +963,7 @@ func (x *GetPodResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetPodResponse.ProtoReflect.Descriptor instead.
 func (*GetPodResponse) Descriptor() ([]byte, []int) {
-	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{9}
+	return file_aether_cni_v1_cni_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *GetPodResponse) GetPod() *CNIPod {
@@ -944,7 +1005,7 @@ var File_aether_cni_v1_cni_proto protoreflect.FileDescriptor
 
 const file_aether_cni_v1_cni_proto_rawDesc = "" +
 	"\n" +
-	"\x17aether/cni/v1/cni.proto\x12\raether.cni.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1egoogle/protobuf/wrappers.proto\"\x8d\x06\n" +
+	"\x17aether/cni/v1/cni.proto\x12\raether.cni.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1egoogle/protobuf/wrappers.proto\"\xd2\x06\n" +
 	"\x06CNIPod\x12!\n" +
 	"\x04name\x18\x01 \x01(\tB\r\xbaH\n" +
 	"\xc8\x01\x01r\x05\x10\x01\x18\xfd\x01R\x04name\x12*\n" +
@@ -962,13 +1023,16 @@ const file_aether_cni_v1_cni_proto_rawDesc = "" +
 	"\x03uid\x18\v \x01(\tB\b\xbaH\x05r\x03\x18\x80\x01R\x03uid\x12-\n" +
 	"\x0euds_csi_volume\x18\f \x01(\tB\a\xbaH\x04r\x02\x18?R\fudsCsiVolume\x12)\n" +
 	"\avolumes\x18\r \x03(\tB\x0f\xbaH\f\x92\x01\t\x10\x80\b\"\x04r\x02\x18?R\avolumes\x12&\n" +
-	"\x0fuds_csi_volumes\x18\x0e \x01(\rR\rudsCsiVolumes\x1a9\n" +
+	"\x0fuds_csi_volumes\x18\x0e \x01(\rR\rudsCsiVolumes\x12C\n" +
+	"\x0edeclared_ports\x18\x0f \x01(\v2\x1c.aether.cni.v1.DeclaredPortsR\rdeclaredPorts\x1a9\n" +
 	"\vLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\x1a>\n" +
 	"\x10AnnotationsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x85\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"7\n" +
+	"\rDeclaredPorts\x12&\n" +
+	"\x03tcp\x18\x01 \x03(\rB\x14\xbaH\x11\x92\x01\x0e\x10\xff\xff\x03\"\b*\x06\x18\xff\xff\x03(\x01R\x03tcp\"\x85\x01\n" +
 	"\rAddPodRequest\x12/\n" +
 	"\x03pod\x18\x01 \x01(\v2\x15.aether.cni.v1.CNIPodB\x06\xbaH\x03\xc8\x01\x01R\x03pod\x12C\n" +
 	"\x0eplugin_timings\x18\x02 \x01(\v2\x1c.aether.cni.v1.PluginTimingsR\rpluginTimings\"\xaa\x01\n" +
@@ -1035,48 +1099,50 @@ func file_aether_cni_v1_cni_proto_rawDescGZIP() []byte {
 }
 
 var file_aether_cni_v1_cni_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_aether_cni_v1_cni_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
+var file_aether_cni_v1_cni_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_aether_cni_v1_cni_proto_goTypes = []any{
 	(AddPodResponse_Result)(0),      // 0: aether.cni.v1.AddPodResponse.Result
 	(RemovePodResponse_Result)(0),   // 1: aether.cni.v1.RemovePodResponse.Result
 	(*CNIPod)(nil),                  // 2: aether.cni.v1.CNIPod
-	(*AddPodRequest)(nil),           // 3: aether.cni.v1.AddPodRequest
-	(*AddPodResponse)(nil),          // 4: aether.cni.v1.AddPodResponse
-	(*RemovePodRequest)(nil),        // 5: aether.cni.v1.RemovePodRequest
-	(*RemovePodResponse)(nil),       // 6: aether.cni.v1.RemovePodResponse
-	(*PluginTimings)(nil),           // 7: aether.cni.v1.PluginTimings
-	(*ReportAddResultRequest)(nil),  // 8: aether.cni.v1.ReportAddResultRequest
-	(*ReportAddResultResponse)(nil), // 9: aether.cni.v1.ReportAddResultResponse
-	(*GetPodRequest)(nil),           // 10: aether.cni.v1.GetPodRequest
-	(*GetPodResponse)(nil),          // 11: aether.cni.v1.GetPodResponse
-	nil,                             // 12: aether.cni.v1.CNIPod.LabelsEntry
-	nil,                             // 13: aether.cni.v1.CNIPod.AnnotationsEntry
-	(*wrapperspb.UInt32Value)(nil),  // 14: google.protobuf.UInt32Value
-	(*timestamppb.Timestamp)(nil),   // 15: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),     // 16: google.protobuf.Duration
+	(*DeclaredPorts)(nil),           // 3: aether.cni.v1.DeclaredPorts
+	(*AddPodRequest)(nil),           // 4: aether.cni.v1.AddPodRequest
+	(*AddPodResponse)(nil),          // 5: aether.cni.v1.AddPodResponse
+	(*RemovePodRequest)(nil),        // 6: aether.cni.v1.RemovePodRequest
+	(*RemovePodResponse)(nil),       // 7: aether.cni.v1.RemovePodResponse
+	(*PluginTimings)(nil),           // 8: aether.cni.v1.PluginTimings
+	(*ReportAddResultRequest)(nil),  // 9: aether.cni.v1.ReportAddResultRequest
+	(*ReportAddResultResponse)(nil), // 10: aether.cni.v1.ReportAddResultResponse
+	(*GetPodRequest)(nil),           // 11: aether.cni.v1.GetPodRequest
+	(*GetPodResponse)(nil),          // 12: aether.cni.v1.GetPodResponse
+	nil,                             // 13: aether.cni.v1.CNIPod.LabelsEntry
+	nil,                             // 14: aether.cni.v1.CNIPod.AnnotationsEntry
+	(*wrapperspb.UInt32Value)(nil),  // 15: google.protobuf.UInt32Value
+	(*timestamppb.Timestamp)(nil),   // 16: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),     // 17: google.protobuf.Duration
 }
 var file_aether_cni_v1_cni_proto_depIdxs = []int32{
-	12, // 0: aether.cni.v1.CNIPod.labels:type_name -> aether.cni.v1.CNIPod.LabelsEntry
-	13, // 1: aether.cni.v1.CNIPod.annotations:type_name -> aether.cni.v1.CNIPod.AnnotationsEntry
-	14, // 2: aether.cni.v1.CNIPod.pid:type_name -> google.protobuf.UInt32Value
-	2,  // 3: aether.cni.v1.AddPodRequest.pod:type_name -> aether.cni.v1.CNIPod
-	7,  // 4: aether.cni.v1.AddPodRequest.plugin_timings:type_name -> aether.cni.v1.PluginTimings
-	0,  // 5: aether.cni.v1.AddPodResponse.result:type_name -> aether.cni.v1.AddPodResponse.Result
-	7,  // 6: aether.cni.v1.RemovePodRequest.plugin_timings:type_name -> aether.cni.v1.PluginTimings
-	1,  // 7: aether.cni.v1.RemovePodResponse.result:type_name -> aether.cni.v1.RemovePodResponse.Result
-	15, // 8: aether.cni.v1.PluginTimings.started:type_name -> google.protobuf.Timestamp
-	16, // 9: aether.cni.v1.PluginTimings.pre_call:type_name -> google.protobuf.Duration
-	16, // 10: aether.cni.v1.PluginTimings.readiness_probe:type_name -> google.protobuf.Duration
-	16, // 11: aether.cni.v1.PluginTimings.capture_divert:type_name -> google.protobuf.Duration
-	16, // 12: aether.cni.v1.PluginTimings.total:type_name -> google.protobuf.Duration
-	7,  // 13: aether.cni.v1.ReportAddResultRequest.timings:type_name -> aether.cni.v1.PluginTimings
-	2,  // 14: aether.cni.v1.GetPodResponse.pod:type_name -> aether.cni.v1.CNIPod
-	7,  // 15: aether.cni.v1.GetPodResponse.last_timings:type_name -> aether.cni.v1.PluginTimings
-	16, // [16:16] is the sub-list for method output_type
-	16, // [16:16] is the sub-list for method input_type
-	16, // [16:16] is the sub-list for extension type_name
-	16, // [16:16] is the sub-list for extension extendee
-	0,  // [0:16] is the sub-list for field type_name
+	13, // 0: aether.cni.v1.CNIPod.labels:type_name -> aether.cni.v1.CNIPod.LabelsEntry
+	14, // 1: aether.cni.v1.CNIPod.annotations:type_name -> aether.cni.v1.CNIPod.AnnotationsEntry
+	15, // 2: aether.cni.v1.CNIPod.pid:type_name -> google.protobuf.UInt32Value
+	3,  // 3: aether.cni.v1.CNIPod.declared_ports:type_name -> aether.cni.v1.DeclaredPorts
+	2,  // 4: aether.cni.v1.AddPodRequest.pod:type_name -> aether.cni.v1.CNIPod
+	8,  // 5: aether.cni.v1.AddPodRequest.plugin_timings:type_name -> aether.cni.v1.PluginTimings
+	0,  // 6: aether.cni.v1.AddPodResponse.result:type_name -> aether.cni.v1.AddPodResponse.Result
+	8,  // 7: aether.cni.v1.RemovePodRequest.plugin_timings:type_name -> aether.cni.v1.PluginTimings
+	1,  // 8: aether.cni.v1.RemovePodResponse.result:type_name -> aether.cni.v1.RemovePodResponse.Result
+	16, // 9: aether.cni.v1.PluginTimings.started:type_name -> google.protobuf.Timestamp
+	17, // 10: aether.cni.v1.PluginTimings.pre_call:type_name -> google.protobuf.Duration
+	17, // 11: aether.cni.v1.PluginTimings.readiness_probe:type_name -> google.protobuf.Duration
+	17, // 12: aether.cni.v1.PluginTimings.capture_divert:type_name -> google.protobuf.Duration
+	17, // 13: aether.cni.v1.PluginTimings.total:type_name -> google.protobuf.Duration
+	8,  // 14: aether.cni.v1.ReportAddResultRequest.timings:type_name -> aether.cni.v1.PluginTimings
+	2,  // 15: aether.cni.v1.GetPodResponse.pod:type_name -> aether.cni.v1.CNIPod
+	8,  // 16: aether.cni.v1.GetPodResponse.last_timings:type_name -> aether.cni.v1.PluginTimings
+	17, // [17:17] is the sub-list for method output_type
+	17, // [17:17] is the sub-list for method input_type
+	17, // [17:17] is the sub-list for extension type_name
+	17, // [17:17] is the sub-list for extension extendee
+	0,  // [0:17] is the sub-list for field type_name
 }
 
 func init() { file_aether_cni_v1_cni_proto_init() }
@@ -1090,7 +1156,7 @@ func file_aether_cni_v1_cni_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_aether_cni_v1_cni_proto_rawDesc), len(file_aether_cni_v1_cni_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   12,
+			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

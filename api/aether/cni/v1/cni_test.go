@@ -36,6 +36,7 @@ func validPod() *cniv1.CNIPod {
 		UdsCsiVolume:     "mesh",
 		Volumes:          []string{"mesh", "data"},
 		UdsCsiVolumes:    1,
+		DeclaredPorts:    &cniv1.DeclaredPorts{Tcp: []uint32{8080, 15090}},
 	}
 }
 
@@ -56,6 +57,7 @@ func timings() *cniv1.PluginTimings {
 func TestRoundTrip(t *testing.T) {
 	msgs := []proto.Message{
 		validPod(),
+		&cniv1.DeclaredPorts{Tcp: []uint32{80, 443}},
 		&cniv1.AddPodRequest{Pod: validPod(), PluginTimings: timings()},
 		&cniv1.AddPodResponse{Result: cniv1.AddPodResponse_RESULT_IGNORED},
 		&cniv1.RemovePodRequest{Name: "web-0", Namespace: "shop", ContainerId: "abc", PluginTimings: timings()},
@@ -75,6 +77,7 @@ func TestCNIPodFieldNumbers(t *testing.T) {
 		"name": 1, "namespace": 2, "network_namespace": 3, "container_id": 4, "ips": 5,
 		"labels": 6, "annotations": 7, "pid": 8, "service_account": 9, "terminating": 10,
 		"uid": 11, "uds_csi_volume": 12, "volumes": 13, "uds_csi_volumes": 14,
+		"declared_ports": 15, // ours, appended
 	}
 	fields := (&cniv1.CNIPod{}).ProtoReflect().Descriptor().Fields()
 	if fields.Len() != len(want) {
@@ -143,6 +146,13 @@ func TestValidationRejectsMissingIdentity(t *testing.T) {
 	bad.Ips = []string{"10.0.0.300"}
 	if err := v.Validate(&cniv1.AddPodRequest{Pod: bad}); err == nil {
 		t.Error("an invalid IP was accepted")
+	}
+	for _, port := range []uint32{0, 65536} {
+		bad = validPod()
+		bad.DeclaredPorts = &cniv1.DeclaredPorts{Tcp: []uint32{80, port}}
+		if err := v.Validate(&cniv1.AddPodRequest{Pod: bad}); err == nil {
+			t.Errorf("declared port %d was accepted", port)
+		}
 	}
 	if err := v.Validate(&cniv1.RemovePodRequest{Name: "a", Namespace: "b"}); err == nil {
 		t.Error("RemovePod without container_id was accepted")
