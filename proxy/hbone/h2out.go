@@ -324,10 +324,14 @@ func handleFrame(h h2Handler, queue func([]byte), keep *h2Keepalive, f http2.Fra
 		if f.IsAck() {
 			return nil
 		}
-		if f.NumSettings() > maxSettings || f.HasDuplicates() {
+		if f.NumSettings() > maxSettings {
 			// As x/net's server: every entry is applied under the
 			// engine's lock (INITIAL_WINDOW_SIZE walks every stream).
-			return connErrorf(http2.ErrCodeProtocol, "SETTINGS with %d entries or duplicates: at most %d distinct allowed", f.NumSettings(), maxSettings)
+			// Duplicates within the cap are legal (RFC 9113 §6.5.3:
+			// the last value applies; h2spec http2/6.5.3/1), and cost
+			// at most maxSettings walks, so unlike x/net they are
+			// accepted.
+			return connErrorf(http2.ErrCodeProtocol, "SETTINGS with %d entries: at most %d allowed", f.NumSettings(), maxSettings)
 		}
 		return h.onSettings(f)
 	case *http2.WindowUpdateFrame:
