@@ -161,24 +161,32 @@ func (s sendSlots) tryTake() bool {
 	}
 }
 
-// give returns the tokens tryTake took.
+// give returns the tokens tryTake or acquire took.
 func (s sendSlots) give() {
 	<-s.node
 	<-s.src
 }
 
-// waitFree blocks until both have a free token (not taking them), or stop
-// is closed (false).
-func (s sendSlots) waitFree(stop <-chan struct{}) bool {
-	for _, ch := range []chan struct{}{s.src, s.node} {
-		select {
-		case ch <- struct{}{}:
-			<-ch
-		case <-stop:
-			return false
-		}
+// acquire takes a token of both, waiting for each (the source's first)
+// until it is free, or until stop is closed (false, nothing held). Tokens
+// given back go to the waiters in turn (a channel hands a waiting sender
+// the room a receive made). It does not probe for room with a send and a
+// receive: with other waiters blocked in their sends, that receive hands
+// the room to the next of them while the channel stays full, so the room
+// goes round the waiters and no tryTake ever gets it.
+func (s sendSlots) acquire(stop <-chan struct{}) bool {
+	select {
+	case s.src <- struct{}{}:
+	case <-stop:
+		return false
 	}
-	return true
+	select {
+	case s.node <- struct{}{}:
+		return true
+	case <-stop:
+		<-s.src
+		return false
+	}
 }
 
 // admitConn takes a connection slot of src; false when a cap is reached.

@@ -29,6 +29,9 @@ type h2Stream struct {
 	// Under c.mu: the send side.
 	sendWin int64
 	stopped bool // reset (either side) or the connection closed: no more frames
+	// held: the send-buffer tokens wait acquired, not yet used by take
+	// (the stream's copy goroutine only).
+	held bool
 
 	// Under mu: the receive side (client → upstream).
 	mu        sync.Mutex
@@ -92,6 +95,7 @@ func (st *h2Stream) serve() {
 		return
 	}
 	err = readChunks(up, frameHeaderLen, st, st.sendTaken)
+	st.dropHeld() // the copy ended between a wait and its take
 	if !st.isStopped() {
 		var b []byte
 		if err == nil {
@@ -341,8 +345,9 @@ func putPend(b *[]byte) {
 const maxSendBufs = 4
 
 // wait blocks, holding no buffer, until the client's windows are open and
-// a send buffer of the connection, of its source and of the node is free
-// (sendGate).
+// a send buffer of the connection is free, then takes (waiting in turn)
+// the tokens of a send buffer of its source and of the node, for the take
+// that follows (sendGate).
 func (st *h2Stream) wait() error {
 	c := st.c
 	c.mu.Lock()
@@ -351,26 +356,52 @@ func (st *h2Stream) wait() error {
 	}
 	stopped := st.stopped
 	c.mu.Unlock()
-	if stopped || !c.slots.waitFree(st.ctx.Done()) {
+	if stopped {
+		st.dropHeld()
 		return errStreamStopped
+	}
+	if !st.held {
+		if !c.slots.acquire(st.ctx.Done()) {
+			return errStreamStopped
+		}
+		st.held = true
 	}
 	return nil
 }
 
 // take reserves up to limit bytes of the client's windows and a send
-// buffer (sendGate); 0 when there is none now.
+// buffer (sendGate), with the tokens wait took or, without them, tokens
+// free now; 0 when there is none now (the tokens held go back: a stream
+// that cannot send does not hold them).
 func (st *h2Stream) take(limit int) int {
 	c := st.c
 	c.mu.Lock()
-	defer c.mu.Unlock()
-	if st.stopped || st.sendWin <= 0 || c.sendConn <= 0 || c.sendBufs >= maxSendBufs || !c.slots.tryTake() {
+	ok := !st.stopped && st.sendWin > 0 && c.sendConn > 0 && c.sendBufs < maxSendBufs
+	if ok && !st.held {
+		ok = c.slots.tryTake()
+	} else if ok {
+		st.held = false
+	}
+	if !ok {
+		c.mu.Unlock()
+		st.dropHeld()
 		return 0
 	}
 	m := int(min(int64(limit), st.sendWin, c.sendConn))
 	st.sendWin -= int64(m)
 	c.sendConn -= int64(m)
 	c.sendBufs++
+	c.mu.Unlock()
 	return m
+}
+
+// dropHeld gives back the tokens wait took and no take used (the
+// stream's copy goroutine only).
+func (st *h2Stream) dropHeld() {
+	if st.held {
+		st.held = false
+		st.c.slots.give()
+	}
 }
 
 // back returns n bytes of window take reserved and not sent, and the send
