@@ -290,6 +290,9 @@ current-context: test
 	}
 	a.waitReady(t)
 	eventually(t, "the not-ready taint removed", func() bool { return slices.Equal(taints(), survivors) })
+	// The agent logs the removal after the API server answered it: wait
+	// for the line too before reading the order.
+	eventually(t, "the taint removal logged", func() bool { return a.logs.find("removed node taint") != nil })
 	// Lifecycle order: node_gate starts after cni_socket; the taint goes
 	// after the agent is ready.
 	var order []string
