@@ -118,12 +118,12 @@ type Registry struct {
 	// Register succeeded (or is in flight) and that were not deregistered.
 	local map[string]localEntry
 	gen   uint64 // last localEntry.gen handed out
-	// writing holds a channel per key with a write in flight (Register,
-	// Deregister or the re-registration after a lease loss), closed when
-	// it ends: writes of one key reach etcd one at a time, so a Put the
-	// client keeps retrying across a partition cannot land after the
-	// Delete that followed it (see lockKey).
-	writing map[string]chan struct{}
+	// writing holds a mark per key with a write in flight (Register,
+	// Deregister or the re-registration after a lease loss), its channel
+	// closed when it ends: writes of one key reach etcd one at a time, so
+	// a Put the client keeps retrying across a partition cannot land
+	// after the Delete that followed it (see lockKey).
+	writing map[string]*writeMark
 	// fences holds what this node knows of its keys in etcd (see fence);
 	// a key is absent when unknown. Read and written with the key's write
 	// mark held.
@@ -133,6 +133,21 @@ type Registry struct {
 	rejected atomic.Uint64
 	warnMu   sync.Mutex
 	warned   map[string]struct{} // etcd keys whose rejection was logged
+}
+
+// writeMark is a write of one key in flight (see lockKey).
+type writeMark struct {
+	done chan struct{} // closed when the write ends
+	// cancel ends the context of a put (Register, or the re-registration
+	// after a lease loss); nil for a delete or a sweep. Withdraw calls it:
+	// the Deregister that follows then sends its fenced delete at once
+	// instead of waiting, behind this mark, for a put stalled on a member
+	// that etcd cannot reach (a partitioned leader). If etcd applies that
+	// put later, its fence fails (the delete and the tombstone changed
+	// both revisions) and it does nothing.
+	cancel context.CancelFunc
+	// withdrawn: Withdraw ended this put. mu is held.
+	withdrawn bool
 }
 
 // localEntry is one endpoint of this node; gen tells a failed Register
@@ -259,7 +274,7 @@ func newRegistry(cli *clientv3.Client, opts Options) *Registry {
 	r := &Registry{
 		cli: cli, node: opts.Node, prefix: opts.Prefix, tombPrefix: tombPrefixOf(opts.Prefix), ttl: ttl, tombTTL: opts.TombstoneTTL, log: log,
 		ctx: ctx, cancel: cancel, grant: make(chan struct{}, 1), local: make(map[string]localEntry),
-		writing: make(map[string]chan struct{}), fences: make(map[string]fence), warned: make(map[string]struct{}),
+		writing: make(map[string]*writeMark), fences: make(map[string]fence), warned: make(map[string]struct{}),
 	}
 	r.wg.Add(1)
 	go r.sweepTombstones()
@@ -315,27 +330,55 @@ func (r *Registry) forget(etcdKey string) {
 // lockKey waits until no other write of key is in flight, or ctx ends,
 // and marks one; the returned func ends it. mu is not held.
 func (r *Registry) lockKey(ctx context.Context, key string) (unlock func(), err error) {
+	_, unlock, err = r.markKey(ctx, key, nil)
+	return unlock, err
+}
+
+// lockPut is lockKey for a put: it returns the put's context, which
+// Withdraw of key cancels (see writeMark), and the mark, whose withdrawn
+// tells the put why it failed. The returned func ends the mark and
+// releases the context.
+func (r *Registry) lockPut(ctx context.Context, key string) (context.Context, *writeMark, func(), error) {
+	pctx, cancel := context.WithCancel(ctx)
+	m, unlock, err := r.markKey(ctx, key, cancel)
+	if err != nil {
+		cancel()
+		return nil, nil, nil, err
+	}
+	return pctx, m, func() { unlock(); cancel() }, nil
+}
+
+// markKey waits until key has no write mark, or ctx ends, and sets one
+// with cancel (nil for a write that Withdraw does not end).
+func (r *Registry) markKey(ctx context.Context, key string, cancel context.CancelFunc) (*writeMark, func(), error) {
 	for {
 		r.mu.Lock()
 		busy, ok := r.writing[key]
 		if !ok {
-			done := make(chan struct{})
-			r.writing[key] = done
+			m := &writeMark{done: make(chan struct{}), cancel: cancel}
+			r.writing[key] = m
 			r.mu.Unlock()
-			return func() {
+			return m, func() {
 				r.mu.Lock()
 				delete(r.writing, key)
 				r.mu.Unlock()
-				close(done)
+				close(m.done)
 			}, nil
 		}
 		r.mu.Unlock()
 		select {
-		case <-busy:
+		case <-busy.done:
 		case <-ctx.Done():
-			return nil, fmt.Errorf("failed to write endpoint %q: another write of it is in flight: %w", key, ctx.Err())
+			return nil, nil, fmt.Errorf("failed to write endpoint %q: another write of it is in flight: %w", key, ctx.Err())
 		}
 	}
+}
+
+// wasWithdrawn reports whether Withdraw ended the put of mark m.
+func (r *Registry) wasWithdrawn(m *writeMark) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return m.withdrawn
 }
 
 // Register writes ep under this node with the node's lease.
@@ -347,7 +390,7 @@ func (r *Registry) Register(ctx context.Context, ep registry.Endpoint) error {
 	if err != nil {
 		return fmt.Errorf("failed to encode endpoint %q: %w", ep.Key, err)
 	}
-	unlock, err := r.lockKey(ctx, ep.Key)
+	pctx, mark, unlock, err := r.lockPut(ctx, ep.Key)
 	if err != nil {
 		return err
 	}
@@ -363,14 +406,21 @@ func (r *Registry) Register(ctx context.Context, ep registry.Endpoint) error {
 	}
 	r.local[ep.Key] = localEntry{ep: ep, gen: gen, prev: prev}
 	r.mu.Unlock()
-	err = r.put(ctx, ep, val, gen)
+	err = r.put(pctx, ep, val, gen)
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if mark.withdrawn && err != nil {
+		err = fmt.Errorf("failed to register endpoint %q: %w", ep.Key, errWithdrawn)
+	}
 	cur, ok := r.local[ep.Key]
 	if !ok || cur.gen != gen {
 		return err // deregistered or registered again meanwhile
 	}
 	switch {
+	case mark.withdrawn:
+		// Withdrawn after this call took the mark, before it put its
+		// entry in: no re-grant may write the key back.
+		delete(r.local, ep.Key)
 	case err == nil:
 		committed := ep
 		r.local[ep.Key] = localEntry{ep: ep, gen: gen, prev: &committed}
@@ -417,12 +467,18 @@ func (r *Registry) put(ctx context.Context, ep registry.Endpoint, val []byte, ge
 }
 
 // Withdraw forgets key locally: no lease re-grant writes it back, and a
-// Register of it in flight makes no further attempt (see put). A write of
-// the key already sent may still land; the Deregister that follows is
-// ordered after it by the key's write lock.
+// put of it in flight (Register, or the re-registration after a lease
+// loss) is cancelled, so it makes no further attempt and the Deregister
+// that follows need not wait for it (see writeMark). A put already sent
+// may still land, before that Deregister's delete (which then deletes it)
+// or after it (then its fence fails and it does nothing).
 func (r *Registry) Withdraw(key string) {
 	r.mu.Lock()
 	delete(r.local, key)
+	if m := r.writing[key]; m != nil && m.cancel != nil {
+		m.withdrawn = true
+		m.cancel()
+	}
 	r.mu.Unlock()
 }
 
@@ -642,7 +698,7 @@ func (r *Registry) reRegister() error {
 // reRegisterKey puts key's local endpoint with lease, its write lock held,
 // unless it was deregistered meanwhile.
 func (r *Registry) reRegisterKey(ctx context.Context, key string, lease clientv3.LeaseID) error {
-	unlock, err := r.lockKey(ctx, key)
+	pctx, mark, unlock, err := r.lockPut(ctx, key)
 	if err != nil {
 		return err
 	}
@@ -657,8 +713,11 @@ func (r *Registry) reRegisterKey(ctx context.Context, key string, lease clientv3
 	if err != nil {
 		return fmt.Errorf("failed to encode endpoint %q: %w", key, err)
 	}
-	rev, err := r.fencedWrite(ctx, key, clientv3.OpPut(r.key(key), string(val), clientv3.WithLease(lease)), clientv3.OpDelete(r.tombKey(key)))
+	rev, err := r.fencedWrite(pctx, key, clientv3.OpPut(r.key(key), string(val), clientv3.WithLease(lease)), clientv3.OpDelete(r.tombKey(key)))
 	if err != nil {
+		if r.wasWithdrawn(mark) {
+			return nil // deregistered meanwhile: nothing to write back
+		}
 		return fmt.Errorf("failed to register endpoint %q again: %w", key, err)
 	}
 	r.setFence(key, fence{ep: rev})

@@ -25,6 +25,7 @@ type lateKV struct {
 	clientv3.KV
 	mu        sync.Mutex
 	holdNext  bool
+	stallNext bool
 	held      []func() error
 	interfere func() // run before every write is sent, when set
 }
@@ -34,6 +35,52 @@ func (l *lateKV) hold() {
 	l.mu.Lock()
 	l.holdNext = true
 	l.mu.Unlock()
+}
+
+// stall makes the next transaction stalled: sent but not answered (a
+// member cut off by a partition, its TCP connection not yet broken). It is
+// applied, and answered if its caller still waits, when the test releases
+// it; a caller whose context ends first gets the context's error.
+func (l *lateKV) stall() {
+	l.mu.Lock()
+	l.stallNext = true
+	l.mu.Unlock()
+}
+
+// stalled reports whether a write waits for release.
+func (l *lateKV) stalled() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.held) > 0
+}
+
+// stallWrite holds commit if the next write is to stall, and then returns
+// its result or ctx's error, whichever comes first; ok is false when the
+// write does not stall.
+func (l *lateKV) stallWrite(ctx context.Context, commit func(context.Context) (*clientv3.TxnResponse, error)) (resp *clientv3.TxnResponse, ok bool, err error) {
+	type result struct {
+		resp *clientv3.TxnResponse
+		err  error
+	}
+	l.mu.Lock()
+	if !l.stallNext {
+		l.mu.Unlock()
+		return nil, false, nil
+	}
+	l.stallNext = false
+	res := make(chan result, 1)
+	l.held = append(l.held, func() error {
+		resp, err := commit(context.Background())
+		res <- result{resp, err}
+		return err
+	})
+	l.mu.Unlock()
+	select {
+	case r := <-res:
+		return r.resp, true, r.err
+	case <-ctx.Done():
+		return nil, true, ctx.Err()
+	}
 }
 
 // write sends apply now, or holds it.
@@ -117,6 +164,9 @@ func (t *lateTxn) commit(ctx context.Context) (*clientv3.TxnResponse, error) {
 func (t *lateTxn) Commit() (*clientv3.TxnResponse, error) {
 	if len(t.thenOps) == 0 && len(t.elseOps) == 0 {
 		return t.commit(t.ctx) // a read
+	}
+	if resp, ok, err := t.l.stallWrite(t.ctx, t.commit); ok {
+		return resp, err
 	}
 	if err := t.l.write(func(ctx context.Context) error { _, err := t.commit(ctx); return err }); err != nil {
 		return nil, err
@@ -388,5 +438,73 @@ func TestTombstoneAlwaysLeased(t *testing.T) {
 	resp, err := a2.cli.Get(ctx, a2.tombKey(k2))
 	if err != nil || len(resp.Kvs) != 0 {
 		t.Fatalf("tombstone after its lease ended: %v, %v", resp.Kvs, err)
+	}
+}
+
+// TestDeregisterDoesNotWaitOutAStalledPut is the race test/multinode
+// partition_leader found: the lease was lost, and the re-registration's
+// put went to the partitioned leader, where it stalled (sent, not
+// answered) holding the key's write mark; the pod turned terminating, and
+// its Deregister waited behind that mark until its deadline and sent
+// nothing; the partition healed, the stalled put was applied (HEALTHY)
+// and every other agent served the terminating pod again until the retry
+// of the Deregister deleted it. Withdraw now cancels the stalled put: the
+// Deregister sends its fenced delete at once, and the put, applied later,
+// finds the fence changed and does nothing. The same holds for a
+// Register in flight (the agent's own registration of the pod).
+func TestDeregisterDoesNotWaitOutAStalledPut(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		put  func(r *Registry, key string) error
+	}{
+		{"re-registration after a lease loss", func(r *Registry, key string) error {
+			return r.reRegisterKey(context.Background(), key, r.currentLease())
+		}},
+		{"Register", func(r *Registry, key string) error {
+			return r.Register(context.Background(), ep("node-a", 1))
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := etcdtest.Start(t)
+			a, l, raw := withLateKV(t, e)
+			ctx := context.Background()
+			key := ep("node-a", 1).Key
+			if err := a.Register(ctx, ep("node-a", 1)); err != nil {
+				t.Fatal(err)
+			}
+			l.stall()
+			putDone := make(chan error, 1)
+			go func() { putDone <- tc.put(a, key) }()
+			for !l.stalled() {
+				time.Sleep(time.Millisecond)
+			}
+			// The pod turns terminating (agent/pods MarkTerminating:
+			// Withdraw, then Deregister with its write budget). The
+			// budget only bounds a wait that must not happen: with
+			// the put stalled for good, a Deregister that waits for
+			// it fails at this deadline.
+			a.Withdraw(key)
+			dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			err := a.Deregister(dctx, key)
+			cancel()
+			if err != nil {
+				t.Errorf("Deregister behind the stalled put: %v", err)
+			}
+			if got, ok := inEtcd(t, raw, key); ok {
+				t.Errorf("after the Deregister etcd holds %+v", got)
+			}
+			// The partition heals: etcd applies the stalled put.
+			l.release(t)
+			<-putDone
+			if got, ok := inEtcd(t, raw, key); ok {
+				t.Fatalf("the stalled put landed after the Deregister: etcd holds %+v", got)
+			}
+			a.mu.Lock()
+			_, local := a.local[key]
+			a.mu.Unlock()
+			if local {
+				t.Error("the withdrawn key is back among the endpoints a lease re-grant writes")
+			}
+		})
 	}
 }
