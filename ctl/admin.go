@@ -6,7 +6,7 @@ import (
 	"io"
 	"strings"
 
-	"aether.io/node/agent/adminapi"
+	"aether.io/node/pkg/adminapi"
 )
 
 // adminFlags are the flags shared by the subcommands that read the

@@ -11,7 +11,7 @@ import (
 	"strings"
 	"time"
 
-	"aether.io/node/agent/adminapi"
+	"aether.io/node/pkg/adminapi"
 	"aether.io/node/pkg/meshcontract"
 )
 

@@ -15,7 +15,7 @@ import (
 	"testing"
 	"time"
 
-	"aether.io/node/agent/adminapi"
+	"aether.io/node/pkg/adminapi"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden files in testdata/")

@@ -7,7 +7,7 @@ import (
 	"io"
 	"strings"
 
-	"aether.io/node/agent/adminapi"
+	"aether.io/node/pkg/adminapi"
 )
 
 // RunPods is `aetherctl pods`: every record the agent stores, with its

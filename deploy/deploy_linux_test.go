@@ -22,7 +22,6 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	storagev1 "k8s.io/api/storage/v1"
 
-	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/app"
 	"aether.io/node/agent/identity"
 	"aether.io/node/agent/identity/identitytest"
@@ -32,6 +31,7 @@ import (
 	"aether.io/node/deploy/chart"
 	"aether.io/node/enivlan/config"
 	"aether.io/node/meshcni"
+	"aether.io/node/pkg/adminapi"
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/test/harness"
 	"aether.io/node/tools/image/oci"

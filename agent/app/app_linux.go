@@ -19,7 +19,6 @@ import (
 	"go.opentelemetry.io/otel/trace/noop"
 	"k8s.io/client-go/kubernetes"
 
-	"aether.io/node/agent/adminapi"
 	adminhandler "aether.io/node/agent/adminapi/handler"
 	"aether.io/node/agent/cniserver"
 	"aether.io/node/agent/identity"
@@ -30,6 +29,7 @@ import (
 	"aether.io/node/agent/podsource/manifests"
 	"aether.io/node/agent/store"
 	"aether.io/node/agent/telemetry"
+	"aether.io/node/pkg/adminapi"
 	"aether.io/node/pkg/lifecycle"
 	"aether.io/node/pkg/unixsock"
 	"aether.io/node/registry"

@@ -19,11 +19,11 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
-	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/identity/identitytest"
 	"aether.io/node/agent/store"
 	cniv1 "aether.io/node/api/aether/cni/v1"
 	"aether.io/node/api/aether/cni/v1/cniv1grpc"
+	"aether.io/node/pkg/adminapi"
 	"aether.io/node/xds/resource"
 )
 

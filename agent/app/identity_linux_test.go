@@ -16,10 +16,10 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
-	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/identity/identitytest"
 	cniv1 "aether.io/node/api/aether/cni/v1"
 	"aether.io/node/api/aether/cni/v1/cniv1grpc"
+	"aether.io/node/pkg/adminapi"
 	proxyidentity "aether.io/node/proxy/identity"
 )
 

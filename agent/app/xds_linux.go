@@ -146,7 +146,7 @@ func (l *listenerSync) spiffeID(p *cniv1.CNIPod) string {
 		return ""
 	}
 	a := identity.AccountOf(p.GetNamespace(), p.GetServiceAccount())
-	return "spiffe://" + l.trustDomain + "/ns/" + a.Namespace + "/sa/" + a.ServiceAccount
+	return meshcontract.SPIFFEID(l.trustDomain, a.Namespace, a.ServiceAccount)
 }
 
 func (l *listenerSync) build(p *cniv1.CNIPod) ([]*listenerv3.Listener, error) {

@@ -8,6 +8,7 @@ import (
 	"sync"
 
 	"aether.io/node/api/istio/workload"
+	"aether.io/node/pkg/meshcontract"
 )
 
 // Peer is the metadata a connection end is labelled with. The zero value
@@ -58,7 +59,7 @@ func peerOf(w *workload.Workload) Peer {
 		if sa == "" {
 			sa = "default"
 		}
-		p.Identity = "spiffe://" + td + "/ns/" + w.GetNamespace() + "/sa/" + sa
+		p.Identity = meshcontract.SPIFFEID(td, w.GetNamespace(), sa)
 	}
 	return p
 }

@@ -23,9 +23,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
-	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/uds"
 	workloadpb "aether.io/node/api/istio/workload"
+	"aether.io/node/pkg/adminapi"
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/proxy/telemetry"
 	"aether.io/node/test/kubetest"

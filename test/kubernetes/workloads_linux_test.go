@@ -23,9 +23,9 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
-	"aether.io/node/agent/adminapi"
 	"aether.io/node/meshcni/capture"
 	"aether.io/node/meshcni/readiness"
+	"aether.io/node/pkg/adminapi"
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/test/harness"
 	"aether.io/node/test/kubetest"

@@ -12,10 +12,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
-	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/cniserver"
 	"aether.io/node/agent/identity"
 	"aether.io/node/agent/pods"
+	"aether.io/node/pkg/adminapi"
 	"aether.io/node/pkg/meshcontract"
 )
 

@@ -20,11 +20,11 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
-	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/cniserver"
 	"aether.io/node/agent/pods"
 	"aether.io/node/agent/store"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/pkg/adminapi"
 	"aether.io/node/registry"
 )
 

@@ -9,9 +9,9 @@ import (
 
 	"google.golang.org/protobuf/types/known/durationpb"
 
-	"aether.io/node/agent/adminapi"
 	"aether.io/node/agent/pods"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/pkg/adminapi"
 )
 
 // View renders a pod state as the admin API returns it.
