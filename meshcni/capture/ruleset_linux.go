@@ -29,7 +29,7 @@ const (
 	DefaultInboundPort = meshcontract.InboundPort
 	// DefaultHBONEPort is the proxy's HBONE listener in the pod
 	// (proxy/hbone.DefaultPort): inbound HBONE is never redirected.
-	DefaultHBONEPort = 15008
+	DefaultHBONEPort = meshcontract.HBONEPort
 	// DefaultBypassMark is the SO_MARK the proxy puts on its own upstream
 	// sockets; packets carrying it are never diverted.
 	DefaultBypassMark = meshcontract.BypassMark

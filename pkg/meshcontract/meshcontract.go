@@ -19,6 +19,10 @@ const (
 	CapturePort = 18001
 	// InboundPort is the proxy's inbound listener; it is never diverted.
 	InboundPort = 18008
+	// HBONEPort is every mesh pod's HBONE listener (Istio's port, for
+	// interop): the proxy serves and dials it (proxy/hbone.DefaultPort) and
+	// the capture never redirects it (meshcni/capture.DefaultHBONEPort).
+	HBONEPort = 15008
 	// ReadinessPath is the readiness endpoint aether-cni probes: 200 only
 	// while the pod's listeners are served, 503 while draining.
 	ReadinessPath = "/aether/readyz"

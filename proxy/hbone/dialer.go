@@ -12,10 +12,13 @@ import (
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+
+	"aether.io/node/pkg/meshcontract"
 )
 
-// DefaultPort is the HBONE port of every mesh pod.
-const DefaultPort = 15008
+// DefaultPort is the HBONE port of every mesh pod (meshcontract.HBONEPort,
+// which aether-cni's capture exempts from redirection).
+const DefaultPort = meshcontract.HBONEPort
 
 // DialerConfig configures a Dialer. Certs is required; a zero limit takes
 // its Default.
