@@ -86,12 +86,15 @@ type retry struct {
 // never makes AddPod or RemovePod miss their deadline. What such a write
 // could not finish, the liveness loop completes: an unregistered live
 // record is registered on the next tick, a failed deregistration joins the
-// retry set.
+// retry set. The margin is a quarter of what is left, at most a second:
+// the rest of the call (the record, the reply, the plugin's read) must fit
+// in it on a loaded node too (a tenth, at most 250 ms, was too thin at load
+// 10: an AddPod during an etcd outage missed aether-cni's 2 s deadline).
 func writeContext(ctx context.Context) (context.Context, context.CancelFunc) {
 	d := writeTimeout
 	if dl, ok := ctx.Deadline(); ok {
 		left := time.Until(dl)
-		d = min(d, left-min(left/10, 250*time.Millisecond))
+		d = min(d, left-min(left/4, time.Second))
 	}
 	return context.WithTimeout(context.WithoutCancel(ctx), d)
 }

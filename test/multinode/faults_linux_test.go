@@ -366,7 +366,7 @@ const registryWriteTimeout = 5 * time.Second
 
 // checkAddBound checks that no ADD waited for etcd. With add_attempts 1 a
 // successful ADD already means AddPod returned within aether-cni's one
-// attempt (agentTimeout, which also cuts the agent's registry write to 90%
+// attempt (agentTimeout, which also cuts the agent's registry write to 75%
 // of it); on top, the whole chain (bridge, host-local, aether-cni) must
 // stay below the agent's registry write timeout: a pod start never waits
 // out a registry write, whatever etcd does.
