@@ -115,6 +115,11 @@ func xnetServer(b *testing.B, e *env) netip.AddrPort {
 	})
 }
 
+// xnetBufs are xnetConnect's copy buffers, pooled as our server's are (a
+// new 256 KiB pair per stream would cost BenchmarkHBONEConnect's
+// xnet-server the zeroing and the garbage of 512 KiB per iteration).
+var xnetBufs = sync.Pool{New: func() any { b := make([]byte, floorBuf); return &b }}
+
 // xnetConnect is xnetServer's CONNECT handler.
 func xnetConnect(w http.ResponseWriter, r *http.Request) {
 	target, err := netip.ParseAddrPort(r.Host)
@@ -134,11 +139,15 @@ func xnetConnect(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	go func() {
+		in := xnetBufs.Get().(*[]byte)
+		defer xnetBufs.Put(in)
 		// Not io.CopyBuffer(up, ...): TCPConn.ReadFrom would copy in 32 KiB.
-		_, _ = io.CopyBuffer(struct{ io.Writer }{up}, r.Body, make([]byte, floorBuf))
+		_, _ = io.CopyBuffer(struct{ io.Writer }{up}, r.Body, *in)
 		_ = up.(*net.TCPConn).CloseWrite()
 	}()
-	buf := make([]byte, floorBuf)
+	out := xnetBufs.Get().(*[]byte)
+	defer xnetBufs.Put(out)
+	buf := *out
 	for {
 		n, err := up.Read(buf)
 		if n > 0 {
