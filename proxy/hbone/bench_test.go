@@ -5,13 +5,16 @@ import (
 	"crypto/tls"
 	"io"
 	"net"
+	"net/http"
 	"net/netip"
+	"os"
 	"slices"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffetls/tlsconfig"
+	"golang.org/x/net/http2"
 
 	"aether.io/node/proxy/hbone"
 	"aether.io/node/proxy/hbone/hbonetest"
@@ -41,19 +44,26 @@ func benchDial(b *testing.B, mode string, d *hbone.Dialer, proxy, dst netip.Addr
 // mTLS tunnel of this shape pays (the same TLS 1.3 handshake and cipher
 // suite, one TLS connection to a relay that copies to the app with
 // io.CopyBuffer; no HTTP/2), so the ratio to direct can be read against
-// what user-space TLS over these two hops allows on the machine.
+// what user-space TLS over these two hops allows on the machine. A fourth,
+// xnet-server, is printed too: the same Dialer, TLS config, certificates
+// and record batcher as ours, with x/net's HTTP/2 server in place of our
+// server's engine (xnetServer), to see what the engine itself buys.
 func BenchmarkHBONEThroughput(b *testing.B) {
 	e := newEnv(b, nil)
 	d := hbonetest.NewDialer(b, e.certs)
 	dst := hbonetest.Sink(b)
 	floor := tlsFloor(b, e, dst)
+	xnet := xnetServer(b, e)
 	chunk := make([]byte, 256<<10)
-	for _, mode := range []string{"ours", "peer", "floor"} {
+	for _, mode := range benchModes("ours", "peer", "floor", "xnet-server") {
 		b.Run(mode, func(b *testing.B) {
 			var c net.Conn
-			if mode == "floor" {
+			switch mode {
+			case "floor":
 				c = floor(b)
-			} else {
+			case "xnet-server":
+				c = benchDial(b, "ours", d, xnet, dst)
+			default:
 				c = benchDial(b, mode, d, e.proxy, dst)
 			}
 			defer c.Close()
@@ -62,8 +72,97 @@ func BenchmarkHBONEThroughput(b *testing.B) {
 	}
 }
 
+// benchModes returns modes, reversed when HBONE_BENCH_REVERSE is set: an
+// A/B of alternated rounds flips the order of the sub-benchmarks per round
+// so that neither always runs first (warm caches, the pool, other load).
+func benchModes(modes ...string) []string {
+	if os.Getenv("HBONE_BENCH_REVERSE") != "" {
+		slices.Reverse(modes)
+	}
+	return modes
+}
+
 // floorBuf is the floor relay's copy buffer, as the proxies' large reads.
 const floorBuf = 256 << 10
+
+// xnetServer starts the xnet-server peer: e.srv's mTLS handshake over the
+// same record batcher (hbone.ServerTLSConn), then golang.org/x/net/http2's
+// Server with our server's limits (frame size, windows, streams) and a
+// CONNECT handler that does what our server's delivery does: dial the
+// target, answer 200, copy the stream to the upstream (half-closing it at
+// the stream's end) and the upstream to the stream in reads of up to 256
+// KiB, flushing after each write as a tunnel must; the stream ends when
+// the upstream does. It returns the server's address. x/net marks its
+// Server deprecated in favour of net/http's; with Go 1.26 ServeConn still
+// runs x/net's own engine (from Go 1.27 it wraps net/http's).
+//
+//nolint:staticcheck // SA1019: x/net's server is the peer being measured
+func xnetServer(b *testing.B, e *env) netip.AddrPort {
+	b.Helper()
+	h2 := &http2.Server{
+		MaxConcurrentStreams:         hbone.DefaultMaxConcurrentStreams,
+		MaxReadFrameSize:             hbone.DefaultMaxFrameSize,
+		MaxUploadBufferPerStream:     hbone.DefaultStreamWindow,
+		MaxUploadBufferPerConnection: hbone.DefaultConnWindow,
+	}
+	opts := &http2.ServeConnOpts{Handler: http.HandlerFunc(xnetConnect)}
+	return hbonetest.Serve(b, func(c net.Conn) {
+		hc, err := hbone.ServerTLSConn(e.srv, c)
+		if err != nil {
+			return
+		}
+		h2.ServeConn(hc, opts)
+	})
+}
+
+// xnetBufs are xnetConnect's copy buffers, pooled as our server's are (a
+// new 256 KiB pair per stream would cost BenchmarkHBONEConnect's
+// xnet-server the zeroing and the garbage of 512 KiB per iteration).
+var xnetBufs = sync.Pool{New: func() any { b := make([]byte, floorBuf); return &b }}
+
+// xnetConnect is xnetServer's CONNECT handler.
+func xnetConnect(w http.ResponseWriter, r *http.Request) {
+	target, err := netip.ParseAddrPort(r.Host)
+	if r.Method != http.MethodConnect || err != nil {
+		w.WriteHeader(http.StatusBadRequest)
+		return
+	}
+	up, err := net.Dial("tcp", target.String())
+	if err != nil {
+		w.WriteHeader(http.StatusServiceUnavailable)
+		return
+	}
+	defer up.Close()
+	rc := http.NewResponseController(w)
+	w.WriteHeader(http.StatusOK)
+	if err := rc.Flush(); err != nil {
+		return
+	}
+	go func() {
+		in := xnetBufs.Get().(*[]byte)
+		defer xnetBufs.Put(in)
+		// Not io.CopyBuffer(up, ...): TCPConn.ReadFrom would copy in 32 KiB.
+		_, _ = io.CopyBuffer(struct{ io.Writer }{up}, r.Body, *in)
+		_ = up.(*net.TCPConn).CloseWrite()
+	}()
+	out := xnetBufs.Get().(*[]byte)
+	defer xnetBufs.Put(out)
+	buf := *out
+	for {
+		n, err := up.Read(buf)
+		if n > 0 {
+			if _, werr := w.Write(buf[:n]); werr != nil {
+				return
+			}
+			if rc.Flush() != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
 
 // tlsFloor starts the floor relay of BenchmarkHBONEThroughput in front of
 // dst and returns how to open a connection to it: TLS 1.3 with HBONE's
@@ -143,14 +242,23 @@ func BenchmarkHBONEConnect(b *testing.B) {
 	dst := hbonetest.Echo(b)
 	warm := benchDial(b, "ours", d, e.proxy, dst) // the pooled connection
 	defer warm.Close()
-	for _, mode := range []string{"ours", "peer"} {
+	// xnet-server (printed, not judged): the same through x/net's server
+	// (xnetServer), on a Dialer of its own with its own warm connection.
+	xnet, xd := xnetServer(b, e), hbonetest.NewDialer(b, e.certs)
+	xwarm := benchDial(b, "ours", xd, xnet, dst)
+	defer xwarm.Close()
+	for _, mode := range benchModes("ours", "peer", "xnet-server") {
 		b.Run(mode, func(b *testing.B) {
 			lat := make([]time.Duration, 0, b.N)
 			one := []byte{1}
+			dial := func() net.Conn { return benchDial(b, mode, d, e.proxy, dst) }
+			if mode == "xnet-server" {
+				dial = func() net.Conn { return benchDial(b, "ours", xd, xnet, dst) }
+			}
 			b.ResetTimer()
 			for range b.N {
 				start := time.Now()
-				c := benchDial(b, mode, d, e.proxy, dst)
+				c := dial()
 				if _, err := c.Write(one); err != nil {
 					b.Fatal(err)
 				}
@@ -169,6 +277,9 @@ func BenchmarkHBONEConnect(b *testing.B) {
 			b.ReportMetric(float64(lat[len(lat)*99/100].Nanoseconds()), "p99-ns")
 			if mode == "ours" && d.Stats().ConnsOpened != 1 {
 				b.Fatalf("connections = %d, want the one pooled", d.Stats().ConnsOpened)
+			}
+			if mode == "xnet-server" && xd.Stats().ConnsOpened != 1 {
+				b.Fatalf("connections to x/net's server = %d, want the one pooled", xd.Stats().ConnsOpened)
 			}
 		})
 	}

@@ -1,8 +1,10 @@
 package hbone
 
 import (
+	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"net"
 )
 
 // AcceptClientsWithoutCert lets s complete TLS handshakes with clients that
@@ -20,4 +22,19 @@ func AcceptClientsWithoutCert(s *Server) {
 		}
 		return verify(raw, chains)
 	}
+}
+
+// ServerTLSConn runs s's mTLS handshake (its TLS config and certificates)
+// on c over the record batcher s's own connections use, with its batched
+// socket reads on (nothing to write before a read: beforeRead is a no-op),
+// and returns the TLS connection, each Write of which is one write(2).
+// Benchmark only: BenchmarkHBONEThroughput's xnet-server peer serves
+// x/net's HTTP/2 server on it, so that only the HTTP/2 engine differs.
+func ServerTLSConn(s *Server, c net.Conn) (net.Conn, error) {
+	raw := &recordBatcher{Conn: c, beforeRead: func() {}}
+	hc, err := handshake(context.Background(), raw, tls.Server(raw, s.tls))
+	if err != nil {
+		return nil, err
+	}
+	return hc, nil
 }
