@@ -328,8 +328,10 @@ func runTLSScript(t *testing.T, certs hbone.Certs, clientTLS *tls.Config, in []b
 			}
 			f, err := fr.ReadFrame()
 			if err != nil {
+				// The end, or a close mid-frame (a write that timed
+				// out); a frame that does not parse is an error.
 				var ne net.Error
-				if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) && !errors.Is(err, io.ErrClosedPipe) && !errors.As(err, &ne) &&
+				if !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, net.ErrClosed) && !errors.Is(err, io.ErrClosedPipe) && !errors.As(err, &ne) &&
 					!strings.Contains(err.Error(), "use of closed") {
 					parseErr = err
 				}
