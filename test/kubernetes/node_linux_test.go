@@ -3,7 +3,9 @@ package kubernetes_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"os"
 	"path/filepath"
@@ -76,9 +78,25 @@ type node struct {
 func (n *node) hostPath(p string) string { return filepath.Join(n.base, "host", p) }
 
 // recordKernelSettings reads every setting in kernelSettings now and
-// restores the ones that changed in tb.Cleanup; changes are logged.
+// restores the ones that changed in tb.Cleanup; changes are logged. A lane
+// killed before its cleanup (SIGKILL, a go test timeout) cannot restore
+// them, and the next lane would record kubelet's values as the host's: so
+// the originals are also written to kernelSettingsFile before kubelet
+// starts, a leftover file (a killed lane) is restored from first, and the
+// file is removed once the settings are back.
 func recordKernelSettings(tb testing.TB) {
 	tb.Helper()
+	file := kernelSettingsFile()
+	if b, err := os.ReadFile(file); err == nil {
+		var left map[string]string
+		if err := json.Unmarshal(b, &left); err != nil {
+			tb.Fatalf("failed to read the kernel settings a killed lane left in %q: %v (fix: restore them by hand and remove the file)", file, err)
+		}
+		tb.Logf("a previous lane was killed before restoring the kernel settings: restoring them from %s", file)
+		restoreKernelSettings(tb, left)
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		tb.Fatalf("failed to read %q: %v", file, err)
+	}
 	before := map[string]string{}
 	for _, k := range kernelSettings {
 		b, err := os.ReadFile(filepath.Join("/proc/sys", k))
@@ -87,22 +105,53 @@ func recordKernelSettings(tb testing.TB) {
 		}
 		before[k] = strings.TrimSpace(string(b))
 	}
+	b, err := json.Marshal(before)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Dir(file), 0o700); err != nil {
+		tb.Fatal(err)
+	}
+	if err := os.WriteFile(file, b, 0o600); err != nil {
+		tb.Fatalf("failed to record the kernel settings in %q: %v", file, err)
+	}
 	tb.Cleanup(func() {
-		for _, k := range kernelSettings {
-			p := filepath.Join("/proc/sys", k)
-			b, err := os.ReadFile(p)
-			if err != nil {
-				tb.Errorf("failed to read kernel setting %q: %v", k, err)
-				continue
-			}
-			if now := strings.TrimSpace(string(b)); now != before[k] {
-				tb.Logf("restoring %s: %s (changed during the lane) -> %s", strings.ReplaceAll(k, "/", "."), now, before[k])
-				if err := os.WriteFile(p, []byte(before[k]), 0o644); err != nil {
-					tb.Errorf("failed to restore kernel setting %q to %q: %v", k, before[k], err)
-				}
-			}
+		if restoreKernelSettings(tb, before) {
+			_ = os.Remove(file)
 		}
 	})
+}
+
+// kernelSettingsFile holds the host's kernel settings while a lane runs.
+func kernelSettingsFile() string {
+	return filepath.Join(harness.CacheDir(), "kubernetes-lane-kernel-settings.json")
+}
+
+// restoreKernelSettings writes back every setting of want that differs now
+// and reports whether all of them are as wanted afterwards.
+func restoreKernelSettings(tb testing.TB, want map[string]string) bool {
+	ok := true
+	for _, k := range kernelSettings {
+		w, known := want[k]
+		if !known {
+			continue
+		}
+		p := filepath.Join("/proc/sys", k)
+		b, err := os.ReadFile(p)
+		if err != nil {
+			tb.Errorf("failed to read kernel setting %q: %v", k, err)
+			ok = false
+			continue
+		}
+		if now := strings.TrimSpace(string(b)); now != w {
+			tb.Logf("restoring %s: %s (changed during the lane) -> %s", strings.ReplaceAll(k, "/", "."), now, w)
+			if err := os.WriteFile(p, []byte(w), 0o644); err != nil {
+				tb.Errorf("failed to restore kernel setting %q to %q: %v", k, w, err)
+				ok = false
+			}
+		}
+	}
+	return ok
 }
 
 // startNode starts the whole node and waits until the Node is Ready.
