@@ -8,6 +8,7 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/reflect/protoregistry"
 
 	"aether.io/node/api/internal/apitest"
 	"aether.io/node/api/istio/workload"
@@ -50,6 +51,7 @@ func TestRoundTrip(t *testing.T) {
 	msgs := []proto.Message{
 		w, w.Locality, w.Services["shop/web.shop.svc.cluster.local"], w.Services["shop/web.shop.svc.cluster.local"].Ports[0],
 		w.ApplicationTunnel, w.Waypoint, w.NetworkGateway, w.Waypoint.GetAddress(), w.NetworkGateway.GetHostname(),
+		&workload.Address{Type: &workload.Address_Service{Service: fullService()}}, fullService(), fullService().LoadBalancing,
 		&workload.BootstrapExtension{ConfigSource: &corev3.ConfigSource{ConfigSourceSpecifier: &corev3.ConfigSource_Ads{Ads: &corev3.AggregatedConfigSource{}}}},
 	}
 	apitest.RoundTrip(t, workload.File_istio_workload_discovery_proto, msgs...)
@@ -180,4 +182,101 @@ func TestEnumNumbers(t *testing.T) {
 			t.Errorf("case %d: enum number %d, want %d", i, c.got, c.want)
 		}
 	}
+}
+
+func fullService() *workload.Service {
+	return &workload.Service{
+		Name:      "web",
+		Namespace: "shop",
+		Hostname:  "web.shop.svc.cluster.local",
+		Addresses: []*workload.NetworkAddress{
+			{Network: "net1", Address: netip.MustParseAddr("10.96.0.10").AsSlice()},
+			{Address: netip.MustParseAddr("fd00:96::10").AsSlice()},
+		},
+		Ports:           []*workload.Port{{ServicePort: 80, TargetPort: 8080, AppProtocol: workload.AppProtocol_HTTP11}, {ServicePort: 443}},
+		SubjectAltNames: []string{"spiffe://cluster.local/ns/shop/sa/legacy"},
+		LoadBalancing: &workload.LoadBalancing{
+			RoutingPreference: []workload.LoadBalancing_Scope{workload.LoadBalancing_NODE, workload.LoadBalancing_ZONE},
+			Mode:              workload.LoadBalancing_FAILOVER,
+			HealthPolicy:      workload.LoadBalancing_ALLOW_ALL,
+		},
+		IpFamilies: workload.IPFamilies_DUAL,
+	}
+}
+
+// TestAddressRoundTrip covers the Address wrapper with each of its kinds.
+func TestAddressRoundTrip(t *testing.T) {
+	for _, a := range []*workload.Address{
+		{Type: &workload.Address_Workload{Workload: fullWorkload()}},
+		{Type: &workload.Address_Service{Service: fullService()}},
+	} {
+		b, err := proto.Marshal(a)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got workload.Address
+		if err := proto.Unmarshal(b, &got); err != nil {
+			t.Fatal(err)
+		}
+		if !proto.Equal(a, &got) {
+			t.Fatalf("%v did not survive a round trip", a)
+		}
+	}
+}
+
+// upstreamService lists istio.workload.Service's and Address's field numbers
+// as in Istio's pkg/workloadapi/workload.proto; 7 (waypoint) and 10
+// (extensions) are Istio's and not declared here.
+var upstreamService = map[protoreflect.FullName]map[protowire.Number]string{
+	"istio.workload.Service": {
+		1: "name", 2: "namespace", 3: "hostname", 4: "addresses", 5: "ports",
+		6: "subject_alt_names", 8: "load_balancing", 9: "ip_families",
+	},
+	"istio.workload.Address":       {1: "workload", 2: "service"},
+	"istio.workload.Port":          {1: "service_port", 2: "target_port", 3: "app_protocol"},
+	"istio.workload.LoadBalancing": {1: "routing_preference", 2: "mode", 3: "health_policy"},
+}
+
+// TestServiceFieldNumbers pins the added messages to Istio's numbering.
+func TestServiceFieldNumbers(t *testing.T) {
+	for name, want := range upstreamService {
+		d, err := protoregistryFind(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fields := d.Fields()
+		if fields.Len() != len(want) {
+			t.Errorf("%s has %d fields, upstream table %d", name, fields.Len(), len(want))
+		}
+		for num, fname := range want {
+			f := fields.ByNumber(num)
+			if f == nil || string(f.Name()) != fname {
+				t.Errorf("%s field %d: want %s, have %v", name, num, fname, f)
+			}
+		}
+	}
+	enums := []struct {
+		got, want protoreflect.EnumNumber
+	}{
+		{workload.AppProtocol_TLS.Number(), 5},
+		{workload.AppProtocol_HTTP2.Number(), 2},
+		{workload.IPFamilies_DUAL.Number(), 3},
+		{workload.LoadBalancing_NODE.Number(), 4},
+		{workload.LoadBalancing_NETWORK.Number(), 6},
+		{workload.LoadBalancing_PASSTHROUGH.Number(), 3},
+		{workload.LoadBalancing_ALLOW_ALL.Number(), 1},
+	}
+	for i, c := range enums {
+		if c.got != c.want {
+			t.Errorf("enum case %d: %d, want %d", i, c.got, c.want)
+		}
+	}
+}
+
+func protoregistryFind(name protoreflect.FullName) (protoreflect.MessageDescriptor, error) {
+	mt, err := protoregistry.GlobalTypes.FindMessageByName(name)
+	if err != nil {
+		return nil, err
+	}
+	return mt.Descriptor(), nil
 }
