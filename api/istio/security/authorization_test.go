@@ -86,3 +86,9 @@ func TestFieldNumbers(t *testing.T) {
 		t.Error("enum numbers differ from Istio's")
 	}
 }
+
+// TestGolden pins the wire bytes test/interop/istio/wire decodes with Istio's
+// pkg/workloadapi/security types.
+func TestGolden(t *testing.T) {
+	apitest.Golden(t, "authorization.binpb", fullAuthorization())
+}

@@ -280,3 +280,10 @@ func protoregistryFind(name protoreflect.FullName) (protoreflect.MessageDescript
 	}
 	return mt.Descriptor(), nil
 }
+
+// TestGolden pins the wire bytes test/interop/istio/wire decodes with Istio's
+// pkg/workloadapi types.
+func TestGolden(t *testing.T) {
+	apitest.Golden(t, "address_workload.binpb", &workload.Address{Type: &workload.Address_Workload{Workload: fullWorkload()}})
+	apitest.Golden(t, "address_service.binpb", &workload.Address{Type: &workload.Address_Service{Service: fullService()}})
+}
