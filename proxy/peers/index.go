@@ -1,6 +1,9 @@
 // Package peers is aether-proxy's WDS index: the istio.workload.Workload
 // resources the agent serves, keyed by their raw 4- or 16-byte addresses, so
-// each proxied connection can be labelled with the workloads at both ends.
+// each proxied connection can be labelled with the workloads at both ends,
+// and its Service table (Services): istio.workload.Service VIPs and the
+// endpoint workloads naming them, so a captured connection to a VIP goes to
+// a chosen endpoint.
 package peers
 
 import (
@@ -54,14 +57,22 @@ func peerOf(w *workload.Workload) Peer {
 		UID: w.GetUid(), Workload: name, Namespace: w.GetNamespace(), CanonicalName: w.GetCanonicalName(),
 		HBONE: w.GetTunnelProtocol() == workload.TunnelProtocol_HBONE,
 	}
-	if td := w.GetTrustDomain(); td != "" && w.GetNamespace() != "" {
-		sa := w.GetServiceAccount()
-		if sa == "" {
-			sa = "default"
-		}
-		p.Identity = meshcontract.SPIFFEID(td, w.GetNamespace(), sa)
-	}
+	p.Identity = identityOf(w)
 	return p
+}
+
+// identityOf returns w's SPIFFE ID (the service account defaults to
+// "default"), or "" when the record names no trust domain or namespace.
+func identityOf(w *workload.Workload) string {
+	td := w.GetTrustDomain()
+	if td == "" || w.GetNamespace() == "" {
+		return ""
+	}
+	sa := w.GetServiceAccount()
+	if sa == "" {
+		sa = "default"
+	}
+	return meshcontract.SPIFFEID(td, w.GetNamespace(), sa)
 }
 
 func (x *Index) removeLocked(uid string) {

@@ -1413,7 +1413,9 @@ func (x *Service) GetIpFamilies() IPFamilies {
 type LoadBalancing struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// RoutingPreference ranks endpoints by locality, most important first
-	// (spec.trafficDistribution PreferClose is [NODE, ZONE]).
+	// (istiod: spec.trafficDistribution PreferSameZone/PreferClose is
+	// [NETWORK, REGION, ZONE], PreferSameNode adds SUBZONE, NODE; an endpoint
+	// ranks by how many leading scopes match the client's).
 	RoutingPreference []LoadBalancing_Scope `protobuf:"varint,1,rep,packed,name=routing_preference,json=routingPreference,proto3,enum=istio.workload.LoadBalancing_Scope" json:"routing_preference,omitempty"`
 	// Mode is how the preference applies.
 	Mode LoadBalancing_Mode `protobuf:"varint,2,opt,name=mode,proto3,enum=istio.workload.LoadBalancing_Mode" json:"mode,omitempty"`
