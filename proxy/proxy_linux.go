@@ -73,7 +73,10 @@ type Proxy struct {
 	log     *slog.Logger
 	Metrics *telemetry.Metrics
 	Peers   *peers.Index
-	Manager *dataplane.Manager
+	// Services is the Service table captured VIP connections are balanced
+	// with (from istio.workload.Address resources).
+	Services *peers.Services
+	Manager  *dataplane.Manager
 	// XDS is the ADS client of XDSTarget; LDS is the separate Listener
 	// client when LDSTarget is set (else nil).
 	XDS *adsclient.Client
@@ -100,10 +103,11 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 		return nil, fmt.Errorf("workload api socket %q and spire admin socket %q are both set: choose one identity provider", cfg.WorkloadAPISocket, cfg.SPIREAdminSocket)
 	}
 	p := &Proxy{
-		cfg: cfg, log: log, Metrics: telemetry.New(), Peers: peers.NewIndex(),
+		cfg: cfg, log: log, Metrics: telemetry.New(), Peers: peers.NewIndex(), Services: peers.NewServices(),
 		listeners: map[string]listener.Spec{}, adminAddr: make(chan net.Addr, 1),
 	}
 	dp := cfg.Dataplane
+	dp.Services = p.Services
 	switch {
 	case cfg.WorkloadAPISocket != "":
 		p.Identity = identity.New(cfg.WorkloadAPISocket, cfg.WorkloadAPITokenFile, nil, log.With("component", "identity"))
@@ -157,18 +161,51 @@ func (p *Proxy) apply(typeURL string, updated []*discovery.Resource, removed []s
 				errs = append(errs, fmt.Errorf("failed to decode workload %q: %w", r.GetName(), err))
 				continue
 			}
-			if w.GetUid() == "" {
-				w.Uid = r.GetName()
-			}
-			p.Peers.Upsert(w)
+			p.upsertWorkload(r.GetName(), w)
 		}
 		for _, n := range removed {
 			p.Peers.Remove(n)
+			p.Services.RemoveWorkload(n)
+		}
+		return errors.Join(errs...)
+	case resource.AddressType:
+		var errs []error
+		for _, r := range updated {
+			a := &workload.Address{}
+			if err := proto.Unmarshal(r.GetResource().GetValue(), a); err != nil {
+				errs = append(errs, fmt.Errorf("failed to decode address %q: %w", r.GetName(), err))
+				continue
+			}
+			switch {
+			case a.GetWorkload() != nil:
+				p.upsertWorkload(r.GetName(), a.GetWorkload())
+			case a.GetService() != nil:
+				p.Services.UpsertService(a.GetService())
+			default:
+				errs = append(errs, fmt.Errorf("address %q carries neither a workload nor a service", r.GetName()))
+			}
+		}
+		for _, n := range removed {
+			// A name is a workload uid or a Service's <namespace>/<hostname>;
+			// removing what a name is not is a no-op.
+			p.Peers.Remove(n)
+			p.Services.RemoveWorkload(n)
+			p.Services.RemoveService(n)
 		}
 		return errors.Join(errs...)
 	default:
 		return fmt.Errorf("unexpected type %q: subscribed to %s and %s", typeURL, resource.ListenerType, resource.WorkloadType)
 	}
+}
+
+// upsertWorkload indexes w (named name when it carries no uid) as a peer and
+// as a Service endpoint.
+func (p *Proxy) upsertWorkload(name string, w *workload.Workload) {
+	if w.GetUid() == "" {
+		w.Uid = name
+	}
+	p.Peers.Upsert(w)
+	p.Services.UpsertWorkload(w)
 }
 
 // applyListeners updates the listener state; valid listeners apply even

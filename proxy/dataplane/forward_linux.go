@@ -165,7 +165,7 @@ func (p *pod) proxyTCP(down *net.TCPConn, l *tcpListener) {
 		reset(down)
 		return
 	}
-	if p.tunnelTCP(down, src, dst) {
+	if p.balanceTCP(down, src, dst) || p.tunnelTCP(down, src, dst) {
 		return
 	}
 	ctx, cancel := context.WithTimeout(p.ctx, p.m.cfg.ConnectTimeout)
@@ -177,14 +177,19 @@ func (p *pod) proxyTCP(down *net.TCPConn, l *tcpListener) {
 		reset(down)
 		return
 	}
+	p.pipeTCP(down, up, src, p.lookup(dst.Addr()))
+}
+
+// pipeTCP relays a captured connection and its plain upstream until both
+// are done, counted as the outbound side.
+func (p *pod) pipeTCP(down, up *net.TCPConn, src netip.AddrPort, dstPeer peers.Peer) {
 	pair := &tcpPair{down: down, up: up}
 	if !p.track(pair) {
 		pair.abort()
 		return
 	}
 	defer p.untrack(pair)
-	srcPeer, dstPeer := p.lookup(src.Addr()), p.lookup(dst.Addr())
-	tc := p.m.metrics.Open(telemetry.Labels(directionOutbound, srcPeer, dstPeer))
+	tc := p.m.metrics.Open(telemetry.Labels(directionOutbound, p.lookup(src.Addr()), dstPeer))
 	pipe(&p.m.pipes, pair, tc)
 	tc.Close()
 }

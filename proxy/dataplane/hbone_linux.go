@@ -465,17 +465,23 @@ func (p *pod) tunnelTCP(down *net.TCPConn, src, dst netip.AddrPort) bool {
 		return true
 	}
 	p.m.metrics.Outbound(pathHBONE)
+	p.pipeStream(down, up, src, dstPeer)
+	return true
+}
+
+// pipeStream relays a captured connection and the HBONE stream opened for
+// it until both are done, counted as the outbound side.
+func (p *pod) pipeStream(down *net.TCPConn, up *hbone.Stream, src netip.AddrPort, dstPeer peers.Peer) {
 	pair := &streamPair{down: down, up: up}
 	pair.act.touch()
 	if !p.track(pair) {
 		pair.abort()
-		return true
+		return
 	}
 	defer p.untrack(pair)
 	tc := p.m.metrics.Open(telemetry.TunnelLabels(directionOutbound, p.lookup(src.Addr()), dstPeer, p.hb.id.String(), up.Peer().String()))
 	pair.pipe(tc)
 	tc.Close()
-	return true
 }
 
 // streamPair is one captured connection tunnelled over an HBONE stream.

@@ -62,6 +62,9 @@ const (
 
 // Config tunes the data plane. Zero fields take the defaults.
 type Config struct {
+	// Services balances captured connections to Service VIPs
+	// (peers.Services); nil: a VIP is dialled as any other address.
+	Services ServiceChooser
 	// BypassMark is the SO_MARK of every upstream socket (the divert's
 	// bypass mark).
 	BypassMark uint32
@@ -236,8 +239,8 @@ type PodStatus struct {
 // Manager owns every pod's listeners. Construct it with New, feed it the
 // desired listeners with SetListeners, and run it with Run.
 type Manager struct {
-	cfg     Config
-	log     *slog.Logger
+	cfg   Config
+	log   *slog.Logger
 	peers   PeerLookup
 	metrics *telemetry.Metrics
 	home    int

@@ -8,6 +8,9 @@ const (
 	// WorkloadType is istio.workload.Workload, served by xds/workload
 	// (workload discovery, WDS) and consumed by aether-proxy and aetherctl.
 	WorkloadType = "type.googleapis.com/istio.workload.Workload"
+	// AddressType is istio.workload.Address (a Workload or a Service),
+	// what ztunnel subscribes to; aether-proxy takes Services from it.
+	AddressType = "type.googleapis.com/istio.workload.Address"
 	// ListenerType is envoy.config.listener.v3.Listener, built by
 	// xds/listener and consumed by aether-proxy.
 	ListenerType = "type.googleapis.com/envoy.config.listener.v3.Listener"

@@ -1,0 +1,139 @@
+package dataplane_test
+
+import (
+	"fmt"
+	"net/netip"
+	"testing"
+	"time"
+
+	"aether.io/node/api/istio/workload"
+	"aether.io/node/proxy/dataplane"
+	"aether.io/node/proxy/peers"
+)
+
+// serviceOf is a Service named name with one VIP per family, port 80 to
+// 8080. The VIPs are in the pods' subnets (the single-node topology has no
+// default route) but no pod holds them: only the capture ever sees them.
+func serviceOf(name string, vip4, vip6 netip.Addr) *workload.Service {
+	return &workload.Service{
+		Name: name, Namespace: "default", Hostname: name + ".default.svc.cluster.local",
+		Addresses: []*workload.NetworkAddress{{Address: vip4.AsSlice()}, {Address: vip6.AsSlice()}},
+		Ports:     []*workload.Port{{ServicePort: 80, TargetPort: 8080}},
+	}
+}
+
+// member is w naming the Services svcs in its services map.
+func member(w *workload.Workload, svcs ...*workload.Service) *workload.Workload {
+	w.Services = map[string]*workload.PortList{}
+	for _, s := range svcs {
+		w.Services[peers.ServiceKey(s)] = &workload.PortList{}
+	}
+	return w
+}
+
+// TestServiceVIP: a captured connection to a Service VIP goes to an
+// endpoint the proxy chose, over HBONE for a mesh endpoint and in plain TCP
+// for another; a Service without endpoints is reset at once; a chosen
+// endpoint that cannot be reached is retried on another before the client
+// sees anything.
+func TestServiceVIP(t *testing.T) {
+	svcs := peers.NewServices()
+	e := setupHBONEConfig(t, dataplane.Config{ConnectTimeout: 3 * time.Second, Services: svcs})
+	srv := e.server.Serve(t, 8080)
+	plain := e.plain.Serve(t, 8080)
+	vip4, vip6 := netip.MustParseAddr("10.88.0.200"), netip.MustParseAddr("fd88::200")
+	mesh := serviceOf("mesh", vip4, vip6)
+	plainSvc := serviceOf("plain", netip.MustParseAddr("10.88.0.201"), netip.MustParseAddr("fd88::201"))
+	empty := serviceOf("empty", netip.MustParseAddr("10.88.0.202"), netip.MustParseAddr("fd88::202"))
+	for _, s := range []*workload.Service{mesh, plainSvc, empty} {
+		svcs.UpsertService(s)
+	}
+	svcs.UpsertWorkload(member(hboneWorkload(e.server, true), mesh))
+	svcs.UpsertWorkload(member(hboneWorkload(e.plain, false), plainSvc))
+	svcs.UpsertWorkload(hboneWorkload(e.client, true))
+
+	t.Run("mesh endpoint over HBONE", func(t *testing.T) {
+		for i, vip := range []netip.Addr{vip4, vip6} {
+			reply, err := roundTrip(ctx10(t), e.client, netip.AddrPortFrom(vip, 80), fmt.Sprintf("svc-%d", i))
+			if err != nil {
+				t.Fatal(err)
+			}
+			src := e.client.IP4
+			if vip.Is6() {
+				src = e.client.IP6
+			}
+			if want := "got 5 from " + src.String(); reply != want {
+				t.Errorf("reply %q, want %q", reply, want)
+			}
+			if got := <-srv.Got; got != fmt.Sprintf("%s svc-%d", src, i) {
+				t.Errorf("server got %q", got)
+			}
+		}
+		if got := sum(e.metrics, "aether_outbound_connections_total", map[string]string{"path": "service_hbone"}); got != 2 {
+			t.Errorf("outbound path=service_hbone = %v, want 2", got)
+		}
+	})
+
+	t.Run("plain endpoint in plaintext", func(t *testing.T) {
+		reply, err := roundTrip(ctx10(t), e.client, netip.MustParseAddrPort("10.88.0.201:80"), "hi")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := "got 2 from " + e.client.IP4.String(); reply != want {
+			t.Errorf("reply %q, want %q", reply, want)
+		}
+		<-plain.Got
+		if got := sum(e.metrics, "aether_outbound_connections_total", map[string]string{"path": "service_plaintext"}); got != 1 {
+			t.Errorf("outbound path=service_plaintext = %v, want 1", got)
+		}
+	})
+
+	t.Run("no endpoint resets at once", func(t *testing.T) {
+		_, err := roundTrip(ctx10(t), e.client, netip.MustParseAddrPort("10.88.0.202:80"), "nobody")
+		if !isReset(err) {
+			t.Errorf("client error %v, want a reset", err)
+		}
+		if got := sum(e.metrics, "aether_outbound_connections_total", map[string]string{"path": "service_no_endpoint"}); got != 1 {
+			t.Errorf("outbound path=service_no_endpoint = %v, want 1", got)
+		}
+	})
+
+	t.Run("unreachable endpoint retried on another", func(t *testing.T) {
+		// The unmanaged pod now also claims to serve the mesh Service over
+		// HBONE: nothing listens on its :15008, so every connection the
+		// proxy sends there first must end at the server.
+		svcs.UpsertWorkload(member(hboneWorkload(e.plain, true), mesh, plainSvc))
+		t.Cleanup(func() { svcs.UpsertWorkload(member(hboneWorkload(e.plain, false), plainSvc)) })
+		const n = 12
+		for i := range n {
+			if _, err := roundTrip(ctx10(t), e.client, netip.AddrPortFrom(vip4, 80), "retry"); err != nil {
+				t.Fatalf("connection %d: %v", i, err)
+			}
+			if got := <-srv.Got; got != e.client.IP4.String()+" retry" {
+				t.Fatalf("server got %q", got)
+			}
+		}
+		if got := sum(e.metrics, "aether_outbound_connections_total", map[string]string{"path": "service_hbone"}); got != 2+n {
+			t.Errorf("outbound path=service_hbone = %v, want %d", got, 2+n)
+		}
+		if got := sum(e.metrics, "aether_outbound_connections_total", map[string]string{"path": "service_failed"}); got != 0 {
+			t.Errorf("outbound path=service_failed = %v, want 0", got)
+		}
+		select {
+		case got := <-plain.Got:
+			t.Fatalf("the unmanaged app received %q", got)
+		default:
+		}
+	})
+
+	t.Run("not a VIP: as before", func(t *testing.T) {
+		reply, err := roundTrip(ctx10(t), e.client, netip.AddrPortFrom(e.server.IP4, 8080), "direct")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if reply != "got 6 from "+e.client.IP4.String() {
+			t.Errorf("reply %q", reply)
+		}
+		<-srv.Got
+	})
+}
