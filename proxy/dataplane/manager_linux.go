@@ -239,8 +239,8 @@ type PodStatus struct {
 // Manager owns every pod's listeners. Construct it with New, feed it the
 // desired listeners with SetListeners, and run it with Run.
 type Manager struct {
-	cfg   Config
-	log   *slog.Logger
+	cfg     Config
+	log     *slog.Logger
 	peers   PeerLookup
 	metrics *telemetry.Metrics
 	home    int
