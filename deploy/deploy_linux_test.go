@@ -128,7 +128,7 @@ func TestValuesReachTheBinaries(t *testing.T) {
 	t.Run("default", func(t *testing.T) {
 		r := renderSet(t, valueSets[0])
 		cfg := agentConfig(t, r)
-		if cfg.Registry != "local" || cfg.ClusterID != "Kubernetes" || cfg.TrustDomain != "cluster.local" || cfg.LogLevel != "info" || !cfg.RemoveNotReadyTaint {
+		if cfg.Registry != "kube" || cfg.ClusterID != "Kubernetes" || cfg.TrustDomain != "cluster.local" || cfg.LogLevel != "info" || !cfg.RemoveNotReadyTaint {
 			t.Errorf("agent config %+v: want the chart's defaults", cfg)
 		}
 		o := installerOptions(t, r)

@@ -1,9 +1,10 @@
 // Package registry defines the endpoint registry the agent registers
 // mesh-managed pods in, and that workload discovery (xDS) follows.
 //
-// Two backends implement Registry: an embedded single-node one (the default)
-// and one on etcd that spans nodes. Invariants shared by both and by their
-// callers:
+// Three backends implement Registry: an embedded single-node one (the
+// binary's default), one that adds every other node's pods from the
+// Kubernetes API (registry/kube, the chart's default) and one on etcd that
+// spans nodes. Invariants shared by all and by their callers:
 //   - a terminating pod is never (re-)registered: callers write in the order
 //     lock → check → write → re-check — the writes of one key are ordered by
 //     a per-key lock, terminating is checked under the same lock that marks

@@ -34,6 +34,7 @@ import (
 	"aether.io/node/pkg/unixsock"
 	"aether.io/node/registry"
 	etcdreg "aether.io/node/registry/etcd"
+	kubereg "aether.io/node/registry/kube"
 	"aether.io/node/registry/local"
 )
 
@@ -172,7 +173,12 @@ func (a *agent) openStore(context.Context) error {
 }
 
 func (a *agent) openRegistry(context.Context) error {
-	reg, closeReg, err := newRegistry(a.c, a.log, a.metrics.Registry)
+	if a.c.Registry == "kube" {
+		if err := a.kubeClient(); err != nil {
+			return err
+		}
+	}
+	reg, closeReg, err := newRegistry(a.c, a.kube, a.log, a.metrics.Registry)
 	if err != nil {
 		return err
 	}
@@ -188,17 +194,10 @@ func (a *agent) startPods(ctx context.Context) error {
 	if c.PodManifests != "" {
 		a.src = manifests.New(c.PodManifests, c.NodeName, c.ManifestInterval, log.With("component", "pod_manifests"))
 	} else {
-		rc, err := kube.Config(c.Kubeconfig)
-		if err != nil {
+		if err := a.kubeClient(); err != nil {
 			return err
 		}
-		rc.UserAgent = "aether-agent"
-		cs, err := kubernetes.NewForConfig(rc)
-		if err != nil {
-			return fmt.Errorf("failed to build kubernetes client: %w", err)
-		}
-		a.kube = cs
-		a.src = kube.New(cs, c.NodeName, 0, log.With("component", "pod_source"))
+		a.src = kube.New(a.kube, c.NodeName, 0, log.With("component", "pod_source"))
 		if locality == (registry.Locality{}) {
 			if l, err := a.nodeLocality(ctx); err == nil {
 				locality = l
@@ -216,6 +215,25 @@ func (a *agent) startPods(ctx context.Context) error {
 	}, a.st, livenessView(a.reg, c.LivenessInterval), a.src, nil, a.metrics, log.With("component", "pods"))
 	_, err := a.mgr.Replay(ctx)
 	return err
+}
+
+// kubeClient builds the agent's one Kubernetes client (for the pod source,
+// the kube registry and node gating) unless it exists.
+func (a *agent) kubeClient() error {
+	if a.kube != nil {
+		return nil
+	}
+	rc, err := kube.Config(a.c.Kubeconfig)
+	if err != nil {
+		return err
+	}
+	rc.UserAgent = "aether-agent"
+	cs, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return fmt.Errorf("failed to build kubernetes client: %w", err)
+	}
+	a.kube = cs
+	return nil
 }
 
 // nodeLocality reads the node's topology labels from its Node (3 s bound).
@@ -315,11 +333,26 @@ func (a *agent) listenSocket(flag, path string) (*net.UnixListener, error) {
 	return nil, err
 }
 
-// newRegistry opens the endpoint registry --registry names. The etcd
-// backend's count of rejected values is exported on metrics as
-// aether_registry_etcd_rejected_total; the close func unregisters it.
-func newRegistry(c *Config, log *slog.Logger, metrics prometheus.Registerer) (registry.Registry, func(), error) {
-	if c.Registry != "etcd" {
+// newRegistry opens the endpoint registry --registry names (client: the
+// Kubernetes API, for kube). The etcd backend's count of rejected values is
+// exported on metrics as aether_registry_etcd_rejected_total; the close func
+// unregisters it.
+func newRegistry(c *Config, client kubernetes.Interface, log *slog.Logger, metrics prometheus.Registerer) (registry.Registry, func(), error) {
+	switch c.Registry {
+	case "etcd":
+	case "kube":
+		r, err := kubereg.New(kubereg.Options{
+			Client: client, Node: c.NodeName, ManagedLabel: pods.ManagedLabel, SystemNamespaces: c.SystemNamespaces,
+			Logger: log.With("component", "registry_kube"),
+		})
+		if err != nil {
+			return nil, nil, err
+		}
+		if err := r.Start(); err != nil {
+			return nil, nil, err
+		}
+		return r, r.Close, nil
+	default:
 		return local.New(), func() {}, nil
 	}
 	opts := c.etcdOptions()

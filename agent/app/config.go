@@ -77,7 +77,8 @@ type Config struct {
 	XDSHandshakeTimeout time.Duration
 	// ClusterID, TrustDomain and Network go into every served workload.
 	ClusterID, TrustDomain, Network string
-	// Registry is "local" or "etcd"; the Etcd* fields configure etcd.
+	// Registry is "local", "kube" or "etcd"; the Etcd* fields configure
+	// etcd.
 	Registry                              string
 	EtcdEndpoints                         []string
 	EtcdPrefix                            string
@@ -162,7 +163,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.StringVar(&c.ClusterID, "cluster-id", "Kubernetes", "cluster name: the first segment of every workload uid and its cluster_id")
 	fs.StringVar(&c.TrustDomain, "trust-domain", "cluster.local", "SPIFFE trust domain of the workloads")
 	fs.StringVar(&c.Network, "network", "", "network of the pods' addresses; empty for the default network")
-	fs.StringVar(&c.Registry, "registry", "local", "endpoint registry: local (embedded, this node only) or etcd (spans nodes)")
+	fs.StringVar(&c.Registry, "registry", "local", "endpoint registry: local (embedded, this node only), kube (this node's embedded, every other node's mesh-managed pods from the Kubernetes API) or etcd (spans nodes through etcd)")
 	fs.StringVar(&etcdEndpoints, "etcd-endpoints", "", "comma-separated etcd client URLs for --registry=etcd")
 	fs.StringVar(&c.EtcdPrefix, "etcd-prefix", "", "etcd key prefix shared by all agents (default /aether/endpoints/)")
 	fs.DurationVar(&c.EtcdLeaseTTL, "etcd-lease-ttl", 10*time.Second, "how long a dead node's endpoints survive in etcd")
@@ -218,6 +219,10 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	}
 	switch c.Registry {
 	case "local":
+	case "kube":
+		if c.PodManifests != "" {
+			return nil, errors.New("invalid --registry=kube with --pod-manifests: the kube registry reads other nodes' pods from the Kubernetes API; use --registry=local or etcd on a node without one")
+		}
 	case "etcd":
 		if len(c.EtcdEndpoints) == 0 {
 			return nil, errors.New("invalid --registry=etcd: --etcd-endpoints is empty; give the etcd client URLs")
@@ -229,7 +234,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 			return nil, fmt.Errorf("invalid --etcd-endpoints: %w; pass --etcd-insecure to allow plaintext etcd", err)
 		}
 	default:
-		return nil, fmt.Errorf("invalid --registry %q: want local or etcd", c.Registry)
+		return nil, fmt.Errorf("invalid --registry %q: want local, kube or etcd", c.Registry)
 	}
 	if !meshcontract.ValidInboundPolicy(c.InboundPolicy) {
 		return nil, fmt.Errorf("invalid --inbound-policy %q: want %s or %s", c.InboundPolicy, meshcontract.InboundPolicyPermissive, meshcontract.InboundPolicyStrict)

@@ -45,6 +45,8 @@ func TestParseFlags(t *testing.T) {
 		{[]string{"--registry=etcd", "--etcd-endpoints", "https://10.0.0.1:2379"}, "pass --etcd-insecure"},
 		{[]string{"--registry=etcd", "--etcd-endpoints", "https://10.0.0.1:2379,http://10.0.0.2:2379", "--etcd-ca", "/etc/ca.pem"}, `endpoint "http://10.0.0.2:2379" would drop TLS`},
 		{[]string{"--registry=etcd", "--etcd-endpoints", "http://10.0.0.1:2379", "--etcd-ca", "/etc/ca.pem", "--etcd-insecure"}, "need https:// endpoints, even with --etcd-insecure"},
+		{[]string{"--registry=kube", "--pod-manifests", "/etc/aether/pods"}, "invalid --registry=kube with --pod-manifests"},
+		{[]string{"--registry=consul"}, `invalid --registry "consul": want local, kube or etcd`},
 		{[]string{"--xds-address", ":15010"}, "beyond loopback workload discovery requires mutual TLS"},
 		{[]string{"--xds-address", "10.0.0.5:15010"}, "requires mutual TLS"},
 		{[]string{"--xds-address", "node.example:15010"}, "requires mutual TLS"},

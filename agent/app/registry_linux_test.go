@@ -20,7 +20,7 @@ func TestEtcdRejectedIsExported(t *testing.T) {
 	ctx := context.Background()
 	c := testConfig(t, "--registry", "etcd", "--etcd-endpoints", e.Endpoint(), "--etcd-insecure", "--etcd-prefix", "/test/eps/")
 	metrics := prometheus.NewRegistry()
-	reg, closeReg, err := newRegistry(c, slog.New(slog.DiscardHandler), metrics)
+	reg, closeReg, err := newRegistry(c, nil, slog.New(slog.DiscardHandler), metrics)
 	if err != nil {
 		t.Fatal(err)
 	}

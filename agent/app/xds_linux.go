@@ -401,7 +401,7 @@ func (a *agent) appendXDS() {
 			srv = s
 			return nil
 		}})
-		if c.Registry == "etcd" {
+		if c.Registry != "local" {
 			// Other nodes' pods come from the shared registry.
 			a.lc.Go("wds_follower", func(ctx context.Context) error {
 				f := workload.NewFollower(remoteOnly{Registry: a.reg, node: c.NodeName}, n.workloads.cfg, n.workloads.idx,

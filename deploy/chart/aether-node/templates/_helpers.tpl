@@ -196,8 +196,8 @@ runDir may be as long as the longest of them allows. */ -}}
 {{- if not (has .Values.csi.registrar (list "builtin" "sidecar")) -}}
 {{- fail (printf "invalid csi.registrar %q: must be builtin or sidecar" .Values.csi.registrar) -}}
 {{- end -}}
-{{- if not (has .Values.registry.mode (list "local" "etcd")) -}}
-{{- fail (printf "invalid registry.mode %q: must be local or etcd" .Values.registry.mode) -}}
+{{- if not (has .Values.registry.mode (list "local" "kube" "etcd")) -}}
+{{- fail (printf "invalid registry.mode %q: must be kube, etcd or local" .Values.registry.mode) -}}
 {{- end -}}
 {{- if and (eq .Values.registry.mode "etcd") (empty .Values.registry.etcd.endpoints) -}}
 {{- fail "invalid registry.etcd.endpoints: empty with registry.mode etcd; give the etcd client URLs" -}}
