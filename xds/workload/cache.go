@@ -16,9 +16,13 @@ const wildcard = "*"
 // Subscription per stream and asks the cache what to send for it; it never
 // sees the cache's lock or maps. *Index implements it.
 type Cache interface {
-	// Watch registers a subscription (empty: nothing subscribed yet) whose
-	// Changed channel fires when a resource changes; cancel unregisters it.
-	Watch() (sub *Subscription, cancel func())
+	// TypeURL is the type of the resources the cache holds.
+	TypeURL() string
+	// Subscribe registers a subscription (empty: nothing subscribed yet)
+	// that signals notify (without blocking: give it a buffer of one) when
+	// a resource changes; cancel unregisters it. Several subscriptions
+	// (one per type of an ADS stream) may share one notify channel.
+	Subscribe(notify chan struct{}) (sub *Subscription, cancel func())
 	// DeltaResponse selects a delta response for sub and consumes its
 	// pending changes; see Index.DeltaResponse.
 	DeltaResponse(sub *Subscription, added []string, addedWildcard bool, known Known) Delta
@@ -230,12 +234,15 @@ func (s *Subscription) notify(name string, now time.Time) {
 	}
 }
 
-// Watch implements Cache.
-func (x *Index) Watch() (*Subscription, func()) {
+// Watch is Subscribe with a channel of its own (Subscription.Changed).
+func (x *Index) Watch() (*Subscription, func()) { return x.Subscribe(make(chan struct{}, 1)) }
+
+// Subscribe implements Cache.
+func (x *Index) Subscribe(notify chan struct{}) (*Subscription, func()) {
 	s := &Subscription{
 		names:   make(map[string]struct{}),
 		pending: make(map[string]struct{}),
-		ch:      make(chan struct{}, 1),
+		ch:      notify,
 	}
 	x.mu.Lock()
 	x.watchers[s] = struct{}{}

@@ -11,8 +11,6 @@ import (
 
 	// Registers the default "proto" codec the fallback uses.
 	_ "google.golang.org/grpc/encoding/proto"
-
-	"aether.io/node/xds/resource"
 )
 
 // The xDS server's gRPC codec (installed by ServerGRPCOptions) does two
@@ -244,8 +242,8 @@ func mapEntry(entry []byte) (k, v []byte, err error) {
 // and returns the whole (a delta response field), the Any field (a SotW
 // DiscoveryResponse.resources field: same number, 2) and the body, all
 // sharing one allocation.
-func encodeResource(name, version string, body []byte) (delta, sotw, value []byte) {
-	anyLen := protowire.SizeTag(fieldAnyTypeURL) + protowire.SizeBytes(len(resource.WorkloadType)) +
+func encodeResource(typeURL, name, version string, body []byte) (delta, sotw, value []byte) {
+	anyLen := protowire.SizeTag(fieldAnyTypeURL) + protowire.SizeBytes(len(typeURL)) +
 		protowire.SizeTag(fieldAnyValue) + protowire.SizeBytes(len(body))
 	resLen := protowire.SizeTag(fieldResourceVersion) + protowire.SizeBytes(len(version)) +
 		protowire.SizeTag(fieldResourceResource) + protowire.SizeBytes(anyLen) +
@@ -259,7 +257,7 @@ func encodeResource(name, version string, body []byte) (delta, sotw, value []byt
 	b = protowire.AppendTag(b, fieldResourceResource, protowire.BytesType)
 	b = protowire.AppendVarint(b, uint64(anyLen))
 	b = protowire.AppendTag(b, fieldAnyTypeURL, protowire.BytesType)
-	b = protowire.AppendString(b, resource.WorkloadType)
+	b = protowire.AppendString(b, typeURL)
 	b = protowire.AppendTag(b, fieldAnyValue, protowire.BytesType)
 	b = protowire.AppendVarint(b, uint64(len(body)))
 	valueStart := len(b)

@@ -61,20 +61,25 @@ func NewResource(w *workloadpb.Workload) (*Resource, error) {
 	if err != nil {
 		return nil, fmt.Errorf("failed to marshal workload %q: %w", w.GetUid(), err)
 	}
+	return newResource(resource.WorkloadType, w.GetUid(), body), nil
+}
+
+// newResource lays out the resource name of typeURL with body once.
+func newResource(typeURL, name string, body []byte) *Resource {
 	hash := xxhash.Sum64(body)
 	version := strconv.FormatUint(hash, 16)
-	wd, ws, value := encodeResource(w.GetUid(), version, body)
-	a := &anypb.Any{TypeUrl: resource.WorkloadType, Value: value}
+	wd, ws, value := encodeResource(typeURL, name, version, body)
+	a := &anypb.Any{TypeUrl: typeURL, Value: value}
 	return &Resource{
-		Name:      w.GetUid(),
+		Name:      name,
 		Version:   version,
 		Body:      value,
 		wireDelta: wd,
 		wireSotW:  ws,
 		Any:       a,
-		Delta:     &discovery.Resource{Name: w.GetUid(), Version: version, Resource: a},
+		Delta:     &discovery.Resource{Name: name, Version: version, Resource: a},
 		hash:      hash,
-	}, nil
+	}
 }
 
 // Index holds the served workloads by name, each marshalled once, and tells
@@ -92,6 +97,15 @@ func NewResource(w *workloadpb.Workload) (*Resource, error) {
 // Every change costs O(1) marshalling plus O(streams) bookkeeping; nothing
 // is rebuilt per change.
 type Index struct {
+	typeURL string
+	// addr is the Address view of a workload index (nil for the Address
+	// index itself): every served workload is mirrored into it as an
+	// Address, next to the Services written there (see Addresses).
+	addr *Index
+	// members says which Services each workload belongs to (nil: none);
+	// see SetMembership.
+	members Membership
+
 	mu       sync.RWMutex
 	byName   map[string]slotted   // served name → its slot in bySlot
 	bySlot   []*Resource          // served resources by slot; nil: a free slot
@@ -121,9 +135,17 @@ type keyEntry struct {
 // source put in the index.
 var ErrNotOwner = errors.New("endpoint key belongs to another source")
 
-// NewIndex returns an empty index.
+// NewIndex returns an empty index of workloads (resource.WorkloadType)
+// with its Address view (Addresses).
 func NewIndex() *Index {
+	x := newIndex(resource.WorkloadType)
+	x.addr = newIndex(resource.AddressType)
+	return x
+}
+
+func newIndex(typeURL string) *Index {
 	return &Index{
+		typeURL:  typeURL,
 		byName:   make(map[string]slotted),
 		nameKey:  make(map[string]string),
 		keys:     make(map[string]*keyEntry),
@@ -162,6 +184,19 @@ func (x *Index) upsert(source, key string, w *workloadpb.Workload) (bool, error)
 	if err := Validate(w); err != nil {
 		return false, err
 	}
+	if x.members != nil {
+		// The membership is read and the resource stored under one lock,
+		// so a Refresh (after a membership change) cannot be overtaken by
+		// an upsert built from the membership before it.
+		x.mu.Lock()
+		defer x.mu.Unlock()
+		w.Services = x.members.Services(w.GetUid())
+		r, err := NewResource(w)
+		if err != nil {
+			return false, err
+		}
+		return x.upsertResourceLocked(source, key, r, time.Now())
+	}
 	r, err := NewResource(w)
 	if err != nil {
 		return false, err
@@ -180,6 +215,10 @@ func (x *Index) upsertResource(source, key string, r *Resource) (bool, error) {
 	now := time.Now()
 	x.mu.Lock()
 	defer x.mu.Unlock()
+	return x.upsertResourceLocked(source, key, r, now)
+}
+
+func (x *Index) upsertResourceLocked(source, key string, r *Resource, now time.Time) (bool, error) {
 	changed := false
 	e, ok := x.keys[key]
 	switch {
@@ -223,6 +262,9 @@ func (x *Index) serveLocked(name, key string, r *Resource, now time.Time) bool {
 	x.rev++
 	x.notifyLocked(name, now)
 	x.sizeLocked()
+	if x.addr != nil {
+		x.addr.mirror(name, r)
+	}
 	return true
 }
 
@@ -296,6 +338,9 @@ func (x *Index) deleteLocked(name string, now time.Time) {
 	x.rev++
 	x.notifyLocked(name, now)
 	x.sizeLocked()
+	if x.addr != nil {
+		x.addr.remove(mirrorSource, name)
+	}
 }
 
 func (x *Index) sizeLocked() {

@@ -22,6 +22,7 @@ type metrics struct {
 	nacks     *prometheus.CounterVec
 	lastNACK  *prometheus.GaugeVec
 	workloads prometheus.Gauge
+	addresses prometheus.Gauge
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -60,11 +61,15 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			Name: "aether_wds_workloads",
 			Help: "Workloads held by the index.",
 		}),
+		addresses: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "aether_wds_addresses",
+			Help: "Address resources served (every workload and every Service).",
+		}),
 	}
 	if reg == nil {
 		return m, nil
 	}
-	for _, c := range []prometheus.Collector{m.clients, m.pushes, m.resources, m.latency, m.acks, m.nacks, m.lastNACK, m.workloads} {
+	for _, c := range []prometheus.Collector{m.clients, m.pushes, m.resources, m.latency, m.acks, m.nacks, m.lastNACK, m.workloads, m.addresses} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if errors.As(err, &are) {

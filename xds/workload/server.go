@@ -17,8 +17,6 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
-
-	"aether.io/node/xds/resource"
 )
 
 // ServerOptions configure a Server.
@@ -44,12 +42,14 @@ type NACK struct {
 }
 
 // Server serves the index over the Aggregated Discovery Service, Delta and
-// SotW, for resource.WorkloadType; requests for other types are ignored. It
-// sees the index only as a Cache: the cache selects, the server speaks the
+// SotW, for resource.WorkloadType and, from the index's Address view
+// (Index.Addresses), resource.AddressType; one stream may subscribe to
+// both, as ztunnel's does. Requests for other types are ignored. It sees
+// each index only as a Cache: the cache selects, the server speaks the
 // protocol. Resources are never marshalled per client: every stream sends
 // the shared, once-marshalled Resource entries.
 type Server struct {
-	cache   Cache
+	caches  map[string]Cache // by type URL
 	log     *slog.Logger
 	m       *metrics
 	streams atomic.Int64
@@ -75,7 +75,12 @@ func NewServer(idx *Index, opts ServerOptions) (*Server, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	idx.ObserveSize(func(n int) { m.workloads.Set(float64(n)) })
-	return &Server{cache: idx, log: log, m: m, stopped: make(chan struct{})}, nil
+	caches := map[string]Cache{idx.TypeURL(): idx}
+	if a := idx.Addresses(); a != nil {
+		caches[a.TypeURL()] = a
+		a.ObserveSize(func(n int) { m.addresses.Set(float64(n)) })
+	}
+	return &Server{caches: caches, log: log, m: m, stopped: make(chan struct{})}, nil
 }
 
 // Stop ends every open stream, and every stream opened later, with
@@ -134,7 +139,7 @@ func transportOptions(maxMessageBytes int) []grpc.ServerOption {
 // go to handle, index changes to changed, until the client leaves (nil) or
 // ctx ends.
 func serveStream[T any](s *Server, ctx context.Context, protocol string, id int64, node func() string,
-	recv func() (T, error), sub *Subscription, handle func(T) error, changed func() error,
+	recv func() (T, error), notify <-chan struct{}, handle func(T) error, changed func() error,
 ) error {
 	select {
 	case <-s.stopped:
@@ -159,7 +164,7 @@ func serveStream[T any](s *Server, ctx context.Context, protocol string, id int6
 			if err := handle(req); err != nil {
 				return err
 			}
-		case <-sub.Changed():
+		case <-notify:
 			if err := changed(); err != nil {
 				return err
 			}
@@ -183,39 +188,6 @@ func recvLoop[T any](ctx context.Context, recv func() (T, error), out chan<- T, 
 	}
 }
 
-// ---- Delta ----
-
-type deltaStream struct {
-	s       *Server
-	stream  discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer
-	sub     *Subscription
-	node    string
-	id      int64
-	nonce   uint64
-	started bool
-}
-
-// DeltaAggregatedResources implements incremental ADS for resource.WorkloadType.
-func (s *Server) DeltaAggregatedResources(stream discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
-	sub, cancel := s.cache.Watch()
-	defer cancel()
-	st := &deltaStream{s: s, stream: stream, id: s.streams.Add(1), sub: sub}
-	recv := func() (*deltaRequest, error) {
-		req := &deltaRequest{DeltaDiscoveryRequest: &discovery.DeltaDiscoveryRequest{}}
-		if err := stream.RecvMsg(req); err != nil {
-			return nil, err
-		}
-		return req, nil
-	}
-	return serveStream(s, stream.Context(), protoDelta, st.id, func() string { return st.node }, recv, sub,
-		st.handle, func() error {
-			if !st.started {
-				return nil
-			}
-			return st.flush(nil, false, Known{}, time.Time{})
-		})
-}
-
 // request is what Delta and SotW requests have in common.
 type request interface {
 	GetNode() *core.Node
@@ -223,24 +195,105 @@ type request interface {
 }
 
 // accept records the client's node id from the first request that names
-// one and reports whether req is for the type this server serves (others
-// are ignored, as an ADS server does for types it does not know).
-func (s *Server) accept(node *string, req request) bool {
+// one and returns the cache of the request's type, or nil for a type this
+// server does not serve (ignored, as an ADS server does for types it does
+// not know).
+func (s *Server) accept(node *string, req request) Cache {
 	if *node == "" && req.GetNode() != nil {
 		*node = req.GetNode().GetId()
 	}
-	if req.GetTypeUrl() != resource.WorkloadType {
+	c := s.caches[req.GetTypeUrl()]
+	if c == nil {
 		s.log.Debug("ignoring xds request for an unserved type", "type_url", req.GetTypeUrl(), "node", *node)
-		return false
 	}
-	return true
+	return c
+}
+
+// streamTypes is the per-type state of one ADS stream: each type the
+// client subscribes to has its own Subscription, all signalling the one
+// notify channel the stream's loop waits on.
+type streamTypes[T any] struct {
+	notify chan struct{}
+	types  map[string]*T
+	order  []*T // in the order the client first asked, for stable flushes
+	cancel []func()
+}
+
+func newStreamTypes[T any]() *streamTypes[T] {
+	return &streamTypes[T]{notify: make(chan struct{}, 1), types: make(map[string]*T)}
+}
+
+// get returns the state of c's type, made by mk with a new subscription
+// the first time.
+func (t *streamTypes[T]) get(c Cache, mk func(Cache, *Subscription) *T) *T {
+	if st, ok := t.types[c.TypeURL()]; ok {
+		return st
+	}
+	sub, cancel := c.Subscribe(t.notify)
+	st := mk(c, sub)
+	t.types[c.TypeURL()] = st
+	t.order = append(t.order, st)
+	t.cancel = append(t.cancel, cancel)
+	return st
+}
+
+func (t *streamTypes[T]) close() {
+	for _, c := range t.cancel {
+		c()
+	}
+}
+
+// ---- Delta ----
+
+type deltaStream struct {
+	s      *Server
+	stream discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer
+	types  *streamTypes[deltaType]
+	node   string
+	id     int64
+	nonce  uint64
+}
+
+// deltaType is one type's subscription on a delta stream.
+type deltaType struct {
+	cache   Cache
+	sub     *Subscription
+	started bool
+}
+
+// DeltaAggregatedResources implements incremental ADS for the index's
+// types (resource.WorkloadType, resource.AddressType).
+func (s *Server) DeltaAggregatedResources(stream discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
+	st := &deltaStream{s: s, stream: stream, id: s.streams.Add(1), types: newStreamTypes[deltaType]()}
+	defer st.types.close()
+	recv := func() (*deltaRequest, error) {
+		req := &deltaRequest{DeltaDiscoveryRequest: &discovery.DeltaDiscoveryRequest{}}
+		if err := stream.RecvMsg(req); err != nil {
+			return nil, err
+		}
+		return req, nil
+	}
+	return serveStream(s, stream.Context(), protoDelta, st.id, func() string { return st.node }, recv, st.types.notify,
+		st.handle, func() error {
+			for _, t := range st.types.order {
+				if !t.started {
+					continue
+				}
+				if err := st.flush(t, nil, false, Known{}, time.Time{}); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
 }
 
 func (st *deltaStream) handle(req *deltaRequest) error {
 	defer req.release() // the response below is selected by then
-	if !st.s.accept(&st.node, req) {
+	c := st.s.accept(&st.node, req)
+	if c == nil {
 		return nil
 	}
+	t := st.types.get(c, func(c Cache, sub *Subscription) *deltaType { return &deltaType{cache: c, sub: sub} })
 	received := time.Now()
 	if n := req.GetResponseNonce(); n != "" {
 		if ed := req.GetErrorDetail(); ed != nil {
@@ -249,25 +302,25 @@ func (st *deltaStream) handle(req *deltaRequest) error {
 			st.s.m.acks.WithLabelValues(protoDelta).Inc()
 		}
 	}
-	first := !st.started
-	st.started = true
-	added, addedWildcard := st.sub.ApplyDelta(first, req.GetResourceNamesSubscribe(), req.GetResourceNamesUnsubscribe())
+	first := !t.started
+	t.started = true
+	added, addedWildcard := t.sub.ApplyDelta(first, req.GetResourceNamesSubscribe(), req.GetResourceNamesUnsubscribe())
 	var known Known
 	if first {
 		known = req.versions()
 	}
 	if addedWildcard || len(added) > 0 {
-		return st.flush(added, addedWildcard, known, received)
+		return st.flush(t, added, addedWildcard, known, received)
 	}
 	return nil
 }
 
-// flush sends, in one response, what the cache selects for the stream: the
-// pending changes it subscribes to plus the newly subscribed names. A new
-// subscription always gets a response, even empty, so a client sees it is
-// synced.
-func (st *deltaStream) flush(added []string, addedWildcard bool, known Known, since time.Time) error {
-	d := st.s.cache.DeltaResponse(st.sub, added, addedWildcard, known)
+// flush sends, in one response, what the cache selects for the stream's
+// type t: the pending changes it subscribes to plus the newly subscribed
+// names. A new subscription always gets a response, even empty, so a
+// client sees it is synced.
+func (st *deltaStream) flush(t *deltaType, added []string, addedWildcard bool, known Known, since time.Time) error {
+	d := t.cache.DeltaResponse(t.sub, added, addedWildcard, known)
 	if since.IsZero() || (!d.Since.IsZero() && d.Since.Before(since)) {
 		since = d.Since
 	}
@@ -277,7 +330,7 @@ func (st *deltaStream) flush(added []string, addedWildcard bool, known Known, si
 	}
 	st.nonce++
 	head := &discovery.DeltaDiscoveryResponse{
-		SystemVersionInfo: strconv.FormatUint(d.Revision, 10), TypeUrl: resource.WorkloadType,
+		SystemVersionInfo: strconv.FormatUint(d.Revision, 10), TypeUrl: t.cache.TypeURL(),
 		Nonce: strconv.FormatUint(st.nonce, 10), RemovedResources: d.Removed,
 	}
 	resp := &discovery.DeltaDiscoveryResponse{
@@ -298,12 +351,19 @@ func (st *deltaStream) flush(added []string, addedWildcard bool, known Known, si
 // ---- SotW ----
 
 type sotwStream struct {
-	s       *Server
-	stream  discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer
+	s      *Server
+	stream discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer
+	types  *streamTypes[sotwType]
+	node   string
+	id     int64
+	nonce  uint64
+}
+
+// sotwType is one type's subscription on a SotW stream.
+type sotwType struct {
+	cache   Cache
 	sub     *Subscription
-	node    string
-	id      int64
-	nonce   uint64
+	nonce   string // of the last response of this type
 	started bool
 	// waiting is true between a response and the client's next request: a
 	// SotW server answers requests, so updates wait for the ACK.
@@ -312,61 +372,71 @@ type sotwStream struct {
 	since   time.Time
 }
 
-// StreamAggregatedResources implements state-of-the-world ADS for
-// resource.WorkloadType: every response carries every subscribed workload.
+// StreamAggregatedResources implements state-of-the-world ADS for the
+// index's types: every response carries every subscribed resource of its
+// type.
 func (s *Server) StreamAggregatedResources(stream discovery.AggregatedDiscoveryService_StreamAggregatedResourcesServer) error {
-	sub, cancel := s.cache.Watch()
-	defer cancel()
-	st := &sotwStream{s: s, stream: stream, id: s.streams.Add(1), sub: sub}
-	return serveStream(s, stream.Context(), protoSotW, st.id, func() string { return st.node }, stream.Recv, sub,
-		st.handle, st.changed)
+	st := &sotwStream{s: s, stream: stream, id: s.streams.Add(1), types: newStreamTypes[sotwType]()}
+	defer st.types.close()
+	return serveStream(s, stream.Context(), protoSotW, st.id, func() string { return st.node }, stream.Recv, st.types.notify,
+		st.handle, func() error {
+			for _, t := range st.types.order {
+				if err := st.changed(t); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
 }
 
 func (st *sotwStream) handle(req *discovery.DiscoveryRequest) error {
-	if !st.s.accept(&st.node, req) {
+	c := st.s.accept(&st.node, req)
+	if c == nil {
 		return nil
 	}
+	t := st.types.get(c, func(c Cache, sub *Subscription) *sotwType { return &sotwType{cache: c, sub: sub} })
 	received := time.Now()
 	if n := req.GetResponseNonce(); n != "" {
-		if n != strconv.FormatUint(st.nonce, 10) {
+		if n != t.nonce {
 			return nil // stale: a newer response is on its way
 		}
-		st.waiting = false
+		t.waiting = false
 		if ed := req.GetErrorDetail(); ed != nil {
 			st.s.nack(protoSotW, st.node, n, ed.GetMessage())
 		} else {
 			st.s.m.acks.WithLabelValues(protoSotW).Inc()
 		}
 	}
-	changedSub := st.sub.SetSotW(req.GetResourceNames()) || !st.started
-	st.started = true
+	changedSub := t.sub.SetSotW(req.GetResourceNames()) || !t.started
+	t.started = true
 	if changedSub {
-		st.dirty, st.since = true, received
+		t.dirty, t.since = true, received
 	}
-	return st.changed()
+	return st.changed(t)
 }
 
-// changed sends the current state if something the stream subscribes to
-// changed and the client has answered the previous response.
-func (st *sotwStream) changed() error {
-	if !st.started {
+// changed sends the current state of t if something the stream subscribes
+// to changed and the client has answered the previous response of t.
+func (st *sotwStream) changed(t *sotwType) error {
+	if !t.started {
 		return nil
 	}
-	if hit, psince := st.sub.TakeChanged(); hit {
-		if !st.dirty || psince.Before(st.since) {
-			st.since = psince
+	if hit, psince := t.sub.TakeChanged(); hit {
+		if !t.dirty || psince.Before(t.since) {
+			t.since = psince
 		}
-		st.dirty = true
+		t.dirty = true
 	}
-	if !st.dirty || st.waiting {
+	if !t.dirty || t.waiting {
 		return nil
 	}
-	state := st.s.cache.SotWResponse(st.sub)
+	state := t.cache.SotWResponse(t.sub)
 	st.nonce++
+	t.nonce = strconv.FormatUint(st.nonce, 10)
 	head := &discovery.DiscoveryResponse{
-		TypeUrl:     resource.WorkloadType,
+		TypeUrl:     t.cache.TypeURL(),
 		VersionInfo: strconv.FormatUint(state.Revision, 10),
-		Nonce:       strconv.FormatUint(st.nonce, 10),
+		Nonce:       t.nonce,
 	}
 	resp := &discovery.DiscoveryResponse{
 		TypeUrl: head.TypeUrl, VersionInfo: head.VersionInfo, Nonce: head.Nonce,
@@ -379,8 +449,8 @@ func (st *sotwStream) changed() error {
 	if err := sendEncoded(st.stream, resp, head, parts); err != nil {
 		return err
 	}
-	st.s.m.pushed(protoSotW, len(state.Resources), st.since)
-	st.dirty, st.waiting, st.since = false, true, time.Time{}
+	st.s.m.pushed(protoSotW, len(state.Resources), t.since)
+	t.dirty, t.waiting, t.since = false, true, time.Time{}
 	return nil
 }
 
