@@ -127,10 +127,10 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 	p.Manager = m
 	node := &core.Node{Id: cfg.NodeID, Cluster: "aether-proxy"}
 	p.XDS = &adsclient.Client{
-		Target: cfg.XDSTarget, Node: node, TypeURLs: []string{resource.ListenerType, resource.WorkloadType}, Handler: p.apply, Log: log,
+		Target: cfg.XDSTarget, Node: node, TypeURLs: []string{resource.ListenerType, resource.AddressType}, Handler: p.apply, Log: log,
 	}
 	if cfg.LDSTarget != "" && cfg.LDSTarget != cfg.XDSTarget {
-		p.XDS.TypeURLs = []string{resource.WorkloadType}
+		p.XDS.TypeURLs = []string{resource.AddressType}
 		p.LDS = &adsclient.Client{
 			Target: cfg.LDSTarget, Node: node, TypeURLs: []string{resource.ListenerType}, Handler: p.apply, Log: log,
 		}
@@ -194,7 +194,7 @@ func (p *Proxy) apply(typeURL string, updated []*discovery.Resource, removed []s
 		}
 		return errors.Join(errs...)
 	default:
-		return fmt.Errorf("unexpected type %q: subscribed to %s and %s", typeURL, resource.ListenerType, resource.WorkloadType)
+		return fmt.Errorf("unexpected type %q: subscribed to %s and %s", typeURL, resource.ListenerType, resource.AddressType)
 	}
 }
 

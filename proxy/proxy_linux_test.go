@@ -21,6 +21,7 @@ import (
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
 	"google.golang.org/grpc"
 
+	workload "aether.io/node/api/istio/workload"
 	"aether.io/node/proxy"
 	"aether.io/node/proxy/proxytest"
 	"aether.io/node/test/harness"
@@ -46,12 +47,12 @@ func startAgent(t *testing.T) *agent {
 		requests:  make(chan *discovery.DeltaDiscoveryRequest, 256),
 		socket:    filepath.Join(t.TempDir(), "xds.sock"),
 		listeners: cachev3.NewLinearCache(resource.ListenerType),
-		workloads: cachev3.NewLinearCache(resource.WorkloadType),
+		workloads: cachev3.NewLinearCache(resource.AddressType),
 	}
 	mux := &cachev3.MuxCache{
 		Classify:      func(r *cachev3.Request) string { return r.GetTypeUrl() },
 		ClassifyDelta: func(r *cachev3.DeltaRequest) string { return r.GetTypeUrl() },
-		Caches:        map[string]cachev3.Cache{resource.ListenerType: a.listeners, resource.WorkloadType: a.workloads},
+		Caches:        map[string]cachev3.Cache{resource.ListenerType: a.listeners, resource.AddressType: a.workloads},
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	cb := serverv3.CallbackFuncs{StreamDeltaRequestFunc: func(_ int64, r *discovery.DeltaDiscoveryRequest) error {
@@ -89,7 +90,7 @@ func (a *agent) addPod(t *testing.T, p *proxytest.Pod) {
 		t.Fatal(err)
 	}
 	w := p.Workload()
-	if err := a.workloads.UpdateResource(w.GetUid(), w); err != nil {
+	if err := a.workloads.UpdateResource(w.GetUid(), &workload.Address{Type: &workload.Address_Workload{Workload: w}}); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -298,7 +299,7 @@ func TestSplitStreams(t *testing.T) {
 		}
 	}
 	w := client.Workload()
-	if err := agW.workloads.UpdateResource(w.GetUid(), w); err != nil {
+	if err := agW.workloads.UpdateResource(w.GetUid(), &workload.Address{Type: &workload.Address_Workload{Workload: w}}); err != nil {
 		t.Fatal(err)
 	}
 	p := runProxy(t, proxy.Config{XDSTarget: "unix://" + agW.socket, LDSTarget: "unix://" + agL.socket, NodeID: "node-1"})

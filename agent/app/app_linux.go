@@ -127,6 +127,9 @@ func newAgent(c *Config, log *slog.Logger) *agent {
 	a.appendXDS()
 	a.appendIdentity()
 	a.lc.Go("pod_source", func(ctx context.Context) error { return a.src.Run(ctx, a.mgr.Handler(ctx)) })
+	if a.nodeRes.services != nil {
+		a.lc.Go("services", a.runServices)
+	}
 	a.lc.Go("pod_source_sync", a.awaitSync)
 	a.lc.Go("liveness", func(ctx context.Context) error {
 		a.mgr.RunLiveness(ctx, c.LivenessInterval)

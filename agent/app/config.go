@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
+	"k8s.io/apimachinery/pkg/util/validation"
 
 	"aether.io/node/agent/identity"
 	"aether.io/node/agent/pods"
@@ -77,6 +78,9 @@ type Config struct {
 	XDSHandshakeTimeout time.Duration
 	// ClusterID, TrustDomain and Network go into every served workload.
 	ClusterID, TrustDomain, Network string
+	// ClusterDomain is the DNS domain of Service hostnames
+	// (<name>.<namespace>.svc.<domain>).
+	ClusterDomain string
 	// Registry is "local", "kube" or "etcd"; the Etcd* fields configure
 	// etcd.
 	Registry                              string
@@ -162,6 +166,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.StringVar(&c.LDSSocket, "lds-socket", ProxySocketDir+"/"+meshcontract.LDSSocketName, "unix socket serving aether-proxy's per-pod listeners (envoy.config.listener.v3.Listener, ADS); empty disables it")
 	fs.StringVar(&c.ClusterID, "cluster-id", "Kubernetes", "cluster name: the first segment of every workload uid and its cluster_id")
 	fs.StringVar(&c.TrustDomain, "trust-domain", "cluster.local", "SPIFFE trust domain of the workloads")
+	fs.StringVar(&c.ClusterDomain, "cluster-domain", "cluster.local", "DNS domain of the cluster's Services: served Service hostnames are <name>.<namespace>.svc.<domain> (kubelet's --cluster-domain)")
 	fs.StringVar(&c.Network, "network", "", "network of the pods' addresses; empty for the default network")
 	fs.StringVar(&c.Registry, "registry", "local", "endpoint registry: local (embedded, this node only), kube (this node's embedded, every other node's mesh-managed pods from the Kubernetes API) or etcd (spans nodes through etcd)")
 	fs.StringVar(&etcdEndpoints, "etcd-endpoints", "", "comma-separated etcd client URLs for --registry=etcd")
@@ -244,6 +249,9 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	}
 	if (c.XDSSocket != "" || c.XDSAddress != "") && c.ClusterID == "" {
 		return nil, errors.New("invalid --cluster-id: empty; workload uids need the cluster name")
+	}
+	if errs := validation.IsDNS1123Subdomain(c.ClusterDomain); len(errs) > 0 {
+		return nil, fmt.Errorf("invalid --cluster-domain %q: %s; want a DNS domain such as cluster.local", c.ClusterDomain, strings.Join(errs, "; "))
 	}
 	if locality != "" {
 		parts := strings.Split(locality, "/")

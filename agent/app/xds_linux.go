@@ -24,6 +24,7 @@ import (
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 
 	"aether.io/node/agent/identity"
+	"aether.io/node/agent/services"
 	"aether.io/node/agent/store"
 	"aether.io/node/agent/uds"
 	cniv1 "aether.io/node/api/aether/cni/v1"
@@ -282,7 +283,10 @@ func (w *localWorkloads) RecordRemoved(key string) { w.local.Remove(key) }
 type nodeXDS struct {
 	listeners *listenerSync
 	workloads *localWorkloads // nil when workload discovery is off
-	accounts  *podAccounts    // nil when identity is off
+	// services is the Service model of the workload index (nil when
+	// workload discovery is off).
+	services *services.Model
+	accounts *podAccounts // nil when identity is off
 }
 
 func (n *nodeXDS) RecordStored(rec *store.Record, ep registry.Endpoint) {
@@ -326,8 +330,27 @@ func newNodeXDS(c *Config, log *slog.Logger) *nodeXDS {
 			cfg: workload.Config{ClusterID: c.ClusterID, TrustDomain: c.TrustDomain, Network: c.Network, HBONE: c.HBONE()},
 			idx: idx, local: idx.Writer(localSource), log: log.With("component", "wds"),
 		}
+		// The model is the index's Membership before anything is upserted.
+		n.services = services.New(services.Config{ClusterID: c.ClusterID, ClusterDomain: c.ClusterDomain, Network: c.Network},
+			idx, log.With("component", "services"))
 	}
 	return n
+}
+
+// runServices feeds the Service model from the pod source's origin: the
+// manifest directory, or the Kubernetes API (every Service and
+// EndpointSlice of the cluster).
+func (a *agent) runServices(ctx context.Context) error {
+	log := a.log.With("component", "services")
+	if a.c.PodManifests != "" {
+		return services.NewDir(a.c.PodManifests, a.c.ManifestInterval, a.nodeRes.services, log).Run(ctx)
+	}
+	inf, err := services.NewInformers(a.kube, a.nodeRes.services, log)
+	if err != nil {
+		return err
+	}
+	inf.Run(ctx)
+	return nil
 }
 
 // remoteOnly hides this node's endpoints from a shared registry, so the

@@ -226,6 +226,29 @@ func writePodManifest(dir, node, namespace, name, uid string, managed bool) erro
 	return os.WriteFile(filepath.Join(dir, namespace+"_"+name+".json"), b, 0o600)
 }
 
+// serviceVIP is the demo Service's ClusterIP and port (no kube-proxy runs:
+// only the mesh makes it answer).
+var serviceVIP = netip.MustParseAddrPort("10.96.0.10:80")
+
+// writeServiceManifest writes a ClusterIP Service into the agent's manifest
+// directory (the agent derives its endpoints from the pods there, as the
+// EndpointSlice controller would).
+func writeServiceManifest(dir, namespace, name, clusterIP string, port uint16, targetPort int, selector map[string]string) error {
+	doc := map[string]any{
+		"apiVersion": "v1", "kind": "Service",
+		"metadata": map[string]any{"name": name, "namespace": namespace},
+		"spec": map[string]any{
+			"clusterIP": clusterIP, "clusterIPs": []string{clusterIP}, "selector": selector,
+			"ports": []map[string]any{{"name": "tcp-echo", "port": port, "targetPort": targetPort}},
+		},
+	}
+	b, err := json.MarshalIndent(doc, "", "  ")
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(dir, namespace+"_svc_"+name+".json"), b, 0o600)
+}
+
 // Metric is one Prometheus text-format sample.
 type Metric struct {
 	Name   string

@@ -309,3 +309,44 @@ func TestSotWServesAddresses(t *testing.T) {
 		})
 	}
 }
+
+// TestEndpointSourceYields: a workload known only from an EndpointSlice is
+// served until the pod's own record claims the uid, which then wins
+// whatever the order, and is served again once the record goes.
+func TestEndpointSourceYields(t *testing.T) {
+	x := NewIndex()
+	ep := endpointN(0)
+	real, err := Build(testConfig, ep)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stub := &workloadpb.Workload{Uid: real.GetUid(), Name: real.GetName(), Namespace: "shop", Addresses: real.GetAddresses()}
+	eps, local := x.Writer(EndpointSource), x.Writer("local")
+	if _, err := eps.Upsert("ep/"+real.GetUid(), stub); err != nil {
+		t.Fatal(err)
+	}
+	served := func() *workloadpb.Workload {
+		var w workloadpb.Workload
+		if err := proto.Unmarshal(x.Get(real.GetUid()).Body, &w); err != nil {
+			t.Fatal(err)
+		}
+		return &w
+	}
+	if served().GetServiceAccount() != "" {
+		t.Fatal("stub not served")
+	}
+	if _, err := local.Upsert(ep.Key, real); err != nil {
+		t.Fatal(err)
+	}
+	stub.Node = "changed" // a later EndpointSlice update
+	if _, err := eps.Upsert("ep/"+real.GetUid(), stub); err != nil {
+		t.Fatal(err)
+	}
+	if got := served(); got.GetServiceAccount() != real.GetServiceAccount() {
+		t.Fatalf("served %v, want the pod's record", got)
+	}
+	local.Remove(ep.Key)
+	if got := served(); got.GetNode() != "changed" {
+		t.Fatalf("after the record went, served %v, want the endpoint stub", got)
+	}
+}

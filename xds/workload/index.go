@@ -229,14 +229,33 @@ func (x *Index) upsertResourceLocked(source, key string, r *Resource, now time.T
 		changed = x.unclaimLocked(e.res.Name, key, now)
 	}
 	x.seq++
-	x.keys[key] = &keyEntry{source: source, res: r, seq: x.seq}
+	ne := &keyEntry{source: source, res: r, seq: x.seq}
+	x.keys[key] = ne
 	// Every key of x.keys claims its resource's name, and only that one:
 	// a key already held under this name is in its claims (no scan of
 	// them, which grows with the sandboxes of one pod).
 	if !ok || e.res.Name != r.Name {
 		x.claims[r.Name] = append(x.claims[r.Name], key)
 	}
+	if cur, served := x.nameKey[r.Name]; served && cur != key && x.keys[cur].rank() > ne.rank() {
+		return changed, nil // a Service endpoint known only from its EndpointSlice yields to the pod's record
+	}
 	return x.serveLocked(r.Name, key, r, now) || changed, nil
+}
+
+// EndpointSource is the source of workloads known only as a Service's
+// endpoint (from its EndpointSlice: a pod outside the mesh, served with
+// tunnel_protocol NONE so a client connects to it directly). Its claim on
+// a uid is served only while no other source claims the uid.
+const EndpointSource = "endpoints"
+
+// rank orders the claimants of a uid before their age: any record of the
+// pod outranks an endpoint known only from an EndpointSlice.
+func (e *keyEntry) rank() int {
+	if e.source == EndpointSource {
+		return 0
+	}
+	return 1
 }
 
 // serveLocked makes r (of key) the served resource of name; an unchanged
@@ -306,7 +325,7 @@ func (x *Index) unclaimLocked(name, key string, now time.Time) bool {
 	var next string
 	var best *keyEntry
 	for _, k := range keys {
-		if e := x.keys[k]; best == nil || e.seq > best.seq {
+		if e := x.keys[k]; best == nil || e.rank() > best.rank() || (e.rank() == best.rank() && e.seq > best.seq) {
 			next, best = k, e
 		}
 	}

@@ -6,8 +6,10 @@
 package manifests
 
 import (
+	"bufio"
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -19,7 +21,10 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"sigs.k8s.io/yaml"
 
 	"aether.io/node/agent/podsource"
 )
@@ -27,37 +32,126 @@ import (
 // MaxManifestBytes bounds one manifest file.
 const MaxManifestBytes = 4 << 20
 
-// Parse decodes every Pod in a YAML or JSON stream. Documents of another
-// kind are an error, and so are pods without a name; an empty namespace
-// becomes "default".
+// Parse decodes every Pod in a YAML or JSON stream. Services and
+// EndpointSlices (read by the agent's Service model from the same
+// directory, ParseObjects) are skipped; documents of any other kind are an
+// error, and so are objects without a name; an empty namespace becomes
+// "default".
 func Parse(data []byte) ([]*corev1.Pod, error) {
-	if len(data) > MaxManifestBytes {
-		return nil, fmt.Errorf("failed to parse manifest: %d bytes is over the %d-byte limit", len(data), MaxManifestBytes)
+	objs, err := ParseObjects(data)
+	if err != nil {
+		return nil, err
 	}
-	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(data), 4096)
-	var pods []*corev1.Pod
+	return objs.Pods, nil
+}
+
+// Objects are the objects of a manifest stream, by kind.
+type Objects struct {
+	Pods           []*corev1.Pod
+	Services       []*corev1.Service
+	EndpointSlices []*discoveryv1.EndpointSlice
+}
+
+// Kinds a manifest directory may hold, as "apiVersion kind".
+const (
+	kindPod           = "v1 Pod"
+	kindService       = "v1 Service"
+	kindEndpointSlice = "discovery.k8s.io/v1 EndpointSlice"
+)
+
+// ParseObjects decodes every Pod, Service and EndpointSlice in a YAML or
+// JSON stream (several documents allowed). Another kind is an error that
+// names the allowed ones, and so is an object without a name; an empty
+// namespace becomes "default".
+func ParseObjects(data []byte) (Objects, error) {
+	var out Objects
+	if len(data) > MaxManifestBytes {
+		return out, fmt.Errorf("failed to parse manifest: %d bytes is over the %d-byte limit", len(data), MaxManifestBytes)
+	}
+	docs, err := documents(data)
+	if err != nil {
+		return out, err
+	}
+	for i, raw := range docs {
+		if t := bytes.TrimSpace(raw); len(t) == 0 || string(t) == "null" {
+			continue // empty document
+		}
+		var head struct {
+			metav1.TypeMeta `json:",inline"`
+			Metadata        struct {
+				Name string `json:"name"`
+			} `json:"metadata"`
+		}
+		if err := yaml.Unmarshal(raw, &head); err != nil {
+			return Objects{}, fmt.Errorf("failed to parse manifest document %d: %w", i, err)
+		}
+		if head.Kind == "" && head.APIVersion == "" && head.Metadata.Name == "" {
+			continue // an empty object
+		}
+		apiVersion := head.APIVersion
+		if apiVersion == "" && (head.Kind == "Pod" || head.Kind == "Service") {
+			apiVersion = "v1"
+		}
+		var obj interface {
+			GetName() string
+			GetNamespace() string
+			SetNamespace(string)
+		}
+		switch apiVersion + " " + head.Kind {
+		case kindPod:
+			p := &corev1.Pod{}
+			out.Pods, obj = append(out.Pods, p), p
+		case kindService:
+			s := &corev1.Service{}
+			out.Services, obj = append(out.Services, s), s
+		case kindEndpointSlice:
+			es := &discoveryv1.EndpointSlice{}
+			out.EndpointSlices, obj = append(out.EndpointSlices, es), es
+		default:
+			return Objects{}, fmt.Errorf("failed to parse manifest document %d: kind %q apiVersion %q, only %s, %s and %s are allowed",
+				i, head.Kind, head.APIVersion, kindPod, kindService, kindEndpointSlice)
+		}
+		// sigs.k8s.io/yaml converts by the target's types, as kubelet's
+		// decoder does (an unquoted `nodeName: n` arrives as "false").
+		if err := yaml.Unmarshal(raw, obj); err != nil {
+			return Objects{}, fmt.Errorf("failed to parse manifest document %d (%s): %w", i, head.Kind, err)
+		}
+		if obj.GetName() == "" {
+			return Objects{}, fmt.Errorf("failed to parse manifest document %d (%s): metadata.name is required", i, head.Kind)
+		}
+		if obj.GetNamespace() == "" {
+			obj.SetNamespace("default")
+		}
+	}
+	return out, nil
+}
+
+// documents splits a manifest stream into its documents: YAML documents
+// (separated by ---), or the objects of a JSON stream.
+func documents(data []byte) ([][]byte, error) {
+	var docs [][]byte
+	if t := bytes.TrimSpace(data); len(t) > 0 && t[0] == '{' {
+		dec := json.NewDecoder(bytes.NewReader(t))
+		for i := 0; ; i++ {
+			var raw json.RawMessage
+			if err := dec.Decode(&raw); errors.Is(err, io.EOF) {
+				return docs, nil
+			} else if err != nil {
+				return nil, fmt.Errorf("failed to parse manifest document %d: %w", i, err)
+			}
+			docs = append(docs, raw)
+		}
+	}
+	r := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
 	for i := 0; ; i++ {
-		var pod corev1.Pod
-		err := dec.Decode(&pod)
+		doc, err := r.Read()
 		if errors.Is(err, io.EOF) {
-			return pods, nil
+			return docs, nil
 		}
 		if err != nil {
 			return nil, fmt.Errorf("failed to parse manifest document %d: %w", i, err)
 		}
-		if pod.Kind == "" && pod.APIVersion == "" && pod.Name == "" && len(pod.Spec.Containers) == 0 {
-			continue // empty document
-		}
-		if pod.Kind != "Pod" || (pod.APIVersion != "v1" && pod.APIVersion != "") {
-			return nil, fmt.Errorf("failed to parse manifest document %d: kind %q apiVersion %q, only kind Pod apiVersion v1 is allowed", i, pod.Kind, pod.APIVersion)
-		}
-		if pod.Name == "" {
-			return nil, fmt.Errorf("failed to parse manifest document %d: metadata.name is required", i)
-		}
-		if pod.Namespace == "" {
-			pod.Namespace = "default"
-		}
-		pods = append(pods, &pod)
+		docs = append(docs, doc)
 	}
 }
 

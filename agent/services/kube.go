@@ -1,0 +1,163 @@
+package services
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+)
+
+// Informers feed a Model from the Kubernetes API: every Service and every
+// EndpointSlice of the cluster (list and watch, nothing else), each
+// trimmed to what the model reads before it is cached.
+type Informers struct {
+	model    *Model
+	services cache.SharedIndexInformer
+	slices   cache.SharedIndexInformer
+	log      *slog.Logger
+}
+
+// NewInformers returns the informers of client feeding m. It does no I/O;
+// call Run.
+func NewInformers(client kubernetes.Interface, m *Model, log *slog.Logger) (*Informers, error) {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	svcs := client.CoreV1().Services(metav1.NamespaceAll)
+	ess := client.DiscoveryV1().EndpointSlices(metav1.NamespaceAll)
+	i := &Informers{
+		model: m, log: log,
+		services: cache.NewSharedIndexInformer(&cache.ListWatch{
+			ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+				return svcs.List(ctx, o)
+			},
+			WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+				return svcs.Watch(ctx, o)
+			},
+		}, &corev1.Service{}, 0, cache.Indexers{}),
+		slices: cache.NewSharedIndexInformer(&cache.ListWatch{
+			ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+				return ess.List(ctx, o)
+			},
+			WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+				return ess.Watch(ctx, o)
+			},
+		}, &discoveryv1.EndpointSlice{}, 0, cache.Indexers{}),
+	}
+	if err := i.services.SetTransform(TrimService); err != nil {
+		return nil, fmt.Errorf("service informer: %w", err)
+	}
+	if err := i.slices.SetTransform(TrimSlice); err != nil {
+		return nil, fmt.Errorf("endpointslice informer: %w", err)
+	}
+	if _, err := i.services.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(o any) { i.onService(o, false) },
+		UpdateFunc: func(_, o any) { i.onService(o, false) },
+		DeleteFunc: func(o any) { i.onService(o, true) },
+	}); err != nil {
+		return nil, fmt.Errorf("service informer: %w", err)
+	}
+	if _, err := i.slices.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(o any) { i.onSlice(o, false) },
+		UpdateFunc: func(_, o any) { i.onSlice(o, false) },
+		DeleteFunc: func(o any) { i.onSlice(o, true) },
+	}); err != nil {
+		return nil, fmt.Errorf("endpointslice informer: %w", err)
+	}
+	return i, nil
+}
+
+func deletedObject(o any) any {
+	if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
+		return t.Obj
+	}
+	return o
+}
+
+func (i *Informers) onService(o any, deleted bool) {
+	svc, ok := deletedObject(o).(*corev1.Service)
+	if !ok {
+		return
+	}
+	if deleted {
+		i.model.DeleteService(svc.Namespace, svc.Name)
+		return
+	}
+	i.model.UpsertService(svc)
+}
+
+func (i *Informers) onSlice(o any, deleted bool) {
+	es, ok := deletedObject(o).(*discoveryv1.EndpointSlice)
+	if !ok {
+		return
+	}
+	if deleted {
+		i.model.DeleteSlice(es.Namespace, es.Name)
+		return
+	}
+	i.model.UpsertSlice(es)
+}
+
+// HasSynced reports whether both informers delivered their first listing.
+func (i *Informers) HasSynced() bool { return i.services.HasSynced() && i.slices.HasSynced() }
+
+// Run runs the informers until ctx ends.
+func (i *Informers) Run(ctx context.Context) {
+	var wg sync.WaitGroup
+	wg.Go(func() { i.services.RunWithContext(ctx) })
+	wg.Go(func() { i.slices.RunWithContext(ctx) })
+	if cache.WaitForCacheSync(ctx.Done(), i.HasSynced) {
+		i.log.Info("services synced", "services", len(i.services.GetStore().ListKeys()), "endpointslices", len(i.slices.GetStore().ListKeys()))
+	}
+	wg.Wait()
+}
+
+// TrimService keeps what BuildService reads.
+func TrimService(obj any) (any, error) {
+	s, ok := obj.(*corev1.Service)
+	if !ok {
+		return obj, nil
+	}
+	t := &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: s.Name, Namespace: s.Namespace, ResourceVersion: s.ResourceVersion},
+		Spec: corev1.ServiceSpec{
+			Type: s.Spec.Type, ClusterIP: s.Spec.ClusterIP, ClusterIPs: s.Spec.ClusterIPs, Ports: s.Spec.Ports,
+			PublishNotReadyAddresses: s.Spec.PublishNotReadyAddresses, TrafficDistribution: s.Spec.TrafficDistribution,
+		},
+	}
+	if v, ok := s.Annotations[AnnotationTrafficDistribution]; ok {
+		t.Annotations = map[string]string{AnnotationTrafficDistribution: v}
+	}
+	return t, nil
+}
+
+// TrimSlice keeps what SliceEndpoints reads.
+func TrimSlice(obj any) (any, error) {
+	es, ok := obj.(*discoveryv1.EndpointSlice)
+	if !ok {
+		return obj, nil
+	}
+	t := &discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Name: es.Name, Namespace: es.Namespace, ResourceVersion: es.ResourceVersion},
+		AddressType: es.AddressType, Ports: es.Ports,
+	}
+	if v, ok := es.Labels[LabelServiceName]; ok {
+		t.Labels = map[string]string{LabelServiceName: v}
+	}
+	t.Endpoints = make([]discoveryv1.Endpoint, len(es.Endpoints))
+	for n, e := range es.Endpoints {
+		t.Endpoints[n] = discoveryv1.Endpoint{Addresses: e.Addresses, Conditions: e.Conditions, NodeName: e.NodeName}
+		if e.TargetRef != nil {
+			t.Endpoints[n].TargetRef = &corev1.ObjectReference{Kind: e.TargetRef.Kind, Namespace: e.TargetRef.Namespace, Name: e.TargetRef.Name}
+		}
+	}
+	return t, nil
+}

@@ -1,0 +1,207 @@
+package services
+
+import (
+	"net/netip"
+	"testing"
+
+	"google.golang.org/protobuf/proto"
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/utils/ptr"
+
+	workloadpb "aether.io/node/api/istio/workload"
+	"aether.io/node/registry"
+	"aether.io/node/xds/workload"
+)
+
+var testCfg = Config{ClusterID: "Kubernetes", ClusterDomain: "cluster.local"}
+
+const webHost = "shop/web.shop.svc.cluster.local"
+
+func webService() *corev1.Service {
+	return &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: "web", Namespace: "shop"},
+		Spec: corev1.ServiceSpec{
+			Type: corev1.ServiceTypeClusterIP, ClusterIP: "10.96.0.10", ClusterIPs: []string{"10.96.0.10"},
+			Ports: []corev1.ServicePort{
+				{Name: "http", Port: 80, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP},
+				{Name: "metrics", Port: 9090, TargetPort: intstr.FromInt32(9091)},
+				{Name: "dns", Port: 53, Protocol: corev1.ProtocolUDP},
+			},
+		},
+	}
+}
+
+type sliceEP struct {
+	pod, ip, node string
+	ready         *bool
+}
+
+func slice(name string, httpPort int32, eps ...sliceEP) *discoveryv1.EndpointSlice {
+	es := &discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Name: name, Namespace: "shop", Labels: map[string]string{LabelServiceName: "web"}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+		Ports: []discoveryv1.EndpointPort{
+			{Name: ptr.To("http"), Port: ptr.To(httpPort), Protocol: ptr.To(corev1.ProtocolTCP)},
+			{Name: ptr.To("metrics"), Port: ptr.To[int32](9091)},
+		},
+	}
+	for _, e := range eps {
+		es.Endpoints = append(es.Endpoints, discoveryv1.Endpoint{
+			Addresses: []string{e.ip}, NodeName: ptr.To(e.node),
+			Conditions: discoveryv1.EndpointConditions{Ready: e.ready},
+			TargetRef:  &corev1.ObjectReference{Kind: "Pod", Namespace: "shop", Name: e.pod},
+		})
+	}
+	return es
+}
+
+func served(t *testing.T, x *workload.Index, name string) *workloadpb.Address {
+	t.Helper()
+	r := x.Addresses().Get(name)
+	if r == nil {
+		return nil
+	}
+	var a workloadpb.Address
+	if err := proto.Unmarshal(r.Body, &a); err != nil {
+		t.Fatal(err)
+	}
+	return &a
+}
+
+func uid(pod string) string { return workload.UID("Kubernetes", "shop", pod) }
+
+func ports(t *testing.T, w *workloadpb.Workload) map[uint32]uint32 {
+	t.Helper()
+	out := map[uint32]uint32{}
+	for _, p := range w.GetServices()[webHost].GetPorts() {
+		out[p.GetServicePort()] = p.GetTargetPort()
+	}
+	return out
+}
+
+// TestModelClusterIP: a ClusterIP Service is served with its VIP, TCP
+// ports (a named target port left 0) and hostname; each ready endpoint
+// names it with the target port its slice resolved; a not-ready one does
+// not; a pod with a record of its own is served from it (services map
+// added), the others from the slice with tunnel NONE.
+func TestModelClusterIP(t *testing.T) {
+	x := workload.NewIndex()
+	m := New(testCfg, x, nil)
+	mesh := registry.Endpoint{Key: "sandbox-a", Namespace: "shop", Name: "web-a", Node: "n1", Healthy: true, IPs: []netip.Addr{netip.MustParseAddr("10.0.0.1")}}
+	w, err := workload.Build(workload.Config{ClusterID: "Kubernetes", TrustDomain: "cluster.local", HBONE: true}, mesh)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := x.Writer("local").Upsert(mesh.Key, w); err != nil {
+		t.Fatal(err)
+	}
+	m.UpsertService(webService())
+	m.UpsertSlice(slice("web-1", 8080, sliceEP{pod: "web-a", ip: "10.0.0.1", node: "n1"}, sliceEP{pod: "web-b", ip: "10.0.0.2", node: "n2", ready: ptr.To(true)},
+		sliceEP{pod: "web-c", ip: "10.0.0.3", node: "n2", ready: ptr.To(false)}))
+	m.UpsertSlice(slice("web-2", 8081, sliceEP{pod: "web-d", ip: "10.0.0.4", node: "n3"}))
+
+	svc := served(t, x, webHost).GetService()
+	want := &workloadpb.Service{
+		Name: "web", Namespace: "shop", Hostname: "web.shop.svc.cluster.local",
+		Addresses:  []*workloadpb.NetworkAddress{{Address: []byte{10, 96, 0, 10}}},
+		Ports:      []*workloadpb.Port{{ServicePort: 80, TargetPort: 0, AppProtocol: workloadpb.AppProtocol_HTTP11}, {ServicePort: 9090, TargetPort: 9091}},
+		IpFamilies: workloadpb.IPFamilies_IPV4_ONLY,
+	}
+	if !proto.Equal(svc, want) {
+		t.Fatalf("service = %v\nwant %v", svc, want)
+	}
+	a := served(t, x, uid("web-a")).GetWorkload()
+	if a.GetTunnelProtocol() != workloadpb.TunnelProtocol_HBONE || a.GetNode() != "n1" {
+		t.Errorf("mesh pod not served from its record: %v", a)
+	}
+	if got := ports(t, a); got[80] != 8080 || got[9090] != 9091 || len(got) != 2 {
+		t.Errorf("web-a ports %v, want 80->8080, 9090->9091", got)
+	}
+	b := served(t, x, uid("web-b")).GetWorkload()
+	if b.GetTunnelProtocol() != workloadpb.TunnelProtocol_NONE || b.GetStatus() != workloadpb.WorkloadStatus_HEALTHY ||
+		netip.AddrFrom4([4]byte(b.GetAddresses()[0])) != netip.MustParseAddr("10.0.0.2") || b.GetNode() != "n2" {
+		t.Errorf("slice-only endpoint served as %v", b)
+	}
+	if got := ports(t, served(t, x, uid("web-d")).GetWorkload()); got[80] != 8081 {
+		t.Errorf("web-d ports %v: the named target port is resolved per slice (8081)", got)
+	}
+	if served(t, x, uid("web-c")) != nil {
+		t.Error("a not-ready endpoint is served")
+	}
+
+	// The pod's record goes: the slice keeps it served, as NONE.
+	x.Writer("local").Remove(mesh.Key)
+	if a := served(t, x, uid("web-a")).GetWorkload(); a.GetTunnelProtocol() != workloadpb.TunnelProtocol_NONE || len(ports(t, a)) != 2 {
+		t.Errorf("after the record went: %v", a)
+	}
+	// web-b becomes not ready: it leaves the Service.
+	m.UpsertSlice(slice("web-1", 8080, sliceEP{pod: "web-a", ip: "10.0.0.1", node: "n1"}, sliceEP{pod: "web-b", ip: "10.0.0.2", node: "n2", ready: ptr.To(false)}))
+	if served(t, x, uid("web-b")) != nil {
+		t.Error("web-b still served after it turned not ready")
+	}
+	// The Service goes: its resource and every membership with it.
+	m.DeleteService("shop", "web")
+	if served(t, x, webHost) != nil || x.Addresses().Len() != 0 || x.Len() != 0 {
+		t.Errorf("after the service went: %d addresses, %d workloads", x.Addresses().Len(), x.Len())
+	}
+	// It comes back: the slices it left are still known.
+	m.UpsertService(webService())
+	if x.Len() != 2 || served(t, x, webHost) == nil {
+		t.Errorf("after the service came back: %d workloads", x.Len())
+	}
+	m.Replace(nil, nil)
+	if x.Addresses().Len() != 0 || m.Len() != 0 {
+		t.Errorf("Replace(nil): %d addresses, %d services", x.Addresses().Len(), m.Len())
+	}
+}
+
+func TestBuildServiceKinds(t *testing.T) {
+	ext := webService()
+	ext.Spec.Type, ext.Spec.ExternalName = corev1.ServiceTypeExternalName, "example.com"
+	if s := BuildService(testCfg, ext); s != nil {
+		t.Errorf("ExternalName served: %v", s)
+	}
+	headless := webService()
+	headless.Spec.ClusterIP, headless.Spec.ClusterIPs = corev1.ClusterIPNone, []string{corev1.ClusterIPNone}
+	if s := BuildService(testCfg, headless); s == nil || len(s.GetAddresses()) != 0 || s.GetHostname() != "web.shop.svc.cluster.local" {
+		t.Errorf("headless = %v: want served, without addresses", s)
+	}
+	dual := webService()
+	dual.Spec.ClusterIPs = []string{"10.96.0.10", "fd00::a"}
+	if s := BuildService(Config{ClusterDomain: "corp.example"}, dual); len(s.GetAddresses()) != 2 || s.GetIpFamilies() != workloadpb.IPFamilies_DUAL || s.GetHostname() != "web.shop.svc.corp.example" {
+		t.Errorf("dual-stack = %v", s)
+	}
+	zone := webService()
+	zone.Spec.TrafficDistribution = ptr.To(corev1.ServiceTrafficDistributionPreferClose)
+	zone.Spec.PublishNotReadyAddresses = true
+	want := &workloadpb.LoadBalancing{
+		Mode: workloadpb.LoadBalancing_FAILOVER, HealthPolicy: workloadpb.LoadBalancing_ALLOW_ALL,
+		RoutingPreference: []workloadpb.LoadBalancing_Scope{workloadpb.LoadBalancing_NETWORK, workloadpb.LoadBalancing_REGION, workloadpb.LoadBalancing_ZONE},
+	}
+	if s := BuildService(testCfg, zone); !proto.Equal(s.GetLoadBalancing(), want) {
+		t.Errorf("PreferClose + publishNotReadyAddresses = %v, want %v", s.GetLoadBalancing(), want)
+	}
+	node := webService()
+	node.Annotations = map[string]string{AnnotationTrafficDistribution: corev1.ServiceTrafficDistributionPreferSameNode}
+	if s := BuildService(testCfg, node); len(s.GetLoadBalancing().GetRoutingPreference()) != 5 {
+		t.Errorf("PreferSameNode (annotation) = %v", s.GetLoadBalancing())
+	}
+}
+
+// TestPublishNotReadyAddresses: the Service's not-ready endpoints are
+// members (the proxy may choose them: ALLOW_ALL).
+func TestPublishNotReadyAddresses(t *testing.T) {
+	x := workload.NewIndex()
+	m := New(testCfg, x, nil)
+	svc := webService()
+	svc.Spec.PublishNotReadyAddresses = true
+	m.UpsertService(svc)
+	m.UpsertSlice(slice("web-1", 8080, sliceEP{pod: "web-c", ip: "10.0.0.3", node: "n2", ready: ptr.To(false)}))
+	w := served(t, x, uid("web-c")).GetWorkload()
+	if w == nil || w.GetStatus() != workloadpb.WorkloadStatus_UNHEALTHY || len(ports(t, w)) != 2 {
+		t.Errorf("not-ready endpoint of a publishNotReadyAddresses service: %v", w)
+	}
+}
