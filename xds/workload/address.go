@@ -12,11 +12,10 @@ import (
 	"aether.io/node/xds/resource"
 )
 
-// Sources of the Address index (Index.Addresses): the workloads mirrored
-// from the workload index, and the Services the agent's Service model
+// Sources of the Address index (Index.Addresses) besides the workloads
+// mirrored from the workload index: the Services the agent's Service model
 // writes (Writer.UpsertService).
 const (
-	mirrorSource = "workloads"
 	// ServiceSource is the source the Services of the Address index are
 	// written as: Addresses().Writer(ServiceSource).
 	ServiceSource = "services"
@@ -39,13 +38,31 @@ func (x *Index) Addresses() *Index { return x.addr }
 // TypeURL is the type of the resources the index serves.
 func (x *Index) TypeURL() string { return x.typeURL }
 
-// mirror serves the workload resource r as an Address under name.
+// mirror serves the workload resource r as an Address under name: its
+// Address encoding, the same bytes as the workload's (NewResource).
 func (x *Index) mirror(name string, r *Resource) {
-	body := protowire.AppendTag(make([]byte, 0, len(r.Body)+protowire.SizeTag(fieldAddressWorkload)+protowire.SizeVarint(uint64(len(r.Body)))),
-		fieldAddressWorkload, protowire.BytesType)
-	body = protowire.AppendVarint(body, uint64(len(r.Body)))
-	body = append(body, r.Body...)
-	_, _ = x.upsertResource(mirrorSource, name, newResource(resource.AddressType, name, body))
+	body := r.address
+	if body == nil { // a resource not made by NewResource: wrap a copy
+		body = protowire.AppendTag(nil, fieldAddressWorkload, protowire.BytesType)
+		body = protowire.AppendBytes(body, r.Body)
+	}
+	res := newResource(resource.AddressType, name, body)
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	// Straight into the slot table: a mirrored workload has one owner (its
+	// workload index's served resource), so it takes no key, claim or
+	// owner entry (workload uids and Service names never collide).
+	x.putLocked(name, res, time.Now())
+}
+
+// unmirror stops serving the mirrored workload name.
+func (x *Index) unmirror(name string, now time.Time) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if _, claimed := x.claims[name]; claimed {
+		return // a Service's name, not a workload's
+	}
+	x.deleteLocked(name, now)
 }
 
 // ServiceName is the resource name of a Service in the Address index,

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"maps"
+	"runtime"
 	"slices"
 	"sync"
 	"testing"
@@ -63,6 +64,9 @@ func TestAddressesMirrorWorkloads(t *testing.T) {
 		}
 		if !proto.Equal(got, &want) {
 			t.Errorf("address of %s carries %v, want %v", name, got, &want)
+		}
+		if &ad.Body[len(ad.Body)-1] != &w.Body[len(w.Body)-1] {
+			t.Errorf("address of %s holds a copy of the workload's bytes, want the same bytes", name)
 		}
 		if ad.Any.GetTypeUrl() != resource.AddressType || ad.Delta.GetResource().GetTypeUrl() != resource.AddressType {
 			t.Errorf("address of %s typed %q", name, ad.Any.GetTypeUrl())
@@ -349,4 +353,37 @@ func TestEndpointSourceYields(t *testing.T) {
 	if got := served(); got.GetNode() != "changed" {
 		t.Fatalf("after the record went, served %v, want the endpoint stub", got)
 	}
+}
+
+// BenchmarkIndexMemory reports the heap per workload of an index without
+// and with its Address view (which shares the workloads' bytes).
+func BenchmarkIndexMemory(b *testing.B) {
+	const n = 20000
+	for _, tc := range []struct {
+		name string
+		mk   func() *Index
+	}{
+		{"workloads-only", func() *Index { return newIndex(resource.WorkloadType) }},
+		{"with-address-view", NewIndex},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			var per float64
+			for range b.N {
+				before := liveHeap()
+				x := tc.mk()
+				fill(b, x, n)
+				per = float64(liveHeap()-before) / n
+				runtime.KeepAlive(x)
+			}
+			b.ReportMetric(per, "B/workload")
+		})
+	}
+}
+
+func liveHeap() uint64 {
+	runtime.GC()
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return ms.HeapAlloc
 }

@@ -234,36 +234,37 @@ func mapEntry(entry []byte) (k, v []byte, err error) {
 	return k, v, nil
 }
 
-// encodeResource lays out one resource's wire bytes once:
+// encodeFrame lays out, once, the bytes around a resource's value:
 //
-//	[2: DeltaDiscoveryResponse.resources] len Resource{
-//	    [1] version, [2] Any{[1] type_url, [2] body}, [3] name }
+//	pre: [2: DeltaDiscoveryResponse.resources] len Resource{
+//	         [1] version, [2] Any{[1] type_url, [2] len
+//	value (not copied: a workload's bytes are shared by its Workload and
+//	       Address resources)
+//	suf:     [3] name }
 //
-// and returns the whole (a delta response field), the Any field (a SotW
-// DiscoveryResponse.resources field: same number, 2) and the body, all
-// sharing one allocation.
-func encodeResource(typeURL, name, version string, body []byte) (delta, sotw, value []byte) {
+// pre[sotwAt:] followed by the value is the Any field of a SotW
+// DiscoveryResponse.resources (same field number, 2). pre and suf share
+// one small allocation.
+func encodeFrame(typeURL, name, version string, valueLen int) (pre, suf []byte, sotwAt int) {
 	anyLen := protowire.SizeTag(fieldAnyTypeURL) + protowire.SizeBytes(len(typeURL)) +
-		protowire.SizeTag(fieldAnyValue) + protowire.SizeBytes(len(body))
+		protowire.SizeTag(fieldAnyValue) + protowire.SizeBytes(valueLen)
 	resLen := protowire.SizeTag(fieldResourceVersion) + protowire.SizeBytes(len(version)) +
 		protowire.SizeTag(fieldResourceResource) + protowire.SizeBytes(anyLen) +
 		protowire.SizeTag(fieldResourceName) + protowire.SizeBytes(len(name))
-	b := make([]byte, 0, protowire.SizeTag(fieldRespResources)+protowire.SizeBytes(resLen))
+	b := make([]byte, 0, protowire.SizeTag(fieldRespResources)+protowire.SizeBytes(resLen)-valueLen)
 	b = protowire.AppendTag(b, fieldRespResources, protowire.BytesType)
 	b = protowire.AppendVarint(b, uint64(resLen))
 	b = protowire.AppendTag(b, fieldResourceVersion, protowire.BytesType)
 	b = protowire.AppendString(b, version)
-	sotwStart := len(b)
+	sotwAt = len(b)
 	b = protowire.AppendTag(b, fieldResourceResource, protowire.BytesType)
 	b = protowire.AppendVarint(b, uint64(anyLen))
 	b = protowire.AppendTag(b, fieldAnyTypeURL, protowire.BytesType)
 	b = protowire.AppendString(b, typeURL)
 	b = protowire.AppendTag(b, fieldAnyValue, protowire.BytesType)
-	b = protowire.AppendVarint(b, uint64(len(body)))
-	valueStart := len(b)
-	b = append(b, body...)
-	sotwEnd := len(b)
+	b = protowire.AppendVarint(b, uint64(valueLen))
+	preLen := len(b)
 	b = protowire.AppendTag(b, fieldResourceName, protowire.BytesType)
 	b = protowire.AppendString(b, name)
-	return b, b[sotwStart:sotwEnd:sotwEnd], b[valueStart:sotwEnd:sotwEnd]
+	return b[:preLen:preLen], b[preLen:], sotwAt
 }

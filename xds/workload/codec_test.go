@@ -2,6 +2,7 @@ package workload
 
 import (
 	"maps"
+	"slices"
 	"strings"
 	"testing"
 
@@ -80,14 +81,14 @@ func TestPreEncodedResourceMatchesProto(t *testing.T) {
 	for _, r := range []*Resource{x.Get(UID("Kubernetes", "shop", endpointN(0).Name)), x.Get(UID("Kubernetes", "shop", endpointN(1).Name))} {
 		// Delta: a response made of the pre-encoded field decodes to the typed resource.
 		var resp discovery.DeltaDiscoveryResponse
-		if err := proto.Unmarshal(r.wireDelta, &resp); err != nil {
+		if err := proto.Unmarshal(slices.Concat(r.appendDelta(nil)...), &resp); err != nil {
 			t.Fatal(err)
 		}
 		if len(resp.GetResources()) != 1 || !proto.Equal(resp.GetResources()[0], r.Delta) {
 			t.Fatalf("delta wire decodes to %v, want %v", resp.GetResources(), r.Delta)
 		}
 		var sotw discovery.DiscoveryResponse
-		if err := proto.Unmarshal(r.wireSotW, &sotw); err != nil {
+		if err := proto.Unmarshal(slices.Concat(r.appendSotW(nil)...), &sotw); err != nil {
 			t.Fatal(err)
 		}
 		if len(sotw.GetResources()) != 1 || !proto.Equal(sotw.GetResources()[0], &anypb.Any{TypeUrl: resource.WorkloadType, Value: r.Body}) {

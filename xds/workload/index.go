@@ -10,6 +10,7 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
 
@@ -17,11 +18,12 @@ import (
 	"aether.io/node/xds/resource"
 )
 
-// Resource is one workload as it is served: marshalled once per change and
-// shared, read-only, by every stream. Never modify a Resource or the
+// Resource is one resource as it is served: marshalled once per change
+// and shared, read-only, by every stream. Never modify a Resource or the
 // messages it points to.
 type Resource struct {
-	// Name is the resource name, the workload uid.
+	// Name is the resource name (a workload uid, or a Service's
+	// <namespace>/<hostname>).
 	Name string
 	// hash is the content hash Version spells; next to Name, so a
 	// reconnect's in-order comparison reads one cache line of a resource.
@@ -29,15 +31,29 @@ type Resource struct {
 	// Version is the content hash of Body in lowercase hex (up to 16
 	// digits, no leading zeros).
 	Version string
-	// Body is the deterministic wire encoding of the workload.
+	// Body is the deterministic wire encoding of the resource (the Any's
+	// value).
 	Body []byte
-	// wireDelta and wireSotW are this resource as a field of a delta and of
-	// a SotW response; Body is a sub-slice of both.
-	wireDelta, wireSotW []byte
+	// pre and suf frame Body as a field of a delta response; pre[sotwAt:]
+	// and Body are a field of a SotW response (encodeFrame).
+	pre, suf []byte
+	sotwAt   int
+	// address is, for a workload, its Address{workload} encoding, whose
+	// tail is Body (one allocation): the Address view serves the same
+	// bytes, never a copy.
+	address []byte
 	// Any wraps Body for SotW responses.
 	Any *anypb.Any
 	// Delta is the resource entry of a delta response.
 	Delta *discovery.Resource
+}
+
+// appendDelta appends r's delta-response field, as parts.
+func (r *Resource) appendDelta(parts [][]byte) [][]byte { return append(parts, r.pre, r.Body, r.suf) }
+
+// appendSotW appends r's SotW-response field, as parts.
+func (r *Resource) appendSotW(parts [][]byte) [][]byte {
+	return append(parts, r.pre[r.sotwAt:], r.Body)
 }
 
 // slotted is a served name's entry in Index.byName: its slot in
@@ -56,29 +72,43 @@ type slotted struct {
 }
 
 // NewResource marshals w once (deterministically) and computes its version.
+// The bytes are laid out once as Address{workload}, so the Address view
+// serves them too (Index.Addresses) without a copy.
 func NewResource(w *workloadpb.Workload) (*Resource, error) {
-	body, err := proto.MarshalOptions{Deterministic: true}.Marshal(w)
+	o := proto.MarshalOptions{Deterministic: true}
+	size := o.Size(w)
+	hdr := protowire.SizeTag(fieldAddressWorkload) + protowire.SizeVarint(uint64(size))
+	buf := protowire.AppendTag(make([]byte, 0, hdr+size), fieldAddressWorkload, protowire.BytesType)
+	buf = protowire.AppendVarint(buf, uint64(size))
+	buf, err := o.MarshalAppend(buf, w)
 	if err != nil {
 		return nil, fmt.Errorf("failed to marshal workload %q: %w", w.GetUid(), err)
 	}
-	return newResource(resource.WorkloadType, w.GetUid(), body), nil
+	if len(buf) != hdr+size {
+		return nil, fmt.Errorf("failed to marshal workload %q: %d bytes, sized %d", w.GetUid(), len(buf)-hdr, size)
+	}
+	r := newResource(resource.WorkloadType, w.GetUid(), buf[hdr:])
+	r.address = buf
+	return r, nil
 }
 
-// newResource lays out the resource name of typeURL with body once.
+// newResource frames the resource name of typeURL whose value is body
+// (kept, not copied).
 func newResource(typeURL, name string, body []byte) *Resource {
 	hash := xxhash.Sum64(body)
 	version := strconv.FormatUint(hash, 16)
-	wd, ws, value := encodeResource(typeURL, name, version, body)
-	a := &anypb.Any{TypeUrl: typeURL, Value: value}
+	pre, suf, sotwAt := encodeFrame(typeURL, name, version, len(body))
+	a := &anypb.Any{TypeUrl: typeURL, Value: body}
 	return &Resource{
-		Name:      name,
-		Version:   version,
-		Body:      value,
-		wireDelta: wd,
-		wireSotW:  ws,
-		Any:       a,
-		Delta:     &discovery.Resource{Name: name, Version: version, Resource: a},
-		hash:      hash,
+		Name:    name,
+		Version: version,
+		Body:    body,
+		pre:     pre,
+		suf:     suf,
+		sotwAt:  sotwAt,
+		Any:     a,
+		Delta:   &discovery.Resource{Name: name, Version: version, Resource: a},
+		hash:    hash,
 	}
 }
 
@@ -262,6 +292,11 @@ func (e *keyEntry) rank() int {
 // version is not pushed. It reports whether anything changed.
 func (x *Index) serveLocked(name, key string, r *Resource, now time.Time) bool {
 	x.nameKey[name] = key
+	return x.putLocked(name, r, now)
+}
+
+// putLocked serves r as name (slot, version, watchers); x.mu is held.
+func (x *Index) putLocked(name string, r *Resource, now time.Time) bool {
 	cur, ok := x.byName[name]
 	if ok && x.bySlot[cur.slot].Version == r.Version {
 		return false
@@ -358,7 +393,7 @@ func (x *Index) deleteLocked(name string, now time.Time) {
 	x.notifyLocked(name, now)
 	x.sizeLocked()
 	if x.addr != nil {
-		x.addr.remove(mirrorSource, name)
+		x.addr.unmirror(name, now)
 	}
 }
 

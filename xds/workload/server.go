@@ -337,9 +337,9 @@ func (st *deltaStream) flush(t *deltaType, added []string, addedWildcard bool, k
 		SystemVersionInfo: head.SystemVersionInfo, TypeUrl: head.TypeUrl, Nonce: head.Nonce, RemovedResources: d.Removed,
 		Resources: make([]*discovery.Resource, len(d.Resources)),
 	}
-	parts := make([][]byte, len(d.Resources))
+	parts := make([][]byte, 0, 3*len(d.Resources))
 	for i, r := range d.Resources {
-		resp.Resources[i], parts[i] = r.Delta, r.wireDelta
+		resp.Resources[i], parts = r.Delta, r.appendDelta(parts)
 	}
 	if err := sendEncoded(st.stream, resp, head, parts); err != nil {
 		return err
@@ -442,9 +442,9 @@ func (st *sotwStream) changed(t *sotwType) error {
 		TypeUrl: head.TypeUrl, VersionInfo: head.VersionInfo, Nonce: head.Nonce,
 		Resources: make([]*anypb.Any, len(state.Resources)),
 	}
-	parts := make([][]byte, len(state.Resources))
+	parts := make([][]byte, 0, 2*len(state.Resources))
 	for i, r := range state.Resources {
-		resp.Resources[i], parts[i] = r.Any, r.wireSotW
+		resp.Resources[i], parts = r.Any, r.appendSotW(parts)
 	}
 	if err := sendEncoded(st.stream, resp, head, parts); err != nil {
 		return err
