@@ -110,7 +110,10 @@ func (d *Dir) Scan() {
 		}
 		objs, err := manifests.ParseObjects(data)
 		if err != nil {
-			d.log.Error("failed to parse manifest", "path", path, "error", err.Error())
+			// Logged once per content: the file keeps its previous
+			// objects until it parses again.
+			d.log.Error("failed to parse manifest; keeping its previous content", "path", path, "error", err.Error())
+			d.files[path] = dirFile{size: info.Size(), mod: info.ModTime(), objs: d.files[path].objs}
 			continue
 		}
 		d.files[path] = dirFile{size: info.Size(), mod: info.ModTime(), objs: objs}

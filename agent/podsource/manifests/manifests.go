@@ -331,8 +331,11 @@ func (s *Source) scan() {
 		}
 		kpods, err := Parse(data)
 		if err != nil {
-			// Keep the previous content of a file being rewritten or broken.
-			s.log.Error("failed to parse pod manifest", "path", path, "error", err.Error())
+			// Keep the previous content of a file being rewritten or
+			// broken; logged once per content (the stamp is taken).
+			s.log.Error("failed to parse pod manifest; keeping its previous pods", "path", path, "error", err.Error())
+			old.size, old.mod = info.Size(), info.ModTime()
+			s.files[path] = old
 			continue
 		}
 		stamp := fileStamp{size: info.Size(), mod: info.ModTime()}

@@ -253,3 +253,38 @@ spec:
 		t.Fatalf("DeclaredTCPPorts of a pod declaring none = %v", p.DeclaredTCPPorts)
 	}
 }
+
+// TestBrokenManifestLoggedOnce: a manifest rewritten into something that
+// does not parse keeps its pods and is logged once, not at every rescan;
+// fixed, it is read again.
+func TestBrokenManifestLoggedOnce(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "a.yaml")
+	good := "apiVersion: v1\nkind: Pod\nmetadata: {name: a}\nspec:\n  containers: [{name: c, image: i}]\n"
+	if err := os.WriteFile(path, []byte(good), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var logs bytes.Buffer
+	s := New(dir, "n", time.Second, slog.New(slog.NewTextHandler(&logs, nil)))
+	if _, err := s.Fetch(context.Background(), "default", "a"); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, []byte("apiVersion: [\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		s.scan()
+	}
+	if n := strings.Count(logs.String(), "failed to parse pod manifest"); n != 1 {
+		t.Errorf("a broken manifest was logged %d times over 3 rescans, want once:\n%s", n, logs.String())
+	}
+	if len(s.List()) != 1 {
+		t.Errorf("the broken manifest's pod was dropped: %v", s.List())
+	}
+	if err := os.WriteFile(path, []byte(strings.Replace(good, "name: a", "name: b", 1)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Fetch(context.Background(), "default", "b"); err != nil {
+		t.Fatalf("the fixed manifest is not read again: %v", err)
+	}
+}
