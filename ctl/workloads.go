@@ -14,3 +14,10 @@ import (
 func RunWorkloads(ctx context.Context, args []string, stdout io.Writer) error {
 	return workloadclient.Run(ctx, args, stdout)
 }
+
+// RunServices is `aetherctl services`: the Services of the agent's
+// workload discovery (istio.workload.Address) with their VIPs, ports and
+// endpoints. Flags: --xds-socket, --xds-address, -o.
+func RunServices(ctx context.Context, args []string, stdout io.Writer) error {
+	return workloadclient.RunServices(ctx, args, stdout)
+}

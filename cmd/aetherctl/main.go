@@ -24,11 +24,12 @@ var commands = map[string]command{
 	"pods":      {ctl.RunPods, "list the agent's pod records (managed, terminating, registered, uncaptured, UDS)"},
 	"pod":       {ctl.RunPod, "show one pod's records in detail: pod <namespace>/<name>"},
 	"workloads": {ctl.RunWorkloads, "list the agent's istio.workload.Workload resources over xDS"},
+	"services":  {ctl.RunServices, "list the Services of workload discovery: VIPs, ports and endpoints"},
 }
 
 func usage(w io.Writer) {
 	fmt.Fprintln(w, "Usage: aetherctl <command> [flags] [args]\n\nCommands:")
-	for _, n := range []string{"pods", "pod", "workloads"} {
+	for _, n := range []string{"pods", "pod", "workloads", "services"} {
 		fmt.Fprintf(w, "  %-10s %s\n", n, commands[n].help)
 	}
 	fmt.Fprintln(w, "\nRun 'aetherctl <command> --help' for a command's flags.")

@@ -41,13 +41,20 @@ type Options struct {
 	MaxMessageBytes int
 	// TLS secures a connection to Address (nil: none).
 	TLS *tls.Config
+	// Addresses subscribes to istio.workload.Address (workloads and
+	// Services, what ztunnel and aether-proxy consume) instead of
+	// istio.workload.Workload.
+	Addresses bool
 }
 
 // Update is what one response changed.
 type Update struct {
 	// Updated are the workloads added or changed, in response order.
 	Updated []*workload.Workload
-	// Removed are the uids removed.
+	// Services are the Services added or changed (Options.Addresses).
+	Services []*workload.Service
+	// Removed are the names removed (workload uids, and Services'
+	// <namespace>/<hostname>).
 	Removed []string
 }
 
@@ -66,8 +73,11 @@ type Client struct {
 	done   chan struct{} // closed when the stream has ended
 	runErr error         // why, once done is closed
 
-	mu    sync.Mutex
-	state map[string]*workload.Workload
+	typeURL string
+
+	mu       sync.Mutex
+	state    map[string]*workload.Workload
+	services map[string]*workload.Service
 }
 
 // Target returns the gRPC target for opts.
@@ -100,19 +110,24 @@ func Dial(ctx context.Context, opts Options) (*Client, error) {
 		node = "aetherctl"
 	}
 	c := &Client{
-		events: make(chan response),
-		done:   make(chan struct{}),
-		state:  make(map[string]*workload.Workload),
+		events:   make(chan response),
+		done:     make(chan struct{}),
+		state:    make(map[string]*workload.Workload),
+		services: make(map[string]*workload.Service),
+		typeURL:  resource.WorkloadType,
+	}
+	if opts.Addresses {
+		c.typeURL = resource.AddressType
 	}
 	c.ads = &adsclient.Client{
-		Target: target, Node: &core.Node{Id: node}, TypeURLs: []string{resource.WorkloadType},
+		Target: target, Node: &core.Node{Id: node}, TypeURLs: []string{c.typeURL},
 		Handler: c.handle, MaxMessageBytes: maxMsg, Once: true, TLS: opts.TLS,
 	}
 	if len(opts.Names) > 0 {
-		c.ads.Names = map[string][]string{resource.WorkloadType: slices.Clone(opts.Names)}
+		c.ads.Names = map[string][]string{c.typeURL: slices.Clone(opts.Names)}
 	}
 	if opts.InitialVersions != nil {
-		c.ads.InitialVersions = map[string]map[string]string{resource.WorkloadType: opts.InitialVersions}
+		c.ads.InitialVersions = map[string]map[string]string{c.typeURL: opts.InitialVersions}
 	}
 	c.ctx, c.cancel = context.WithCancel(ctx)
 	go func() {
@@ -133,14 +148,18 @@ func Dial(ctx context.Context, opts Options) (*Client, error) {
 // take it. A response that does not decode is NACKed and leaves the state
 // alone.
 func (c *Client) handle(typeURL string, updated []*discovery.Resource, removed []string) error {
-	up, err := decode(typeURL, updated, removed)
+	up, err := decode(c.typeURL, typeURL, updated, removed)
 	if err == nil {
 		c.mu.Lock()
 		for _, w := range up.Updated {
 			c.state[w.GetUid()] = w
 		}
+		for _, sv := range up.Services {
+			c.services[sv.GetNamespace()+"/"+sv.GetHostname()] = sv
+		}
 		for _, n := range up.Removed {
 			delete(c.state, n)
+			delete(c.services, n)
 		}
 		c.mu.Unlock()
 	}
@@ -163,18 +182,33 @@ func (c *Client) Recv() (*Update, error) {
 	}
 }
 
-func decode(typeURL string, updated []*discovery.Resource, removed []string) (*Update, error) {
-	if typeURL != resource.WorkloadType {
-		return nil, fmt.Errorf("unexpected type %q in response, want %q", typeURL, resource.WorkloadType)
+func decode(want, typeURL string, updated []*discovery.Resource, removed []string) (*Update, error) {
+	if typeURL != want {
+		return nil, fmt.Errorf("unexpected type %q in response, want %q", typeURL, want)
 	}
 	up := &Update{Removed: removed}
 	for _, r := range updated {
 		a := r.GetResource()
-		if a.GetTypeUrl() != resource.WorkloadType {
-			return nil, fmt.Errorf("resource %q has type %q, want %q", r.GetName(), a.GetTypeUrl(), resource.WorkloadType)
+		if a.GetTypeUrl() != want {
+			return nil, fmt.Errorf("resource %q has type %q, want %q", r.GetName(), a.GetTypeUrl(), want)
 		}
 		w := &workload.Workload{}
-		if err := proto.Unmarshal(a.GetValue(), w); err != nil {
+		if want == resource.AddressType {
+			ad := &workload.Address{}
+			if err := proto.Unmarshal(a.GetValue(), ad); err != nil {
+				return nil, fmt.Errorf("failed to decode address %q: %w", r.GetName(), err)
+			}
+			if sv := ad.GetService(); sv != nil {
+				if n := sv.GetNamespace() + "/" + sv.GetHostname(); n != r.GetName() {
+					return nil, fmt.Errorf("resource name %q differs from its service %q", r.GetName(), n)
+				}
+				up.Services = append(up.Services, sv)
+				continue
+			}
+			if w = ad.GetWorkload(); w == nil {
+				return nil, fmt.Errorf("address %q carries neither a workload nor a service", r.GetName())
+			}
+		} else if err := proto.Unmarshal(a.GetValue(), w); err != nil {
 			return nil, fmt.Errorf("failed to decode workload %q: %w", r.GetName(), err)
 		}
 		if w.GetUid() != r.GetName() {
@@ -187,12 +221,12 @@ func decode(typeURL string, updated []*discovery.Resource, removed []string) (*U
 
 // Subscribe adds uids to the subscription.
 func (c *Client) Subscribe(names ...string) error {
-	return c.ads.Subscribe(resource.WorkloadType, names...)
+	return c.ads.Subscribe(c.typeURL, names...)
 }
 
 // Unsubscribe removes uids from the subscription.
 func (c *Client) Unsubscribe(names ...string) error {
-	return c.ads.Unsubscribe(resource.WorkloadType, names...)
+	return c.ads.Unsubscribe(c.typeURL, names...)
 }
 
 // Workloads returns the current state sorted by uid.
@@ -201,6 +235,19 @@ func (c *Client) Workloads() []*workload.Workload {
 	defer c.mu.Unlock()
 	out := slices.Collect(maps.Values(c.state))
 	slices.SortFunc(out, func(a, b *workload.Workload) int { return strings.Compare(a.GetUid(), b.GetUid()) })
+	return out
+}
+
+// Services returns the Services held (Options.Addresses), sorted by
+// <namespace>/<hostname>.
+func (c *Client) Services() []*workload.Service {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	keys := slices.Sorted(maps.Keys(c.services))
+	out := make([]*workload.Service, len(keys))
+	for i, k := range keys {
+		out[i] = c.services[k]
+	}
 	return out
 }
 
@@ -214,7 +261,7 @@ func (c *Client) Len() int {
 // Versions returns the version of every held workload, for
 // Options.InitialVersions of a later stream.
 func (c *Client) Versions() map[string]string {
-	return c.ads.Versions(resource.WorkloadType)
+	return c.ads.Versions(c.typeURL)
 }
 
 // Close ends the stream and waits for it.

@@ -7,8 +7,10 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/netip"
+	"slices"
 	"strings"
 	"text/tabwriter"
 
@@ -34,6 +36,9 @@ type Row struct {
 	ServiceAccount string   `json:"service_account,omitempty"`
 	ClusterID      string   `json:"cluster_id,omitempty"`
 	NetworkMode    string   `json:"network_mode,omitempty"`
+	// Services are the Services the workload is an endpoint of
+	// (<namespace>/<hostname>), sorted.
+	Services []string `json:"services,omitempty"`
 }
 
 // RowOf renders w; addresses that are not 4 or 16 bytes print as hex.
@@ -43,6 +48,7 @@ func RowOf(w *workload.Workload) Row {
 		Status: w.GetStatus().String(), WorkloadType: w.GetWorkloadType().String(), WorkloadName: w.GetWorkloadName(),
 		ServiceAccount: w.GetServiceAccount(), ClusterID: w.GetClusterId(), Addresses: []string{},
 	}
+	r.Services = slices.Sorted(maps.Keys(w.GetServices()))
 	if w.GetNetworkMode() != workload.NetworkMode_STANDARD {
 		r.NetworkMode = w.GetNetworkMode().String()
 	}
@@ -59,11 +65,15 @@ func RowOf(w *workload.Workload) Row {
 // WriteTable prints the workloads as an aligned table.
 func WriteTable(out io.Writer, ws []*workload.Workload) error {
 	tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "UID\tNAME\tNAMESPACE\tADDRESSES\tNODE\tSTATUS\tTYPE\tWORKLOAD")
+	fmt.Fprintln(tw, "UID\tNAME\tNAMESPACE\tADDRESSES\tNODE\tSTATUS\tTYPE\tWORKLOAD\tSERVICES")
 	for _, w := range ws {
 		r := RowOf(w)
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.UID, r.Name, r.Namespace,
-			strings.Join(r.Addresses, ","), r.Node, r.Status, r.WorkloadType, r.WorkloadName)
+		svcs := "-"
+		if len(r.Services) > 0 {
+			svcs = strings.Join(r.Services, ",")
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.UID, r.Name, r.Namespace,
+			strings.Join(r.Addresses, ","), r.Node, r.Status, r.WorkloadType, r.WorkloadName, svcs)
 	}
 	return tw.Flush()
 }
@@ -81,55 +91,18 @@ type event struct {
 func Run(ctx context.Context, args []string, stdout io.Writer) error {
 	fs := flag.NewFlagSet("workloads", flag.ContinueOnError)
 	fs.SetOutput(stdout)
-	socket := fs.String("xds-socket", DefaultSocket, "unix socket of the xDS server (ignored when --xds-address is set)")
-	address := fs.String("xds-address", "", "host:port of the xDS server (instead of --xds-socket)")
-	output := fs.String("o", "table", "output format: table or json")
+	cf := registerCommon(fs)
 	watch := fs.Bool("watch", false, "keep streaming changes after the initial list")
-	node := fs.String("node-id", "aetherctl", "node id sent to the server")
-	var files tlsfiles.Files
-	fs.StringVar(&files.Cert, "tls-cert", "", "PEM client certificate for --xds-address (mutual TLS; with --tls-key and --tls-ca)")
-	fs.StringVar(&files.Key, "tls-key", "", "PEM private key of --tls-cert")
-	fs.StringVar(&files.CA, "tls-ca", "", "PEM bundle that verifies the server's certificate")
-	serverName := fs.String("tls-server-name", "", "name the server's certificate must carry (default: the host of --xds-address)")
 	fs.Usage = func() {
 		fmt.Fprintln(stdout, "usage: aetherctl workloads [flags] [uid ...]\n\nLists istio.workload.Workload resources from a delta xDS server (all, or the given uids).")
 		fs.PrintDefaults()
 	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return nil
-		}
+	opts, err := cf.parse(fs, args)
+	if err != nil || opts == nil {
 		return err
 	}
-	if *output != "table" && *output != "json" {
-		return fmt.Errorf("invalid output format %q: use table or json", *output)
-	}
-	opts := Options{NodeID: *node, Names: fs.Args()}
-	if *address != "" {
-		opts.Address = *address
-	} else {
-		opts.Socket = *socket
-	}
-	switch {
-	case files.Empty():
-	case !files.Complete():
-		return fmt.Errorf("invalid --tls-cert %q, --tls-key %q, --tls-ca %q: give all three or none", files.Cert, files.Key, files.CA)
-	case *address == "":
-		return errors.New("invalid --tls-cert/--tls-key/--tls-ca: they secure --xds-address, which is not set")
-	default:
-		r, err := tlsfiles.NewReloader(files, nil)
-		if err != nil {
-			return err
-		}
-		name := *serverName
-		if name == "" {
-			if name, _, err = net.SplitHostPort(*address); err != nil {
-				return fmt.Errorf("invalid --xds-address %q: want host:port: %w", *address, err)
-			}
-		}
-		opts.TLS = r.ClientConfig(name)
-	}
-	c, err := Dial(ctx, opts)
+	output := cf.output
+	c, err := Dial(ctx, *opts)
 	if err != nil {
 		return err
 	}
@@ -192,4 +165,65 @@ func Run(ctx context.Context, args []string, stdout io.Writer) error {
 			fmt.Fprintf(stdout, "REMOVED %s\n", n)
 		}
 	}
+}
+
+// commonFlags are the flags every xDS subcommand of aetherctl takes.
+type commonFlags struct {
+	socket, address, output, node, serverName *string
+	files                                     tlsfiles.Files
+}
+
+func registerCommon(fs *flag.FlagSet) *commonFlags {
+	c := &commonFlags{
+		socket:  fs.String("xds-socket", DefaultSocket, "unix socket of the xDS server (ignored when --xds-address is set)"),
+		address: fs.String("xds-address", "", "host:port of the xDS server (instead of --xds-socket)"),
+		output:  fs.String("o", "table", "output format: table or json"),
+		node:    fs.String("node-id", "aetherctl", "node id sent to the server"),
+	}
+	fs.StringVar(&c.files.Cert, "tls-cert", "", "PEM client certificate for --xds-address (mutual TLS; with --tls-key and --tls-ca)")
+	fs.StringVar(&c.files.Key, "tls-key", "", "PEM private key of --tls-cert")
+	fs.StringVar(&c.files.CA, "tls-ca", "", "PEM bundle that verifies the server's certificate")
+	c.serverName = fs.String("tls-server-name", "", "name the server's certificate must carry (default: the host of --xds-address)")
+	return c
+}
+
+// parse parses args and returns the client options; nil options and no
+// error mean --help was printed.
+func (c *commonFlags) parse(fs *flag.FlagSet, args []string) (*Options, error) {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil, nil
+		}
+		return nil, err
+	}
+	if *c.output != "table" && *c.output != "json" {
+		return nil, fmt.Errorf("invalid output format %q: use table or json", *c.output)
+	}
+	opts := &Options{NodeID: *c.node, Names: fs.Args()}
+	if *c.address != "" {
+		opts.Address = *c.address
+	} else {
+		opts.Socket = *c.socket
+	}
+	files := c.files
+	switch {
+	case files.Empty():
+	case !files.Complete():
+		return nil, fmt.Errorf("invalid --tls-cert %q, --tls-key %q, --tls-ca %q: give all three or none", files.Cert, files.Key, files.CA)
+	case *c.address == "":
+		return nil, errors.New("invalid --tls-cert/--tls-key/--tls-ca: they secure --xds-address, which is not set")
+	default:
+		r, err := tlsfiles.NewReloader(files, nil)
+		if err != nil {
+			return nil, err
+		}
+		name := *c.serverName
+		if name == "" {
+			if name, _, err = net.SplitHostPort(*c.address); err != nil {
+				return nil, fmt.Errorf("invalid --xds-address %q: want host:port: %w", *c.address, err)
+			}
+		}
+		opts.TLS = r.ClientConfig(name)
+	}
+	return opts, nil
 }

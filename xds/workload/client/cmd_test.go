@@ -12,6 +12,7 @@ import (
 
 	"google.golang.org/grpc"
 
+	workloadpb "aether.io/node/api/istio/workload"
 	"aether.io/node/pkg/unixsock"
 	"aether.io/node/registry"
 	"aether.io/node/xds/workload"
@@ -68,9 +69,9 @@ func TestRunTable(t *testing.T) {
 		t.Fatalf("table has %d lines, want header + 2:\n%s", len(lines), out.String())
 	}
 	for _, want := range [][]string{
-		{"UID", "NAME", "NAMESPACE", "ADDRESSES", "NODE", "STATUS", "TYPE", "WORKLOAD"},
-		{"c1//Pod/shop/backup-1", "backup-1", "shop", "10.0.0.1,fd00::1", "node-a", "HEALTHY", "CRONJOB", "backup"},
-		{"c1//Pod/shop/backup-2", "backup-2", "shop", "10.0.0.2", "node-a", "UNHEALTHY", "CRONJOB", "backup"},
+		{"UID", "NAME", "NAMESPACE", "ADDRESSES", "NODE", "STATUS", "TYPE", "WORKLOAD", "SERVICES"},
+		{"c1//Pod/shop/backup-1", "backup-1", "shop", "10.0.0.1,fd00::1", "node-a", "HEALTHY", "CRONJOB", "backup", "-"},
+		{"c1//Pod/shop/backup-2", "backup-2", "shop", "10.0.0.2", "node-a", "UNHEALTHY", "CRONJOB", "backup", "-"},
 	} {
 		got := strings.Fields(lines[0])
 		lines = lines[1:]
@@ -155,3 +156,53 @@ func TestRunRejectsBadFlags(t *testing.T) {
 		t.Error("missing server accepted")
 	}
 }
+
+// TestRunServices: aetherctl services lists each Service with its VIP and
+// ports and, under it, its endpoints (node, serving, mesh or not); a
+// Service without endpoints says so; aetherctl workloads shows the
+// membership.
+func TestRunServices(t *testing.T) {
+	x, socket := serve(t)
+	web := "shop/web.shop.svc.cluster.local"
+	x.SetMembership(membership{"c1//Pod/shop/backup-1": {web: {Ports: []*workloadpb.Port{{ServicePort: 80, TargetPort: 8080}}}}})
+	put(t, x, "k1", "backup-1", true, "10.0.0.1")
+	put(t, x, "k2", "backup-2", true, "10.0.0.2")
+	svcs := x.Addresses().Writer(workload.ServiceSource)
+	for _, s := range []*workloadpb.Service{
+		{Name: "web", Namespace: "shop", Hostname: "web.shop.svc.cluster.local", Addresses: []*workloadpb.NetworkAddress{{Address: []byte{10, 96, 0, 10}}}, Ports: []*workloadpb.Port{{ServicePort: 80}}},
+		{Name: "db", Namespace: "shop", Hostname: "db.shop.svc.cluster.local", Ports: []*workloadpb.Port{{ServicePort: 5432, TargetPort: 5432}}},
+	} {
+		if _, err := svcs.UpsertService(s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var out bytes.Buffer
+	if err := client.RunServices(context.Background(), []string{"--xds-socket", socket}, &out); err != nil {
+		t.Fatal(err)
+	}
+	got := out.String()
+	for _, want := range []string{
+		"shop/db.shop.svc.cluster.local  None (headless)  5432->5432  (none)",
+		"shop/web.shop.svc.cluster.local  10.96.0.10",
+		"80->8080  shop/backup-1  10.0.0.1   node-a  yes  no",
+	} {
+		if !strings.Contains(strings.Join(strings.Fields(got), " "), strings.Join(strings.Fields(want), " ")) {
+			t.Errorf("output lacks %q:\n%s", want, got)
+		}
+	}
+	if strings.Contains(got, "backup-2") {
+		t.Errorf("a workload outside the Service is listed:\n%s", got)
+	}
+	out.Reset()
+	if err := client.Run(context.Background(), []string{"--xds-socket", socket, "-o", "json", "c1//Pod/shop/backup-1"}, &out); err != nil {
+		t.Fatal(err)
+	}
+	var rows []client.Row
+	if err := json.Unmarshal(out.Bytes(), &rows); err != nil || len(rows) != 1 || len(rows[0].Services) != 1 || rows[0].Services[0] != web {
+		t.Fatalf("workloads -o json = %s (%v): want backup-1 naming %s", out.String(), err, web)
+	}
+}
+
+type membership map[string]map[string]*workloadpb.PortList
+
+func (m membership) Services(uid string) map[string]*workloadpb.PortList { return m[uid] }
