@@ -711,7 +711,8 @@ func TestNodeDemo(t *testing.T) {
 				return "", fmt.Errorf("no HBONE packets client -> server:%d while the Service answered", hboneport)
 			}
 			r.printf("  aether_outbound_connections_total{path=\"service_hbone\"} %g; %d packets to :%d across the fabric, none to the VIP", viaHBONE, tunnelled, hboneport)
-			return fmt.Sprintf("the client dialled the ClusterIP %s; its proxy resolved the Service from workload discovery (istio.workload.Address), chose the server's endpoint and tunnelled over HBONE to server:%d (the VIP never reached the wire)", serviceVIP, hboneport), nil
+			return fmt.Sprintf("the client dialled the ClusterIP %s; its proxy resolved the Service from workload discovery (istio.workload.Address), chose the endpoint %s/%s (%s:%d) and tunnelled over HBONE to %s:%d in mutual TLS (the VIP never reached the wire)",
+				serviceVIP, podNS, server.name, server.ip, serverPort, server.ip, hboneport), nil
 		})
 	} else {
 		r.skip("captured and proxied", "client or server is not up")
