@@ -208,7 +208,7 @@ func (t *Table) removeLocked(key string) {
 
 // Decide applies ztunnel's order to the policies that select dst: the
 // mesh-wide ones (GLOBAL), those of dst's namespace (NAMESPACE) and those
-// dst is bound to (WORKLOAD_SELECTOR, by key). Any matching DENY denies;
+// dst is bound to (WORKLOAD_SELECTOR, by key, as the agent bound them). Any matching DENY denies;
 // with no ALLOW policy, the connection is allowed; otherwise an ALLOW must
 // match. Dry-run policies never change the verdict: the first whose
 // enforcement would have is reported in Decision.DryRun.
@@ -245,7 +245,9 @@ func (t *Table) Decide(c *Conn, dst Target) Decision {
 		}
 	}
 	for _, k := range dst.Policies {
-		if p := t.byKey[k]; p != nil && p.scope == security.Scope_WORKLOAD_SELECTOR && p.namespace == dst.Namespace {
+		// The agent binds: a root-namespace selector policy binds
+		// workloads of every namespace.
+		if p := t.byKey[k]; p != nil && p.scope == security.Scope_WORKLOAD_SELECTOR {
 			if e.apply(p, c, &id) {
 				return e.denied()
 			}
