@@ -8,6 +8,7 @@ import (
 
 	"k8s.io/apimachinery/pkg/labels"
 
+	"aether.io/node/agent/podsource/manifests"
 	workloadpb "aether.io/node/api/istio/workload"
 	"aether.io/node/xds/workload"
 )
@@ -279,4 +280,20 @@ func joined(ws []string) string {
 		out += w + "\n"
 	}
 	return out
+}
+
+// ReplaceFrom makes the model hold the AuthorizationPolicies of a manifest
+// directory (manifests.Dir). One that does not decode strictly is held
+// failing closed; one that cannot be read at all is logged and skipped.
+func (m *Model) ReplaceFrom(o manifests.Objects) {
+	var objs []*Object
+	for _, raw := range o.AuthorizationPolicies {
+		obj, err := ParseObject(raw)
+		if obj == nil {
+			m.log.Error("failed to read authorization policy manifest", "error", err.Error())
+			continue
+		}
+		objs = append(objs, obj)
+	}
+	m.Replace(objs)
 }

@@ -17,7 +17,7 @@ type fakeServices map[string]map[string]bool // uid -> "ns/name"
 func (f fakeServices) Services(string) map[string]*workloadpb.PortList { return nil }
 func (f fakeServices) MemberOf(uid, ns, name string) bool              { return f[uid][ns+"/"+name] }
 
-func served(t *testing.T, x *workload.Index, uid string) []string {
+func boundTo(t *testing.T, x *workload.Index, uid string) []string {
 	t.Helper()
 	var w workloadpb.Workload
 	if err := proto.Unmarshal(x.Get(uid).Body, &w); err != nil {
@@ -59,10 +59,10 @@ spec: {targetRefs: [{kind: Service, name: web}], rules: [{}]}`))
 	m.Upsert(parse(t, `
 metadata: {name: ns-wide, namespace: shop}
 spec: {rules: [{}]}`))
-	if got := served(t, x, web); !slices.Equal(got, []string{"shop/by-service", "shop/web-sel"}) {
+	if got := boundTo(t, x, web); !slices.Equal(got, []string{"shop/by-service", "shop/web-sel"}) {
 		t.Errorf("web bound to %v", got)
 	}
-	if got := served(t, x, batch); !slices.Equal(got, []string{"istio-system/mesh-jobs"}) {
+	if got := boundTo(t, x, batch); !slices.Equal(got, []string{"istio-system/mesh-jobs"}) {
 		t.Errorf("job bound to %v", got)
 	}
 	if x.Authorizations().Len() != 4 || m.Len() != 4 {
@@ -71,11 +71,11 @@ spec: {rules: [{}]}`))
 	m.Upsert(parse(t, `
 metadata: {name: web-sel, namespace: shop}
 spec: {selector: {matchLabels: {app: other}}}`))
-	if got := served(t, x, web); !slices.Equal(got, []string{"shop/by-service"}) {
+	if got := boundTo(t, x, web); !slices.Equal(got, []string{"shop/by-service"}) {
 		t.Errorf("after the selector changed, web bound to %v", got)
 	}
 	m.Replace(nil)
-	if got := served(t, x, web); len(got) != 0 || x.Authorizations().Len() != 0 {
+	if got := boundTo(t, x, web); len(got) != 0 || x.Authorizations().Len() != 0 {
 		t.Errorf("after Replace(nil): web bound to %v, %d served", got, x.Authorizations().Len())
 	}
 	x.Remove("a")

@@ -276,6 +276,13 @@ func (p *pod) deliverHBONE(ctx context.Context, src spiffeid.ID, target netip.Ad
 	if err := p.refuseUndeclaredPort(src, target); err != nil {
 		return nil, err
 	}
+	var peerAddr netip.AddrPort
+	if a, ok := hbone.PeerAddr(ctx); ok {
+		peerAddr = a
+	}
+	if !p.authorize(peerAddr, src.String(), target) {
+		return nil, policyRefusal(target)
+	}
 	release, limit := p.admitTCP()
 	if limit != "" {
 		p.m.metrics.LimitHit(limit)

@@ -65,6 +65,9 @@ type Config struct {
 	// Services balances captured connections to Service VIPs
 	// (peers.Services); nil: a VIP is dialled as any other address.
 	Services ServiceChooser
+	// Authorizer decides, from authorization policy, whether an inbound
+	// connection reaches its pod (authz.Table); nil: every one does.
+	Authorizer Authorizer
 	// BypassMark is the SO_MARK of every upstream socket (the divert's
 	// bypass mark).
 	BypassMark uint32

@@ -41,6 +41,7 @@ type Metrics struct {
 	limits   *prometheus.CounterVec
 	outbound *prometheus.CounterVec
 	pods     prometheus.Gauge
+	policy   policyMetrics
 }
 
 // New returns the metrics on a fresh registry.
@@ -97,7 +98,9 @@ func New() *Metrics {
 			Help: "Pods whose listeners are bound and served.",
 		}),
 	}
+	m.policy = newPolicyMetrics()
 	m.Registry.MustRegister(m.opened, m.closed, m.sent, m.received, m.duration, m.failed, m.udp, m.limits, m.inbound, m.source, m.outbound, m.pods,
+		m.policy.denied, m.policy.dryRun,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
