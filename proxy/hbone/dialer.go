@@ -197,11 +197,11 @@ func (d *Dialer) Dial(ctx context.Context, req Request) (*Stream, error) {
 			d.stat.streamsOpened.Add(1)
 			return st, nil
 		}
-		// A reused connection that failed the request without an answer
-		// (it broke or got GOAWAY since the pool check, or refused the
-		// stream) is evicted and the stream retried once on a new one.
-		var se *StatusError
-		if !fresh && attempt == 0 && !errors.As(err, &se) && ctx.Err() == nil {
+		// A reused connection whose server did not process the stream
+		// (GOAWAY below it, REFUSED_STREAM, or no longer taking streams
+		// when its HEADERS were due) is evicted and the stream retried
+		// once on a new one; nothing else is retried (retryable).
+		if !fresh && attempt == 0 && retryable(err) && ctx.Err() == nil {
 			d.evict(key, cc)
 			continue
 		}

@@ -16,14 +16,27 @@ import (
 	"golang.org/x/net/http2/hpack"
 )
 
-// Errors a stream fails with when it was never answered: Dial retries
-// these once on a new connection.
+// Errors a stream fails with. errGoAway (the stream is above a GOAWAY's
+// last stream ID), errRefused (REFUSED_STREAM) and errNotSent (the
+// connection could take no stream before its HEADERS went out) say the
+// server did not process it: Dial retries those, and only those, once on
+// a new connection (retryable).
 var (
 	errGoAway       = errors.New("hbone stream not processed: the server sent GOAWAY")
 	errRefused      = errors.New("hbone stream refused by the server")
+	errNotSent      = errors.New("hbone stream not sent: the connection takes no new streams")
 	errConnClosed   = errors.New("hbone connection closed")
 	errStreamClosed = errors.New("hbone stream closed")
 )
+
+// retryable reports whether a stream failed before the server processed
+// it (RFC 9113 §8.7: a stream above GOAWAY's last stream ID or refused with
+// REFUSED_STREAM; or never sent): retrying it cannot deliver the CONNECT
+// twice. Anything else (a reset with another code, a connection that broke
+// after the HEADERS were written, a status) may have reached the target.
+func retryable(err error) bool {
+	return errors.Is(err, errGoAway) || errors.Is(err, errRefused) || errors.Is(err, errNotSent)
+}
 
 // maxStreamID is the highest client stream ID (2^31-1); a connection that
 // used them all takes no new streams.
@@ -198,9 +211,9 @@ func (c *h2Client) openStream(ctx context.Context, target netip.AddrPort) (*Stre
 	c.mu.Lock()
 	c.reserved--
 	if c.closed || c.goingAway || c.nextID > maxStreamID {
-		err := c.err
-		if err == nil {
-			err = errGoAway
+		err := errNotSent
+		if c.err != nil {
+			err = fmt.Errorf("%w: %w", errNotSent, c.err)
 		}
 		c.mu.Unlock()
 		c.wmu.Unlock()

@@ -468,3 +468,94 @@ func TestDialRetriesGoAway(t *testing.T) {
 	}
 	wg.Wait() // the connection that sent GOAWAY closes: its loops end
 }
+
+// TestDialRetriesOnlyUnprocessed: Dial retries a stream on a new
+// connection only when the server did not process it (RFC 9113 §8.7): a
+// GOAWAY whose last stream ID is below it, REFUSED_STREAM, or a connection
+// that took no new stream when its HEADERS were due. A stream the server
+// may have delivered (reset with another code, its connection broken after
+// the HEADERS went out, a GOAWAY above it, a status) fails without a
+// retry: a retry would dial the target twice.
+func TestDialRetriesOnlyUnprocessed(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		server func(fs *fakeServer, id uint32)
+		retry  bool
+	}{
+		{"GOAWAY below the stream", func(fs *fakeServer, id uint32) { _ = fs.fr.WriteGoAway(id-2, http2.ErrCodeNo, nil) }, true},
+		{"REFUSED_STREAM", func(fs *fakeServer, id uint32) { _ = fs.fr.WriteRSTStream(id, http2.ErrCodeRefusedStream) }, true},
+		{"RST_STREAM INTERNAL_ERROR", func(fs *fakeServer, id uint32) { _ = fs.fr.WriteRSTStream(id, http2.ErrCodeInternal) }, false},
+		{"RST_STREAM CANCEL", func(fs *fakeServer, id uint32) { _ = fs.fr.WriteRSTStream(id, http2.ErrCodeCancel) }, false},
+		{"RST_STREAM PROTOCOL_ERROR", func(fs *fakeServer, id uint32) { _ = fs.fr.WriteRSTStream(id, http2.ErrCodeProtocol) }, false},
+		{"connection closed after the HEADERS", func(fs *fakeServer, _ uint32) { _ = fs.conn.Close() }, false},
+		{"GOAWAY above the stream, then closed", func(fs *fakeServer, id uint32) {
+			_ = fs.fr.WriteGoAway(id, http2.ErrCodeNo, nil)
+			_ = fs.conn.Close()
+		}, false},
+		{"GOAWAY INTERNAL_ERROR above the stream, then closed", func(fs *fakeServer, id uint32) {
+			_ = fs.fr.WriteGoAway(id, http2.ErrCodeInternal, nil)
+			_ = fs.conn.Close()
+		}, false},
+		{"status 503", func(fs *fakeServer, id uint32) { fs.answer(id, "503", true) }, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dials := make(chan struct{}, 2)
+			d, err := NewDialer(DialerConfig{
+				Certs: noCerts{},
+				DialContext: func(context.Context, string, string) (net.Conn, error) {
+					dials <- struct{}{}
+					return nil, errors.New("no new connection in this test")
+				},
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			c, fs, wg := newClientPair(t, &d.cfg)
+			if err := fs.start(c, wg); err != nil {
+				t.Fatal(err)
+			}
+			req := Request{Source: fuzzClient, Proxy: netip.MustParseAddrPort("127.0.0.1:15008"), Target: netip.MustParseAddrPort("127.0.0.1:80")}
+			d.pool[poolKey{source: req.Source, proxy: req.Proxy}] = &poolEntry{conns: []*h2Client{c}}
+			d.stat.connsPooled.Add(1)
+			// A first stream, answered, so that a GOAWAY can name one below.
+			if !c.reserve() {
+				t.Fatal("no stream slot")
+			}
+			go func() {
+				fs.answer(fs.next(http2.FrameHeaders).Header().StreamID, "200", false)
+				tc.server(fs, fs.next(http2.FrameHeaders).Header().StreamID)
+			}()
+			if _, err := c.openStream(context.Background(), req.Target); err != nil {
+				t.Fatal(err)
+			}
+			_, err = d.Dial(context.Background(), req)
+			if err == nil {
+				t.Fatal("dial succeeded")
+			}
+			if got := len(dials) == 1; got != tc.retry {
+				t.Errorf("dial failed with %v after %d new connections tried; want a retry: %v", err, len(dials), tc.retry)
+			}
+			if st := d.Stats(); st.StreamsFailed != 1 {
+				t.Errorf("dialer stats = %+v, want 1 failed stream", st)
+			}
+			_ = d.Close()
+			c.close(nil) // evicted: it drains its first stream
+			wg.Wait()
+		})
+	}
+	t.Run("connection taking no stream when the HEADERS are due", func(t *testing.T) {
+		c, fs, wg := newClientPair(t, testDialerConfig())
+		if err := fs.start(c, wg); err != nil {
+			t.Fatal(err)
+		}
+		if !c.reserve() {
+			t.Fatal("no stream slot")
+		}
+		c.drain() // the pool dropped it between reserve and openStream
+		_, err := c.openStream(context.Background(), netip.MustParseAddrPort("127.0.0.1:80"))
+		if !errors.Is(err, errNotSent) || !retryable(err) {
+			t.Errorf("openStream on a draining connection = %v, want %v (retryable)", err, errNotSent)
+		}
+		wg.Wait()
+	})
+}
