@@ -24,6 +24,16 @@ const (
 	// 64 MiB per node, 8 MiB per source.
 	DefaultSendBufs          = 256
 	DefaultSendBufsPerSource = 32
+	// DefaultControlBudget bounds the control frames (PING and SETTINGS
+	// acks, WINDOW_UPDATE, RST_STREAM) queued for peers beyond the first
+	// controlFloor bytes of each connection's queue, summed over every
+	// connection sharing the Budget: with 1024 connections at most 32 MiB
+	// + 1024 × 2 × 16 KiB = 64 MiB, where each connection's own 1 MiB
+	// bound alone allowed 1 GiB queued (and as much again being written).
+	DefaultControlBudget = 32 << 20
+	// DefaultControlBudgetPerSource bounds that of one source (a pod): a
+	// source that does not read spends at most 4 MiB of the node's 32.
+	DefaultControlBudgetPerSource = 4 << 20
 )
 
 // BudgetConfig sets the bounds of a Budget; a zero field takes its Default.
@@ -40,6 +50,13 @@ type BudgetConfig struct {
 	// (256 KiB each) the Servers' streams hold at once while sending, in
 	// total and per source; a stream waits for one without a buffer.
 	SendBufs, SendBufsPerSource int
+	// Control bounds, in bytes, the control frames queued for peers (and
+	// being written to them) beyond the first 16 KiB of each queue, summed
+	// over the connections sharing the Budget. A connection whose queue
+	// would take more than what is left is closed as a control flood, as
+	// one past its own 1 MiB is. ControlPerSource bounds the same per
+	// source.
+	Control, ControlPerSource int64
 }
 
 // Budget is shared by the Servers of a node (or given to the Dialer): it
@@ -54,15 +71,17 @@ type Budget struct {
 
 	sendBufs chan struct{} // a token per send buffer held
 
-	mu     sync.Mutex
-	conns  int
-	window int64
-	per    map[string]*budgetUse
+	mu      sync.Mutex
+	conns   int
+	window  int64
+	control int64 // control-frame bytes charged (chargeControl)
+	per     map[string]*budgetUse
 }
 
 type budgetUse struct {
-	conns  int
-	window int64
+	conns   int
+	window  int64
+	control int64
 	// sendBufs is the source's send-buffer tokens, shared by its
 	// connections (refs of them hold it).
 	sendBufs chan struct{}
@@ -82,6 +101,16 @@ func NewBudget(cfg BudgetConfig) (*Budget, error) {
 	if cfg.Window < 0 || cfg.WindowPerSource < 0 {
 		return nil, fmt.Errorf("invalid hbone window budget %d / %d per source: must not be negative", cfg.Window, cfg.WindowPerSource)
 	}
+	if cfg.Control == 0 {
+		cfg.Control = DefaultControlBudget
+	}
+	if cfg.ControlPerSource == 0 {
+		cfg.ControlPerSource = DefaultControlBudgetPerSource
+	}
+	if cfg.Control < 0 || cfg.ControlPerSource < 0 {
+		return nil, fmt.Errorf("invalid hbone control-frame budget %d / %d per source: must not be negative", cfg.Control, cfg.ControlPerSource)
+	}
+	cfg.ControlPerSource = min(cfg.ControlPerSource, cfg.Control)
 	if cfg.MaxConnsPerSource > cfg.MaxConns {
 		cfg.MaxConnsPerSource = cfg.MaxConns
 	}
@@ -112,7 +141,7 @@ func (b *Budget) useLocked(src string) *budgetUse {
 
 // forgetLocked drops src's entry once it holds nothing (b.mu held).
 func (b *Budget) forgetLocked(src string, u *budgetUse) {
-	if u.conns == 0 && u.window == 0 && u.refs == 0 {
+	if u.conns == 0 && u.window == 0 && u.control == 0 && u.refs == 0 {
 		delete(b.per, src)
 	}
 }
@@ -242,6 +271,34 @@ func (b *Budget) releaseWindow(src string, n int64) {
 	b.forgetLocked(src, u)
 }
 
+// chargeControl takes n bytes of src's and the node's control-frame
+// budget; false, taking nothing, when fewer are left.
+func (b *Budget) chargeControl(src string, n int64) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	u := b.useLocked(src)
+	if b.control+n > b.cfg.Control || u.control+n > b.cfg.ControlPerSource {
+		b.forgetLocked(src, u)
+		return false
+	}
+	b.control += n
+	u.control += n
+	return true
+}
+
+// releaseControl gives back n bytes chargeControl gave src.
+func (b *Budget) releaseControl(src string, n int64) {
+	if n <= 0 {
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	u := b.useLocked(src)
+	b.control -= n
+	u.control -= n
+	b.forgetLocked(src, u)
+}
+
 // BudgetStats is a snapshot of a Budget's use.
 type BudgetStats struct {
 	// Conns is the number of connections holding a slot.
@@ -252,11 +309,14 @@ type BudgetStats struct {
 	Sources int
 	// SendBufs is the number of send buffers held.
 	SendBufs int
+	// Control is the control-frame bytes queued or being written beyond
+	// each connection's first 16 KiB (BudgetConfig.Control).
+	Control int64
 }
 
 // Stats returns a snapshot of the Budget's use.
 func (b *Budget) Stats() BudgetStats {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return BudgetStats{Conns: b.conns, Window: b.window, Sources: len(b.per), SendBufs: len(b.sendBufs)}
+	return BudgetStats{Conns: b.conns, Window: b.window, Sources: len(b.per), SendBufs: len(b.sendBufs), Control: b.control}
 }

@@ -106,7 +106,7 @@ func newH2Client(cfg *DialerConfig, log *slog.Logger, wg *sync.WaitGroup, stat *
 		c.window = cfg.Budget.reserveWindow(origin, int64(cfg.ConnWindow-initialWindow))
 		window = initialWindow + int(c.window)
 	}
-	c.initOut(conn, window, cfg.WriteTimeout, c.flood)
+	c.initOut(conn, window, cfg.WriteTimeout, cfg.Budget, origin, c.flood)
 	c.block.r = conn
 	c.fr = http2.NewFramer(nil, &c.block)
 	c.fr.SetReuseFrames()
@@ -530,14 +530,14 @@ func (c *h2Client) streamError(id uint32, code http2.ErrCode, err error) {
 	c.queue(appendRSTStream(nil, id, code))
 }
 
-// flood closes a connection whose server lets more than maxQueuedControl
-// of control frames pile up (h2Out.onFlood).
-func (c *h2Client) flood() {
+// flood closes a connection whose server lets control frames pile up past
+// a bound (h2Out.onFlood): its own maxQueuedControl or the budget's.
+func (c *h2Client) flood(err error) {
 	c.stat.controlFloods.Add(1)
 	c.log.Warn("closing hbone connection: its server does not read the control frames it asks for",
-		"remote", c.conn.RemoteAddr().String(), "queued_bytes", maxQueuedControl)
+		"remote", c.conn.RemoteAddr().String(), "error", err)
 	// Closed from another goroutine: queue may run under a stream's lock.
-	go c.close(errors.New("over 1 MiB of control frames queued for a server that does not read"))
+	go c.close(err)
 }
 
 // writeLoop writes queued control frames nobody else wrote.
@@ -585,6 +585,7 @@ func (c *h2Client) close(err error) {
 	c.log.Debug("hbone connection closed", "remote", c.conn.RemoteAddr().String(), "error", err)
 	close(c.done)
 	_ = c.conn.Close()
+	c.closeOut()
 	if c.cfg.Budget != nil {
 		c.cfg.Budget.releaseWindow(c.origin, c.window)
 	}

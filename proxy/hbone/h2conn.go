@@ -156,7 +156,7 @@ func newH2Conn(s *Server, conn h2Transport, peer spiffeid.ID) *h2Conn {
 	c.src = sourceKey(conn.RemoteAddr())
 	c.window = s.cfg.Budget.reserveWindow(c.src, int64(s.cfg.ConnWindow-initialWindow))
 	c.slots = s.cfg.Budget.slots(c.src)
-	c.initOut(conn, initialWindow+int(c.window), s.cfg.WriteTimeout, c.flood)
+	c.initOut(conn, initialWindow+int(c.window), s.cfg.WriteTimeout, s.cfg.Budget, c.src, c.flood)
 	conn.setBeforeRead(c.beforeRead)
 	c.fr = http2.NewFramer(nil, &c.block)
 	c.block.r = conn
@@ -651,14 +651,14 @@ func (c *h2Conn) streamError(id uint32, code http2.ErrCode) {
 	}
 }
 
-// flood closes a connection whose client lets more than maxQueuedControl
-// of control frames pile up (h2Out.onFlood).
-func (c *h2Conn) flood() {
+// flood closes a connection whose client lets control frames pile up past
+// a bound (h2Out.onFlood): its own maxQueuedControl or the node's budget.
+func (c *h2Conn) flood(err error) {
 	// Closed from another goroutine: queue may run under c.mu.
 	c.s.stat.controlFloods.Add(1)
 	c.s.log.Warn("closing hbone connection: its client does not read the control frames it asks for",
-		"source_id", c.peer.String(), "remote", c.conn.RemoteAddr().String(), "queued_bytes", maxQueuedControl)
-	go c.close(errors.New("over 1 MiB of control frames queued for a client that does not read"))
+		"source_id", c.peer.String(), "remote", c.conn.RemoteAddr().String(), "error", err)
+	go c.close(err)
 }
 
 // writeLoop writes queued control frames nobody else wrote; after a
@@ -741,6 +741,7 @@ func (c *h2Conn) close(err error) {
 	close(c.done)
 	c.cancel()
 	_ = c.conn.Close()
+	c.closeOut()
 	for _, st := range streams {
 		st.closeIn()
 	}

@@ -1,6 +1,7 @@
 package hbone
 
 import (
+	"errors"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -13,7 +14,9 @@ import (
 // frames (SETTINGS and PING acks, WINDOW_UPDATE, RST_STREAM, GOAWAY, PING)
 // are appended to ctl and written ahead of the next write, or by the
 // engine's writer goroutine when wake is signaled: a read loop never waits
-// for the connection's writer. The queue is bounded by maxQueuedControl.
+// for the connection's writer. The queue is bounded by maxQueuedControl,
+// and what it holds beyond controlFloor, queued or being written, is
+// charged to the node's Budget (BudgetConfig.Control).
 //
 // It also keeps the connection's receive window (recvConn), whose
 // WINDOW_UPDATEs go through that queue.
@@ -24,22 +27,56 @@ type h2Out struct {
 	ctl     []byte
 	spare   []byte
 	wake    chan struct{}
-	flooded atomic.Bool // maxQueuedControl was passed: closing
+	flooded atomic.Bool // a control bound was passed: closing
 	// onFlood runs once, on the goroutine that passed maxQueuedControl
-	// (possibly under the engine's locks): it closes the connection from
-	// another goroutine.
-	onFlood  func()
-	recvConn recvWindow // bytes consumed are granted back
+	// or the budget's Control (err says which; possibly under the engine's
+	// locks): it closes the connection from another goroutine.
+	onFlood func(err error)
+	// budget is charged what ctl holds beyond controlFloor (charged, under
+	// cmu); nil: no node bound (tests). outClosed: the connection closed,
+	// nothing more is queued.
+	budget    *Budget
+	src       string // the budget's key: the peer's source
+	charged   int64
+	outClosed bool
+	recvConn  recvWindow // bytes consumed are granted back
 	// writeTimeout bounds every write (wmu held): a peer that does not
 	// read fails the write, and the engine closes the connection.
 	writeTimeout time.Duration
 }
 
-// initOut sets the connection, its receive window, the write timeout and
-// the flood hook.
-func (o *h2Out) initOut(conn h2Transport, connWindow int, writeTimeout time.Duration, onFlood func()) {
+// initOut sets the connection, its receive window, the write timeout, the
+// budget charged for control frames under src (nil: none) and the flood
+// hook.
+func (o *h2Out) initOut(conn h2Transport, connWindow int, writeTimeout time.Duration, budget *Budget, src string, onFlood func(error)) {
 	o.conn, o.wake, o.onFlood, o.writeTimeout = conn, make(chan struct{}, 1), onFlood, writeTimeout
+	o.budget, o.src = budget, src
 	o.recvConn.init(connWindow)
+}
+
+// controlFloor is what a connection's control-frame queue holds without a
+// charge to the Budget: a peer that reads never leaves more queued (a
+// queue is written ahead of every frame write), so the node's bound
+// closes only connections whose peer does not read.
+const controlFloor = 16 << 10
+
+// Why a connection's control queue was closed (h2Out.onFlood).
+var (
+	errControlFlood  = errors.New("over 1 MiB of control frames queued for a peer that does not read")
+	errControlBudget = errors.New("control frames queued for a peer that does not read: the node's or its source's control-frame budget is spent")
+)
+
+// closeOut drops the queue and its charge when the connection closes; a
+// write in flight gives its own back when it returns.
+func (o *h2Out) closeOut() {
+	o.cmu.Lock()
+	o.outClosed = true
+	charged := o.charged
+	o.ctl, o.spare, o.charged = nil, nil, 0
+	o.cmu.Unlock()
+	if o.budget != nil {
+		o.budget.releaseControl(o.src, charged)
+	}
 }
 
 // armLocked sets the deadline of the write about to start (wmu held).
@@ -71,14 +108,28 @@ func (o *h2Out) writeFramesWithin(d time.Duration, b []byte) error {
 // the peer does not read what it asks for.
 func (o *h2Out) queue(b []byte) {
 	o.cmu.Lock()
-	over := len(o.ctl)+len(b) > maxQueuedControl
-	if !over {
+	if o.outClosed {
+		o.cmu.Unlock()
+		return
+	}
+	n := len(o.ctl) + len(b)
+	var over error
+	if n > maxQueuedControl {
+		over = errControlFlood
+	} else if extra := int64(n-controlFloor) - o.charged; extra > 0 && o.budget != nil {
+		if o.budget.chargeControl(o.src, extra) {
+			o.charged += extra
+		} else {
+			over = errControlBudget
+		}
+	}
+	if over == nil {
 		o.ctl = append(o.ctl, b...)
 	}
 	o.cmu.Unlock()
-	if over {
+	if over != nil {
 		if o.flooded.CompareAndSwap(false, true) {
-			o.onFlood()
+			o.onFlood(over)
 		}
 		return
 	}
@@ -120,15 +171,20 @@ func (o *h2Out) writeFramesLocked(b []byte) error {
 // writeQueuedLocked writes the queued control frames (wmu held).
 func (o *h2Out) writeQueuedLocked() error {
 	o.cmu.Lock()
-	b := o.ctl
-	o.ctl, o.spare = o.spare, nil
+	b, charged := o.ctl, o.charged
+	o.ctl, o.spare, o.charged = o.spare, nil, 0
 	o.cmu.Unlock()
 	if len(b) == 0 {
 		return nil
 	}
 	_, err := o.conn.Write(b)
+	if o.budget != nil {
+		o.budget.releaseControl(o.src, charged) // held while being written
+	}
 	o.cmu.Lock()
-	o.spare = b[:0]
+	if !o.outClosed {
+		o.spare = b[:0]
+	}
 	o.cmu.Unlock()
 	return err
 }

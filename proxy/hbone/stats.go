@@ -26,7 +26,8 @@ type ServerStats struct {
 	StreamsDeliverFailed uint64
 	// ControlFloods counts connections closed because their client did not
 	// read the control frames it asked for (PING/SETTINGS acks, resets)
-	// while more than 1 MiB of them were queued.
+	// while more than 1 MiB of them were queued, or more than the Budget's
+	// Control had room for.
 	ControlFloods uint64
 	// ConnsRejected counts connections closed at accept because the
 	// Budget's connection cap (node or source) was reached.
@@ -54,7 +55,8 @@ type DialerStats struct {
 	StreamsFailed uint64
 	// ControlFloods counts connections closed because their server did not
 	// read the control frames it asked for (PING/SETTINGS acks) while more
-	// than 1 MiB of them were queued.
+	// than 1 MiB of them were queued, or more than the Budget's Control had
+	// room for.
 	ControlFloods uint64
 	// WriteTimeouts counts connections closed because a write to the
 	// server did not finish within WriteTimeout.
