@@ -18,10 +18,11 @@ const (
 	DefaultWindowBudget = 128 << 20
 	// DefaultWindowBudgetPerSource bounds that of one source (a pod).
 	DefaultWindowBudgetPerSource = 16 << 20
-	// DefaultSendBufs and DefaultSendBufsPerSource bound the 256 KiB read
-	// buffers the Servers' streams hold while their DATA is written (a
-	// client that reads slowly makes writes wait, up to WriteTimeout):
-	// 64 MiB per node, 8 MiB per source.
+	// DefaultSendBufs and DefaultSendBufsPerSource bound the 256 KiB send
+	// buffers the streams of the Servers (or of the Dialer) sharing a
+	// Budget hold while their DATA is written (a peer that reads slowly
+	// makes writes wait, up to WriteTimeout): 64 MiB per node, 8 MiB per
+	// source.
 	DefaultSendBufs          = 256
 	DefaultSendBufsPerSource = 32
 	// DefaultControlBudget bounds the control frames (PING and SETTINGS
@@ -46,9 +47,11 @@ type BudgetConfig struct {
 	// source. Queued DATA never exceeds the window granted, so they bound
 	// the memory a peer that sends to a reader that does not read can take.
 	Window, WindowPerSource int64
-	// SendBufs and SendBufsPerSource bound the upstream read buffers
-	// (256 KiB each) the Servers' streams hold at once while sending, in
-	// total and per source; a stream waits for one without a buffer.
+	// SendBufs and SendBufsPerSource bound the send buffers (256 KiB
+	// each: an upstream's or a pod's socket read, or a Stream.Write's
+	// frames) the streams of the Servers or of the Dialer hold at once
+	// while sending, in total and per source; a stream waits for one
+	// without a buffer.
 	SendBufs, SendBufsPerSource int
 	// Control bounds, in bytes, the control frames queued for peers (and
 	// being written to them) beyond the first 16 KiB of each queue, summed
@@ -60,9 +63,10 @@ type BudgetConfig struct {
 }
 
 // Budget is shared by the Servers of a node (or given to the Dialer): it
-// caps the connections they hold and the receive window they grant, in
-// total and per source (the client's address for a Server, the Request's
-// Origin for the Dialer). A connection over a cap is closed at accept; a
+// caps the connections they hold, the receive window they grant, the send
+// buffers their streams hold and the control frames they queue, in total
+// and per source (the client's address for a Server, the Request's Origin
+// for the Dialer). A connection over a cap is closed at accept; a
 // connection that finds the window budget spent gets what is left (at
 // least HTTP/2's initial 64 KiB, which needs no grant): slower, never
 // refused. It is safe for concurrent use.

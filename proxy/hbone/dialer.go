@@ -47,7 +47,8 @@ type DialerConfig struct {
 	// loses its connection after it (DialerStats.WriteTimeouts).
 	WriteTimeout time.Duration
 	// Budget bounds the receive window the Dialer's connections grant
-	// beyond the initial 64 KiB, in total and per Request.Origin (the
+	// beyond the initial 64 KiB, the send buffers their streams hold and
+	// the control frames they queue, in total and per Request.Origin (the
 	// source pod; its connection caps do not apply to the Dialer); nil: a
 	// Budget of its own with the defaults.
 	Budget *Budget

@@ -59,8 +59,11 @@ type h2Client struct {
 	fr   *http2.Framer
 	// block is the Framer's reader (a header block's bound).
 	block blockReader
-	// origin and window: the receive window reserved from cfg.Budget
-	// beyond the initial 64 KiB, under the Request's Origin.
+	// budget is cfg.Budget (one of its own when nil); origin and window:
+	// the receive window reserved from it beyond the initial 64 KiB, under
+	// the Request's Origin, which its send-buffer tokens and control-frame
+	// charges are kept under too.
+	budget *Budget
 	origin string
 	window int64
 	wg     *sync.WaitGroup // the Dialer's: read and write loops
@@ -72,41 +75,35 @@ type h2Client struct {
 
 	keep h2Keepalive // the ping check
 
-	mu           sync.Mutex
-	cond         sync.Cond // send windows grew, a stream ended, or the connection closed
-	streams      map[uint32]*Stream
-	nextID       uint32 // the next stream's ID
-	reserved     int    // slots the Dialer reserved, streams not opened yet
-	maxStreams   int    // the server's SETTINGS_MAX_CONCURRENT_STREAMS
-	settled      bool   // the server's first SETTINGS arrived
-	goingAway    bool   // GOAWAY received, or evicted: no new streams
-	closed       bool
-	err          error // why the connection closed
-	sendConn     int64 // connection send window
-	peerInitial  int64 // the server's SETTINGS_INITIAL_WINDOW_SIZE
-	peerMaxFrame int   // the server's SETTINGS_MAX_FRAME_SIZE
-	sendBufs     int   // streams holding a read buffer of their source (sendGate)
+	// The send side: windows, the server's settings, send buffers; its mu
+	// guards the fields below too.
+	h2Flow
+	streams    map[uint32]*Stream
+	nextID     uint32 // the next stream's ID
+	reserved   int    // slots the Dialer reserved, streams not opened yet
+	maxStreams int    // the server's SETTINGS_MAX_CONCURRENT_STREAMS
+	settled    bool   // the server's first SETTINGS arrived
+	goingAway  bool   // GOAWAY received, or evicted: no new streams
+	closed     bool
+	err        error // why the connection closed
 }
 
 func newH2Client(cfg *DialerConfig, log *slog.Logger, wg *sync.WaitGroup, stat *dialerCounters, conn h2Transport, peer spiffeid.ID, origin string) *h2Client {
 	c := &h2Client{
 		cfg: cfg, log: log, peer: peer, wg: wg, stat: stat, origin: origin,
-		done:         make(chan struct{}),
-		ready:        make(chan struct{}),
-		streams:      map[uint32]*Stream{},
-		nextID:       1,
-		maxStreams:   DefaultMaxConcurrentStreams,
-		sendConn:     initialWindow,
-		peerInitial:  initialWindow,
-		peerMaxFrame: DefaultMaxFrameSize,
+		done:       make(chan struct{}),
+		ready:      make(chan struct{}),
+		streams:    map[uint32]*Stream{},
+		nextID:     1,
+		maxStreams: DefaultMaxConcurrentStreams,
+		budget:     cfg.Budget,
 	}
-	c.cond.L = &c.mu
-	window := cfg.ConnWindow
-	if cfg.Budget != nil {
-		c.window = cfg.Budget.reserveWindow(origin, int64(cfg.ConnWindow-initialWindow))
-		window = initialWindow + int(c.window)
+	if c.budget == nil {
+		c.budget = defaultBudget()
 	}
-	c.initOut(conn, window, cfg.WriteTimeout, cfg.Budget, origin, c.flood)
+	c.window = c.budget.reserveWindow(origin, int64(cfg.ConnWindow-initialWindow))
+	c.initFlow(c.budget.slots(origin))
+	c.initOut(conn, initialWindow+int(c.window), cfg.WriteTimeout, c.budget, origin, c.flood)
 	c.block.r = conn
 	c.fr = http2.NewFramer(nil, &c.block)
 	c.fr.SetReuseFrames()
@@ -206,6 +203,7 @@ func (c *h2Client) closeIfDone() {
 func (c *h2Client) openStream(ctx context.Context, target netip.AddrPort) (*Stream, error) {
 	st := &Stream{c: c, target: target, peer: c.peer, answered: make(chan struct{}), recvWin: int64(c.cfg.StreamWindow)}
 	st.cond.L = &st.mu
+	st.flow, st.owner = &c.h2Flow, st
 	hdr := appendConnect(nil, target.String())
 	c.wmu.Lock()
 	c.mu.Lock()
@@ -586,9 +584,8 @@ func (c *h2Client) close(err error) {
 	close(c.done)
 	_ = c.conn.Close()
 	c.closeOut()
-	if c.cfg.Budget != nil {
-		c.cfg.Budget.releaseWindow(c.origin, c.window)
-	}
+	c.budget.releaseWindow(c.origin, c.window)
+	c.budget.dropSlots(c.origin)
 	for _, st := range streams {
 		st.fail(fmt.Errorf("%w: %w", errConnClosed, err))
 	}

@@ -8,7 +8,6 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
-	"sync"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
@@ -99,7 +98,6 @@ type h2Conn struct {
 	leave  func()
 	src    string
 	window int64
-	slots  sendSlots // the send-buffer tokens of the node and of src
 
 	// unstarted are streams opened since the read loop last read its
 	// socket: they are delivered (serve started) only once every frame
@@ -107,18 +105,15 @@ type h2Conn struct {
 	// same burst (a rapid reset) never dials its target (read loop only).
 	unstarted []*h2Stream
 
-	mu           sync.Mutex
-	cond         sync.Cond // send windows grew, a stream stopped, or the connection closed
+	// The send side: windows, the client's settings, send buffers; its mu
+	// guards the fields below too.
+	h2Flow
 	streams      map[uint32]*h2Stream
 	maxID        uint32 // highest stream the client opened
 	started      bool   // the client preface was read
 	goingAway    bool   // GOAWAY queued: no new streams
 	closeFlushed bool   // close once the queued control frames are written
 	closed       bool
-	sendConn     int64 // connection send window
-	peerInitial  int64 // the client's SETTINGS_INITIAL_WINDOW_SIZE
-	peerMaxFrame int   // the client's SETTINGS_MAX_FRAME_SIZE
-	sendBufs     int   // streams holding an upstream read buffer (sendGate)
 	idle         *time.Timer
 }
 
@@ -142,20 +137,16 @@ func newH2Conn(s *Server, conn h2Transport, peer spiffeid.ID) *h2Conn {
 	ctx, cancel := context.WithCancel(context.Background())
 	c := &h2Conn{
 		s: s, peer: peer, ctx: ctx, cancel: cancel,
-		done:         make(chan struct{}),
-		streams:      map[uint32]*h2Stream{},
-		sendConn:     initialWindow,
-		peerInitial:  initialWindow,
-		peerMaxFrame: DefaultMaxFrameSize,
+		done:    make(chan struct{}),
+		streams: map[uint32]*h2Stream{},
 	}
-	c.cond.L = &c.mu
 	if a, ok := conn.RemoteAddr().(*net.TCPAddr); ok {
 		ap := a.AddrPort()
 		c.peerAddr = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
 	}
 	c.src = sourceKey(conn.RemoteAddr())
 	c.window = s.cfg.Budget.reserveWindow(c.src, int64(s.cfg.ConnWindow-initialWindow))
-	c.slots = s.cfg.Budget.slots(c.src)
+	c.initFlow(s.cfg.Budget.slots(c.src))
 	c.initOut(conn, initialWindow+int(c.window), s.cfg.WriteTimeout, s.cfg.Budget, c.src, c.flood)
 	conn.setBeforeRead(c.beforeRead)
 	c.fr = http2.NewFramer(nil, &c.block)
@@ -574,6 +565,7 @@ func (c *h2Conn) onHeaders(f *http2.MetaHeadersFrame) error {
 		ctx = context.WithValue(ctx, peerAddrCtx{}, c.peerAddr)
 	}
 	st := &h2Stream{c: c, id: id, target: target, recvWin: int64(cfg.StreamWindow), remoteEnd: ended}
+	st.flow, st.owner = &c.h2Flow, st
 	st.ctx, st.cancel = context.WithCancel(ctx)
 	c.mu.Lock()
 	if c.closed {

@@ -26,12 +26,9 @@ type h2Stream struct {
 	// started: serve runs (set by the read loop before it starts it).
 	started bool
 
-	// Under c.mu: the send side.
-	sendWin int64
-	stopped bool // reset (either side) or the connection closed: no more frames
-	// held: the send-buffer tokens wait acquired, not yet used by take
-	// (the stream's copy goroutine only).
-	held bool
+	// The send side (its window under c.mu): the stream's sendGate.
+	h2Send
+	stopped bool // under c.mu: reset (either side) or the connection closed: no more frames
 
 	// Under mu: the receive side (client → upstream).
 	mu        sync.Mutex
@@ -167,6 +164,17 @@ func (st *h2Stream) kickLocked() {
 		closeWrite(st.up)
 	}
 }
+
+// sendErrLocked is why the stream sends no more (c.mu held): it stopped.
+func (st *h2Stream) sendErrLocked() error {
+	if st.stopped {
+		return errStreamStopped
+	}
+	return nil
+}
+
+// sendStop is closed when the stream stops (its context ends then).
+func (st *h2Stream) sendStop() <-chan struct{} { return st.ctx.Done() }
 
 func (st *h2Stream) isStopped() bool {
 	st.c.mu.Lock()
@@ -336,85 +344,6 @@ func (st *h2Stream) drain() {
 func putPend(b *[]byte) {
 	*b = (*b)[:0]
 	pendBufs.Put(b)
-}
-
-// maxSendBufs is how many streams of a connection may hold a read buffer
-// of the upstream at once (sockBuf each): the rest wait for one without a
-// buffer, so a client that reads slowly holds at most 1 MiB of ours per
-// connection while its writes are waited for (up to WriteTimeout).
-const maxSendBufs = 4
-
-// wait blocks, holding no buffer, until the client's windows are open and
-// a send buffer of the connection is free, then takes (waiting in turn)
-// the tokens of a send buffer of its source and of the node, for the take
-// that follows (sendGate).
-func (st *h2Stream) wait() error {
-	c := st.c
-	c.mu.Lock()
-	for !st.stopped && (st.sendWin <= 0 || c.sendConn <= 0 || c.sendBufs >= maxSendBufs) {
-		c.cond.Wait()
-	}
-	stopped := st.stopped
-	c.mu.Unlock()
-	if stopped {
-		st.dropHeld()
-		return errStreamStopped
-	}
-	if !st.held {
-		if !c.slots.acquire(st.ctx.Done()) {
-			return errStreamStopped
-		}
-		st.held = true
-	}
-	return nil
-}
-
-// take reserves up to limit bytes of the client's windows and a send
-// buffer (sendGate), with the tokens wait took or, without them, tokens
-// free now; 0 when there is none now (the tokens held go back: a stream
-// that cannot send does not hold them).
-func (st *h2Stream) take(limit int) int {
-	c := st.c
-	c.mu.Lock()
-	ok := !st.stopped && st.sendWin > 0 && c.sendConn > 0 && c.sendBufs < maxSendBufs
-	if ok && !st.held {
-		ok = c.slots.tryTake()
-	} else if ok {
-		st.held = false
-	}
-	if !ok {
-		c.mu.Unlock()
-		st.dropHeld()
-		return 0
-	}
-	m := int(min(int64(limit), st.sendWin, c.sendConn))
-	st.sendWin -= int64(m)
-	c.sendConn -= int64(m)
-	c.sendBufs++
-	c.mu.Unlock()
-	return m
-}
-
-// dropHeld gives back the tokens wait took and no take used (the
-// stream's copy goroutine only).
-func (st *h2Stream) dropHeld() {
-	if st.held {
-		st.held = false
-		st.c.slots.give()
-	}
-}
-
-// back returns n bytes of window take reserved and not sent, and the send
-// buffer (sendGate).
-func (st *h2Stream) back(n int) {
-	c := st.c
-	c.mu.Lock()
-	st.sendWin += int64(n)
-	c.sendConn += int64(n)
-	c.sendBufs--
-	c.cond.Broadcast()
-	c.mu.Unlock()
-	c.slots.give()
 }
 
 // sendTaken sends b[frameHeaderLen:], whose windows take reserved, as DATA
