@@ -456,19 +456,8 @@ func deafProxy(t *testing.T, certs *hbonetest.Certs, streams int) netip.AddrPort
 		NextProtos:   []string{hbone.ALPN},
 		ClientAuth:   tls.RequireAnyClientCert,
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
 	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	t.Cleanup(func() {
-		close(stop)
-		_ = ln.Close()
-		wg.Wait()
-	})
-	serve := func(c net.Conn) {
-		defer c.Close()
+	addr := hbonetest.Serve(t, func(c net.Conn) {
 		_ = c.(*net.TCPConn).SetReadBuffer(4 << 10)
 		tc := tls.Server(c, cfg)
 		var preface [len(http2.ClientPreface)]byte
@@ -502,23 +491,9 @@ func deafProxy(t *testing.T, certs *hbonetest.Certs, streams int) netip.AddrPort
 			}
 		}
 		<-stop
-	}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				serve(c)
-			}()
-		}
-	}()
-	return netip.MustParseAddrPort(ln.Addr().String())
+	})
+	t.Cleanup(func() { close(stop) }) // before Serve's own cleanup
+	return addr
 }
 
 // floodSource returns the reading end of a loopback TCP connection whose

@@ -96,23 +96,11 @@ type budgetUse struct {
 func NewBudget(cfg BudgetConfig) (*Budget, error) {
 	orDefault(&cfg.MaxConns, DefaultMaxConns)
 	orDefault(&cfg.MaxConnsPerSource, DefaultMaxConnsPerSource)
-	if cfg.Window == 0 {
-		cfg.Window = DefaultWindowBudget
+	if err := budgetPair(&cfg.Window, &cfg.WindowPerSource, DefaultWindowBudget, DefaultWindowBudgetPerSource, "window budget"); err != nil {
+		return nil, err
 	}
-	if cfg.WindowPerSource == 0 {
-		cfg.WindowPerSource = DefaultWindowBudgetPerSource
-	}
-	if cfg.Window < 0 || cfg.WindowPerSource < 0 {
-		return nil, fmt.Errorf("invalid hbone window budget %d / %d per source: must not be negative", cfg.Window, cfg.WindowPerSource)
-	}
-	if cfg.Control == 0 {
-		cfg.Control = DefaultControlBudget
-	}
-	if cfg.ControlPerSource == 0 {
-		cfg.ControlPerSource = DefaultControlBudgetPerSource
-	}
-	if cfg.Control < 0 || cfg.ControlPerSource < 0 {
-		return nil, fmt.Errorf("invalid hbone control-frame budget %d / %d per source: must not be negative", cfg.Control, cfg.ControlPerSource)
+	if err := budgetPair(&cfg.Control, &cfg.ControlPerSource, DefaultControlBudget, DefaultControlBudgetPerSource, "control-frame budget"); err != nil {
+		return nil, err
 	}
 	cfg.ControlPerSource = min(cfg.ControlPerSource, cfg.Control)
 	if cfg.MaxConnsPerSource > cfg.MaxConns {
@@ -122,6 +110,21 @@ func NewBudget(cfg BudgetConfig) (*Budget, error) {
 	orDefault(&cfg.SendBufsPerSource, DefaultSendBufsPerSource)
 	cfg.SendBufsPerSource = min(cfg.SendBufsPerSource, cfg.SendBufs)
 	return &Budget{cfg: cfg, per: map[string]*budgetUse{}, sendBufs: make(chan struct{}, cfg.SendBufs)}, nil
+}
+
+// budgetPair gives a total and a per-source bound in bytes their
+// defaults when zero; what names them in the error for a negative one.
+func budgetPair(total, per *int64, defTotal, defPer int64, what string) error {
+	if *total == 0 {
+		*total = defTotal
+	}
+	if *per == 0 {
+		*per = defPer
+	}
+	if *total < 0 || *per < 0 {
+		return fmt.Errorf("invalid hbone %s %d / %d per source: must not be negative", what, *total, *per)
+	}
+	return nil
 }
 
 // defaultBudget is the Budget of a Server or Dialer configured without one.
@@ -249,57 +252,62 @@ func (b *Budget) leaveConn(src string) {
 // reserveWindow takes up to want bytes of window for src and returns how
 // many it got (0 when the budget is spent).
 func (b *Budget) reserveWindow(src string, want int64) int64 {
+	return b.take(src, want, true, func(u *budgetUse) (*int64, *int64, int64, int64) {
+		return &b.window, &u.window, b.cfg.Window, b.cfg.WindowPerSource
+	})
+}
+
+// releaseWindow gives back n bytes reserveWindow gave src.
+func (b *Budget) releaseWindow(src string, n int64) {
+	b.give(src, n, func(u *budgetUse) (*int64, *int64) { return &b.window, &u.window })
+}
+
+// chargeControl takes n bytes of src's and the node's control-frame
+// budget; false, taking nothing, when fewer are left.
+func (b *Budget) chargeControl(src string, n int64) bool {
+	return b.take(src, n, false, func(u *budgetUse) (*int64, *int64, int64, int64) {
+		return &b.control, &u.control, b.cfg.Control, b.cfg.ControlPerSource
+	}) == n
+}
+
+// releaseControl gives back n bytes chargeControl gave src.
+func (b *Budget) releaseControl(src string, n int64) {
+	b.give(src, n, func(u *budgetUse) (*int64, *int64) { return &b.control, &u.control })
+}
+
+// take takes up to want of an amount the Budget bounds in total and per
+// source (amount returns the node's and src's use and their caps): what
+// is left when partial, else all of want or nothing. It returns what it
+// took.
+func (b *Budget) take(src string, want int64, partial bool, amount func(*budgetUse) (node, per *int64, nodeCap, perCap int64)) int64 {
 	if want <= 0 {
 		return 0
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	u := b.useLocked(src)
-	got := max(0, min(want, b.cfg.Window-b.window, b.cfg.WindowPerSource-u.window))
-	b.window += got
-	u.window += got
+	node, per, nodeCap, perCap := amount(u)
+	got := max(0, min(want, nodeCap-*node, perCap-*per))
+	if !partial && got < want {
+		got = 0
+	}
+	*node += got
+	*per += got
 	b.forgetLocked(src, u)
 	return got
 }
 
-// releaseWindow gives back n bytes reserveWindow gave src.
-func (b *Budget) releaseWindow(src string, n int64) {
+// give gives back n of what take took for src.
+func (b *Budget) give(src string, n int64, amount func(*budgetUse) (node, per *int64)) {
 	if n <= 0 {
 		return
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	u := b.useLocked(src)
-	b.window -= n
-	u.window -= n
-	b.forgetLocked(src, u)
-}
-
-// chargeControl takes n bytes of src's and the node's control-frame
-// budget; false, taking nothing, when fewer are left.
-func (b *Budget) chargeControl(src string, n int64) bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	u := b.useLocked(src)
-	if b.control+n > b.cfg.Control || u.control+n > b.cfg.ControlPerSource {
-		b.forgetLocked(src, u)
-		return false
-	}
-	b.control += n
-	u.control += n
-	return true
-}
-
-// releaseControl gives back n bytes chargeControl gave src.
-func (b *Budget) releaseControl(src string, n int64) {
-	if n <= 0 {
-		return
-	}
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	u := b.useLocked(src)
-	b.control -= n
-	u.control -= n
+	node, per := amount(u)
+	*node -= n
+	*per -= n
 	b.forgetLocked(src, u)
 }
 

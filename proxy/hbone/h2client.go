@@ -13,18 +13,17 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"golang.org/x/net/http2"
-	"golang.org/x/net/http2/hpack"
 )
 
 // Errors a stream fails with. errGoAway (the stream is above a GOAWAY's
 // last stream ID), errRefused (REFUSED_STREAM) and errNotSent (the
-// connection could take no stream before its HEADERS went out) say the
-// server did not process it: Dial retries those, and only those, once on
-// a new connection (retryable).
+// connection could take no stream before its HEADERS went out, or the
+// write they ended failed) say the server did not process it: Dial
+// retries those, and only those, once on a new connection (retryable).
 var (
 	errGoAway       = errors.New("hbone stream not processed: the server sent GOAWAY")
 	errRefused      = errors.New("hbone stream refused by the server")
-	errNotSent      = errors.New("hbone stream not sent: the connection takes no new streams")
+	errNotSent      = errors.New("hbone stream not sent")
 	errConnClosed   = errors.New("hbone connection closed")
 	errStreamClosed = errors.New("hbone stream closed")
 )
@@ -56,9 +55,7 @@ type h2Client struct {
 	cfg  *DialerConfig
 	log  *slog.Logger
 	peer spiffeid.ID // the server's verified SPIFFE ID
-	fr   *http2.Framer
-	// block is the Framer's reader (a header block's bound).
-	block blockReader
+	h2Reader
 	// budget is cfg.Budget (one of its own when nil); origin and window:
 	// the receive window reserved from it beyond the initial 64 KiB, under
 	// the Request's Origin, which its send-buffer tokens and control-frame
@@ -72,8 +69,6 @@ type h2Client struct {
 	// ready is closed when the server's first SETTINGS was applied (or
 	// the connection failed before).
 	ready chan struct{}
-
-	keep h2Keepalive // the ping check
 
 	// The send side: windows, the server's settings, send buffers; its mu
 	// guards the fields below too.
@@ -103,13 +98,8 @@ func newH2Client(cfg *DialerConfig, log *slog.Logger, wg *sync.WaitGroup, stat *
 	}
 	c.window = c.budget.reserveWindow(origin, int64(cfg.ConnWindow-initialWindow))
 	c.initFlow(c.budget.slots(origin))
-	c.initOut(conn, initialWindow+int(c.window), cfg.WriteTimeout, c.budget, origin, c.flood)
-	c.block.r = conn
-	c.fr = http2.NewFramer(nil, &c.block)
-	c.fr.SetReuseFrames()
-	c.fr.SetMaxReadFrameSize(uint32(cfg.MaxFrameSize))
-	c.fr.MaxHeaderListSize = maxHeaderList
-	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	c.initOut(conn, initialWindow+int(c.window), cfg.WriteTimeout, c.budget, origin, &stat.h2Counters, c.flood)
+	c.initReader(conn, cfg.MaxFrameSize)
 	return c
 }
 
@@ -135,7 +125,7 @@ func (c *h2Client) start(ctx context.Context) error {
 		c.close(err)
 		return fmt.Errorf("failed to send the http/2 preface: %w", err)
 	}
-	c.keep.start(c.cfg.PingInterval, c.cfg.PingTimeout, c.queue, func() {
+	c.startKeepalive(c.cfg.PingInterval, c.cfg.PingTimeout, func() {
 		c.close(fmt.Errorf("%w: no ping ack within %s", errConnClosed, c.cfg.PingTimeout))
 	})
 	select {
@@ -201,7 +191,7 @@ func (c *h2Client) closeIfDone() {
 // openStream sends CONNECT for target on a reserved slot and waits for
 // the answer until ctx ends.
 func (c *h2Client) openStream(ctx context.Context, target netip.AddrPort) (*Stream, error) {
-	st := &Stream{c: c, target: target, peer: c.peer, answered: make(chan struct{}), recvWin: int64(c.cfg.StreamWindow)}
+	st := &Stream{c: c, target: target, peer: c.peer, answered: make(chan struct{}), h2Recv: h2Recv{recvWin: int64(c.cfg.StreamWindow)}}
 	st.cond.L = &st.mu
 	st.flow, st.owner = &c.h2Flow, st
 	hdr := appendConnect(nil, target.String())
@@ -218,7 +208,7 @@ func (c *h2Client) openStream(ctx context.Context, target netip.AddrPort) (*Stre
 		c.closeIfDone()
 		return nil, err
 	}
-	st.id = c.nextID
+	st.id, st.state = c.nextID, stateOpen
 	c.nextID += 2
 	st.sendWin = c.peerInitial
 	c.streams[st.id] = st
@@ -227,6 +217,9 @@ func (c *h2Client) openStream(ctx context.Context, target netip.AddrPort) (*Stre
 	err := c.writeFramesLocked(hdr)
 	c.wmu.Unlock()
 	if err != nil {
+		// The HEADERS end the write that failed, so they did not reach
+		// the server whole: it cannot have processed the stream.
+		st.fail(fmt.Errorf("%w: %w", errNotSent, err))
 		c.close(err)
 	}
 	select {
@@ -280,10 +273,7 @@ func (c *h2Client) readLoop() {
 	err := c.readFrames()
 	var ce http2.ConnectionError
 	if errors.As(err, &ce) {
-		if d := c.fr.ErrorDetail(); d != nil {
-			err = fmt.Errorf("%w: %w", err, d)
-		}
-		c.fail(http2.ErrCode(ce), err)
+		c.fail(http2.ErrCode(ce), c.connErrorDetail(err))
 		return
 	}
 	if errors.Is(err, io.EOF) {
@@ -294,11 +284,8 @@ func (c *h2Client) readLoop() {
 
 func (c *h2Client) readFrames() error {
 	for first := true; ; first = false {
-		fh, err := c.fr.ReadFrameHeader()
+		fh, err := c.readHeader()
 		if err != nil {
-			if errors.Is(err, http2.ErrFrameTooLarge) {
-				return connErrorf(http2.ErrCodeFrameSize, "frame of %d bytes", fh.Length)
-			}
 			return err
 		}
 		if first && fh.Type != http2.FrameSettings {
@@ -310,17 +297,7 @@ func (c *h2Client) readFrames() error {
 			}
 			continue
 		}
-		block := fh.Type == http2.FrameHeaders && !fh.Flags.Has(http2.FlagHeadersEndHeaders)
-		if block {
-			c.block.start()
-		}
-		f, err := c.fr.ReadFrameForHeader(fh)
-		if block {
-			c.block.stop()
-		}
-		if errors.Is(err, errHeaderBlockTooLong) {
-			return connErrorf(http2.ErrCodeProtocol, "%s", err.Error())
-		}
+		f, err := c.readForHeader(fh)
 		if err != nil {
 			var se http2.StreamError
 			if errors.As(err, &se) {
@@ -531,7 +508,6 @@ func (c *h2Client) streamError(id uint32, code http2.ErrCode, err error) {
 // flood closes a connection whose server lets control frames pile up past
 // a bound (h2Out.onFlood): its own maxQueuedControl or the budget's.
 func (c *h2Client) flood(err error) {
-	c.stat.controlFloods.Add(1)
 	c.log.Warn("closing hbone connection: its server does not read the control frames it asks for",
 		"remote", c.conn.RemoteAddr().String(), "error", err)
 	// Closed from another goroutine: queue may run under a stream's lock.
@@ -546,8 +522,7 @@ func (c *h2Client) writeLoop() {
 
 // fail ends the connection on a connection error: GOAWAY with code, close.
 func (c *h2Client) fail(code http2.ErrCode, err error) {
-	c.queue(appendGoAway(nil, 0, code))
-	_ = c.writeFramesWithin(goAwayTimeout, nil)
+	c.sendGoAway(0, code)
 	c.close(err)
 }
 
@@ -577,9 +552,7 @@ func (c *h2Client) close(err error) {
 	if !settled {
 		close(c.ready)
 	}
-	if isTimeout(err) {
-		c.stat.writeTimeouts.Add(1)
-	}
+	c.stat.countClose(err)
 	c.log.Debug("hbone connection closed", "remote", c.conn.RemoteAddr().String(), "error", err)
 	close(c.done)
 	_ = c.conn.Close()

@@ -328,6 +328,9 @@ func TestClientPingTimeout(t *testing.T) {
 	if !c.unusable() {
 		t.Error("connection still usable")
 	}
+	if got := c.errs.pingTimeouts.Load(); got != 1 {
+		t.Errorf("ping timeouts counted = %d, want 1", got)
+	}
 }
 
 // TestClientStatusAndReset: a non-200 answer is a StatusError with its
@@ -432,8 +435,12 @@ func TestCopyIntoStream(t *testing.T) {
 // TestDialRetriesGoAway: a stream that a pooled connection's GOAWAY leaves
 // unprocessed is retried once on a new connection (here one that cannot be
 // opened), and the pooled connection is evicted and closes.
-func TestDialRetriesGoAway(t *testing.T) {
-	dials := make(chan struct{}, 2)
+// pooledClient returns a Dialer whose pool holds one started client
+// engine for req, connected to a fakeServer, and whose new connections
+// fail, each counted in dials.
+func pooledClient(t *testing.T) (d *Dialer, req Request, c *h2Client, fs *fakeServer, wg *sync.WaitGroup, dials chan struct{}) {
+	t.Helper()
+	dials = make(chan struct{}, 2)
 	d, err := NewDialer(DialerConfig{
 		Certs: noCerts{},
 		DialContext: func(context.Context, string, string) (net.Conn, error) {
@@ -445,14 +452,18 @@ func TestDialRetriesGoAway(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = d.Close() })
-	c, fs, wg := newClientPair(t, &d.cfg)
+	c, fs, wg = newClientPair(t, &d.cfg)
 	if err := fs.start(c, wg); err != nil {
 		t.Fatal(err)
 	}
-	req := Request{Source: fuzzClient, Proxy: netip.MustParseAddrPort("127.0.0.1:15008"), Target: netip.MustParseAddrPort("127.0.0.1:80")}
-	key := poolKey{source: req.Source, proxy: req.Proxy}
-	d.pool[key] = &poolEntry{conns: []*h2Client{c}}
+	req = Request{Source: fuzzClient, Proxy: netip.MustParseAddrPort("127.0.0.1:15008"), Target: netip.MustParseAddrPort("127.0.0.1:80")}
+	d.pool[poolKey{source: req.Source, proxy: req.Proxy}] = &poolEntry{conns: []*h2Client{c}}
 	d.stat.connsPooled.Add(1)
+	return d, req, c, fs, wg, dials
+}
+
+func TestDialRetriesGoAway(t *testing.T) {
+	d, req, _, fs, wg, dials := pooledClient(t)
 	go func() {
 		fs.next(http2.FrameHeaders) // stream 1
 		_ = fs.fr.WriteGoAway(0, http2.ErrCodeNo, nil)
@@ -499,24 +510,7 @@ func TestDialRetriesOnlyUnprocessed(t *testing.T) {
 		{"status 503", func(fs *fakeServer, id uint32) { fs.answer(id, "503", true) }, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			dials := make(chan struct{}, 2)
-			d, err := NewDialer(DialerConfig{
-				Certs: noCerts{},
-				DialContext: func(context.Context, string, string) (net.Conn, error) {
-					dials <- struct{}{}
-					return nil, errors.New("no new connection in this test")
-				},
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			c, fs, wg := newClientPair(t, &d.cfg)
-			if err := fs.start(c, wg); err != nil {
-				t.Fatal(err)
-			}
-			req := Request{Source: fuzzClient, Proxy: netip.MustParseAddrPort("127.0.0.1:15008"), Target: netip.MustParseAddrPort("127.0.0.1:80")}
-			d.pool[poolKey{source: req.Source, proxy: req.Proxy}] = &poolEntry{conns: []*h2Client{c}}
-			d.stat.connsPooled.Add(1)
+			d, req, c, fs, wg, dials := pooledClient(t)
 			// A first stream, answered, so that a GOAWAY can name one below.
 			if !c.reserve() {
 				t.Fatal("no stream slot")
@@ -528,7 +522,7 @@ func TestDialRetriesOnlyUnprocessed(t *testing.T) {
 			if _, err := c.openStream(context.Background(), req.Target); err != nil {
 				t.Fatal(err)
 			}
-			_, err = d.Dial(context.Background(), req)
+			_, err := d.Dial(context.Background(), req)
 			if err == nil {
 				t.Fatal("dial succeeded")
 			}
@@ -543,6 +537,20 @@ func TestDialRetriesOnlyUnprocessed(t *testing.T) {
 			wg.Wait()
 		})
 	}
+	t.Run("HEADERS write failed", func(t *testing.T) {
+		d, req, c, _, wg, dials := pooledClient(t)
+		// Our half of the connection is shut: the next write fails, the
+		// read loop does not notice.
+		if err := c.conn.(*plainConn).CloseWrite(); err != nil {
+			t.Fatal(err)
+		}
+		_, err := d.Dial(context.Background(), req)
+		if err == nil || len(dials) != 1 {
+			t.Errorf("dial failed with %v after %d new connections tried; want a retry", err, len(dials))
+		}
+		_ = d.Close()
+		wg.Wait()
+	})
 	t.Run("connection taking no stream when the HEADERS are due", func(t *testing.T) {
 		c, fs, wg := newClientPair(t, testDialerConfig())
 		if err := fs.start(c, wg); err != nil {

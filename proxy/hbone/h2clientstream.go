@@ -32,11 +32,10 @@ type Stream struct {
 	h2Send
 	// Under c.mu: the send side's end, and whether the stream still
 	// holds a slot.
-	localEnd   bool          // END_STREAM sent
-	remoteDone bool          // END_STREAM received
-	sendErr    error         // writes fail with it
-	stop       chan struct{} // sendStop's, made when first asked for
-	stopped    bool          // stop is closed
+	state   streamState   // the END_STREAMs sent and received
+	sendErr error         // writes fail with it
+	stop    chan struct{} // sendStop's, made when first asked for
+	stopped bool          // stop is closed
 
 	rmu sync.Mutex // serializes Reads
 
@@ -46,8 +45,7 @@ type Stream struct {
 	settled   bool      // answered is closed
 	open      bool      // 200 received
 	dialErr   error     // the CONNECT failed
-	recvWin   int64     // receive window left
-	credit    int64     // bytes Read took, not yet granted back
+	h2Recv              // receive window; credit: bytes Read took, not granted back yet
 	queue     []rxChunk // DATA no Read was waiting for
 	queued    int       // bytes in queue
 	filling   bool      // the read loop reads into the queue's last chunk
@@ -140,7 +138,7 @@ func (s *Stream) takeLocked(p []byte) int {
 // creditLocked counts n bytes taken by Read and returns a stream
 // WINDOW_UPDATE once a quarter of the window is due (mu held).
 func (s *Stream) creditLocked(n int) []byte {
-	return grantStream(s.id, &s.credit, &s.recvWin, int64(n), int64(s.c.cfg.StreamWindow), s.remoteEnd)
+	return s.grant(s.id, int64(n), int64(s.c.cfg.StreamWindow), s.remoteEnd)
 }
 
 // dropQueueLocked releases the queue and returns how many bytes it held
@@ -280,8 +278,8 @@ func (s *Stream) onEnd() {
 func (s *Stream) ended() {
 	c := s.c
 	c.mu.Lock()
-	s.remoteDone = true
-	done := s.localEnd
+	s.state = s.state.closeRemote()
+	done := s.state == stateClosed
 	c.mu.Unlock()
 	if done {
 		c.removeStream(s)
@@ -457,7 +455,7 @@ func (s *Stream) sendErrLocked() error {
 	switch {
 	case s.sendErr != nil:
 		return s.sendErr
-	case s.localEnd:
+	case s.state.localClosed():
 		return errWriteAfterClose
 	case c.closed:
 		return fmt.Errorf("%w: %w", errConnClosed, c.err)
@@ -469,7 +467,7 @@ func (s *Stream) sendErrLocked() error {
 func (s *Stream) CloseWrite() error {
 	c := s.c
 	c.mu.Lock()
-	if s.localEnd {
+	if s.state.localClosed() {
 		c.mu.Unlock()
 		return nil
 	}
@@ -477,9 +475,9 @@ func (s *Stream) CloseWrite() error {
 		c.mu.Unlock()
 		return err
 	}
-	s.localEnd = true
+	s.state = s.state.closeLocal()
 	s.stopLocked()
-	done := s.remoteDone
+	done := s.state == stateClosed
 	c.mu.Unlock()
 	err := c.writeFrames(appendFrameHeader(nil, 0, http2.FrameData, http2.FlagDataEndStream, s.id))
 	if err != nil {

@@ -1,6 +1,15 @@
 package hbone
 
-import "sync"
+import (
+	"errors"
+	"fmt"
+	"io"
+	"sync"
+	"sync/atomic"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+)
 
 // The send side of the HTTP/2 core both engines share (the Server's h2Conn
 // and the Dialer's h2Client; h2out.go holds the write side): a
@@ -164,4 +173,171 @@ func (s *h2Send) dropHeld() {
 	for range k {
 		f.slots.give()
 	}
+}
+
+// h2Reader is the read side both engines share: a Framer (frames reused,
+// HEADERS and CONTINUATION merged and HPACK-decoded, the header list
+// bounded by maxHeaderList) over a blockReader that bounds a header block
+// on the wire by maxHeaderBlock.
+type h2Reader struct {
+	fr    *http2.Framer
+	block blockReader // the Framer's reader
+}
+
+// initReader reads conn with frames of at most maxFrame bytes.
+func (r *h2Reader) initReader(conn io.Reader, maxFrame int) {
+	r.block.r = conn
+	r.fr = http2.NewFramer(nil, &r.block)
+	r.fr.SetReuseFrames()
+	r.fr.SetMaxReadFrameSize(uint32(maxFrame))
+	r.fr.MaxHeaderListSize = maxHeaderList
+	r.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+}
+
+// readHeader reads the next frame header; a frame over the size we
+// advertised is a connection error (FRAME_SIZE_ERROR).
+func (r *h2Reader) readHeader() (http2.FrameHeader, error) {
+	fh, err := r.fr.ReadFrameHeader()
+	if errors.Is(err, http2.ErrFrameTooLarge) {
+		return fh, &connError{code: http2.ErrCodeFrameSize, msg: fmt.Sprintf("frame of %d bytes", fh.Length), err: err}
+	}
+	return fh, err
+}
+
+// readForHeader reads the rest of the frame of fh (a header block with its
+// CONTINUATION frames); a block over maxHeaderBlock or a frame over our
+// size is a connection error (PROTOCOL_ERROR, FRAME_SIZE_ERROR).
+func (r *h2Reader) readForHeader(fh http2.FrameHeader) (http2.Frame, error) {
+	block := fh.Type == http2.FrameHeaders && !fh.Flags.Has(http2.FlagHeadersEndHeaders)
+	if block {
+		r.block.start()
+	}
+	f, err := r.fr.ReadFrameForHeader(fh)
+	if block {
+		r.block.stop()
+	}
+	switch {
+	case errors.Is(err, errHeaderBlockTooLong):
+		return nil, &connError{code: http2.ErrCodeProtocol, msg: err.Error(), err: err}
+	case errors.Is(err, http2.ErrFrameTooLarge):
+		return nil, &connError{code: http2.ErrCodeFrameSize, msg: err.Error(), err: err}
+	}
+	return f, err
+}
+
+// connErrorDetail adds the Framer's detail of a connection error it
+// returned to err.
+func (r *h2Reader) connErrorDetail(err error) error {
+	if d := r.fr.ErrorDetail(); d != nil {
+		return fmt.Errorf("%w: %w", err, d)
+	}
+	return err
+}
+
+// h2Counters count the connections either engine closed, per reason (a
+// Server's or a Dialer's, summed over its connections).
+type h2Counters struct {
+	// controlFloods: a control-frame bound passed (the connection's 1
+	// MiB, or the Budget's Control).
+	controlFloods atomic.Uint64
+	// writeTimeouts: a frame write did not finish within WriteTimeout.
+	writeTimeouts atomic.Uint64
+	// pingTimeouts: no ack of our PING within PingTimeout.
+	pingTimeouts atomic.Uint64
+	// protocolErrors: a connection error of the peer's (RFC 9113 §5.4.1:
+	// GOAWAY with an error code, then close), the SETTINGS entry cap and
+	// the header block cap included.
+	protocolErrors atomic.Uint64
+}
+
+// countClose counts a connection closed with err, when err is a write's
+// deadline.
+func (n *h2Counters) countClose(err error) {
+	if err != nil && isTimeout(err) {
+		n.writeTimeouts.Add(1)
+	}
+}
+
+// streamState is a stream's state (RFC 9113 §5.1) as both engines keep it,
+// under their connection's lock. A CONNECT stream leaves idle when its
+// HEADERS go out (client) or arrive (server: half-closed (remote) at once
+// when they carry END_STREAM); push is disabled, so the reserved states do
+// not occur. Each END_STREAM closes one half (closeLocal, closeRemote);
+// a reset or the connection's close closes both. Where an engine's data
+// path needs the remote half under the stream's own lock (the receive
+// queue's end), it keeps that flag there too.
+type streamState uint8
+
+const (
+	stateIdle             streamState = iota
+	stateOpen                         // both halves open
+	stateHalfClosedLocal              // our END_STREAM sent
+	stateHalfClosedRemote             // the peer's END_STREAM received
+	stateClosed                       // both ended, or reset
+)
+
+var streamStateNames = [...]string{"idle", "open", "half-closed (local)", "half-closed (remote)", "closed"}
+
+// String returns the state's name as RFC 9113 §5.1 writes it.
+func (s streamState) String() string {
+	if int(s) < len(streamStateNames) {
+		return streamStateNames[s]
+	}
+	return "invalid"
+}
+
+// closeLocal is the state after our END_STREAM.
+func (s streamState) closeLocal() streamState {
+	switch s {
+	case stateOpen:
+		return stateHalfClosedLocal
+	case stateHalfClosedRemote:
+		return stateClosed
+	}
+	return s
+}
+
+// closeRemote is the state after the peer's END_STREAM.
+func (s streamState) closeRemote() streamState {
+	switch s {
+	case stateOpen:
+		return stateHalfClosedRemote
+	case stateHalfClosedLocal:
+		return stateClosed
+	}
+	return s
+}
+
+// localClosed reports whether we send no more DATA on the stream.
+func (s streamState) localClosed() bool { return s == stateHalfClosedLocal || s == stateClosed }
+
+// h2Recv is one stream's receive window, under the stream's lock in both
+// engines: recvWin is what the peer may still send, credit what was
+// consumed (taken by the upstream, or by Read) and not granted back yet.
+type h2Recv struct {
+	recvWin, credit int64
+}
+
+// consume takes n bytes of DATA (with padding) from the window; false,
+// taking nothing, when they do not fit (a flow-control error).
+func (r *h2Recv) consume(n int64) bool {
+	if n > r.recvWin {
+		return false
+	}
+	r.recvWin -= n
+	return true
+}
+
+// grant counts n bytes consumed and returns stream id's WINDOW_UPDATE
+// once a quarter of window is due (added back to recvWin), nil before or
+// once the peer ended the stream (ended).
+func (r *h2Recv) grant(id uint32, n, window int64, ended bool) []byte {
+	r.credit += n
+	if ended || r.credit < window/4 {
+		return nil
+	}
+	inc := r.credit
+	r.credit = 0
+	r.recvWin += inc
+	return appendWindowUpdate(nil, id, uint32(inc))
 }

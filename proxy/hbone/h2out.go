@@ -43,14 +43,16 @@ type h2Out struct {
 	// writeTimeout bounds every write (wmu held): a peer that does not
 	// read fails the write, and the engine closes the connection.
 	writeTimeout time.Duration
+	keep         h2Keepalive // the ping check
+	errs         *h2Counters // the engine's: why its connections closed
 }
 
 // initOut sets the connection, its receive window, the write timeout, the
-// budget charged for control frames under src (nil: none) and the flood
-// hook.
-func (o *h2Out) initOut(conn h2Transport, connWindow int, writeTimeout time.Duration, budget *Budget, src string, onFlood func(error)) {
+// budget charged for control frames under src (nil: none), the counters
+// and the flood hook.
+func (o *h2Out) initOut(conn h2Transport, connWindow int, writeTimeout time.Duration, budget *Budget, src string, errs *h2Counters, onFlood func(error)) {
 	o.conn, o.wake, o.onFlood, o.writeTimeout = conn, make(chan struct{}, 1), onFlood, writeTimeout
-	o.budget, o.src = budget, src
+	o.budget, o.src, o.errs = budget, src, errs
 	o.recvConn.init(connWindow)
 }
 
@@ -91,16 +93,7 @@ func (o *h2Out) armLocked(d time.Duration) {
 func (o *h2Out) writeFramesWithin(d time.Duration, b []byte) error {
 	o.wmu.Lock()
 	defer o.wmu.Unlock()
-	o.conn.beginBatch()
-	o.armLocked(d)
-	err := o.writeQueuedLocked()
-	if err == nil && len(b) > 0 {
-		_, err = o.conn.Write(b)
-	}
-	if ferr := o.conn.endBatch(); err == nil {
-		err = ferr
-	}
-	return err
+	return o.writeWithinLocked(d, b)
 }
 
 // queue appends control frames for the next write and wakes the writer.
@@ -129,6 +122,7 @@ func (o *h2Out) queue(b []byte) {
 	o.cmu.Unlock()
 	if over != nil {
 		if o.flooded.CompareAndSwap(false, true) {
+			o.errs.controlFloods.Add(1)
 			o.onFlood(over)
 		}
 		return
@@ -137,6 +131,27 @@ func (o *h2Out) queue(b []byte) {
 	case o.wake <- struct{}{}:
 	default:
 	}
+}
+
+// startKeepalive starts the ping check (h2Keepalive): PINGs go through the
+// queue, and expire (which closes the connection) runs, counted, when one
+// is not acknowledged in time.
+func (o *h2Out) startKeepalive(interval, timeout time.Duration, expire func()) {
+	o.keep.start(interval, timeout, o.queue, func() {
+		o.errs.pingTimeouts.Add(1)
+		expire()
+	})
+}
+
+// sendGoAway sends GOAWAY with last and code ahead of a close for a connection
+// error, within goAwayTimeout (a peer that does not read does not hold the
+// caller), and counts the error.
+func (o *h2Out) sendGoAway(last uint32, code http2.ErrCode) {
+	if code != http2.ErrCodeNo {
+		o.errs.protocolErrors.Add(1)
+	}
+	o.queue(appendGoAway(nil, last, code))
+	_ = o.writeFramesWithin(goAwayTimeout, nil)
 }
 
 // creditConn returns n consumed bytes to the connection's receive window;
@@ -155,9 +170,13 @@ func (o *h2Out) writeFrames(b []byte) error {
 }
 
 // writeFramesLocked is writeFrames with wmu held.
-func (o *h2Out) writeFramesLocked(b []byte) error {
+func (o *h2Out) writeFramesLocked(b []byte) error { return o.writeWithinLocked(o.writeTimeout, b) }
+
+// writeWithinLocked writes the queued control frames, then b, in one
+// write(2) with deadline d (wmu held).
+func (o *h2Out) writeWithinLocked(d time.Duration, b []byte) error {
 	o.conn.beginBatch()
-	o.armLocked(o.writeTimeout)
+	o.armLocked(d)
 	err := o.writeQueuedLocked()
 	if err == nil && len(b) > 0 {
 		_, err = o.conn.Write(b)
@@ -233,21 +252,6 @@ func (w *recvWindow) give(n int64) []byte {
 	}
 	w.left.Add(inc)
 	return appendWindowUpdate(nil, 0, uint32(inc))
-}
-
-// grantStream counts n bytes of a stream's receive window consumed (into
-// *credit) and returns the stream's WINDOW_UPDATE once a quarter of window
-// is due (added back to *recvWin), nil before or once the peer ended the
-// stream (ended).
-func grantStream(id uint32, credit, recvWin *int64, n, window int64, ended bool) []byte {
-	*credit += n
-	if ended || *credit < window/4 {
-		return nil
-	}
-	inc := *credit
-	*credit = 0
-	*recvWin += inc
-	return appendWindowUpdate(nil, id, uint32(inc))
 }
 
 // maxSettings is the most entries a SETTINGS frame may carry (x/net's

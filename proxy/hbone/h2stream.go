@@ -28,15 +28,16 @@ type h2Stream struct {
 
 	// The send side (its window under c.mu): the stream's sendGate.
 	h2Send
-	stopped bool // under c.mu: reset (either side) or the connection closed: no more frames
+	// state is under c.mu: closed once reset (either side), the
+	// connection closed, or the response ended: no more frames.
+	state streamState
 
 	// Under mu: the receive side (client → upstream).
 	mu        sync.Mutex
 	up        net.Conn        // the delivered upstream; nil until Deliver returns
 	raw       syscall.RawConn // up's socket, written without waiting; nil: queue only
 	wrote     func(int)       // a SocketConn's SocketWritten
-	recvWin   int64           // receive window left
-	credit    int64           // bytes taken by up, not yet granted back
+	h2Recv                    // receive window; credit: bytes up took, not granted back yet
 	pending   []*[]byte       // DATA up could not take yet (pooled buffers)
 	draining  bool            // a goroutine writes pending
 	remoteEnd bool            // END_STREAM received
@@ -113,7 +114,7 @@ func (st *h2Stream) serve() {
 			b = appendRSTStream(nil, st.id, http2.ErrCodeInternal)
 		}
 		c.mu.Lock()
-		st.stopped = true
+		st.state = stateClosed
 		c.mu.Unlock()
 		_ = c.writeFrames(b)
 	}
@@ -143,7 +144,7 @@ func (st *h2Stream) attach(up net.Conn) bool {
 func (st *h2Stream) abort() {
 	c := st.c
 	c.mu.Lock()
-	live := c.streams[st.id] == st && !st.stopped
+	live := c.streams[st.id] == st && st.state != stateClosed
 	c.mu.Unlock()
 	if live {
 		c.streamError(st.id, http2.ErrCodeInternal)
@@ -167,7 +168,7 @@ func (st *h2Stream) kickLocked() {
 
 // sendErrLocked is why the stream sends no more (c.mu held): it stopped.
 func (st *h2Stream) sendErrLocked() error {
-	if st.stopped {
+	if st.state == stateClosed {
 		return errStreamStopped
 	}
 	return nil
@@ -179,13 +180,13 @@ func (st *h2Stream) sendStop() <-chan struct{} { return st.ctx.Done() }
 func (st *h2Stream) isStopped() bool {
 	st.c.mu.Lock()
 	defer st.c.mu.Unlock()
-	return st.stopped
+	return st.state == stateClosed
 }
 
 // stop ends the stream without further frames of ours (it was reset).
 func (st *h2Stream) stop() {
 	st.c.mu.Lock()
-	st.stopped = true
+	st.state = stateClosed
 	st.c.cond.Broadcast()
 	st.c.mu.Unlock()
 	st.cancel()
@@ -231,15 +232,19 @@ func (st *h2Stream) onData(data []byte, n int64, end bool) {
 		c.streamError(st.id, http2.ErrCodeStreamClosed)
 		return
 	}
-	if n > st.recvWin {
+	if !st.consume(n) {
 		st.mu.Unlock()
 		c.creditConn(n)
 		c.streamError(st.id, http2.ErrCodeFlowControl)
 		return
 	}
-	st.recvWin -= n
 	st.remoteEnd = end
 	st.pushLocked(data, n, n-int64(len(data)))
+	if end {
+		c.mu.Lock()
+		st.state = st.state.closeRemote()
+		c.mu.Unlock()
+	}
 }
 
 // pushLocked writes data (accounted as n bytes of window, of which taken
@@ -301,7 +306,7 @@ func (st *h2Stream) fastLocked() bool {
 // creditLocked counts n bytes taken by the upstream and returns a stream
 // WINDOW_UPDATE once a quarter of the window is due (st.mu held).
 func (st *h2Stream) creditLocked(n int64) []byte {
-	return grantStream(st.id, &st.credit, &st.recvWin, n, int64(st.c.s.cfg.StreamWindow), st.remoteEnd)
+	return st.grant(st.id, n, int64(st.c.s.cfg.StreamWindow), st.remoteEnd)
 }
 
 // drain writes pending data to the upstream, waiting as long as it takes,
@@ -352,7 +357,7 @@ func putPend(b *[]byte) {
 func (st *h2Stream) sendTaken(b []byte) error {
 	c := st.c
 	c.mu.Lock()
-	stopped, maxFrame := st.stopped, c.peerMaxFrame
+	stopped, maxFrame := st.state == stateClosed, c.peerMaxFrame
 	c.mu.Unlock()
 	if stopped {
 		return errStreamStopped

@@ -69,6 +69,10 @@ func newHBONECollector(stats func() HBONEStats) *hboneCollector {
 			func(s HBONEStats) float64 { return u(s.Server.ConnsRejected) }),
 		counter("aether_proxy_hbone_server_write_timeouts_total", "HBONE connections on :15008 closed because a write to the client did not finish within the write timeout (the client does not read).", nil,
 			func(s HBONEStats) float64 { return u(s.Server.WriteTimeouts) }),
+		counter("aether_proxy_hbone_server_ping_timeouts_total", "HBONE connections on :15008 closed because the client did not acknowledge a keepalive PING within the ping timeout.", nil,
+			func(s HBONEStats) float64 { return u(s.Server.PingTimeouts) }),
+		counter("aether_proxy_hbone_server_protocol_errors_total", "HBONE connections on :15008 closed on an HTTP/2 connection error of the client's (GOAWAY with its code: a malformed frame, flow control, over 100 SETTINGS entries, a header block over 144 KiB).", nil,
+			func(s HBONEStats) float64 { return u(s.Server.ProtocolErrors) }),
 		gauge("aether_proxy_hbone_server_streams_active", "CONNECT streams being served on :15008 now.",
 			func(s HBONEStats) float64 { return float64(s.Server.StreamsActive) }),
 		counter("aether_proxy_hbone_dialer_connections_opened_total", "Pooled outbound HBONE connections established (mTLS done).", nil,
@@ -87,6 +91,10 @@ func newHBONECollector(stats func() HBONEStats) *hboneCollector {
 			func(s HBONEStats) float64 { return u(s.Dialer.ControlFloods) }),
 		counter("aether_proxy_hbone_dialer_write_timeouts_total", "Outbound HBONE connections closed because a write to the server did not finish within the write timeout (the server does not read).", nil,
 			func(s HBONEStats) float64 { return u(s.Dialer.WriteTimeouts) }),
+		counter("aether_proxy_hbone_dialer_ping_timeouts_total", "Outbound HBONE connections closed because the server did not acknowledge a keepalive PING within the ping timeout.", nil,
+			func(s HBONEStats) float64 { return u(s.Dialer.PingTimeouts) }),
+		counter("aether_proxy_hbone_dialer_protocol_errors_total", "Outbound HBONE connections closed on an HTTP/2 connection error of the server's (GOAWAY with its code: a malformed frame, flow control, over 100 SETTINGS entries, a header block over 144 KiB).", nil,
+			func(s HBONEStats) float64 { return u(s.Dialer.ProtocolErrors) }),
 	}}
 }
 
