@@ -56,16 +56,9 @@ type h2Client struct {
 	log  *slog.Logger
 	peer spiffeid.ID // the server's verified SPIFFE ID
 	h2Reader
-	// budget is cfg.Budget (one of its own when nil); origin and window:
-	// the receive window reserved from it beyond the initial 64 KiB, under
-	// the Request's Origin, which its send-buffer tokens and control-frame
-	// charges are kept under too.
-	budget *Budget
-	origin string
-	window int64
-	wg     *sync.WaitGroup // the Dialer's: read and write loops
-	stat   *dialerCounters // the Dialer's
-	done   chan struct{}   // closed when the connection closes
+	wg   *sync.WaitGroup // the Dialer's: read and write loops
+	stat *dialerCounters // the Dialer's
+	done chan struct{}   // closed when the connection closes
 	// ready is closed when the server's first SETTINGS was applied (or
 	// the connection failed before).
 	ready chan struct{}
@@ -85,20 +78,21 @@ type h2Client struct {
 
 func newH2Client(cfg *DialerConfig, log *slog.Logger, wg *sync.WaitGroup, stat *dialerCounters, conn h2Transport, peer spiffeid.ID, origin string) *h2Client {
 	c := &h2Client{
-		cfg: cfg, log: log, peer: peer, wg: wg, stat: stat, origin: origin,
+		cfg: cfg, log: log, peer: peer, wg: wg, stat: stat,
 		done:       make(chan struct{}),
 		ready:      make(chan struct{}),
 		streams:    map[uint32]*Stream{},
 		nextID:     1,
 		maxStreams: DefaultMaxConcurrentStreams,
-		budget:     cfg.Budget,
 	}
-	if c.budget == nil {
-		c.budget = defaultBudget()
+	budget := cfg.Budget
+	if budget == nil {
+		budget = defaultBudget()
 	}
-	c.window = c.budget.reserveWindow(origin, int64(cfg.ConnWindow-initialWindow))
-	c.initFlow(c.budget.slots(origin))
-	c.initOut(conn, initialWindow+int(c.window), cfg.WriteTimeout, c.budget, origin, &stat.h2Counters, c.flood)
+	// The share is kept under the Request's Origin (the source pod).
+	window, slots := c.reserveShare(budget, origin, cfg.ConnWindow)
+	c.initFlow(slots)
+	c.initOut(conn, window, cfg.WriteTimeout, &stat.h2Counters, c.flood)
 	c.initReader(conn, cfg.MaxFrameSize)
 	return c
 }
@@ -555,10 +549,7 @@ func (c *h2Client) close(err error) {
 	c.stat.countClose(err)
 	c.log.Debug("hbone connection closed", "remote", c.conn.RemoteAddr().String(), "error", err)
 	close(c.done)
-	_ = c.conn.Close()
-	c.closeOut()
-	c.budget.releaseWindow(c.origin, c.window)
-	c.budget.dropSlots(c.origin)
+	c.shut()
 	for _, st := range streams {
 		st.fail(fmt.Errorf("%w: %w", errConnClosed, err))
 	}

@@ -88,12 +88,9 @@ type h2Conn struct {
 	batchLo, batchDone int
 	batchBuf           *[]byte
 
-	// The budget this connection holds (Server.cfg.Budget): leave gives
-	// its connection slot back (nil: none taken, tests), window is the
-	// receive window reserved beyond the initial 64 KiB under key src.
-	leave  func()
-	src    string
-	window int64
+	// leave gives the connection's slot of the Budget back (nil: none
+	// taken, tests); h2Out's h2Share holds the rest of its share.
+	leave func()
 
 	// unstarted are streams opened since the read loop last read its
 	// socket: they are delivered (serve started) only once every frame
@@ -140,10 +137,9 @@ func newH2Conn(s *Server, conn h2Transport, peer spiffeid.ID) *h2Conn {
 		ap := a.AddrPort()
 		c.peerAddr = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
 	}
-	c.src = sourceKey(conn.RemoteAddr())
-	c.window = s.cfg.Budget.reserveWindow(c.src, int64(s.cfg.ConnWindow-initialWindow))
-	c.initFlow(s.cfg.Budget.slots(c.src))
-	c.initOut(conn, initialWindow+int(c.window), s.cfg.WriteTimeout, s.cfg.Budget, c.src, &s.stat.h2Counters, c.flood)
+	window, slots := c.reserveShare(s.cfg.Budget, sourceKey(conn.RemoteAddr()), s.cfg.ConnWindow)
+	c.initFlow(slots)
+	c.initOut(conn, window, s.cfg.WriteTimeout, &s.stat.h2Counters, c.flood)
 	conn.setBeforeRead(c.beforeRead)
 	c.initReader(conn, s.cfg.MaxFrameSize)
 	return c
@@ -709,13 +705,10 @@ func (c *h2Conn) close(err error) {
 	}
 	close(c.done)
 	c.cancel()
-	_ = c.conn.Close()
-	c.closeOut()
+	c.shut()
 	for _, st := range streams {
 		st.closeIn()
 	}
-	c.s.cfg.Budget.releaseWindow(c.src, c.window)
-	c.s.cfg.Budget.dropSlots(c.src)
 	if c.leave != nil {
 		c.leave()
 	}

@@ -175,6 +175,31 @@ func (s *h2Send) dropHeld() {
 	}
 }
 
+// h2Share is what one connection holds of its Budget, under its source's
+// key: the receive window beyond HTTP/2's initial 64 KiB, the send-buffer
+// tokens (h2Flow.slots), and the control bytes h2Out charges.
+type h2Share struct {
+	budget *Budget
+	src    string // the Budget's key: the client's address, the Dialer's Origin
+	window int64  // receive window reserved beyond initialWindow
+}
+
+// reserveShare takes the connection's share of budget for src: up to
+// connWindow of receive window in all (the initial 64 KiB needs no
+// grant; what the budget has left, possibly nothing, beyond it) and the
+// source's send-buffer tokens. It returns the window and the tokens.
+func (h *h2Share) reserveShare(budget *Budget, src string, connWindow int) (int, sendSlots) {
+	h.budget, h.src = budget, src
+	h.window = budget.reserveWindow(src, int64(connWindow-initialWindow))
+	return initialWindow + int(h.window), budget.slots(src)
+}
+
+// releaseShare gives the window and the tokens back (the connection closed).
+func (h *h2Share) releaseShare() {
+	h.budget.releaseWindow(h.src, h.window)
+	h.budget.dropSlots(h.src)
+}
+
 // h2Reader is the read side both engines share: a Framer (frames reused,
 // HEADERS and CONTINUATION merged and HPACK-decoded, the header list
 // bounded by maxHeaderList) over a blockReader that bounds a header block

@@ -32,11 +32,10 @@ type h2Out struct {
 	// or the budget's Control (err says which; possibly under the engine's
 	// locks): it closes the connection from another goroutine.
 	onFlood func(err error)
-	// budget is charged what ctl holds beyond controlFloor (charged, under
-	// cmu); nil: no node bound (tests). outClosed: the connection closed,
-	// nothing more is queued.
-	budget    *Budget
-	src       string // the budget's key: the peer's source
+	// h2Share's budget is charged what ctl holds beyond controlFloor
+	// (charged, under cmu). outClosed: the connection closed, nothing
+	// more is queued.
+	h2Share
 	charged   int64
 	outClosed bool
 	recvConn  recvWindow // bytes consumed are granted back
@@ -47,13 +46,19 @@ type h2Out struct {
 	errs         *h2Counters // the engine's: why its connections closed
 }
 
-// initOut sets the connection, its receive window, the write timeout, the
-// budget charged for control frames under src (nil: none), the counters
-// and the flood hook.
-func (o *h2Out) initOut(conn h2Transport, connWindow int, writeTimeout time.Duration, budget *Budget, src string, errs *h2Counters, onFlood func(error)) {
-	o.conn, o.wake, o.onFlood, o.writeTimeout = conn, make(chan struct{}, 1), onFlood, writeTimeout
-	o.budget, o.src, o.errs = budget, src, errs
+// initOut sets the connection, its receive window (the share reserved),
+// the write timeout, the counters and the flood hook.
+func (o *h2Out) initOut(conn h2Transport, connWindow int, writeTimeout time.Duration, errs *h2Counters, onFlood func(error)) {
+	o.conn, o.wake, o.onFlood, o.writeTimeout, o.errs = conn, make(chan struct{}, 1), onFlood, writeTimeout, errs
 	o.recvConn.init(connWindow)
+}
+
+// shut closes the connection's socket and gives back what it held: the
+// control queue and its charge, the Budget's share (window, tokens).
+func (o *h2Out) shut() {
+	_ = o.conn.Close()
+	o.closeOut()
+	o.releaseShare()
 }
 
 // controlFloor is what a connection's control-frame queue holds without a
@@ -76,9 +81,7 @@ func (o *h2Out) closeOut() {
 	charged := o.charged
 	o.ctl, o.spare, o.charged = nil, nil, 0
 	o.cmu.Unlock()
-	if o.budget != nil {
-		o.budget.releaseControl(o.src, charged)
-	}
+	o.budget.releaseControl(o.src, charged)
 }
 
 // armLocked sets the deadline of the write about to start (wmu held).
@@ -109,7 +112,7 @@ func (o *h2Out) queue(b []byte) {
 	var over error
 	if n > maxQueuedControl {
 		over = errControlFlood
-	} else if extra := int64(n-controlFloor) - o.charged; extra > 0 && o.budget != nil {
+	} else if extra := int64(n-controlFloor) - o.charged; extra > 0 {
 		if o.budget.chargeControl(o.src, extra) {
 			o.charged += extra
 		} else {
@@ -197,9 +200,7 @@ func (o *h2Out) writeQueuedLocked() error {
 		return nil
 	}
 	_, err := o.conn.Write(b)
-	if o.budget != nil {
-		o.budget.releaseControl(o.src, charged) // held while being written
-	}
+	o.budget.releaseControl(o.src, charged) // held while being written
 	o.cmu.Lock()
 	if !o.outClosed {
 		o.spare = b[:0]
