@@ -11,11 +11,16 @@ import (
 	"golang.org/x/net/http2/hpack"
 )
 
-// The send side of the HTTP/2 core both engines share (the Server's h2Conn
-// and the Dialer's h2Client; h2out.go holds the write side): a
-// connection's send window and the peer's settings that bound what is sent
-// (h2Flow), and each stream's send window and the send buffers it holds
-// (h2Send, the sendGate a copy into the stream reads through).
+// The HTTP/2 core both engines share (the Server's h2Conn and the Dialer's
+// h2Client; h2out.go holds the write side, the frame dispatch and the
+// keepalive, h2frame.go the encoders): a connection's send window and the
+// peer's settings that bound what is sent (h2Flow); each stream's send
+// window and the send buffers it holds (h2Send, the sendGate a copy into
+// the stream reads through), its receive window (h2Recv) and its state
+// (streamState); the connection's share of its Budget (h2Share); the
+// Framer with the header-block and frame-size caps (h2Reader); and the
+// per-reason counters of the connections closed (h2Counters). See
+// README.md, "The shared core".
 
 // maxSendBufs is how many streams of a connection may hold a send buffer
 // (sockBuf each: an upstream or source socket's read, or a Write's frames)
