@@ -49,6 +49,7 @@ type podCtxKey struct{}
 func (m *Manager) newTunnel() (*hbone.Dialer, error) {
 	budget, err := hbone.NewBudget(hbone.BudgetConfig{
 		Window: m.cfg.HBONEWindowBudget, WindowPerSource: m.cfg.HBONEWindowBudgetPerSource,
+		SendBufs: m.cfg.HBONESendBufs, SendBufsPerSource: m.cfg.HBONESendBufsPerSource,
 	})
 	if err != nil {
 		return nil, err
