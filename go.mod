@@ -49,6 +49,7 @@ require (
 	google.golang.org/protobuf v1.36.12
 	istio.io/api v1.32.0
 	k8s.io/api v0.37.2
+	k8s.io/apiextensions-apiserver v0.37.2
 	k8s.io/apimachinery v0.37.2
 	k8s.io/client-go v0.37.2
 	k8s.io/cri-api v0.37.2
