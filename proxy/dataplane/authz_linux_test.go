@@ -1,8 +1,11 @@
 package dataplane_test
 
 import (
+	"io"
+	"net"
 	"net/netip"
 	"testing"
+	"time"
 
 	"google.golang.org/protobuf/types/known/emptypb"
 
@@ -57,6 +60,42 @@ func TestAuthorizationEnforced(t *testing.T) {
 	if got, err := roundTrip(ctx10(t), e.client, dst, "allowed"); err != nil || got == "" {
 		t.Fatalf("an ALLOW naming the client's principal (%s): %q, %v", clientPrincipal, got, err)
 	}
+	// An established connection the next policy refuses is closed (an
+	// app that echoes until EOF keeps it open).
+	e.server.Handle(t, 8082, func(c net.Conn) { _, _ = io.Copy(c, c) })
+	c, err := e.client.Dial(ctx10(t), netip.AddrPortFrom(e.server.IP4, 8082))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = c.Close() }()
+	if _, err := c.Write([]byte("ping")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(c, make([]byte, 4)); err != nil {
+		t.Fatalf("the long-lived connection does not echo: %v", err)
+	}
+	if n := e.mgr.Reauthorize(); n != 0 {
+		t.Fatalf("Reauthorize closed %d connections the policies still allow", n)
+	}
+	if err := tb.Upsert(&security.Authorization{Name: "deny-now", Namespace: "default", Scope: security.Scope_NAMESPACE, Action: security.Action_DENY, Groups: []*security.Group{{}}}); err != nil {
+		t.Fatal(err)
+	}
+	closed := e.mgr.Reauthorize()
+	if closed != 1 {
+		t.Fatalf("Reauthorize closed %d connections, want the one a DENY now refuses", closed)
+	}
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	_ = c.CloseWrite()
+	start := time.Now()
+	if b, err := io.ReadAll(c); err == nil && len(b) > 0 {
+		t.Fatalf("the refused connection still answered: %q", b)
+	}
+	t.Logf("the client saw the close %v after Reauthorize", time.Since(start))
+	if v := sum(e.metrics, "aether_tcp_connections_failed_total", map[string]string{"reason": "policy_closed_established"}); v != 1 {
+		t.Errorf("failed{reason=policy_closed_established} = %v, want 1", v)
+	}
+	tb.Remove(authz.Key("default", "deny-now"))
+
 	// Plaintext (the unmanaged pod): no identity, the principal rule
 	// cannot match it.
 	if got, err := roundTrip(ctx10(t), e.plain, dst, "plaintext"); err == nil && got != "" {

@@ -14,6 +14,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"aether.io/node/proxy/authz"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"
 )
@@ -142,6 +143,16 @@ type tcpPair struct {
 	down *net.TCPConn
 	up   upstream
 	once sync.Once
+	// az, for an inbound plaintext pair, is what it was authorized on
+	// (Manager.Reauthorize); nil for outbound pairs.
+	az *authz.Conn
+}
+
+func (t *tcpPair) authorized() (authz.Conn, bool) {
+	if t.az == nil {
+		return authz.Conn{}, false
+	}
+	return *t.az, true
 }
 
 // abort resets both ends (a unix socket has no reset: it is closed).

@@ -15,6 +15,7 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
+	"aether.io/node/proxy/authz"
 	"aether.io/node/proxy/hbone"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"
@@ -308,7 +309,10 @@ func (p *pod) deliverHBONE(ctx context.Context, src spiffeid.ID, target netip.Ad
 	}
 	dstPeer := p.lookup(target.Addr().Unmap())
 	tc := p.m.metrics.Open(telemetry.TunnelLabels(directionInbound, srcPeer, dstPeer, src.String(), p.hb.id.String()))
-	c := &inboundConn{Conn: up, release: release, untrack: p.untrack, tc: tc}
+	c := &inboundConn{
+		Conn: up, release: release, untrack: p.untrack, tc: tc,
+		az: authz.Conn{Source: peerAddr.Addr().Unmap(), Identity: src.String(), Dest: target},
+	}
 	c.act.touch()
 	if !p.track(c) {
 		c.abort()
@@ -333,7 +337,11 @@ type inboundConn struct {
 	once    sync.Once
 	act     activity
 	onAbort atomic.Pointer[func()] // the server's stream reset (hbone.Abortable)
+	// az is what the stream was authorized on (Manager.Reauthorize).
+	az authz.Conn
 }
+
+func (c *inboundConn) authorized() (authz.Conn, bool) { return c.az, true }
 
 // OnAbort sets what abort calls after closing the app connection: the
 // server resets the stream and wakes its goroutine wherever it waits

@@ -6,6 +6,8 @@ import (
 	"reflect"
 	"slices"
 
+	"aether.io/node/proxy/authz"
+
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/proxy/telemetry"
 	"aether.io/node/xds/listener"
@@ -103,7 +105,7 @@ func (p *pod) serveInbound(down *net.TCPConn, l *tcpListener) {
 		reset(down)
 		return
 	}
-	pair := &tcpPair{down: down, up: us}
+	pair := &tcpPair{down: down, up: us, az: &authz.Conn{Source: src.Addr().Unmap(), Dest: dst}}
 	if !p.track(pair) {
 		pair.abort()
 		return
