@@ -134,10 +134,12 @@ func BenchmarkHBONEConnectPolicy(b *testing.B) {
 	e := setupHBONEConfig(b, dataplane.Config{ConnectTimeout: 3e9, Authorizer: tb})
 	e.server.Echo(b, 9001)
 	dst := netip.AddrPortFrom(e.server.IP4, 9001)
-	allow := &security.Authorization{Name: "allow-client", Namespace: "default", Scope: security.Scope_NAMESPACE, Action: security.Action_ALLOW,
+	allow := &security.Authorization{
+		Name: "allow-client", Namespace: "default", Scope: security.Scope_NAMESPACE, Action: security.Action_ALLOW,
 		Groups: []*security.Group{{Rules: []*security.Rules{{Matches: []*security.Match{{
 			Principals: []*security.StringMatch{{MatchType: &security.StringMatch_Exact{Exact: podID(e.client).TrustDomain().Name() + podID(e.client).Path()}}},
-		}}}}}}}
+		}}}}}},
+	}
 	for _, mode := range []string{"peer", "ours", "peer-again", "ours-again"} {
 		b.Run(mode, func(b *testing.B) {
 			tb.Remove(authz.Key("default", "allow-client"))
