@@ -23,9 +23,9 @@ import (
 
 	"aether.io/node/api/istio/security"
 	"aether.io/node/api/istio/workload"
+	"aether.io/node/pkg/authz"
 	"aether.io/node/pkg/lifecycle"
 	"aether.io/node/pkg/meshcontract"
-	"aether.io/node/proxy/authz"
 	"aether.io/node/proxy/dataplane"
 	"aether.io/node/proxy/identity"
 	"aether.io/node/proxy/identity/spire"

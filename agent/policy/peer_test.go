@@ -7,7 +7,7 @@ import (
 
 	"sigs.k8s.io/yaml"
 
-	"aether.io/node/proxy/authz"
+	"aether.io/node/pkg/authz"
 	"aether.io/node/registry"
 	"aether.io/node/xds/workload"
 )

@@ -12,7 +12,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"aether.io/node/api/istio/security"
-	"aether.io/node/proxy/authz"
+	"aether.io/node/pkg/authz"
 	"aether.io/node/xds/workload"
 )
 

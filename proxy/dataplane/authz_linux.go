@@ -6,7 +6,7 @@ import (
 	"sync"
 	"time"
 
-	"aether.io/node/proxy/authz"
+	"aether.io/node/pkg/authz"
 	"aether.io/node/proxy/hbone"
 )
 

@@ -12,7 +12,7 @@ import (
 
 	"aether.io/node/api/istio/security"
 	"aether.io/node/meshcni/capture"
-	"aether.io/node/proxy/authz"
+	"aether.io/node/pkg/authz"
 	"aether.io/node/proxy/dataplane"
 )
 

@@ -14,7 +14,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"aether.io/node/proxy/authz"
+	"aether.io/node/pkg/authz"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"
 )

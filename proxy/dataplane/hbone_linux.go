@@ -15,7 +15,7 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
-	"aether.io/node/proxy/authz"
+	"aether.io/node/pkg/authz"
 	"aether.io/node/proxy/hbone"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"

@@ -6,7 +6,7 @@ import (
 	"reflect"
 	"slices"
 
-	"aether.io/node/proxy/authz"
+	"aether.io/node/pkg/authz"
 
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/proxy/telemetry"
