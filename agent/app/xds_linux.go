@@ -353,6 +353,15 @@ func (a *agent) runServices(ctx context.Context) error {
 	if a.c.PodManifests != "" {
 		return manifests.NewDir(a.c.PodManifests, a.c.ManifestInterval, log, a.nodeRes.services, a.nodeRes.policies).Run(ctx)
 	}
+	// With the API server away, what the last agent served comes back at
+	// once; the informers replace it when they sync.
+	a.restoreSnapshot()
+	snapDone := make(chan struct{})
+	go func() {
+		defer close(snapDone)
+		_ = a.runSnapshots(ctx)
+	}()
+	defer func() { <-snapDone }()
 	inf, err := services.NewInformers(a.kube, a.nodeRes.services, log)
 	if err != nil {
 		return err

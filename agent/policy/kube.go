@@ -108,6 +108,37 @@ func RunInformer(ctx context.Context, disc discovery.DiscoveryInterface, client 
 		return
 	}
 	f.Start(ctx.Done())
+	for _, ok := range f.WaitForCacheSync(ctx.Done()) {
+		if !ok {
+			f.Shutdown()
+			return
+		}
+	}
+	// What a snapshot restored before the API answered and the API no
+	// longer has goes now.
+	var objs []*Object
+	for _, o := range inf.GetStore().List() {
+		if u, ok := o.(*unstructured.Unstructured); ok {
+			if raw, err := json.Marshal(u.Object); err == nil {
+				if obj, _ := ParseObject(raw); obj != nil {
+					objs = append(objs, obj)
+				}
+			}
+		}
+	}
+	m.Replace(objs)
+	var ps []*PeerObject
+	for _, o := range peers.GetStore().List() {
+		if u, ok := o.(*unstructured.Unstructured); ok {
+			if raw, err := json.Marshal(u.Object); err == nil {
+				if p, err := ParsePeerObject(raw); err == nil {
+					ps = append(ps, p)
+				}
+			}
+		}
+	}
+	m.ReplacePeers(ps)
+	log.Info("authorization policies synced", "authorization_policies", len(objs), "peer_authentications", len(ps))
 	<-ctx.Done()
 	f.Shutdown()
 }

@@ -5,6 +5,7 @@ import (
 	"maps"
 	"slices"
 	"sync"
+	"sync/atomic"
 
 	"k8s.io/apimachinery/pkg/labels"
 
@@ -33,7 +34,8 @@ type Model struct {
 	svcs ServiceMembers
 	log  *slog.Logger
 
-	apply sync.Mutex // one change translated and applied at a time
+	apply sync.Mutex    // one change translated and applied at a time
+	gen   atomic.Uint64 // bumped by every change (Generation)
 
 	mu       sync.RWMutex
 	objs     map[string]*Object  // <ns>/<name>
@@ -230,6 +232,29 @@ func (m *Model) change(k string, o *Object) {
 			m.log.Error("failed to rebind workloads to authorization policies", "policy", k, "error", err.Error())
 		}
 	}
+	m.gen.Add(1)
+}
+
+// Generation grows with every change: a snapshot writer compares it.
+func (m *Model) Generation() uint64 { return m.gen.Load() }
+
+// Snapshot returns the JSON of every AuthorizationPolicy and
+// PeerAuthentication held, sorted by key (ParseObject and ParsePeerObject
+// read them back).
+func (m *Model) Snapshot() (policies, peers [][]byte) {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	for _, k := range slices.Sorted(maps.Keys(m.objs)) {
+		if raw := m.objs[k].Raw; raw != nil {
+			policies = append(policies, raw)
+		}
+	}
+	for _, k := range slices.Sorted(maps.Keys(m.peers)) {
+		if raw := m.peers[k].Raw; raw != nil {
+			peers = append(peers, raw)
+		}
+	}
+	return policies, peers
 }
 
 // bindingOf is how o selects workloads when it is WORKLOAD_SELECTOR
@@ -370,6 +395,7 @@ func (m *Model) changePeers(edit func()) {
 	for _, k := range gone {
 		m.out.Remove(k)
 	}
+	defer m.gen.Add(1)
 	for _, k := range slices.Sorted(maps.Keys(want)) {
 		if _, err := m.out.UpsertAuthorization(want[k]); err != nil {
 			m.log.Error("failed to serve peer authentication", "policy", k, "error", err.Error())

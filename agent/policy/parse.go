@@ -32,7 +32,7 @@ func ParseObject(raw []byte) (*Object, error) {
 	if doc.Metadata.Name == "" {
 		return nil, fmt.Errorf("failed to decode authorization policy: metadata.name is required")
 	}
-	o := &Object{Namespace: doc.Metadata.Namespace, Name: doc.Metadata.Name, Annotations: doc.Metadata.Annotations, Spec: &securityv1beta1.AuthorizationPolicy{}}
+	o := &Object{Namespace: doc.Metadata.Namespace, Name: doc.Metadata.Name, Annotations: doc.Metadata.Annotations, Spec: &securityv1beta1.AuthorizationPolicy{}, Raw: raw}
 	if o.Namespace == "" {
 		o.Namespace = "default"
 	}

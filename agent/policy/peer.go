@@ -34,6 +34,8 @@ type PeerObject struct {
 	Namespace, Name string
 	Created         time.Time
 	Spec            *securityv1beta1.PeerAuthentication
+	// Raw is the JSON the object was read from: what a snapshot keeps.
+	Raw []byte
 }
 
 // Key is the object's <namespace>/<name>.
@@ -53,7 +55,7 @@ func ParsePeerObject(raw []byte) (*PeerObject, error) {
 	if doc.Metadata.Name == "" {
 		return nil, fmt.Errorf("failed to decode peer authentication: metadata.name is required")
 	}
-	o := &PeerObject{Namespace: doc.Metadata.Namespace, Name: doc.Metadata.Name, Created: doc.Metadata.CreationTimestamp.Time, Spec: &securityv1beta1.PeerAuthentication{}}
+	o := &PeerObject{Namespace: doc.Metadata.Namespace, Name: doc.Metadata.Name, Created: doc.Metadata.CreationTimestamp.Time, Spec: &securityv1beta1.PeerAuthentication{}, Raw: raw}
 	if o.Namespace == "" {
 		o.Namespace = "default"
 	}

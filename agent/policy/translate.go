@@ -30,6 +30,9 @@ type Object struct {
 	// Malformed is why the spec could not be read as written (ParseObject);
 	// such a policy is served failing closed.
 	Malformed error
+	// Raw is the JSON the object was read from (ParseObject): what a
+	// snapshot keeps.
+	Raw []byte
 }
 
 // Key is the object's <namespace>/<name>.

@@ -115,7 +115,22 @@ func (i *Informers) Run(ctx context.Context) {
 	wg.Go(func() { i.services.RunWithContext(ctx) })
 	wg.Go(func() { i.slices.RunWithContext(ctx) })
 	if cache.WaitForCacheSync(ctx.Done(), i.HasSynced) {
-		i.log.Info("services synced", "services", len(i.services.GetStore().ListKeys()), "endpointslices", len(i.slices.GetStore().ListKeys()))
+		// What a snapshot restored before the API answered and the API no
+		// longer has goes now.
+		var svcs []*corev1.Service
+		for _, o := range i.services.GetStore().List() {
+			if s, ok := o.(*corev1.Service); ok {
+				svcs = append(svcs, s)
+			}
+		}
+		var ess []*discoveryv1.EndpointSlice
+		for _, o := range i.slices.GetStore().List() {
+			if es, ok := o.(*discoveryv1.EndpointSlice); ok {
+				ess = append(ess, es)
+			}
+		}
+		i.model.Replace(svcs, ess)
+		i.log.Info("services synced", "services", len(svcs), "endpointslices", len(ess))
 	}
 	wg.Wait()
 }

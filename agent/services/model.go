@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"slices"
 	"sync"
+	"sync/atomic"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -32,7 +33,8 @@ type Model struct {
 	eps  *workload.Writer // workloads known only from an EndpointSlice
 	log  *slog.Logger
 
-	apply sync.Mutex // one change computed and applied at a time
+	apply sync.Mutex    // one change computed and applied at a time
+	gen   atomic.Uint64 // bumped by every change (Generation)
 	// servedBefore is the ServiceName the Service being recomputed was
 	// served under before the change (m.mu held).
 	servedBefore string
@@ -196,6 +198,26 @@ func (m *Model) change(sk string, edit func()) {
 	a := m.recomputeLocked(sk)
 	m.mu.Unlock()
 	m.applyActions(sk, a)
+	m.gen.Add(1)
+}
+
+// Generation grows with every change: a snapshot writer compares it.
+func (m *Model) Generation() uint64 { return m.gen.Load() }
+
+// Snapshot returns every Service and EndpointSlice the model holds (the
+// trimmed objects, shared: do not modify them), sorted by key.
+func (m *Model) Snapshot() ([]*corev1.Service, []*discoveryv1.EndpointSlice) {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	svcs := make([]*corev1.Service, 0, len(m.services))
+	for _, k := range slices.Sorted(maps.Keys(m.services)) {
+		svcs = append(svcs, m.services[k])
+	}
+	ess := make([]*discoveryv1.EndpointSlice, 0, len(m.slices))
+	for _, k := range slices.Sorted(maps.Keys(m.slices)) {
+		ess = append(ess, m.slices[k])
+	}
+	return svcs, ess
 }
 
 // recomputeLocked rebuilds Service sk's resource and memberships.
