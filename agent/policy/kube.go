@@ -44,28 +44,18 @@ func RunInformer(ctx context.Context, disc discovery.DiscoveryInterface, client 
 	f := dynamicinformer.NewDynamicSharedInformerFactory(client, 0)
 	inf := f.ForResource(GVR).Informer()
 	handle := func(o any, deleted bool) {
-		if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
-			o = t.Obj
+		raw, ns, name, ok := objectJSON(o)
+		switch {
+		case !ok:
+		case deleted:
+			m.Delete(ns, name)
+		default:
+			if obj, err := ParseObject(raw); obj != nil {
+				m.Upsert(obj)
+			} else {
+				log.Error("failed to read authorization policy", "policy", ns+"/"+name, "error", err.Error())
+			}
 		}
-		u, ok := o.(*unstructured.Unstructured)
-		if !ok {
-			return
-		}
-		if deleted {
-			m.Delete(u.GetNamespace(), u.GetName())
-			return
-		}
-		raw, err := json.Marshal(u.Object)
-		if err != nil {
-			log.Error("failed to encode authorization policy", "policy", u.GetNamespace()+"/"+u.GetName(), "error", err.Error())
-			return
-		}
-		obj, err := ParseObject(raw)
-		if obj == nil {
-			log.Error("failed to read authorization policy", "policy", u.GetNamespace()+"/"+u.GetName(), "error", err.Error())
-			return
-		}
-		m.Upsert(obj)
 	}
 	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(o any) { handle(o, false) },
@@ -77,27 +67,18 @@ func RunInformer(ctx context.Context, disc discovery.DiscoveryInterface, client 
 	}
 	peers := f.ForResource(PeerGVR).Informer()
 	handlePeer := func(o any, deleted bool) {
-		if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
-			o = t.Obj
+		raw, ns, name, ok := objectJSON(o)
+		switch {
+		case !ok:
+		case deleted:
+			m.DeletePeer(ns, name)
+		default:
+			if p, err := ParsePeerObject(raw); err == nil {
+				m.UpsertPeer(p)
+			} else {
+				log.Error("failed to read peer authentication; the level above applies", "policy", ns+"/"+name, "error", err.Error())
+			}
 		}
-		u, ok := o.(*unstructured.Unstructured)
-		if !ok {
-			return
-		}
-		if deleted {
-			m.DeletePeer(u.GetNamespace(), u.GetName())
-			return
-		}
-		raw, err := json.Marshal(u.Object)
-		if err != nil {
-			return
-		}
-		p, err := ParsePeerObject(raw)
-		if err != nil {
-			log.Error("failed to read peer authentication; the level above applies", "policy", u.GetNamespace()+"/"+u.GetName(), "error", err.Error())
-			return
-		}
-		m.UpsertPeer(p)
 	}
 	if _, err := peers.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(o any) { handlePeer(o, false) },
@@ -118,22 +99,18 @@ func RunInformer(ctx context.Context, disc discovery.DiscoveryInterface, client 
 	// longer has goes now.
 	var objs []*Object
 	for _, o := range inf.GetStore().List() {
-		if u, ok := o.(*unstructured.Unstructured); ok {
-			if raw, err := json.Marshal(u.Object); err == nil {
-				if obj, _ := ParseObject(raw); obj != nil {
-					objs = append(objs, obj)
-				}
+		if raw, _, _, ok := objectJSON(o); ok {
+			if obj, _ := ParseObject(raw); obj != nil {
+				objs = append(objs, obj)
 			}
 		}
 	}
 	m.Replace(objs)
 	var ps []*PeerObject
 	for _, o := range peers.GetStore().List() {
-		if u, ok := o.(*unstructured.Unstructured); ok {
-			if raw, err := json.Marshal(u.Object); err == nil {
-				if p, err := ParsePeerObject(raw); err == nil {
-					ps = append(ps, p)
-				}
+		if raw, _, _, ok := objectJSON(o); ok {
+			if p, err := ParsePeerObject(raw); err == nil {
+				ps = append(ps, p)
 			}
 		}
 	}
@@ -155,4 +132,21 @@ func served(disc discovery.DiscoveryInterface) bool {
 		}
 	}
 	return false
+}
+
+// objectJSON returns an informer event's object as JSON, with its
+// namespace and name; ok is false for anything but an unstructured object.
+func objectJSON(o any) (raw []byte, namespace, name string, ok bool) {
+	if t, tomb := o.(cache.DeletedFinalStateUnknown); tomb {
+		o = t.Obj
+	}
+	u, isU := o.(*unstructured.Unstructured)
+	if !isU {
+		return nil, "", "", false
+	}
+	raw, err := json.Marshal(u.Object)
+	if err != nil {
+		return nil, u.GetNamespace(), u.GetName(), true
+	}
+	return raw, u.GetNamespace(), u.GetName(), true
 }

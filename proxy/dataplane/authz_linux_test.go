@@ -4,7 +4,6 @@ import (
 	"io"
 	"net"
 	"net/netip"
-	"slices"
 	"testing"
 	"time"
 
@@ -148,29 +147,7 @@ func BenchmarkHBONEConnectPolicy(b *testing.B) {
 					b.Fatal(err)
 				}
 			}
-			lat := make([]time.Duration, 0, b.N)
-			one := []byte{1}
-			b.ResetTimer()
-			for range b.N {
-				start := time.Now()
-				c, err := e.client.Dial(ctx10(b), dst)
-				if err != nil {
-					b.Fatal(err)
-				}
-				if _, err := c.Write(one); err != nil {
-					b.Fatal(err)
-				}
-				if _, err := io.ReadFull(c, one); err != nil {
-					b.Fatal(err)
-				}
-				lat = append(lat, time.Since(start))
-				_ = c.SetLinger(0)
-				_ = c.Close()
-			}
-			b.StopTimer()
-			slices.Sort(lat)
-			b.ReportMetric(float64(lat[len(lat)/2].Nanoseconds()), "p50-ns")
-			b.ReportMetric(float64(lat[len(lat)*99/100].Nanoseconds()), "p99-ns")
+			connectLatency(b, func() *net.TCPConn { return podDial(b, e.client, dst) })
 		})
 	}
 }

@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strings"
 	"time"
 )
 
@@ -84,11 +83,10 @@ func (d *Dir) Scan() {
 	changed := false
 	seen := map[string]bool{}
 	for _, e := range ents {
-		name := e.Name()
-		if e.IsDir() || strings.HasPrefix(name, ".") || !slices.Contains([]string{".yaml", ".yml", ".json"}, strings.ToLower(filepath.Ext(name))) {
+		if e.IsDir() || !isManifest(e.Name()) {
 			continue
 		}
-		path := filepath.Join(d.dir, name)
+		path := filepath.Join(d.dir, e.Name())
 		info, err := e.Info()
 		if err != nil {
 			continue
