@@ -40,12 +40,16 @@ type Model struct {
 	servedBefore string
 
 	mu       sync.RWMutex
-	services map[string]*corev1.Service                 // "ns/name"
-	slices   map[string]*discoveryv1.EndpointSlice      // "ns/slice name"
-	bySvc    map[string]map[string]struct{}             // service key → its slices' keys
-	served   map[string]string                          // service key → served ServiceName
-	memberOf map[string]map[string]Endpoint             // workload uid → service key → the endpoint
-	members  map[string]map[string]struct{}             // service key → its member uids
+	services map[string]*corev1.Service            // "ns/name"
+	slices   map[string]*discoveryv1.EndpointSlice // "ns/slice name"
+	bySvc    map[string]map[string]struct{}        // service key → its slices' keys
+	served   map[string]string                     // service key → served ServiceName
+	memberOf map[string]map[string]Endpoint        // workload uid → service key → the endpoint
+	members  map[string]map[string]struct{}
+	// sliceEPs are the pod endpoints each slice names, by uid (read with
+	// its Service's ports); sliceSvc the Service they were read for.
+	sliceEPs map[string]map[string]Endpoint
+	sliceSvc map[string]string                          // service key → its member uids
 	view     map[string]map[string]*workloadpb.PortList // uid → ServiceName → ports; replaced, never modified
 }
 
@@ -64,7 +68,7 @@ func New(cfg Config, idx *workload.Index, log *slog.Logger) *Model {
 		cfg: cfg, idx: idx, svcs: idx.Addresses().Writer(workload.ServiceSource), eps: idx.Writer(workload.EndpointSource), log: log,
 		services: map[string]*corev1.Service{}, slices: map[string]*discoveryv1.EndpointSlice{},
 		bySvc: map[string]map[string]struct{}{}, served: map[string]string{},
-		memberOf: map[string]map[string]Endpoint{}, members: map[string]map[string]struct{}{}, view: map[string]map[string]*workloadpb.PortList{},
+		memberOf: map[string]map[string]Endpoint{}, members: map[string]map[string]struct{}{}, sliceEPs: map[string]map[string]Endpoint{}, sliceSvc: map[string]string{}, view: map[string]map[string]*workloadpb.PortList{},
 	}
 	idx.SetMembership(m)
 	return m
@@ -88,13 +92,13 @@ func key(namespace, name string) string { return namespace + "/" + name }
 
 // UpsertService sets a Service.
 func (m *Model) UpsertService(svc *corev1.Service) {
-	m.change(key(svc.Namespace, svc.Name), func() { m.services[key(svc.Namespace, svc.Name)] = svc })
+	m.change(key(svc.Namespace, svc.Name), "", func() { m.services[key(svc.Namespace, svc.Name)] = svc })
 }
 
 // DeleteService removes a Service (its EndpointSlices stay until they are
 // deleted, as in the API).
 func (m *Model) DeleteService(namespace, name string) {
-	m.change(key(namespace, name), func() { delete(m.services, key(namespace, name)) })
+	m.change(key(namespace, name), "", func() { delete(m.services, key(namespace, name)) })
 }
 
 // UpsertSlice sets an EndpointSlice; its Service is its
@@ -112,7 +116,7 @@ func (m *Model) UpsertSlice(es *discoveryv1.EndpointSlice) {
 		return // not a Service's slice
 	}
 	sk := key(es.Namespace, svc)
-	m.change(sk, func() {
+	m.change(sk, k, func() {
 		m.slices[k] = es
 		if m.bySvc[sk] == nil {
 			m.bySvc[sk] = map[string]struct{}{}
@@ -131,7 +135,7 @@ func (m *Model) DeleteSlice(namespace, name string) {
 		return
 	}
 	sk := key(namespace, es.Labels[LabelServiceName])
-	m.change(sk, func() {
+	m.change(sk, k, func() {
 		delete(m.slices, k)
 		delete(m.bySvc[sk], k)
 		if len(m.bySvc[sk]) == 0 {
@@ -189,13 +193,14 @@ type actions struct {
 	refresh []string
 }
 
-// change applies edit to the model's state and recomputes Service sk.
-func (m *Model) change(sk string, edit func()) {
+// change applies edit to the model's state and recomputes Service sk
+// (changed: the one EndpointSlice edit touched, "" for the Service).
+func (m *Model) change(sk, changed string, edit func()) {
 	m.apply.Lock()
 	defer m.apply.Unlock()
 	m.mu.Lock()
 	edit()
-	a := m.recomputeLocked(sk)
+	a := m.recomputeLocked(sk, changed)
 	m.mu.Unlock()
 	m.applyActions(sk, a)
 	m.gen.Add(1)
@@ -220,8 +225,12 @@ func (m *Model) Snapshot() ([]*corev1.Service, []*discoveryv1.EndpointSlice) {
 	return svcs, ess
 }
 
-// recomputeLocked rebuilds Service sk's resource and memberships.
-func (m *Model) recomputeLocked(sk string) actions {
+// recomputeLocked rebuilds Service sk's resource and memberships. changed
+// names the one EndpointSlice that changed ("" for a change of the
+// Service itself): only that slice is read again and only the endpoints
+// it had or has are compared, so one slice update of a Service of
+// thousands of endpoints costs the slice, not the Service.
+func (m *Model) recomputeLocked(sk, changed string) actions {
 	var a actions
 	svc := m.services[sk]
 	var built *workloadpb.Service
@@ -243,56 +252,80 @@ func (m *Model) recomputeLocked(sk string) actions {
 	} else {
 		m.served[sk] = name
 	}
+	full := changed == "" || name != m.servedBefore
 
-	// The endpoints of the Service, by workload uid.
-	now := map[string]Endpoint{}
-	if built != nil {
-		for _, esk := range slices.Sorted(maps.Keys(m.bySvc[sk])) {
-			for _, ep := range SliceEndpoints(svc, m.slices[esk]) {
-				if !ep.Ready && !svc.Spec.PublishNotReadyAddresses {
-					continue // not ready: no new connections (terminating ones included)
-				}
-				uid := workload.UID(m.cfg.ClusterID, ep.Namespace, ep.Name)
-				if prev, ok := now[uid]; ok { // one pod in several slices
-					prev.Ports = mergePorts(prev.Ports, ep.Ports)
-					prev.Addresses = mergeAddrs(prev.Addresses, ep.Addresses)
-					ep = prev
-				}
-				now[uid] = ep
+	// The endpoints each slice names (by uid), read again for the changed
+	// slice only (all of them on a Service change).
+	candidates := map[string]struct{}{}
+	reread := []string{changed}
+	if full {
+		reread = slices.Collect(maps.Keys(m.bySvc[sk]))
+		for uid := range m.members[sk] {
+			candidates[uid] = struct{}{}
+		}
+	}
+	for _, esk := range reread {
+		for uid := range m.sliceEPs[esk] {
+			candidates[uid] = struct{}{}
+		}
+		es := m.slices[esk]
+		if es == nil || svc == nil {
+			delete(m.sliceEPs, esk)
+			continue
+		}
+		eps := map[string]Endpoint{}
+		for _, ep := range SliceEndpoints(svc, es) {
+			uid := workload.UID(m.cfg.ClusterID, ep.Namespace, ep.Name)
+			eps[uid] = ep
+			candidates[uid] = struct{}{}
+		}
+		m.sliceEPs[esk] = eps
+	}
+	if full {
+		// Slices of other Services (or none) no longer count for sk.
+		for esk := range m.sliceEPs {
+			if _, ok := m.bySvc[sk][esk]; !ok && m.sliceSvc[esk] == sk {
+				delete(m.sliceEPs, esk)
 			}
 		}
 	}
+	for _, esk := range reread {
+		if m.slices[esk] != nil {
+			m.sliceSvc[esk] = sk
+		} else {
+			delete(m.sliceSvc, esk)
+		}
+	}
+
 	affected := map[string]struct{}{}
-	for uid := range m.members[sk] {
-		if _, still := now[uid]; !still {
-			svcs := m.memberOf[uid]
-			delete(svcs, sk)
-			if len(svcs) == 0 {
+	if m.members[sk] == nil {
+		m.members[sk] = map[string]struct{}{}
+	}
+	svcSlices := slices.Sorted(maps.Keys(m.bySvc[sk]))
+	for uid := range candidates {
+		ep, ok := m.memberEndpointLocked(svcSlices, svc, built != nil, uid)
+		old, had := m.memberOf[uid][sk]
+		switch {
+		case !ok && had:
+			delete(m.memberOf[uid], sk)
+			if len(m.memberOf[uid]) == 0 {
 				delete(m.memberOf, uid)
 			}
+			delete(m.members[sk], uid)
 			affected[uid] = struct{}{}
+		case ok:
+			if m.memberOf[uid] == nil {
+				m.memberOf[uid] = map[string]Endpoint{}
+			}
+			if !had || !sameEndpoint(old, ep) || full {
+				affected[uid] = struct{}{}
+			}
+			m.memberOf[uid][sk] = ep
+			m.members[sk][uid] = struct{}{}
 		}
 	}
-	if len(now) == 0 {
+	if len(m.members[sk]) == 0 {
 		delete(m.members, sk)
-	} else {
-		m.members[sk] = make(map[string]struct{}, len(now))
-	}
-	for uid, ep := range now {
-		if m.memberOf[uid] == nil {
-			m.memberOf[uid] = map[string]Endpoint{}
-		}
-		if old, ok := m.memberOf[uid][sk]; !ok || !sameEndpoint(old, ep) {
-			affected[uid] = struct{}{}
-		}
-		m.memberOf[uid][sk] = ep
-		m.members[sk][uid] = struct{}{}
-	}
-	if name != m.servedBefore {
-		// A Service served under a new name (or no longer): every member's map changes.
-		for uid := range now {
-			affected[uid] = struct{}{}
-		}
 	}
 	a.stubs = map[string]*workloadpb.Workload{}
 	for uid := range affected {
@@ -306,6 +339,31 @@ func (m *Model) recomputeLocked(sk string) actions {
 	}
 	slices.Sort(a.refresh)
 	return a
+}
+
+// memberEndpointLocked is uid's endpoint of a Service, merged over the
+// Service's slices (svcSlices, sorted; a pod may be in several), or false when it is not a
+// member: the Service is not served, or no slice has it ready (every one
+// when the Service publishes not-ready addresses).
+func (m *Model) memberEndpointLocked(svcSlices []string, svc *corev1.Service, served bool, uid string) (Endpoint, bool) {
+	if !served {
+		return Endpoint{}, false
+	}
+	var out Endpoint
+	found := false
+	for _, esk := range svcSlices {
+		ep, ok := m.sliceEPs[esk][uid]
+		if !ok || (!ep.Ready && !svc.Spec.PublishNotReadyAddresses) {
+			continue // not ready: no new connections (terminating ones included)
+		}
+		if found {
+			out.Ports = mergePorts(out.Ports, ep.Ports)
+			out.Addresses = mergeAddrs(out.Addresses, ep.Addresses)
+			continue
+		}
+		out, found = ep, true
+	}
+	return out, found
 }
 
 // rebuildViewLocked replaces uid's services map from memberOf.

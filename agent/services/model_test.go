@@ -1,6 +1,7 @@
 package services
 
 import (
+	"fmt"
 	"net/netip"
 	"testing"
 
@@ -203,5 +204,34 @@ func TestPublishNotReadyAddresses(t *testing.T) {
 	w := served(t, x, uid("web-c")).GetWorkload()
 	if w == nil || w.GetStatus() != workloadpb.WorkloadStatus_UNHEALTHY || len(ports(t, w)) != 2 {
 		t.Errorf("not-ready endpoint of a publishNotReadyAddresses service: %v", w)
+	}
+}
+
+// BenchmarkSliceUpdate5000: a Service of 5,000 endpoints in 50 slices of
+// 100; one slice changes (an endpoint turns not ready and back) per
+// iteration: the cost of one EndpointSlice update, index writes included.
+func BenchmarkSliceUpdate5000(b *testing.B) {
+	x := workload.NewIndex()
+	m := New(testCfg, x, nil)
+	m.UpsertService(webService())
+	mk := func(n int, readyAt int) *discoveryv1.EndpointSlice {
+		var eps []sliceEP
+		for i := range 100 {
+			id := n*100 + i
+			eps = append(eps, sliceEP{pod: fmt.Sprintf("web-%d", id), ip: fmt.Sprintf("10.%d.%d.%d", id>>16&255, id>>8&255, id&255), node: "n1", ready: ptr.To(i != readyAt)})
+		}
+		return slice(fmt.Sprintf("web-%d", n), 8080, eps...)
+	}
+	for n := range 50 {
+		m.UpsertSlice(mk(n, -1))
+	}
+	if x.Len() != 5000 {
+		b.Fatalf("%d workloads", x.Len())
+	}
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		m.UpsertSlice(mk(7, i%100))
+		i++
 	}
 }
