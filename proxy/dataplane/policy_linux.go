@@ -2,6 +2,8 @@ package dataplane
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"net"
 	"reflect"
 	"slices"
@@ -10,10 +12,6 @@ import (
 	"aether.io/node/proxy/telemetry"
 	"aether.io/node/xds/listener"
 )
-
-// Direction label of inbound connections: plaintext on the inbound
-// listener and those delivered from an HBONE stream.
-const directionInbound = "inbound"
 
 // Reasons of aether_tcp_connections_failed_total for the inbound listener.
 const (
@@ -73,12 +71,16 @@ func (p *pod) serveInbound(down *net.TCPConn, l *tcpListener) {
 	src := addrPort(down.RemoteAddr())
 	if !slices.Contains(p.ips, dst.Addr()) || slices.ContainsFunc(p.tcp, func(o *tcpListener) bool { return o.port == dst.Port() }) {
 		p.m.metrics.Failed(reasonInboundNotPod)
+		p.m.metrics.Misdirected(p.destinationInfo(src, dst), errInboundNotPod)
 		p.log.Debug("inbound connection not for the pod's app", "src", src, "dst", dst, "listener", l.spec.Name)
 		reset(down)
 		return
 	}
+	info := p.destinationInfo(src, dst)
 	if p.strict.Load() {
 		p.m.metrics.Failed(reasonInboundPolicyDenied)
+		info.Policy = telemetry.PolicyInboundStrict
+		p.m.metrics.Refused(info, telemetry.ReasonDenied, errInboundStrict)
 		p.log.Debug("plaintext inbound connection refused: inbound policy strict", "src", src, "dst", dst)
 		reset(down)
 		return
@@ -88,6 +90,7 @@ func (p *pod) serveInbound(down *net.TCPConn, l *tcpListener) {
 	cancel()
 	if err != nil {
 		p.m.metrics.Failed(reasonInboundDeliver)
+		p.m.metrics.Refused(info, telemetry.ReasonConnectFailed, err)
 		p.log.Debug("inbound delivery failed", "src", src, "dst", dst, "error", err)
 		reset(down)
 		return
@@ -96,16 +99,26 @@ func (p *pod) serveInbound(down *net.TCPConn, l *tcpListener) {
 	if !ok {
 		_ = up.Close()
 		p.m.metrics.Failed(reasonInboundDeliver)
+		p.m.metrics.Refused(info, telemetry.ReasonConnectFailed, fmt.Errorf("failed to deliver to %s: %T has no half-close", dst, up))
 		reset(down)
 		return
+	}
+	if _, ok := us.(*net.UnixConn); ok {
+		info.Path = telemetry.PathUDS
 	}
 	pair := &tcpPair{down: down, up: us}
 	if !p.track(pair) {
 		pair.abort()
+		p.m.metrics.Refused(info, telemetry.ReasonPodClosed, nil)
 		return
 	}
 	defer p.untrack(pair)
-	tc := p.m.metrics.Open(telemetry.Labels(directionInbound, p.lookup(src.Addr()), p.lookup(dst.Addr())))
-	pipe(&p.m.pipes, pair, tc)
-	tc.Close()
+	tc := p.m.metrics.Open(info)
+	tc.Close(pipe(&p.m.pipes, pair, tc))
 }
+
+// Errors the access log gives refused inbound connections.
+var (
+	errInboundNotPod = errors.New("inbound destination is not the pod's app (not its address, or one of the proxy's own ports): reset")
+	errInboundStrict = errors.New("plaintext refused: the pod's inbound policy is strict (only HBONE is accepted)")
+)

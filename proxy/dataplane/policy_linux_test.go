@@ -104,7 +104,7 @@ func TestInboundPolicy(t *testing.T) {
 			dst netip.AddrPort
 		}{{node4, server4}, {node6, server6}} {
 			msg := "permissive-" + tc.dst.String()
-			before := sum(e.metrics, "aether_tcp_connections_opened_total", map[string]string{"direction": "inbound", "destination_workload": "server"})
+			before := sum(e.metrics, "istio_tcp_connections_opened_total", map[string]string{"reporter": "destination", "destination_workload": "server"})
 			ans, err := call(tc.src, tc.dst, msg)
 			if err != nil || ans != "app:"+msg {
 				t.Fatalf("call %d = %q, %v; want the app's answer", i, ans, err)
@@ -112,7 +112,7 @@ func TestInboundPolicy(t *testing.T) {
 			if m := <-got; m != msg {
 				t.Errorf("the app received %q, want %q", m, msg)
 			}
-			if n := sum(e.metrics, "aether_tcp_connections_opened_total", map[string]string{"direction": "inbound", "destination_workload": "server"}) - before; n != 1 {
+			if n := sum(e.metrics, "istio_tcp_connections_opened_total", map[string]string{"reporter": "destination", "destination_workload": "server"}) - before; n != 1 {
 				t.Errorf("inbound connections opened counted %v, want 1", n)
 			}
 		}

@@ -1,0 +1,187 @@
+package telemetry
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"time"
+)
+
+// AccessLogLevel selects the connections the access log writes.
+type AccessLogLevel uint8
+
+// Access log levels (-access-log).
+const (
+	// AccessLogOff writes nothing.
+	AccessLogOff AccessLogLevel = iota
+	// AccessLogErrors writes the connections that did not end cleanly
+	// (refused, failed, reset, timed out, cut by a drain): CloseReason
+	// other than client_closed and server_closed.
+	AccessLogErrors
+	// AccessLogAll writes every connection.
+	AccessLogAll
+)
+
+// DefaultAccessLogLevel is the binary's default: errors only. A line per
+// connection costs CPU on the data path and log volume in proportion to
+// the connection rate, which the istio_tcp_* series already count; the
+// lines an operator needs to find out why a connection failed are the
+// error ones, and they are rare.
+const DefaultAccessLogLevel = AccessLogErrors
+
+// ParseAccessLogLevel parses off, errors or all.
+func ParseAccessLogLevel(s string) (AccessLogLevel, error) {
+	switch s {
+	case "off":
+		return AccessLogOff, nil
+	case "errors":
+		return AccessLogErrors, nil
+	case "all":
+		return AccessLogAll, nil
+	}
+	return AccessLogOff, fmt.Errorf("invalid access log level %q: use off, errors or all", s)
+}
+
+// String returns the level as -access-log spells it.
+func (l AccessLogLevel) String() string {
+	switch l {
+	case AccessLogErrors:
+		return "errors"
+	case AccessLogAll:
+		return "all"
+	}
+	return "off"
+}
+
+// Access log keys: one JSON object per line, always these keys (empty
+// strings and zeros where a value is not known), after slog's time, level
+// and msg ("connection closed").
+const (
+	keyReporter       = "reporter"
+	keyStartTime      = "start_time"
+	keyEndTime        = "end_time"
+	keyDurationMS     = "duration_ms"
+	keySrcAddr        = "src_addr"
+	keySrcWorkload    = "src_workload"
+	keySrcPod         = "src_pod"
+	keySrcNamespace   = "src_namespace"
+	keySrcPrincipal   = "src_principal"
+	keyDstAddr        = "dst_addr"
+	keyDstWorkload    = "dst_workload"
+	keyDstPod         = "dst_pod"
+	keyDstNamespace   = "dst_namespace"
+	keyDstPrincipal   = "dst_principal"
+	keyDstService     = "dst_service"
+	keyBytesToDst     = "bytes_to_dst"
+	keyBytesToSrc     = "bytes_to_src"
+	keyPath           = "path"
+	keySecurity       = "security"
+	keyPolicyDecision = "policy_decision"
+	keyPolicy         = "policy"
+	keyReason         = "reason"
+	keyLimit          = "limit"
+	keyResponseFlags  = "response_flags"
+	keyError          = "error"
+)
+
+// Values of the access log's policy_decision.
+const (
+	// PolicyNone: no policy was evaluated (authorization policies are
+	// not built yet: issue 27).
+	PolicyNone = "none"
+	// PolicyDeny: the connection was refused by the built-in policy the
+	// line's policy names.
+	PolicyDeny = "deny"
+)
+
+// Policies that refuse connections today (the access log's policy).
+const (
+	// PolicyInboundStrict is a pod's inbound policy strict refusing
+	// plaintext on its inbound listener.
+	PolicyInboundStrict = "inbound-policy/strict"
+	// PolicyDeclaredPortsOnly is -hbone-declared-ports-only refusing an
+	// HBONE stream to a port the pod does not declare.
+	PolicyDeclaredPortsOnly = "hbone-declared-ports-only"
+)
+
+// AccessLog writes one structured line per connection at its end.
+type AccessLog struct {
+	log   *slog.Logger
+	level AccessLogLevel
+	rate  float64
+}
+
+// NewAccessLog returns the access log writing JSON lines to w (the proxy's
+// stdout): at level, keeping each line with probability rate (0..1; 1
+// keeps all). Level off or rate 0 returns nil, which writes nothing.
+func NewAccessLog(w io.Writer, level AccessLogLevel, rate float64) (*AccessLog, error) {
+	if rate < 0 || rate > 1 || rate != rate {
+		return nil, fmt.Errorf("invalid access log sample rate %v: must be between 0 and 1", rate)
+	}
+	if level == AccessLogOff || rate == 0 {
+		return nil, nil
+	}
+	return &AccessLog{log: slog.New(slog.NewJSONHandler(w, nil)), level: level, rate: rate}, nil
+}
+
+// write writes the line of one connection, when the level and the sample
+// keep it. A nil AccessLog writes nothing.
+func (a *AccessLog) write(i *ConnInfo, start, end time.Time, toDst, toSrc int64, reason CloseReason, err error) {
+	if a == nil || (a.level == AccessLogErrors && reason.Clean()) || (a.rate < 1 && rand.Float64() >= a.rate) {
+		return
+	}
+	lvl := slog.LevelInfo
+	if !reason.Clean() {
+		lvl = slog.LevelWarn
+	}
+	var srcAddr, dstAddr string
+	if i.Src.IsValid() {
+		srcAddr = i.Src.String()
+	}
+	if i.Dst.IsValid() {
+		dstAddr = i.Dst.String()
+	}
+	security := SecurityNone
+	var srcPrincipal, dstPrincipal string
+	if i.MTLS {
+		// Only what mutual TLS proved (ztunnel logs the same).
+		security, srcPrincipal, dstPrincipal = SecurityMutualTLS, i.SourcePrincipal, i.DestinationPrincipal
+	}
+	decision := PolicyNone
+	if reason == ReasonDenied {
+		decision = PolicyDeny
+	}
+	var errText string
+	if err != nil {
+		errText = err.Error()
+	}
+	a.log.Log(context.Background(), lvl, "connection closed",
+		keyReporter, i.Reporter,
+		keyStartTime, start.UTC().Format(time.RFC3339Nano),
+		keyEndTime, end.UTC().Format(time.RFC3339Nano),
+		keyDurationMS, float64(end.Sub(start).Microseconds())/1000,
+		keySrcAddr, srcAddr,
+		keySrcWorkload, i.Source.Workload,
+		keySrcPod, i.Source.Name,
+		keySrcNamespace, i.Source.Namespace,
+		keySrcPrincipal, srcPrincipal,
+		keyDstAddr, dstAddr,
+		keyDstWorkload, i.Destination.Workload,
+		keyDstPod, i.Destination.Name,
+		keyDstNamespace, i.Destination.Namespace,
+		keyDstPrincipal, dstPrincipal,
+		keyDstService, i.Service.Hostname,
+		keyBytesToDst, toDst,
+		keyBytesToSrc, toSrc,
+		keyPath, i.Path,
+		keySecurity, security,
+		keyPolicyDecision, decision,
+		keyPolicy, i.Policy,
+		keyReason, reason.String(),
+		keyLimit, i.Limit,
+		keyResponseFlags, reason.Flag(),
+		keyError, errText,
+	)
+}
