@@ -314,11 +314,16 @@ func TestAccessLogCloseReasons(t *testing.T) {
 			}
 			target := netip.AddrPortFrom(e.server.IP4, 8080)
 			for _, reporter := range []string{"source", "destination"} {
-				log.await(t, map[string]any{
+				l := log.await(t, map[string]any{
 					"reporter": reporter, "dst_addr": target, "path": "hbone", "security": "mutual_tls",
 					"src_principal": clientID, "dst_principal": serverID, "src_workload": "client", "dst_workload": "server",
 					"dst_service": "mesh.default.svc.cluster.local", "bytes_to_dst": 3, "reason": "client_closed",
 				})
+				// The source side has the client's socket; the destination
+				// side the tunnel connection's, from the client pod too.
+				if src, err := netip.ParseAddrPort(fmt.Sprint(l["src_addr"])); err != nil || src.Addr() != e.client.IP4 || src.Port() == 0 {
+					t.Errorf("%s: src_addr %v, want the client pod's address and a port", reporter, l["src_addr"])
+				}
 				labels := map[string]string{
 					"reporter": reporter, "destination_service": "mesh.default.svc.cluster.local", "destination_service_name": "mesh",
 					"destination_service_namespace": "default", "connection_security_policy": "mutual_tls",

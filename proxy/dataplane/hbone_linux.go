@@ -273,12 +273,16 @@ func (l *retryListener) Accept() (net.Conn, error) {
 // principal. With HBONEDeclaredPortsOnly, a port the pod does not declare
 // is refused first (403: refuseUndeclaredPort).
 func (p *pod) deliverHBONE(ctx context.Context, src spiffeid.ID, target netip.AddrPort) (net.Conn, error) {
-	var client netip.AddrPort // the source pod's address: the source proxy dials from its netns
+	// The source pod's address (the source proxy dials from its netns):
+	// the delivery binds it with a port of its own; the telemetry reports
+	// the tunnel connection's address and port.
+	var client, peer netip.AddrPort
 	if a, ok := hbone.PeerAddr(ctx); ok {
-		client = netip.AddrPortFrom(a.Addr().Unmap(), 0)
+		peer = netip.AddrPortFrom(a.Addr().Unmap(), a.Port())
+		client = netip.AddrPortFrom(peer.Addr(), 0)
 	}
 	target = netip.AddrPortFrom(target.Addr().Unmap(), target.Port())
-	info := p.destinationInfo(client, target)
+	info := p.destinationInfo(peer, target)
 	info.MTLS, info.Path, info.SourcePrincipal, info.DestinationPrincipal = true, telemetry.PathHBONE, src.String(), p.hb.id.String()
 	if err := p.refuseUndeclaredPort(src, target); err != nil {
 		info.Policy = telemetry.PolicyDeclaredPortsOnly

@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"errors"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -301,5 +303,38 @@ func BenchmarkSeriesMemory(b *testing.B) {
 		b.ReportMetric(heap/pairs, "B/pair")
 		b.ReportMetric(heap/(pairs*5), "B/series")
 		b.ReportMetric(heap, "B/1000-pairs")
+	}
+}
+
+// BenchmarkConnTelemetry: what one connection costs the telemetry, Open,
+// a Received and a Sent, Close: the istio_tcp_* series only (off) and with
+// the access log at all writing its line to a file (all). The difference is
+// the access log's cost per connection, to set against the proxy's CPU per
+// connection (proxy/dataplane BenchmarkConnectTelemetry).
+func BenchmarkConnTelemetry(b *testing.B) {
+	for _, mode := range []string{"off", "all"} {
+		b.Run(mode, func(b *testing.B) {
+			m := telemetry.New()
+			if mode == "all" {
+				f, err := os.Create(filepath.Join(b.TempDir(), "access.log"))
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.Cleanup(func() { _ = f.Close() })
+				al, err := telemetry.NewAccessLog(f, telemetry.AccessLogAll, 1)
+				if err != nil {
+					b.Fatal(err)
+				}
+				m = telemetry.NewWithAccessLog(al)
+			}
+			ci := info(telemetry.ReporterSource, true)
+			b.ReportAllocs()
+			for range b.N {
+				c := m.Open(ci)
+				c.Received(100)
+				c.Sent(100)
+				c.Close(telemetry.ReasonClientClosed, nil)
+			}
+		})
 	}
 }
