@@ -36,7 +36,8 @@ func TestHBONEPortAgrees(t *testing.T) {
 // and a direct connection to the inbound port is reset.
 func TestInboundPolicy(t *testing.T) {
 	udsRoot := t.TempDir()
-	e := setup(t, dataplane.Config{UDSRoot: udsRoot})
+	m, log := accessMetrics(t)
+	e := setupMetrics(t, dataplane.Config{UDSRoot: udsRoot}, m)
 	const appPort = 8080
 	// The node's address (an unmeshed client) and the kubelet's.
 	node4, kubelet4 := netip.MustParseAddr("10.88.0.1"), netip.MustParseAddr("10.88.0.254")
@@ -159,6 +160,10 @@ func TestInboundPolicy(t *testing.T) {
 		if n := denied() - before; n != 2 {
 			t.Errorf("inbound_policy_denied counted %v, want 2", n)
 		}
+		// The destination side's access log names the policy.
+		log.await(t, map[string]any{"reporter": "destination", "dst_addr": server6, "reason": "denied",
+			"policy_decision": "deny", "policy": "inbound-policy/strict", "response_flags": "DENY",
+			"path": "plaintext", "security": "none", "dst_workload": "server"})
 		noApp(t)
 	})
 	t.Run("kubelet exempt under strict", func(t *testing.T) {
