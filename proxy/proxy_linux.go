@@ -74,6 +74,9 @@ type Config struct {
 	// AccessLogSampleRate keeps each access-log line with this probability
 	// (0..1); 0 means 1, every line.
 	AccessLogSampleRate float64
+	// AccessLogOpens also writes a line when a connection opens (with
+	// AccessLog all only).
+	AccessLogOpens bool
 	// AccessLogOutput is where the access log goes; nil: os.Stdout.
 	AccessLogOutput io.Writer
 }
@@ -120,7 +123,7 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 	if rate == 0 {
 		rate = 1
 	}
-	al, err := telemetry.NewAccessLog(out, cfg.AccessLog, rate)
+	al, err := telemetry.NewAccessLog(out, cfg.AccessLog, rate, cfg.AccessLogOpens)
 	if err != nil {
 		return nil, err
 	}

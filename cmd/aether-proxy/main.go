@@ -54,6 +54,7 @@ func main() {
 	flag.BoolVar(&cfg.Dataplane.HBONEDeclaredPortsOnly, "hbone-declared-ports-only", false, "deliver an HBONE stream only to a TCP port the destination pod's containers declare (spec.containers[].ports, sidecars included); others are refused with 403 before the app sees a connection. A pod whose ports the agent does not know (its record predates them) gets every port, as without the flag")
 	level := flag.String("log-level", "info", "debug, info, warn or error")
 	accessLog := flag.String("access-log", telemetry.DefaultAccessLogLevel.String(), "connections written to the access log on stdout, one JSON line each at its close: off, errors (refused, failed, reset, timed out, cut by a drain) or all")
+	flag.BoolVar(&cfg.AccessLogOpens, "access-log-open", false, "with -access-log=all, also write a line when a connection opens (\"connection opened\", the same keys)")
 	accessRate := flag.Float64("access-log-sample-rate", 1, "share of the access log's lines kept, 0 to 1 (0: none)")
 	flag.Parse()
 	var err error

@@ -89,7 +89,7 @@ func (l *accessLog) await(t *testing.T, want map[string]any) map[string]any {
 func accessMetrics(t *testing.T) (*telemetry.Metrics, *accessLog) {
 	t.Helper()
 	out := &accessLog{}
-	al, err := telemetry.NewAccessLog(out, telemetry.AccessLogAll, 1)
+	al, err := telemetry.NewAccessLog(out, telemetry.AccessLogAll, 1, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -383,7 +383,7 @@ func BenchmarkConnectTelemetry(b *testing.B) {
 					b.Fatal(err)
 				}
 				b.Cleanup(func() { _ = f.Close() })
-				al, err := telemetry.NewAccessLog(f, telemetry.AccessLogAll, 1)
+				al, err := telemetry.NewAccessLog(f, telemetry.AccessLogAll, 1, false)
 				if err != nil {
 					b.Fatal(err)
 				}

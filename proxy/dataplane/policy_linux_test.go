@@ -161,9 +161,11 @@ func TestInboundPolicy(t *testing.T) {
 			t.Errorf("inbound_policy_denied counted %v, want 2", n)
 		}
 		// The destination side's access log names the policy.
-		log.await(t, map[string]any{"reporter": "destination", "dst_addr": server6, "reason": "denied",
+		log.await(t, map[string]any{
+			"reporter": "destination", "dst_addr": server6, "reason": "denied",
 			"policy_decision": "deny", "policy": "inbound-policy/strict", "response_flags": "DENY",
-			"path": "plaintext", "security": "none", "dst_workload": "server"})
+			"path": "plaintext", "security": "none", "dst_workload": "server",
+		})
 		noApp(t)
 	})
 	t.Run("kubelet exempt under strict", func(t *testing.T) {

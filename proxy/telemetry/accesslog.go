@@ -106,36 +106,60 @@ const (
 	PolicyDeclaredPortsOnly = "hbone-declared-ports-only"
 )
 
-// AccessLog writes one structured line per connection at its end.
+// AccessLog writes one structured line per connection at its end and,
+// optionally, one at its open.
 type AccessLog struct {
 	log   *slog.Logger
 	level AccessLogLevel
 	rate  float64
+	opens bool
 }
 
 // NewAccessLog returns the access log writing JSON lines to w (the proxy's
-// stdout): at level, keeping each line with probability rate (0..1; 1
-// keeps all). Level off or rate 0 returns nil, which writes nothing.
-func NewAccessLog(w io.Writer, level AccessLogLevel, rate float64) (*AccessLog, error) {
+// stdout): at level, keeping each connection's lines with probability rate
+// (0..1; 1 keeps all), and with opens (level all only) a line when a
+// connection opens too. Level off or rate 0 returns nil, which writes
+// nothing.
+func NewAccessLog(w io.Writer, level AccessLogLevel, rate float64, opens bool) (*AccessLog, error) {
 	if rate < 0 || rate > 1 || rate != rate {
 		return nil, fmt.Errorf("invalid access log sample rate %v: must be between 0 and 1", rate)
 	}
 	if level == AccessLogOff || rate == 0 {
 		return nil, nil
 	}
-	return &AccessLog{log: slog.New(slog.NewJSONHandler(w, nil)), level: level, rate: rate}, nil
+	return &AccessLog{log: slog.New(slog.NewJSONHandler(w, nil)), level: level, rate: rate, opens: opens && level == AccessLogAll}, nil
 }
 
-// write writes the line of one connection, when the level and the sample
-// keep it. A nil AccessLog writes nothing.
+// sample decides whether a new connection's lines are kept (rate). A nil
+// AccessLog keeps none.
+func (a *AccessLog) sample() bool {
+	return a != nil && (a.rate >= 1 || rand.Float64() < a.rate)
+}
+
+// opened writes the open line of a sampled connection when opens is set.
+func (a *AccessLog) opened(i *ConnInfo, start time.Time) {
+	if a == nil || !a.opens {
+		return
+	}
+	a.log.Log(context.Background(), slog.LevelInfo, "connection opened", fields(i, start, time.Time{}, 0, 0, "", "", nil)...)
+}
+
+// write writes the close line of a sampled connection, when the level
+// keeps it. A nil AccessLog writes nothing.
 func (a *AccessLog) write(i *ConnInfo, start, end time.Time, toDst, toSrc int64, reason CloseReason, err error) {
-	if a == nil || (a.level == AccessLogErrors && reason.Clean()) || (a.rate < 1 && rand.Float64() >= a.rate) {
+	if a == nil || (a.level == AccessLogErrors && reason.Clean()) {
 		return
 	}
 	lvl := slog.LevelInfo
 	if !reason.Clean() {
 		lvl = slog.LevelWarn
 	}
+	a.log.Log(context.Background(), lvl, "connection closed", fields(i, start, end, toDst, toSrc, reason.String(), reason.Flag(), err)...)
+}
+
+// fields are the keys and values of one line; an open line has no end,
+// bytes, reason or flags (empty values, the same keys).
+func fields(i *ConnInfo, start, end time.Time, toDst, toSrc int64, reason, flags string, err error) []any {
 	var srcAddr, dstAddr string
 	if i.Src.IsValid() {
 		srcAddr = i.Src.String()
@@ -150,18 +174,23 @@ func (a *AccessLog) write(i *ConnInfo, start, end time.Time, toDst, toSrc int64,
 		security, srcPrincipal, dstPrincipal = SecurityMutualTLS, i.SourcePrincipal, i.DestinationPrincipal
 	}
 	decision := PolicyNone
-	if reason == ReasonDenied {
+	if reason == ReasonDenied.String() {
 		decision = PolicyDeny
 	}
 	var errText string
 	if err != nil {
 		errText = err.Error()
 	}
-	a.log.Log(context.Background(), lvl, "connection closed",
+	var endTime string
+	var durationMS float64
+	if !end.IsZero() {
+		endTime, durationMS = end.UTC().Format(time.RFC3339Nano), float64(end.Sub(start).Microseconds())/1000
+	}
+	return []any{
 		keyReporter, i.Reporter,
 		keyStartTime, start.UTC().Format(time.RFC3339Nano),
-		keyEndTime, end.UTC().Format(time.RFC3339Nano),
-		keyDurationMS, float64(end.Sub(start).Microseconds())/1000,
+		keyEndTime, endTime,
+		keyDurationMS, durationMS,
 		keySrcAddr, srcAddr,
 		keySrcWorkload, i.Source.Workload,
 		keySrcPod, i.Source.Name,
@@ -179,9 +208,9 @@ func (a *AccessLog) write(i *ConnInfo, start, end time.Time, toDst, toSrc int64,
 		keySecurity, security,
 		keyPolicyDecision, decision,
 		keyPolicy, i.Policy,
-		keyReason, reason.String(),
+		keyReason, reason,
 		keyLimit, i.Limit,
-		keyResponseFlags, reason.Flag(),
+		keyResponseFlags, flags,
 		keyError, errText,
-	)
+	}
 }

@@ -246,17 +246,25 @@ type Conn struct {
 	sent     prometheus.Counter
 	// rx and tx are the connection's own byte counts (the access log's).
 	rx, tx atomic.Int64
+	// logged: the access log keeps this connection's lines (sampled at
+	// Open).
+	logged bool
 }
 
 // Open counts a new connection and returns its handle.
 func (m *Metrics) Open(info ConnInfo) *Conn {
 	labels := info.labels(FlagNone)
 	m.opened.WithLabelValues(labels...).Inc()
-	return &Conn{
+	c := &Conn{
 		m: m, info: info, labels: labels, start: time.Now(),
 		received: m.received.WithLabelValues(labels...),
 		sent:     m.sent.WithLabelValues(labels...),
+		logged:   m.log.sample(),
 	}
+	if c.logged {
+		m.log.opened(&c.info, c.start)
+	}
+	return c
 }
 
 // Received adds n bytes received from the source (towards the
@@ -283,7 +291,9 @@ func (c *Conn) Close(reason CloseReason, err error) {
 	c.m.closed.WithLabelValues(labels...).Inc()
 	end := time.Now()
 	c.m.duration.WithLabelValues(c.info.Reporter).Observe(end.Sub(c.start).Seconds())
-	c.m.log.write(&c.info, c.start, end, c.rx.Load(), c.tx.Load(), reason, err)
+	if c.logged {
+		c.m.log.write(&c.info, c.start, end, c.rx.Load(), c.tx.Load(), reason, err)
+	}
 }
 
 // Refused counts a connection that ended before any byte was proxied (a
@@ -297,6 +307,8 @@ func (m *Metrics) Refused(info ConnInfo, reason CloseReason, err error) {
 // workload (ReasonMisdirected) to the access log only: it is in no
 // istio_tcp_* series (ztunnel logs such connections without metrics).
 func (m *Metrics) Misdirected(info ConnInfo, err error) {
-	now := time.Now()
-	m.log.write(&info, now, now, 0, 0, ReasonMisdirected, err)
+	if m.log.sample() {
+		now := time.Now()
+		m.log.write(&info, now, now, 0, 0, ReasonMisdirected, err)
+	}
 }

@@ -150,7 +150,7 @@ func accessLines(t *testing.T, level string, rate float64) []map[string]any {
 		t.Fatal(err)
 	}
 	var buf bytes.Buffer
-	al, err := telemetry.NewAccessLog(&buf, lvl, rate)
+	al, err := telemetry.NewAccessLog(&buf, lvl, rate, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -225,7 +225,7 @@ func TestAccessLog(t *testing.T) {
 		t.Errorf("sample rate 0: %v", got)
 	}
 	for _, bad := range []float64{-0.1, 1.5} {
-		if _, err := telemetry.NewAccessLog(&bytes.Buffer{}, telemetry.AccessLogAll, bad); err == nil {
+		if _, err := telemetry.NewAccessLog(&bytes.Buffer{}, telemetry.AccessLogAll, bad, false); err == nil {
 			t.Errorf("sample rate %v accepted", bad)
 		}
 	}
@@ -234,12 +234,57 @@ func TestAccessLog(t *testing.T) {
 	}
 }
 
+// TestAccessLogOpens: with opens, a connection's open line comes first,
+// with the same keys and no end, bytes or reason; only at level all.
+func TestAccessLogOpens(t *testing.T) {
+	for _, tc := range []struct {
+		level telemetry.AccessLogLevel
+		want  []string // msg of each line
+	}{
+		{telemetry.AccessLogAll, []string{"connection opened", "connection closed"}},
+		{telemetry.AccessLogErrors, nil},
+	} {
+		var buf bytes.Buffer
+		al, err := telemetry.NewAccessLog(&buf, tc.level, 1, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := telemetry.NewWithAccessLog(al)
+		c := m.Open(info(telemetry.ReporterSource, true))
+		c.Received(3)
+		c.Close(telemetry.ReasonClientClosed, nil)
+		var got []string
+		var open map[string]any
+		for l := range strings.SplitSeq(strings.TrimSpace(buf.String()), "\n") {
+			if l == "" {
+				continue
+			}
+			var v map[string]any
+			if err := json.Unmarshal([]byte(l), &v); err != nil {
+				t.Fatal(err)
+			}
+			if open == nil {
+				open = v
+			}
+			got = append(got, v["msg"].(string))
+		}
+		if strings.Join(got, ",") != strings.Join(tc.want, ",") {
+			t.Errorf("level %s: lines %v, want %v", tc.level, got, tc.want)
+		}
+		if tc.level == telemetry.AccessLogAll {
+			if len(open) != 28 || open["end_time"] != "" || open["reason"] != "" || open["bytes_to_dst"] != 0.0 || open["dst_service"] != "db.b.svc.cluster.local" {
+				t.Errorf("open line %v", open)
+			}
+		}
+	}
+}
+
 // TestAccessLogSampleRate checks that a rate keeps about that share: 2,000
 // lines at 0.25 keep between 350 and 650 (binomial, > 10 sigma either
 // side).
 func TestAccessLogSampleRate(t *testing.T) {
 	var buf bytes.Buffer
-	al, err := telemetry.NewAccessLog(&buf, telemetry.AccessLogAll, 0.25)
+	al, err := telemetry.NewAccessLog(&buf, telemetry.AccessLogAll, 0.25, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -321,7 +366,7 @@ func BenchmarkConnTelemetry(b *testing.B) {
 					b.Fatal(err)
 				}
 				b.Cleanup(func() { _ = f.Close() })
-				al, err := telemetry.NewAccessLog(f, telemetry.AccessLogAll, 1)
+				al, err := telemetry.NewAccessLog(f, telemetry.AccessLogAll, 1, false)
 				if err != nil {
 					b.Fatal(err)
 				}
