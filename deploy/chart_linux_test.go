@@ -5,6 +5,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	"os"
 	"path/filepath"
 	"slices"
@@ -100,11 +101,24 @@ func forEachSet(t *testing.T, f func(t *testing.T, r *render)) {
 	}
 }
 
+// manifestScheme is client-go's scheme plus the CustomResourceDefinition
+// (the chart installs Istio's security CRDs).
+var manifestScheme = func() *runtime.Scheme {
+	s := runtime.NewScheme()
+	if err := scheme.AddToScheme(s); err != nil {
+		panic(err)
+	}
+	if err := apiextensionsv1.AddToScheme(s); err != nil {
+		panic(err)
+	}
+	return s
+}()
+
 // decodeManifests decodes every document of a multi-document YAML stream
 // strictly into the client-go scheme's types.
 func decodeManifests(t *testing.T, raw []byte) []runtime.Object {
 	t.Helper()
-	dec := serializer.NewCodecFactory(scheme.Scheme, serializer.EnableStrict).UniversalDeserializer()
+	dec := serializer.NewCodecFactory(manifestScheme, serializer.EnableStrict).UniversalDeserializer()
 	r := yamlutil.NewYAMLReader(bufioReader(raw))
 	var objs []runtime.Object
 	for {
@@ -227,6 +241,7 @@ func TestChartRejects(t *testing.T) {
 		name, values, want string
 	}{
 		{"log level", "logLevel: verbose\n", `invalid logLevel "verbose"`},
+		{"istio CRDs", "policy:\n  installCRDs: sometimes\n", `invalid policy.installCRDs "sometimes": want auto, always or never`},
 		{"plugin log level", "cni:\n  pluginLogLevel: trace\n", `invalid cni.pluginLogLevel "trace"`},
 		{"capture failure", "cni:\n  captureFailure: ignore\n", `invalid cni.captureFailure "ignore"`},
 		{"CRI socket a bare path", "cni:\n  criSocket: /run/containerd/containerd.sock\n", `invalid cni.criSocket /run/containerd/containerd.sock: must be empty`},
@@ -356,5 +371,37 @@ func TestPortsAndDrain(t *testing.T) {
 				t.Errorf("grace period %v, want %d", g, tt.grace)
 			}
 		})
+	}
+}
+
+// TestIstioCRDs: with installCRDs auto (helm template sees no cluster, so
+// no CRD exists) and always the chart renders Istio's AuthorizationPolicy
+// and PeerAuthentication CRDs, byte-for-byte schema from istio.io/api and
+// kept on uninstall; never renders none.
+func TestIstioCRDs(t *testing.T) {
+	for mode, want := range map[string]int{"auto": 2, "always": 2, "never": 0} {
+		f := filepath.Join(t.TempDir(), "values.yaml")
+		if err := os.WriteFile(f, []byte("policy:\n  installCRDs: "+mode+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		raw, err := chart.Render(context.Background(), f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var names []string
+		for _, o := range decodeManifests(t, raw) {
+			if crd, ok := o.(*apiextensionsv1.CustomResourceDefinition); ok {
+				names = append(names, crd.Name)
+				if crd.Annotations["helm.sh/resource-policy"] != "keep" {
+					t.Errorf("%s: CRD %s is not kept on uninstall", mode, crd.Name)
+				}
+				if crd.Spec.Group != "security.istio.io" || len(crd.Spec.Versions) == 0 || crd.Spec.Versions[0].Schema == nil {
+					t.Errorf("%s: CRD %s has no schema of security.istio.io", mode, crd.Name)
+				}
+			}
+		}
+		if len(names) != want {
+			t.Errorf("installCRDs %s rendered CRDs %v, want %d", mode, names, want)
+		}
 	}
 }

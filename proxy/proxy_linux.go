@@ -23,9 +23,11 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"google.golang.org/protobuf/proto"
 
+	"aether.io/node/api/istio/security"
 	"aether.io/node/api/istio/workload"
 	"aether.io/node/pkg/lifecycle"
 	"aether.io/node/pkg/meshcontract"
+	"aether.io/node/proxy/authz"
 	"aether.io/node/proxy/dataplane"
 	"aether.io/node/proxy/identity"
 	"aether.io/node/proxy/identity/spire"
@@ -90,7 +92,10 @@ type Proxy struct {
 	// Services is the Service table captured VIP connections are balanced
 	// with (from istio.workload.Address resources).
 	Services *peers.Services
-	Manager  *dataplane.Manager
+	// Authz holds the authorization policies (istio.security.Authorization
+	// resources) inbound connections are decided by.
+	Authz   *authz.Table
+	Manager *dataplane.Manager
 	// XDS is the ADS client of XDSTarget; LDS is the separate Listener
 	// client when LDSTarget is set (else nil).
 	XDS *adsclient.Client
@@ -128,11 +133,12 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 		return nil, err
 	}
 	p := &Proxy{
-		cfg: cfg, log: log, Metrics: telemetry.NewWithAccessLog(al), Peers: peers.NewIndex(), Services: peers.NewServices(),
+		cfg: cfg, log: log, Metrics: telemetry.NewWithAccessLog(al), Peers: peers.NewIndex(), Services: peers.NewServices(), Authz: authz.NewTable(),
 		listeners: map[string]listener.Spec{}, adminAddr: make(chan net.Addr, 1),
 	}
 	dp := cfg.Dataplane
 	dp.Services = p.Services
+	dp.Authorizer = p.Authz
 	switch {
 	case cfg.WorkloadAPISocket != "":
 		p.Identity = identity.New(cfg.WorkloadAPISocket, cfg.WorkloadAPITokenFile, nil, log.With("component", "identity"))
@@ -152,10 +158,10 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 	p.Manager = m
 	node := &core.Node{Id: cfg.NodeID, Cluster: "aether-proxy"}
 	p.XDS = &adsclient.Client{
-		Target: cfg.XDSTarget, Node: node, TypeURLs: []string{resource.ListenerType, resource.AddressType}, Handler: p.apply, Log: log,
+		Target: cfg.XDSTarget, Node: node, TypeURLs: []string{resource.ListenerType, resource.AddressType, resource.AuthorizationType}, Handler: p.apply, Log: log,
 	}
 	if cfg.LDSTarget != "" && cfg.LDSTarget != cfg.XDSTarget {
-		p.XDS.TypeURLs = []string{resource.AddressType}
+		p.XDS.TypeURLs = []string{resource.AddressType, resource.AuthorizationType}
 		p.LDS = &adsclient.Client{
 			Target: cfg.LDSTarget, Node: node, TypeURLs: []string{resource.ListenerType}, Handler: p.apply, Log: log,
 		}
@@ -218,8 +224,26 @@ func (p *Proxy) apply(typeURL string, updated []*discovery.Resource, removed []s
 			p.Services.RemoveService(n)
 		}
 		return errors.Join(errs...)
+	case resource.AuthorizationType:
+		var errs []error
+		for _, r := range updated {
+			a := &security.Authorization{}
+			if err := proto.Unmarshal(r.GetResource().GetValue(), a); err != nil {
+				errs = append(errs, fmt.Errorf("failed to decode authorization %q: %w", r.GetName(), err))
+				continue
+			}
+			if err := p.Authz.Upsert(a); err != nil {
+				// The policy it replaces stays: a bad update never opens
+				// what the last good one closed.
+				errs = append(errs, err)
+			}
+		}
+		for _, n := range removed {
+			p.Authz.Remove(n)
+		}
+		return errors.Join(errs...)
 	default:
-		return fmt.Errorf("unexpected type %q: subscribed to %s and %s", typeURL, resource.ListenerType, resource.AddressType)
+		return fmt.Errorf("unexpected type %q: subscribed to %s, %s and %s", typeURL, resource.ListenerType, resource.AddressType, resource.AuthorizationType)
 	}
 }
 

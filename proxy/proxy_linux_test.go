@@ -39,6 +39,7 @@ type agent struct {
 	socket    string
 	listeners *cachev3.LinearCache
 	workloads *cachev3.LinearCache
+	policies  *cachev3.LinearCache
 }
 
 func startAgent(t *testing.T) *agent {
@@ -48,11 +49,12 @@ func startAgent(t *testing.T) *agent {
 		socket:    filepath.Join(t.TempDir(), "xds.sock"),
 		listeners: cachev3.NewLinearCache(resource.ListenerType),
 		workloads: cachev3.NewLinearCache(resource.AddressType),
+		policies:  cachev3.NewLinearCache(resource.AuthorizationType),
 	}
 	mux := &cachev3.MuxCache{
 		Classify:      func(r *cachev3.Request) string { return r.GetTypeUrl() },
 		ClassifyDelta: func(r *cachev3.DeltaRequest) string { return r.GetTypeUrl() },
-		Caches:        map[string]cachev3.Cache{resource.ListenerType: a.listeners, resource.AddressType: a.workloads},
+		Caches:        map[string]cachev3.Cache{resource.ListenerType: a.listeners, resource.AddressType: a.workloads, resource.AuthorizationType: a.policies},
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	cb := serverv3.CallbackFuncs{StreamDeltaRequestFunc: func(_ int64, r *discovery.DeltaDiscoveryRequest) error {

@@ -18,6 +18,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	adminhandler "aether.io/node/agent/adminapi/handler"
 	"aether.io/node/agent/cniserver"
@@ -90,6 +91,7 @@ type agent struct {
 	closeRegistry func()
 	src           podsource.Source
 	kube          kubernetes.Interface
+	restConfig    *rest.Config
 	nodeRes       *nodeXDS
 	mgr           *pods.Manager
 	// svids is the embedded SPIFFE provider's store; nil when identity is
@@ -235,7 +237,7 @@ func (a *agent) kubeClient() error {
 	if err != nil {
 		return fmt.Errorf("failed to build kubernetes client: %w", err)
 	}
-	a.kube = cs
+	a.kube, a.restConfig = cs, rc
 	return nil
 }
 

@@ -81,6 +81,9 @@ type Config struct {
 	// ClusterDomain is the DNS domain of Service hostnames
 	// (<name>.<namespace>.svc.<domain>).
 	ClusterDomain string
+	// RootNamespace is the mesh's root namespace: its AuthorizationPolicies
+	// without a selector apply to every workload (Istio's rootNamespace).
+	RootNamespace string
 	// Registry is "local", "kube" or "etcd"; the Etcd* fields configure
 	// etcd.
 	Registry                              string
@@ -166,6 +169,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.StringVar(&c.LDSSocket, "lds-socket", ProxySocketDir+"/"+meshcontract.LDSSocketName, "unix socket serving aether-proxy's per-pod listeners (envoy.config.listener.v3.Listener, ADS); empty disables it")
 	fs.StringVar(&c.ClusterID, "cluster-id", "Kubernetes", "cluster name: the first segment of every workload uid and its cluster_id")
 	fs.StringVar(&c.TrustDomain, "trust-domain", "cluster.local", "SPIFFE trust domain of the workloads")
+	fs.StringVar(&c.RootNamespace, "root-namespace", "istio-system", "the mesh's root namespace: an AuthorizationPolicy there without a selector applies to every workload (Istio's meshConfig rootNamespace)")
 	fs.StringVar(&c.ClusterDomain, "cluster-domain", "cluster.local", "DNS domain of the cluster's Services: served Service hostnames are <name>.<namespace>.svc.<domain> (kubelet's --cluster-domain)")
 	fs.StringVar(&c.Network, "network", "", "network of the pods' addresses; empty for the default network")
 	fs.StringVar(&c.Registry, "registry", "local", "endpoint registry: local (embedded, this node only), kube (this node's embedded, every other node's mesh-managed pods from the Kubernetes API) or etcd (spans nodes through etcd)")
@@ -249,6 +253,9 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	}
 	if (c.XDSSocket != "" || c.XDSAddress != "") && c.ClusterID == "" {
 		return nil, errors.New("invalid --cluster-id: empty; workload uids need the cluster name")
+	}
+	if errs := validation.IsDNS1123Label(c.RootNamespace); len(errs) > 0 {
+		return nil, fmt.Errorf("invalid --root-namespace %q: %s; want a namespace name", c.RootNamespace, strings.Join(errs, "; "))
 	}
 	if errs := validation.IsDNS1123Subdomain(c.ClusterDomain); len(errs) > 0 {
 		return nil, fmt.Errorf("invalid --cluster-domain %q: %s; want a DNS domain such as cluster.local", c.ClusterDomain, strings.Join(errs, "; "))

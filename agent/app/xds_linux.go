@@ -19,11 +19,14 @@ import (
 	serverv3 "github.com/envoyproxy/go-control-plane/pkg/server/v3"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
+	"k8s.io/client-go/dynamic"
 
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 
 	"aether.io/node/agent/identity"
+	"aether.io/node/agent/podsource/manifests"
+	"aether.io/node/agent/policy"
 	"aether.io/node/agent/services"
 	"aether.io/node/agent/store"
 	"aether.io/node/agent/uds"
@@ -283,9 +286,10 @@ func (w *localWorkloads) RecordRemoved(key string) { w.local.Remove(key) }
 type nodeXDS struct {
 	listeners *listenerSync
 	workloads *localWorkloads // nil when workload discovery is off
-	// services is the Service model of the workload index (nil when
-	// workload discovery is off).
+	// services is the Service model of the workload index and policies
+	// its authorization model (nil when workload discovery is off).
 	services *services.Model
+	policies *policy.Model
 	accounts *podAccounts // nil when identity is off
 }
 
@@ -330,9 +334,13 @@ func newNodeXDS(c *Config, log *slog.Logger) *nodeXDS {
 			cfg: workload.Config{ClusterID: c.ClusterID, TrustDomain: c.TrustDomain, Network: c.Network, HBONE: c.HBONE()},
 			idx: idx, local: idx.Writer(localSource), log: log.With("component", "wds"),
 		}
-		// The model is the index's Membership before anything is upserted.
+		// The models are the index's Membership before anything is
+		// upserted: the policy model answers for both (Services from the
+		// Service model) and learns every workload's labels at build.
 		n.services = services.New(services.Config{ClusterID: c.ClusterID, ClusterDomain: c.ClusterDomain, Network: c.Network},
 			idx, log.With("component", "services"))
+		n.policies = policy.New(c.RootNamespace, idx, n.services, log.With("component", "policy"))
+		n.workloads.cfg.ObserveLabels = n.policies.ObserveLabels
 	}
 	return n
 }
@@ -343,13 +351,23 @@ func newNodeXDS(c *Config, log *slog.Logger) *nodeXDS {
 func (a *agent) runServices(ctx context.Context) error {
 	log := a.log.With("component", "services")
 	if a.c.PodManifests != "" {
-		return services.NewDir(a.c.PodManifests, a.c.ManifestInterval, a.nodeRes.services, log).Run(ctx)
+		return manifests.NewDir(a.c.PodManifests, a.c.ManifestInterval, log, a.nodeRes.services, a.nodeRes.policies).Run(ctx)
 	}
 	inf, err := services.NewInformers(a.kube, a.nodeRes.services, log)
 	if err != nil {
 		return err
 	}
+	dyn, err := dynamic.NewForConfig(a.restConfig)
+	if err != nil {
+		return fmt.Errorf("failed to build the dynamic kubernetes client: %w", err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		policy.RunInformer(ctx, a.kube.Discovery(), dyn, a.nodeRes.policies, 30*time.Second, a.log.With("component", "policy"))
+	}()
 	inf.Run(ctx)
+	<-done
 	return nil
 }
 

@@ -1,15 +1,8 @@
 package services
 
 import (
-	"context"
 	"fmt"
-	"log/slog"
-	"maps"
-	"os"
-	"path/filepath"
 	"slices"
-	"strings"
-	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -20,122 +13,13 @@ import (
 	"aether.io/node/agent/podsource/manifests"
 )
 
-// Dir feeds a Model from a directory of manifests, the one the agent's
-// pod-manifests source reads (standalone nodes, the demo): its Services
-// and EndpointSlices. A Service with a selector and no EndpointSlice in
-// the directory gets the slices the EndpointSlice controller would write,
-// from the directory's pods (so a demo needs no hand-written slice): every
-// pod of its namespace matching the selector, ready unless its Ready
-// condition is False or it is terminating, a named target port resolved
-// from the pod's container ports.
-type Dir struct {
-	dir      string
-	interval time.Duration
-	model    *Model
-	log      *slog.Logger
-	files    map[string]dirFile
-	synced   chan struct{}
-}
-
-type dirFile struct {
-	size int64
-	mod  time.Time
-	objs manifests.Objects
-}
-
-// NewDir returns the directory source of m; interval <= 0 means 1 s.
-func NewDir(dir string, interval time.Duration, m *Model, log *slog.Logger) *Dir {
-	if interval <= 0 {
-		interval = time.Second
-	}
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
-	return &Dir{dir: dir, interval: interval, model: m, log: log, files: map[string]dirFile{}, synced: make(chan struct{})}
-}
-
-// Synced is closed after the first scan.
-func (d *Dir) Synced() <-chan struct{} { return d.synced }
-
-// Run scans the directory every interval until ctx ends.
-func (d *Dir) Run(ctx context.Context) error {
-	if st, err := os.Stat(d.dir); err != nil {
-		return fmt.Errorf("failed to open manifest dir %q: %w", d.dir, err)
-	} else if !st.IsDir() {
-		return fmt.Errorf("failed to open manifest dir %q: not a directory", d.dir)
-	}
-	d.Scan()
-	close(d.synced)
-	t := time.NewTicker(d.interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-t.C:
-			d.Scan()
-		}
-	}
-}
-
-// Scan re-reads changed files and hands the model the directory's
-// Services and EndpointSlices (a file that does not parse keeps its
-// previous content and is logged).
-func (d *Dir) Scan() {
-	ents, err := os.ReadDir(d.dir)
-	if err != nil {
-		d.log.Error("failed to read manifest dir", "dir", d.dir, "error", err.Error())
-		return
-	}
-	changed := false
-	seen := map[string]bool{}
-	for _, e := range ents {
-		name := e.Name()
-		if e.IsDir() || strings.HasPrefix(name, ".") || !slices.Contains([]string{".yaml", ".yml", ".json"}, strings.ToLower(filepath.Ext(name))) {
-			continue
-		}
-		path := filepath.Join(d.dir, name)
-		info, err := e.Info()
-		if err != nil {
-			continue
-		}
-		seen[path] = true
-		if old, ok := d.files[path]; ok && old.size == info.Size() && old.mod.Equal(info.ModTime()) {
-			continue
-		}
-		data, err := os.ReadFile(path)
-		if err != nil {
-			d.log.Error("failed to read manifest", "path", path, "error", err.Error())
-			continue
-		}
-		objs, err := manifests.ParseObjects(data)
-		if err != nil {
-			// Logged once per content: the file keeps its previous
-			// objects until it parses again.
-			d.log.Error("failed to parse manifest; keeping its previous content", "path", path, "error", err.Error())
-			d.files[path] = dirFile{size: info.Size(), mod: info.ModTime(), objs: d.files[path].objs}
-			continue
-		}
-		d.files[path] = dirFile{size: info.Size(), mod: info.ModTime(), objs: objs}
-		changed = true
-	}
-	for path := range d.files {
-		if !seen[path] {
-			delete(d.files, path)
-			changed = true
-		}
-	}
-	if !changed {
-		return
-	}
-	var all manifests.Objects
-	for _, path := range slices.Sorted(maps.Keys(d.files)) {
-		o := d.files[path].objs
-		all.Pods = append(all.Pods, o.Pods...)
-		all.Services = append(all.Services, o.Services...)
-		all.EndpointSlices = append(all.EndpointSlices, o.EndpointSlices...)
-	}
-	d.model.Replace(all.Services, append(all.EndpointSlices, ControllerSlices(all)...))
+// ReplaceFrom makes the model hold the Services and EndpointSlices of a
+// manifest directory (manifests.Dir), plus the EndpointSlices the
+// EndpointSlice controller would write for its Services with a selector
+// and no slice there (ControllerSlices): a demo needs no hand-written
+// slice.
+func (m *Model) ReplaceFrom(o manifests.Objects) {
+	m.Replace(o.Services, append(slices.Clone(o.EndpointSlices), ControllerSlices(o)...))
 }
 
 // ControllerSlices returns the EndpointSlices the EndpointSlice controller

@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"aether.io/node/agent/podsource/manifests"
 	workloadpb "aether.io/node/api/istio/workload"
 	"aether.io/node/xds/workload"
 )
@@ -57,7 +58,7 @@ func TestDirDerivesSlices(t *testing.T) {
 	}
 	x := workload.NewIndex()
 	m := New(testCfg, x, nil)
-	d := NewDir(dir, 0, m, nil)
+	d := manifests.NewDir(dir, 0, nil, m)
 	d.Scan()
 	if served(t, x, webHost).GetService() == nil {
 		t.Fatal("service not served")

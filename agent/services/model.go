@@ -397,3 +397,13 @@ func sameEndpoint(a, b Endpoint) bool {
 			return x.ServicePort == y.ServicePort && x.TargetPort == y.TargetPort
 		})
 }
+
+// MemberOf reports whether the workload uid is an endpoint of the Service
+// namespace/name (an AuthorizationPolicy's targetRefs bind through it).
+// It must not be called with the model's lock held (it takes it).
+func (m *Model) MemberOf(uid, namespace, name string) bool {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	_, ok := m.memberOf[uid][key(namespace, name)]
+	return ok
+}

@@ -49,6 +49,7 @@ type podCtxKey struct{}
 func (m *Manager) newTunnel() (*hbone.Dialer, error) {
 	budget, err := hbone.NewBudget(hbone.BudgetConfig{
 		Window: m.cfg.HBONEWindowBudget, WindowPerSource: m.cfg.HBONEWindowBudgetPerSource,
+		SendBufs: m.cfg.HBONESendBufs, SendBufsPerSource: m.cfg.HBONESendBufsPerSource,
 	})
 	if err != nil {
 		return nil, err
@@ -288,6 +289,13 @@ func (p *pod) deliverHBONE(ctx context.Context, src spiffeid.ID, target netip.Ad
 		info.Policy = telemetry.PolicyDeclaredPortsOnly
 		p.m.metrics.Refused(info, telemetry.ReasonDenied, err)
 		return nil, err
+	}
+	var peerAddr netip.AddrPort
+	if a, ok := hbone.PeerAddr(ctx); ok {
+		peerAddr = a
+	}
+	if !p.authorize(peerAddr, src.String(), target) {
+		return nil, policyRefusal(target)
 	}
 	release, limit := p.admitTCP()
 	if limit != "" {

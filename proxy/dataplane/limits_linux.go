@@ -25,7 +25,7 @@ func (c Config) validate() error {
 	for _, v := range []struct {
 		name string
 		n    int
-	}{{"MaxConnsPerPod", c.MaxConnsPerPod}, {"MaxConns", c.MaxConns}, {"MaxUDPFlowsPerPod", c.MaxUDPFlowsPerPod}, {"MaxUDPFlows", c.MaxUDPFlows}, {"HBONEMaxConns", c.HBONEMaxConns}, {"HBONEMaxConnsPerSource", c.HBONEMaxConnsPerSource}} {
+	}{{"MaxConnsPerPod", c.MaxConnsPerPod}, {"MaxConns", c.MaxConns}, {"MaxUDPFlowsPerPod", c.MaxUDPFlowsPerPod}, {"MaxUDPFlows", c.MaxUDPFlows}, {"HBONEMaxConns", c.HBONEMaxConns}, {"HBONEMaxConnsPerSource", c.HBONEMaxConnsPerSource}, {"HBONESendBufs", c.HBONESendBufs}, {"HBONESendBufsPerSource", c.HBONESendBufsPerSource}} {
 		if v.n < 1 {
 			return fmt.Errorf("invalid %s %d: must be at least 1", v.name, v.n)
 		}

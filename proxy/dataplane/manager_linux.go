@@ -58,6 +58,12 @@ const (
 	// side (per source pod).
 	DefaultHBONEWindowBudget          = hbone.DefaultWindowBudget
 	DefaultHBONEWindowBudgetPerSource = hbone.DefaultWindowBudgetPerSource
+	// DefaultHBONESendBufs and DefaultHBONESendBufsPerSource bound the
+	// 256 KiB send buffers held at once (64 MiB, 8 MiB per source), for
+	// the inbound side (per source address) and, separately, the outbound
+	// side (per source pod).
+	DefaultHBONESendBufs          = hbone.DefaultSendBufs
+	DefaultHBONESendBufsPerSource = hbone.DefaultSendBufsPerSource
 )
 
 // Config tunes the data plane. Zero fields take the defaults.
@@ -65,6 +71,9 @@ type Config struct {
 	// Services balances captured connections to Service VIPs
 	// (peers.Services); nil: a VIP is dialled as any other address.
 	Services ServiceChooser
+	// Authorizer decides, from authorization policy, whether an inbound
+	// connection reaches its pod (authz.Table); nil: every one does.
+	Authorizer Authorizer
 	// BypassMark is the SO_MARK of every upstream socket (the divert's
 	// bypass mark).
 	BypassMark uint32
@@ -133,6 +142,11 @@ type Config struct {
 	// inbound in total and per source address, outbound (the dialer) in
 	// total and per source pod.
 	HBONEWindowBudget, HBONEWindowBudgetPerSource int64
+	// HBONESendBufs and HBONESendBufsPerSource bound the 256 KiB send
+	// buffers HBONE streams hold at once while their writes wait for a
+	// peer that reads slowly: inbound in total and per source address,
+	// outbound (the dialer) in total and per source pod.
+	HBONESendBufs, HBONESendBufsPerSource int
 }
 
 func (c Config) withDefaults() Config {
@@ -189,6 +203,12 @@ func (c Config) withDefaults() Config {
 	}
 	if c.HBONEWindowBudgetPerSource == 0 {
 		c.HBONEWindowBudgetPerSource = DefaultHBONEWindowBudgetPerSource
+	}
+	if c.HBONESendBufs == 0 {
+		c.HBONESendBufs = DefaultHBONESendBufs
+	}
+	if c.HBONESendBufsPerSource == 0 {
+		c.HBONESendBufsPerSource = DefaultHBONESendBufsPerSource
 	}
 	return c
 }
@@ -304,6 +324,7 @@ func New(cfg Config, lookup PeerLookup, m *telemetry.Metrics, log *slog.Logger) 
 		mg.hbBudget, err = hbone.NewBudget(hbone.BudgetConfig{
 			MaxConns: cfg.HBONEMaxConns, MaxConnsPerSource: cfg.HBONEMaxConnsPerSource,
 			Window: cfg.HBONEWindowBudget, WindowPerSource: cfg.HBONEWindowBudgetPerSource,
+			SendBufs: cfg.HBONESendBufs, SendBufsPerSource: cfg.HBONESendBufsPerSource,
 		})
 		if err == nil {
 			mg.tunnel, err = mg.newTunnel()

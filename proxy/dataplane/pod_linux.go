@@ -52,6 +52,8 @@ type pod struct {
 	// gate holds the pod's declared ports for HBONEDeclaredPortsOnly
 	// (declaredports_linux.go). Changed in place by adopt.
 	gate portGate
+	// policyLog rate-limits the pod's authorization refusal lines.
+	policyLog rateLog
 	// flows are the pod's open UDP flows, of both families.
 	flowMu sync.Mutex
 	flows  map[flowKey]*udpFlow

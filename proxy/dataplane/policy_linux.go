@@ -85,6 +85,10 @@ func (p *pod) serveInbound(down *net.TCPConn, l *tcpListener) {
 		reset(down)
 		return
 	}
+	if !p.authorize(src, "", dst) { // plaintext: no identity
+		reset(down)
+		return
+	}
 	ctx, cancel := context.WithTimeout(p.ctx, p.m.cfg.ConnectTimeout)
 	up, err := p.deliverInbound(ctx, dst, src)
 	cancel()

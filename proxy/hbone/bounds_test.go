@@ -307,8 +307,19 @@ func TestDialerUnreadDataBounded(t *testing.T) {
 		}
 	}
 	during := settledHeap()
-	// Another pod's stream on the same Dialer and proxy.
-	req := first.request()
+	otherPod(ctx, t, d, first.env) // on the same Dialer and proxy
+	const bound = 40 << 20
+	t.Logf("live heap %d -> %d bytes with %d unread tunnels", before, during, proxies*streams)
+	if during > before+bound {
+		t.Fatalf("live heap grew by %d bytes with %d unread tunnels, want < %d", during-before, proxies*streams, bound)
+	}
+}
+
+// otherPod checks that a stream of another pod (Origin pod-b) on d still
+// moves 1 MiB both ways through e's server.
+func otherPod(ctx context.Context, t *testing.T, d *hbone.Dialer, e *env) {
+	t.Helper()
+	req := e.request()
 	req.Origin = "pod-b"
 	s, err := d.Dial(ctx, req)
 	if err != nil {
@@ -316,11 +327,6 @@ func TestDialerUnreadDataBounded(t *testing.T) {
 	}
 	roundTrip(t, s, bytes.Repeat([]byte("v"), 1<<20))
 	_ = s.Close()
-	const bound = 40 << 20
-	t.Logf("live heap %d -> %d bytes with %d unread tunnels", before, during, proxies*streams)
-	if during > before+bound {
-		t.Fatalf("live heap grew by %d bytes with %d unread tunnels, want < %d", during-before, proxies*streams, bound)
-	}
 }
 
 // abortableConn is a delivered connection its owner aborts, as the data
@@ -434,5 +440,171 @@ func TestSlowReaderSendBuffersBounded(t *testing.T) {
 	t.Logf("live heap %d -> %d bytes with %d streams to a client that does not read", before, during, conns*streams)
 	if during > before+bound {
 		t.Fatalf("live heap grew by %d bytes with %d streams to a client that does not read, want < %d", during-before, conns*streams, bound)
+	}
+}
+
+// deafProxy is an HBONE server (serverID's SVID from certs) that grants
+// 1 GiB windows, answers the first streams CONNECTs of each connection
+// 200, and then reads nothing more: every write of the Dialer to it waits
+// (WriteTimeout) once the socket buffers are full.
+func deafProxy(t *testing.T, certs *hbonetest.Certs, streams int) netip.AddrPort {
+	t.Helper()
+	svid, _ := certs.SVID(serverID)
+	cfg := &tls.Config{
+		Certificates: []tls.Certificate{tlsCert(svid.Certificates, svid.PrivateKey)},
+		MinVersion:   tls.VersionTLS13,
+		NextProtos:   []string{hbone.ALPN},
+		ClientAuth:   tls.RequireAnyClientCert,
+	}
+	stop := make(chan struct{})
+	addr := hbonetest.Serve(t, func(c net.Conn) {
+		_ = c.(*net.TCPConn).SetReadBuffer(4 << 10)
+		tc := tls.Server(c, cfg)
+		var preface [len(http2.ClientPreface)]byte
+		if _, err := io.ReadFull(tc, preface[:]); err != nil {
+			return
+		}
+		fr := http2.NewFramer(tc, tc)
+		fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+		if fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 1 << 30}) != nil || fr.WriteWindowUpdate(0, 1<<30) != nil {
+			return
+		}
+		var hbuf bytes.Buffer
+		henc := hpack.NewEncoder(&hbuf)
+		for answered := 0; answered < streams; {
+			f, err := fr.ReadFrame()
+			if err != nil {
+				return
+			}
+			switch f := f.(type) {
+			case *http2.SettingsFrame:
+				if !f.IsAck() && fr.WriteSettingsAck() != nil {
+					return
+				}
+			case *http2.MetaHeadersFrame:
+				hbuf.Reset()
+				_ = henc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
+				if fr.WriteHeaders(http2.HeadersFrameParam{StreamID: f.StreamID, BlockFragment: hbuf.Bytes(), EndHeaders: true}) != nil {
+					return
+				}
+				answered++
+			}
+		}
+		<-stop
+	})
+	t.Cleanup(func() { close(stop) }) // before Serve's own cleanup
+	return addr
+}
+
+// floodSource returns the reading end of a loopback TCP connection whose
+// other end writes without end (a pod's app uploading), until cleanup.
+func floodSource(t *testing.T) *net.TCPConn {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	w, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		buf := make([]byte, 64<<10)
+		for {
+			if _, err := w.Write(buf); err != nil {
+				return
+			}
+		}
+	}()
+	t.Cleanup(func() {
+		_ = w.Close()
+		_ = r.Close()
+		<-done
+	})
+	return r.(*net.TCPConn)
+}
+
+// TestDialerSlowServerSendBuffersBounded: one pod (one Origin) uploads
+// through 4 tunnels to each of 40 destination proxies that grant window
+// and then read nothing, so every write of the Dialer waits (here for as
+// long as the test runs). Each waiting stream held its 256 KiB send buffer,
+// bounded only per connection (4: 40 MiB here, plus a 256 KiB record batch
+// per connection: the heap grew by 65 MB); the Dialer's send buffers are
+// now bounded per source pod (32: 8 MiB) and per node (256: 64 MiB) by its
+// Budget, as the Server's are, so the heap grows by less than 32 MiB (the
+// buffers, a record batch per blocked connection, 160 tunnels and their
+// sockets: ~22 MB), and another pod's tunnel on the same Dialer works
+// meanwhile.
+func TestDialerSlowServerSendBuffersBounded(t *testing.T) {
+	e := newEnv(t, nil)
+	const proxies, streams = 40, 4
+	budget, err := hbone.NewBudget(hbone.BudgetConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var copies sync.WaitGroup
+	d, err := hbone.NewDialer(hbone.DialerConfig{
+		Certs: e.certs, Budget: budget,
+		WriteTimeout: time.Hour, // the writes wait for as long as the test runs
+		DialContext: func(ctx context.Context, network, address string) (net.Conn, error) {
+			var nd net.Dialer
+			c, err := nd.DialContext(ctx, network, address)
+			if err == nil {
+				_ = c.(*net.TCPConn).SetWriteBuffer(4 << 10)
+			}
+			return c, err
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = d.Close() // fails the blocked writes
+		copies.Wait()
+	})
+	var deaf []netip.AddrPort
+	for range proxies {
+		deaf = append(deaf, deafProxy(t, e.certs, streams))
+	}
+	before := liveHeap()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	var tunnels []*hbone.Stream
+	for _, p := range deaf {
+		for range streams {
+			req := e.request()
+			req.Proxy, req.Origin = p, "pod-a"
+			s, err := d.Dial(ctx, req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			tunnels = append(tunnels, s)
+		}
+	}
+	for _, s := range tunnels {
+		src := floodSource(t)
+		copies.Add(1)
+		go func() {
+			defer copies.Done()
+			_ = hbone.Copy(s, src)
+		}()
+	}
+	during := settledHeap()
+	held := budget.Stats().SendBufs
+	otherPod(ctx, t, d, e)
+	t.Logf("live heap %d -> %d bytes with %d tunnels to servers that do not read; %d send buffers held", before, during, proxies*streams, held)
+	if held > hbone.DefaultSendBufsPerSource {
+		t.Errorf("%d send buffers held by one pod, want at most %d", held, hbone.DefaultSendBufsPerSource)
+	}
+	const bound = 32 << 20
+	if during > before+bound {
+		t.Fatalf("live heap grew by %d bytes with %d tunnels to servers that do not read, want < %d", during-before, proxies*streams, bound)
 	}
 }

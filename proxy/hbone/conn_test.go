@@ -183,4 +183,7 @@ func TestPingTimeout(t *testing.T) {
 	if slices.Contains(got, http2.FrameGoAway) {
 		t.Errorf("frames before the close = %v: an idle GOAWAY, not the ping timeout", got)
 	}
+	if st := e.srv.Stats(); st.PingTimeouts != 1 || st.ProtocolErrors != 0 {
+		t.Errorf("ping timeouts / protocol errors counted = %d / %d, want 1 / 0", st.PingTimeouts, st.ProtocolErrors)
+	}
 }

@@ -47,7 +47,8 @@ type DialerConfig struct {
 	// loses its connection after it (DialerStats.WriteTimeouts).
 	WriteTimeout time.Duration
 	// Budget bounds the receive window the Dialer's connections grant
-	// beyond the initial 64 KiB, in total and per Request.Origin (the
+	// beyond the initial 64 KiB, the send buffers their streams hold and
+	// the control frames they queue, in total and per Request.Origin (the
 	// source pod; its connection caps do not apply to the Dialer); nil: a
 	// Budget of its own with the defaults.
 	Budget *Budget
@@ -197,11 +198,11 @@ func (d *Dialer) Dial(ctx context.Context, req Request) (*Stream, error) {
 			d.stat.streamsOpened.Add(1)
 			return st, nil
 		}
-		// A reused connection that failed the request without an answer
-		// (it broke or got GOAWAY since the pool check, or refused the
-		// stream) is evicted and the stream retried once on a new one.
-		var se *StatusError
-		if !fresh && attempt == 0 && !errors.As(err, &se) && ctx.Err() == nil {
+		// A reused connection whose server did not process the stream
+		// (GOAWAY below it, REFUSED_STREAM, or no longer taking streams
+		// when its HEADERS were due) is evicted and the stream retried
+		// once on a new one; nothing else is retried (retryable).
+		if !fresh && attempt == 0 && retryable(err) && ctx.Err() == nil {
 			d.evict(key, cc)
 			continue
 		}

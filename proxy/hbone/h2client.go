@@ -13,17 +13,29 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"golang.org/x/net/http2"
-	"golang.org/x/net/http2/hpack"
 )
 
-// Errors a stream fails with when it was never answered: Dial retries
-// these once on a new connection.
+// Errors a stream fails with. errGoAway (the stream is above a GOAWAY's
+// last stream ID), errRefused (REFUSED_STREAM) and errNotSent (the
+// connection could take no stream before its HEADERS went out, or the
+// write they ended failed) say the server did not process it: Dial
+// retries those, and only those, once on a new connection (retryable).
 var (
 	errGoAway       = errors.New("hbone stream not processed: the server sent GOAWAY")
 	errRefused      = errors.New("hbone stream refused by the server")
+	errNotSent      = errors.New("hbone stream not sent")
 	errConnClosed   = errors.New("hbone connection closed")
 	errStreamClosed = errors.New("hbone stream closed")
 )
+
+// retryable reports whether a stream failed before the server processed
+// it (RFC 9113 §8.7: a stream above GOAWAY's last stream ID or refused with
+// REFUSED_STREAM; or never sent): retrying it cannot deliver the CONNECT
+// twice. Anything else (a reset with another code, a connection that broke
+// after the HEADERS were written, a status) may have reached the target.
+func retryable(err error) bool {
+	return errors.Is(err, errGoAway) || errors.Is(err, errRefused) || errors.Is(err, errNotSent)
+}
 
 // maxStreamID is the highest client stream ID (2^31-1); a connection that
 // used them all takes no new streams.
@@ -43,63 +55,45 @@ type h2Client struct {
 	cfg  *DialerConfig
 	log  *slog.Logger
 	peer spiffeid.ID // the server's verified SPIFFE ID
-	fr   *http2.Framer
-	// block is the Framer's reader (a header block's bound).
-	block blockReader
-	// origin and window: the receive window reserved from cfg.Budget
-	// beyond the initial 64 KiB, under the Request's Origin.
-	origin string
-	window int64
-	wg     *sync.WaitGroup // the Dialer's: read and write loops
-	stat   *dialerCounters // the Dialer's
-	done   chan struct{}   // closed when the connection closes
+	h2Reader
+	wg   *sync.WaitGroup // the Dialer's: read and write loops
+	stat *dialerCounters // the Dialer's
+	done chan struct{}   // closed when the connection closes
 	// ready is closed when the server's first SETTINGS was applied (or
 	// the connection failed before).
 	ready chan struct{}
 
-	keep h2Keepalive // the ping check
-
-	mu           sync.Mutex
-	cond         sync.Cond // send windows grew, a stream ended, or the connection closed
-	streams      map[uint32]*Stream
-	nextID       uint32 // the next stream's ID
-	reserved     int    // slots the Dialer reserved, streams not opened yet
-	maxStreams   int    // the server's SETTINGS_MAX_CONCURRENT_STREAMS
-	settled      bool   // the server's first SETTINGS arrived
-	goingAway    bool   // GOAWAY received, or evicted: no new streams
-	closed       bool
-	err          error // why the connection closed
-	sendConn     int64 // connection send window
-	peerInitial  int64 // the server's SETTINGS_INITIAL_WINDOW_SIZE
-	peerMaxFrame int   // the server's SETTINGS_MAX_FRAME_SIZE
-	sendBufs     int   // streams holding a read buffer of their source (sendGate)
+	// The send side: windows, the server's settings, send buffers; its mu
+	// guards the fields below too.
+	h2Flow
+	streams    map[uint32]*Stream
+	nextID     uint32 // the next stream's ID
+	reserved   int    // slots the Dialer reserved, streams not opened yet
+	maxStreams int    // the server's SETTINGS_MAX_CONCURRENT_STREAMS
+	settled    bool   // the server's first SETTINGS arrived
+	goingAway  bool   // GOAWAY received, or evicted: no new streams
+	closed     bool
+	err        error // why the connection closed
 }
 
 func newH2Client(cfg *DialerConfig, log *slog.Logger, wg *sync.WaitGroup, stat *dialerCounters, conn h2Transport, peer spiffeid.ID, origin string) *h2Client {
 	c := &h2Client{
-		cfg: cfg, log: log, peer: peer, wg: wg, stat: stat, origin: origin,
-		done:         make(chan struct{}),
-		ready:        make(chan struct{}),
-		streams:      map[uint32]*Stream{},
-		nextID:       1,
-		maxStreams:   DefaultMaxConcurrentStreams,
-		sendConn:     initialWindow,
-		peerInitial:  initialWindow,
-		peerMaxFrame: DefaultMaxFrameSize,
+		cfg: cfg, log: log, peer: peer, wg: wg, stat: stat,
+		done:       make(chan struct{}),
+		ready:      make(chan struct{}),
+		streams:    map[uint32]*Stream{},
+		nextID:     1,
+		maxStreams: DefaultMaxConcurrentStreams,
 	}
-	c.cond.L = &c.mu
-	window := cfg.ConnWindow
-	if cfg.Budget != nil {
-		c.window = cfg.Budget.reserveWindow(origin, int64(cfg.ConnWindow-initialWindow))
-		window = initialWindow + int(c.window)
+	budget := cfg.Budget
+	if budget == nil {
+		budget = defaultBudget()
 	}
-	c.initOut(conn, window, cfg.WriteTimeout, c.flood)
-	c.block.r = conn
-	c.fr = http2.NewFramer(nil, &c.block)
-	c.fr.SetReuseFrames()
-	c.fr.SetMaxReadFrameSize(uint32(cfg.MaxFrameSize))
-	c.fr.MaxHeaderListSize = maxHeaderList
-	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	// The share is kept under the Request's Origin (the source pod).
+	window, slots := c.reserveShare(budget, origin, cfg.ConnWindow)
+	c.initFlow(slots)
+	c.initOut(conn, window, cfg.WriteTimeout, &stat.h2Counters, c.flood)
+	c.initReader(conn, cfg.MaxFrameSize)
 	return c
 }
 
@@ -125,7 +119,7 @@ func (c *h2Client) start(ctx context.Context) error {
 		c.close(err)
 		return fmt.Errorf("failed to send the http/2 preface: %w", err)
 	}
-	c.keep.start(c.cfg.PingInterval, c.cfg.PingTimeout, c.queue, func() {
+	c.startKeepalive(c.cfg.PingInterval, c.cfg.PingTimeout, func() {
 		c.close(fmt.Errorf("%w: no ping ack within %s", errConnClosed, c.cfg.PingTimeout))
 	})
 	select {
@@ -191,23 +185,24 @@ func (c *h2Client) closeIfDone() {
 // openStream sends CONNECT for target on a reserved slot and waits for
 // the answer until ctx ends.
 func (c *h2Client) openStream(ctx context.Context, target netip.AddrPort) (*Stream, error) {
-	st := &Stream{c: c, target: target, peer: c.peer, answered: make(chan struct{}), recvWin: int64(c.cfg.StreamWindow)}
+	st := &Stream{c: c, target: target, peer: c.peer, answered: make(chan struct{}), h2Recv: h2Recv{recvWin: int64(c.cfg.StreamWindow)}}
 	st.cond.L = &st.mu
+	st.flow, st.owner = &c.h2Flow, st
 	hdr := appendConnect(nil, target.String())
 	c.wmu.Lock()
 	c.mu.Lock()
 	c.reserved--
 	if c.closed || c.goingAway || c.nextID > maxStreamID {
-		err := c.err
-		if err == nil {
-			err = errGoAway
+		err := errNotSent
+		if c.err != nil {
+			err = fmt.Errorf("%w: %w", errNotSent, c.err)
 		}
 		c.mu.Unlock()
 		c.wmu.Unlock()
 		c.closeIfDone()
 		return nil, err
 	}
-	st.id = c.nextID
+	st.id, st.state = c.nextID, stateOpen
 	c.nextID += 2
 	st.sendWin = c.peerInitial
 	c.streams[st.id] = st
@@ -216,6 +211,9 @@ func (c *h2Client) openStream(ctx context.Context, target netip.AddrPort) (*Stre
 	err := c.writeFramesLocked(hdr)
 	c.wmu.Unlock()
 	if err != nil {
+		// The HEADERS end the write that failed, so they did not reach
+		// the server whole: it cannot have processed the stream.
+		st.fail(fmt.Errorf("%w: %w", errNotSent, err))
 		c.close(err)
 	}
 	select {
@@ -269,10 +267,7 @@ func (c *h2Client) readLoop() {
 	err := c.readFrames()
 	var ce http2.ConnectionError
 	if errors.As(err, &ce) {
-		if d := c.fr.ErrorDetail(); d != nil {
-			err = fmt.Errorf("%w: %w", err, d)
-		}
-		c.fail(http2.ErrCode(ce), err)
+		c.fail(http2.ErrCode(ce), c.connErrorDetail(err))
 		return
 	}
 	if errors.Is(err, io.EOF) {
@@ -283,11 +278,8 @@ func (c *h2Client) readLoop() {
 
 func (c *h2Client) readFrames() error {
 	for first := true; ; first = false {
-		fh, err := c.fr.ReadFrameHeader()
+		fh, err := c.readHeader()
 		if err != nil {
-			if errors.Is(err, http2.ErrFrameTooLarge) {
-				return connErrorf(http2.ErrCodeFrameSize, "frame of %d bytes", fh.Length)
-			}
 			return err
 		}
 		if first && fh.Type != http2.FrameSettings {
@@ -299,17 +291,7 @@ func (c *h2Client) readFrames() error {
 			}
 			continue
 		}
-		block := fh.Type == http2.FrameHeaders && !fh.Flags.Has(http2.FlagHeadersEndHeaders)
-		if block {
-			c.block.start()
-		}
-		f, err := c.fr.ReadFrameForHeader(fh)
-		if block {
-			c.block.stop()
-		}
-		if errors.Is(err, errHeaderBlockTooLong) {
-			return connErrorf(http2.ErrCodeProtocol, "%s", err.Error())
-		}
+		f, err := c.readForHeader(fh)
 		if err != nil {
 			var se http2.StreamError
 			if errors.As(err, &se) {
@@ -517,14 +499,13 @@ func (c *h2Client) streamError(id uint32, code http2.ErrCode, err error) {
 	c.queue(appendRSTStream(nil, id, code))
 }
 
-// flood closes a connection whose server lets more than maxQueuedControl
-// of control frames pile up (h2Out.onFlood).
-func (c *h2Client) flood() {
-	c.stat.controlFloods.Add(1)
+// flood closes a connection whose server lets control frames pile up past
+// a bound (h2Out.onFlood): its own maxQueuedControl or the budget's.
+func (c *h2Client) flood(err error) {
 	c.log.Warn("closing hbone connection: its server does not read the control frames it asks for",
-		"remote", c.conn.RemoteAddr().String(), "queued_bytes", maxQueuedControl)
+		"remote", c.conn.RemoteAddr().String(), "error", err)
 	// Closed from another goroutine: queue may run under a stream's lock.
-	go c.close(errors.New("over 1 MiB of control frames queued for a server that does not read"))
+	go c.close(err)
 }
 
 // writeLoop writes queued control frames nobody else wrote.
@@ -535,8 +516,7 @@ func (c *h2Client) writeLoop() {
 
 // fail ends the connection on a connection error: GOAWAY with code, close.
 func (c *h2Client) fail(code http2.ErrCode, err error) {
-	c.queue(appendGoAway(nil, 0, code))
-	_ = c.writeFramesWithin(goAwayTimeout, nil)
+	c.sendGoAway(0, code)
 	c.close(err)
 }
 
@@ -566,15 +546,10 @@ func (c *h2Client) close(err error) {
 	if !settled {
 		close(c.ready)
 	}
-	if isTimeout(err) {
-		c.stat.writeTimeouts.Add(1)
-	}
+	c.stat.countClose(err)
 	c.log.Debug("hbone connection closed", "remote", c.conn.RemoteAddr().String(), "error", err)
 	close(c.done)
-	_ = c.conn.Close()
-	if c.cfg.Budget != nil {
-		c.cfg.Budget.releaseWindow(c.origin, c.window)
-	}
+	c.shut()
 	for _, st := range streams {
 		st.fail(fmt.Errorf("%w: %w", errConnClosed, err))
 	}

@@ -328,6 +328,9 @@ func TestClientPingTimeout(t *testing.T) {
 	if !c.unusable() {
 		t.Error("connection still usable")
 	}
+	if got := c.errs.pingTimeouts.Load(); got != 1 {
+		t.Errorf("ping timeouts counted = %d, want 1", got)
+	}
 }
 
 // TestClientStatusAndReset: a non-200 answer is a StatusError with its
@@ -432,8 +435,12 @@ func TestCopyIntoStream(t *testing.T) {
 // TestDialRetriesGoAway: a stream that a pooled connection's GOAWAY leaves
 // unprocessed is retried once on a new connection (here one that cannot be
 // opened), and the pooled connection is evicted and closes.
-func TestDialRetriesGoAway(t *testing.T) {
-	dials := make(chan struct{}, 2)
+// pooledClient returns a Dialer whose pool holds one started client
+// engine for req, connected to a fakeServer, and whose new connections
+// fail, each counted in dials.
+func pooledClient(t *testing.T) (d *Dialer, req Request, c *h2Client, fs *fakeServer, wg *sync.WaitGroup, dials chan struct{}) {
+	t.Helper()
+	dials = make(chan struct{}, 2)
 	d, err := NewDialer(DialerConfig{
 		Certs: noCerts{},
 		DialContext: func(context.Context, string, string) (net.Conn, error) {
@@ -445,14 +452,18 @@ func TestDialRetriesGoAway(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = d.Close() })
-	c, fs, wg := newClientPair(t, &d.cfg)
+	c, fs, wg = newClientPair(t, &d.cfg)
 	if err := fs.start(c, wg); err != nil {
 		t.Fatal(err)
 	}
-	req := Request{Source: fuzzClient, Proxy: netip.MustParseAddrPort("127.0.0.1:15008"), Target: netip.MustParseAddrPort("127.0.0.1:80")}
-	key := poolKey{source: req.Source, proxy: req.Proxy}
-	d.pool[key] = &poolEntry{conns: []*h2Client{c}}
+	req = Request{Source: fuzzClient, Proxy: netip.MustParseAddrPort("127.0.0.1:15008"), Target: netip.MustParseAddrPort("127.0.0.1:80")}
+	d.pool[poolKey{source: req.Source, proxy: req.Proxy}] = &poolEntry{conns: []*h2Client{c}}
 	d.stat.connsPooled.Add(1)
+	return d, req, c, fs, wg, dials
+}
+
+func TestDialRetriesGoAway(t *testing.T) {
+	d, req, _, fs, wg, dials := pooledClient(t)
 	go func() {
 		fs.next(http2.FrameHeaders) // stream 1
 		_ = fs.fr.WriteGoAway(0, http2.ErrCodeNo, nil)
@@ -467,4 +478,92 @@ func TestDialRetriesGoAway(t *testing.T) {
 		t.Errorf("dialer stats = %+v, want 1 evicted, 1 failed connection, 1 failed stream, none pooled", st)
 	}
 	wg.Wait() // the connection that sent GOAWAY closes: its loops end
+}
+
+// TestDialRetriesOnlyUnprocessed: Dial retries a stream on a new
+// connection only when the server did not process it (RFC 9113 §8.7): a
+// GOAWAY whose last stream ID is below it, REFUSED_STREAM, or a connection
+// that took no new stream when its HEADERS were due. A stream the server
+// may have delivered (reset with another code, its connection broken after
+// the HEADERS went out, a GOAWAY above it, a status) fails without a
+// retry: a retry would dial the target twice.
+func TestDialRetriesOnlyUnprocessed(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		server func(fs *fakeServer, id uint32)
+		retry  bool
+	}{
+		{"GOAWAY below the stream", func(fs *fakeServer, id uint32) { _ = fs.fr.WriteGoAway(id-2, http2.ErrCodeNo, nil) }, true},
+		{"REFUSED_STREAM", func(fs *fakeServer, id uint32) { _ = fs.fr.WriteRSTStream(id, http2.ErrCodeRefusedStream) }, true},
+		{"RST_STREAM INTERNAL_ERROR", func(fs *fakeServer, id uint32) { _ = fs.fr.WriteRSTStream(id, http2.ErrCodeInternal) }, false},
+		{"RST_STREAM CANCEL", func(fs *fakeServer, id uint32) { _ = fs.fr.WriteRSTStream(id, http2.ErrCodeCancel) }, false},
+		{"RST_STREAM PROTOCOL_ERROR", func(fs *fakeServer, id uint32) { _ = fs.fr.WriteRSTStream(id, http2.ErrCodeProtocol) }, false},
+		{"connection closed after the HEADERS", func(fs *fakeServer, _ uint32) { _ = fs.conn.Close() }, false},
+		{"GOAWAY above the stream, then closed", func(fs *fakeServer, id uint32) {
+			_ = fs.fr.WriteGoAway(id, http2.ErrCodeNo, nil)
+			_ = fs.conn.Close()
+		}, false},
+		{"GOAWAY INTERNAL_ERROR above the stream, then closed", func(fs *fakeServer, id uint32) {
+			_ = fs.fr.WriteGoAway(id, http2.ErrCodeInternal, nil)
+			_ = fs.conn.Close()
+		}, false},
+		{"status 503", func(fs *fakeServer, id uint32) { fs.answer(id, "503", true) }, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d, req, c, fs, wg, dials := pooledClient(t)
+			// A first stream, answered, so that a GOAWAY can name one below.
+			if !c.reserve() {
+				t.Fatal("no stream slot")
+			}
+			go func() {
+				fs.answer(fs.next(http2.FrameHeaders).Header().StreamID, "200", false)
+				tc.server(fs, fs.next(http2.FrameHeaders).Header().StreamID)
+			}()
+			if _, err := c.openStream(context.Background(), req.Target); err != nil {
+				t.Fatal(err)
+			}
+			_, err := d.Dial(context.Background(), req)
+			if err == nil {
+				t.Fatal("dial succeeded")
+			}
+			if got := len(dials) == 1; got != tc.retry {
+				t.Errorf("dial failed with %v after %d new connections tried; want a retry: %v", err, len(dials), tc.retry)
+			}
+			if st := d.Stats(); st.StreamsFailed != 1 {
+				t.Errorf("dialer stats = %+v, want 1 failed stream", st)
+			}
+			_ = d.Close()
+			c.close(nil) // evicted: it drains its first stream
+			wg.Wait()
+		})
+	}
+	t.Run("HEADERS write failed", func(t *testing.T) {
+		d, req, c, _, wg, dials := pooledClient(t)
+		// Our half of the connection is shut: the next write fails, the
+		// read loop does not notice.
+		if err := c.conn.(*plainConn).CloseWrite(); err != nil {
+			t.Fatal(err)
+		}
+		_, err := d.Dial(context.Background(), req)
+		if err == nil || len(dials) != 1 {
+			t.Errorf("dial failed with %v after %d new connections tried; want a retry", err, len(dials))
+		}
+		_ = d.Close()
+		wg.Wait()
+	})
+	t.Run("connection taking no stream when the HEADERS are due", func(t *testing.T) {
+		c, fs, wg := newClientPair(t, testDialerConfig())
+		if err := fs.start(c, wg); err != nil {
+			t.Fatal(err)
+		}
+		if !c.reserve() {
+			t.Fatal("no stream slot")
+		}
+		c.drain() // the pool dropped it between reserve and openStream
+		_, err := c.openStream(context.Background(), netip.MustParseAddrPort("127.0.0.1:80"))
+		if !errors.Is(err, errNotSent) || !retryable(err) {
+			t.Errorf("openStream on a draining connection = %v, want %v (retryable)", err, errNotSent)
+		}
+		wg.Wait()
+	})
 }

@@ -28,11 +28,14 @@ type Stream struct {
 	peer     spiffeid.ID
 	answered chan struct{} // closed when the CONNECT got its answer or failed
 
-	// Under c.mu: the send side, and whether the stream still holds a slot.
-	sendWin    int64
-	localEnd   bool  // END_STREAM sent
-	remoteDone bool  // END_STREAM received
-	sendErr    error // writes fail with it
+	// The send side (its window under c.mu): the stream's sendGate.
+	h2Send
+	// Under c.mu: the send side's end, and whether the stream still
+	// holds a slot.
+	state   streamState   // the END_STREAMs sent and received
+	sendErr error         // writes fail with it
+	stop    chan struct{} // sendStop's, made when first asked for
+	stopped bool          // stop is closed
 
 	rmu sync.Mutex // serializes Reads
 
@@ -42,8 +45,7 @@ type Stream struct {
 	settled   bool      // answered is closed
 	open      bool      // 200 received
 	dialErr   error     // the CONNECT failed
-	recvWin   int64     // receive window left
-	credit    int64     // bytes Read took, not yet granted back
+	h2Recv              // receive window; credit: bytes Read took, not granted back yet
 	queue     []rxChunk // DATA no Read was waiting for
 	queued    int       // bytes in queue
 	filling   bool      // the read loop reads into the queue's last chunk
@@ -136,7 +138,7 @@ func (s *Stream) takeLocked(p []byte) int {
 // creditLocked counts n bytes taken by Read and returns a stream
 // WINDOW_UPDATE once a quarter of the window is due (mu held).
 func (s *Stream) creditLocked(n int) []byte {
-	return grantStream(s.id, &s.credit, &s.recvWin, int64(n), int64(s.c.cfg.StreamWindow), s.remoteEnd)
+	return s.grant(s.id, int64(n), int64(s.c.cfg.StreamWindow), s.remoteEnd)
 }
 
 // dropQueueLocked releases the queue and returns how many bytes it held
@@ -276,8 +278,8 @@ func (s *Stream) onEnd() {
 func (s *Stream) ended() {
 	c := s.c
 	c.mu.Lock()
-	s.remoteDone = true
-	done := s.localEnd
+	s.state = s.state.closeRemote()
+	done := s.state == stateClosed
 	c.mu.Unlock()
 	if done {
 		c.removeStream(s)
@@ -329,8 +331,29 @@ func (s *Stream) failSend(err error) {
 	if s.sendErr == nil {
 		s.sendErr = err
 	}
+	s.stopLocked()
 	c.cond.Broadcast()
 	c.mu.Unlock()
+}
+
+// sendStop returns a channel closed once the stream sends no more (c.mu
+// held): a wait for send-buffer tokens ends with it.
+func (s *Stream) sendStop() <-chan struct{} {
+	if s.stop == nil {
+		s.stop = make(chan struct{})
+		if s.sendErrLocked() != nil {
+			s.stopLocked()
+		}
+	}
+	return s.stop
+}
+
+// stopLocked closes sendStop's channel, if one was made (c.mu held).
+func (s *Stream) stopLocked() {
+	if s.stop != nil && !s.stopped {
+		s.stopped = true
+		close(s.stop)
+	}
 }
 
 // reset ends the stream from our side: RST_STREAM code when it is still
@@ -350,30 +373,21 @@ func (s *Stream) reset(code http2.ErrCode, err error) {
 // Write sends p to the target. DATA frames are written from the calling
 // goroutine, within the server's flow-control windows and frame size:
 // several frames are laid out in one pooled buffer and sent with one TLS
-// write.
+// write. The buffer is a send buffer of the sendGate (the connection's,
+// its origin's and the node's bounds), held only while it is written.
 func (s *Stream) Write(p []byte) (int, error) {
-	var stage *[]byte
-	defer func() {
-		if stage != nil {
-			sockBufs.Put(stage)
-		}
-	}()
 	written := 0
-	const room = frameHeaderLen + sockBuf // cap of a sockBufs buffer
 	for written < len(p) {
-		// The window first: a Write waiting for the server holds no buffer.
-		m, maxFrame, err := s.waitSend(len(p)-written, func(maxFrame int) int {
-			if frames := room / (frameHeaderLen + maxFrame); frames > 0 {
-				return frames * maxFrame
-			}
-			return room - frameHeaderLen
-		})
-		if err != nil {
+		// The window and a send buffer first: a Write waiting for them
+		// holds no buffer.
+		if err := s.wait(); err != nil {
 			return written, err
 		}
-		if stage == nil {
-			stage = sockBufs.Get().(*[]byte)
+		m, maxFrame := s.takeFit(len(p)-written, framesFit)
+		if m == 0 {
+			continue
 		}
+		stage := sockBufs.Get().(*[]byte)
 		b := (*stage)[:0]
 		for q := p[written : written+m]; len(q) > 0; {
 			k := min(len(q), maxFrame)
@@ -381,13 +395,26 @@ func (s *Stream) Write(p []byte) (int, error) {
 			b = append(b, q[:k]...)
 			q = q[k:]
 		}
-		if err := s.c.writeFrames(b); err != nil {
+		err := s.c.writeFrames(b)
+		sockBufs.Put(stage)
+		s.back(0)
+		if err != nil {
 			s.c.close(err)
 			return written, fmt.Errorf("failed to write to hbone stream: %w", err)
 		}
 		written += m
 	}
 	return written, nil
+}
+
+// framesFit is how many payload bytes of frames of maxFrame fit, with
+// their headers, in one sockBufs buffer.
+func framesFit(maxFrame int) int {
+	const room = frameHeaderLen + sockBuf // cap of a sockBufs buffer
+	if frames := room / (frameHeaderLen + maxFrame); frames > 0 {
+		return frames * maxFrame
+	}
+	return room - frameHeaderLen
 }
 
 // tlsRecord is the largest TLS record payload: frames that fill whole
@@ -428,7 +455,7 @@ func (s *Stream) sendErrLocked() error {
 	switch {
 	case s.sendErr != nil:
 		return s.sendErr
-	case s.localEnd:
+	case s.state.localClosed():
 		return errWriteAfterClose
 	case c.closed:
 		return fmt.Errorf("%w: %w", errConnClosed, c.err)
@@ -436,81 +463,11 @@ func (s *Stream) sendErrLocked() error {
 	return nil
 }
 
-// wait blocks, holding no buffer, until the server's windows are open and
-// a send buffer of the connection is free (sendGate).
-func (s *Stream) wait() error {
-	c := s.c
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	for {
-		if err := s.sendErrLocked(); err != nil {
-			return err
-		}
-		if s.sendWin > 0 && c.sendConn > 0 && c.sendBufs < maxSendBufs {
-			return nil
-		}
-		c.cond.Wait()
-	}
-}
-
-// take reserves up to limit bytes of the server's windows and a send
-// buffer (sendGate); 0 when there is none now.
-func (s *Stream) take(limit int) int {
-	c := s.c
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if s.sendErrLocked() != nil || s.sendWin <= 0 || c.sendConn <= 0 || c.sendBufs >= maxSendBufs {
-		return 0
-	}
-	m := int(min(int64(limit), s.sendWin, c.sendConn))
-	s.sendWin -= int64(m)
-	c.sendConn -= int64(m)
-	c.sendBufs++
-	return m
-}
-
-// back returns n bytes of window take reserved and not sent, and the send
-// buffer (sendGate).
-func (s *Stream) back(n int) {
-	c := s.c
-	c.mu.Lock()
-	s.sendWin += int64(n)
-	c.sendConn += int64(n)
-	c.sendBufs--
-	c.cond.Broadcast()
-	c.mu.Unlock()
-}
-
-// waitSend waits until both send windows are open and takes up to want
-// bytes of them (at most limit(maxFrame) when limit is set); it returns
-// the amount and the server's frame size.
-func (s *Stream) waitSend(want int, limit func(maxFrame int) int) (int, int, error) {
-	c := s.c
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	for {
-		if err := s.sendErrLocked(); err != nil {
-			return 0, 0, err
-		}
-		if s.sendWin > 0 && c.sendConn > 0 {
-			break
-		}
-		c.cond.Wait()
-	}
-	m := int(min(int64(want), s.sendWin, c.sendConn))
-	if limit != nil {
-		m = min(m, limit(c.peerMaxFrame))
-	}
-	s.sendWin -= int64(m)
-	c.sendConn -= int64(m)
-	return m, c.peerMaxFrame, nil
-}
-
 // CloseWrite half-closes the stream (END_STREAM); Read keeps working.
 func (s *Stream) CloseWrite() error {
 	c := s.c
 	c.mu.Lock()
-	if s.localEnd {
+	if s.state.localClosed() {
 		c.mu.Unlock()
 		return nil
 	}
@@ -518,8 +475,9 @@ func (s *Stream) CloseWrite() error {
 		c.mu.Unlock()
 		return err
 	}
-	s.localEnd = true
-	done := s.remoteDone
+	s.state = s.state.closeLocal()
+	s.stopLocked()
+	done := s.state == stateClosed
 	c.mu.Unlock()
 	err := c.writeFrames(appendFrameHeader(nil, 0, http2.FrameData, http2.FlagDataEndStream, s.id))
 	if err != nil {

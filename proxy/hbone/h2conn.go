@@ -8,12 +8,10 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
-	"sync"
 	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"golang.org/x/net/http2"
-	"golang.org/x/net/http2/hpack"
 )
 
 // maxHeaderBlock bounds the bytes of one header block on the wire (HEADERS
@@ -74,8 +72,7 @@ const goAwayTimeout = time.Second
 type h2Conn struct {
 	s        *Server
 	peer     spiffeid.ID // the client's verified SPIFFE ID
-	fr       *http2.Framer
-	block    blockReader // the Framer's reader
+	h2Reader             // the Framer, header blocks bounded
 	peerAddr netip.AddrPort
 	ctx      context.Context // canceled when the connection closes
 	cancel   context.CancelFunc
@@ -91,15 +88,9 @@ type h2Conn struct {
 	batchLo, batchDone int
 	batchBuf           *[]byte
 
-	keep h2Keepalive // the ping check
-
-	// The budget this connection holds (Server.cfg.Budget): leave gives
-	// its connection slot back (nil: none taken, tests), window is the
-	// receive window reserved beyond the initial 64 KiB under key src.
-	leave  func()
-	src    string
-	window int64
-	slots  sendSlots // the send-buffer tokens of the node and of src
+	// leave gives the connection's slot of the Budget back (nil: none
+	// taken, tests); h2Out's h2Share holds the rest of its share.
+	leave func()
 
 	// unstarted are streams opened since the read loop last read its
 	// socket: they are delivered (serve started) only once every frame
@@ -107,18 +98,15 @@ type h2Conn struct {
 	// same burst (a rapid reset) never dials its target (read loop only).
 	unstarted []*h2Stream
 
-	mu           sync.Mutex
-	cond         sync.Cond // send windows grew, a stream stopped, or the connection closed
+	// The send side: windows, the client's settings, send buffers; its mu
+	// guards the fields below too.
+	h2Flow
 	streams      map[uint32]*h2Stream
 	maxID        uint32 // highest stream the client opened
 	started      bool   // the client preface was read
 	goingAway    bool   // GOAWAY queued: no new streams
 	closeFlushed bool   // close once the queued control frames are written
 	closed       bool
-	sendConn     int64 // connection send window
-	peerInitial  int64 // the client's SETTINGS_INITIAL_WINDOW_SIZE
-	peerMaxFrame int   // the client's SETTINGS_MAX_FRAME_SIZE
-	sendBufs     int   // streams holding an upstream read buffer (sendGate)
 	idle         *time.Timer
 }
 
@@ -142,28 +130,18 @@ func newH2Conn(s *Server, conn h2Transport, peer spiffeid.ID) *h2Conn {
 	ctx, cancel := context.WithCancel(context.Background())
 	c := &h2Conn{
 		s: s, peer: peer, ctx: ctx, cancel: cancel,
-		done:         make(chan struct{}),
-		streams:      map[uint32]*h2Stream{},
-		sendConn:     initialWindow,
-		peerInitial:  initialWindow,
-		peerMaxFrame: DefaultMaxFrameSize,
+		done:    make(chan struct{}),
+		streams: map[uint32]*h2Stream{},
 	}
-	c.cond.L = &c.mu
 	if a, ok := conn.RemoteAddr().(*net.TCPAddr); ok {
 		ap := a.AddrPort()
 		c.peerAddr = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
 	}
-	c.src = sourceKey(conn.RemoteAddr())
-	c.window = s.cfg.Budget.reserveWindow(c.src, int64(s.cfg.ConnWindow-initialWindow))
-	c.slots = s.cfg.Budget.slots(c.src)
-	c.initOut(conn, initialWindow+int(c.window), s.cfg.WriteTimeout, c.flood)
+	window, slots := c.reserveShare(s.cfg.Budget, sourceKey(conn.RemoteAddr()), s.cfg.ConnWindow)
+	c.initFlow(slots)
+	c.initOut(conn, window, s.cfg.WriteTimeout, &s.stat.h2Counters, c.flood)
 	conn.setBeforeRead(c.beforeRead)
-	c.fr = http2.NewFramer(nil, &c.block)
-	c.block.r = conn
-	c.fr.SetReuseFrames()
-	c.fr.SetMaxReadFrameSize(uint32(s.cfg.MaxFrameSize))
-	c.fr.MaxHeaderListSize = maxHeaderList
-	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	c.initReader(conn, s.cfg.MaxFrameSize)
 	return c
 }
 
@@ -189,7 +167,7 @@ func (c *h2Conn) serve() {
 	c.started = true
 	c.idle = time.AfterFunc(cfg.IdleTimeout, c.idleTimeout)
 	c.mu.Unlock()
-	c.keep.start(cfg.PingInterval, cfg.PingTimeout, c.queue, func() {
+	c.startKeepalive(cfg.PingInterval, cfg.PingTimeout, func() {
 		c.close(errors.New("failed to get a ping ack: timeout"))
 	})
 
@@ -214,14 +192,6 @@ func (c *h2Conn) serve() {
 			continue // a DATA payload taken into the batch
 		}
 		if err != nil {
-			if errors.Is(err, http2.ErrFrameTooLarge) {
-				c.fail(http2.ErrCodeFrameSize, err)
-				return
-			}
-			if errors.Is(err, errHeaderBlockTooLong) {
-				c.fail(http2.ErrCodeProtocol, err)
-				return
-			}
 			var se http2.StreamError
 			if errors.As(err, &se) {
 				c.streamError(se.StreamID, se.Code)
@@ -229,10 +199,7 @@ func (c *h2Conn) serve() {
 			}
 			var ce http2.ConnectionError
 			if errors.As(err, &ce) {
-				if d := c.fr.ErrorDetail(); d != nil {
-					err = fmt.Errorf("%w: %w", err, d)
-				}
-				c.fail(http2.ErrCode(ce), fmt.Errorf("failed to read http/2 frame: %w", err))
+				c.fail(http2.ErrCode(ce), fmt.Errorf("failed to read http/2 frame: %w", c.connErrorDetail(err)))
 			}
 			return
 		}
@@ -265,7 +232,7 @@ func (c *h2Conn) serve() {
 // when the batch is full. Any other frame is read by the Framer, after the
 // batch is written.
 func (c *h2Conn) readFrame(first bool) (http2.Frame, error) {
-	fh, err := c.fr.ReadFrameHeader()
+	fh, err := c.readHeader()
 	if err != nil {
 		c.flushBatch()
 		return nil, err
@@ -274,11 +241,7 @@ func (c *h2Conn) readFrame(first bool) (http2.Frame, error) {
 		return nil, c.readBatch(fh)
 	}
 	c.flushBatch()
-	if fh.Type == http2.FrameHeaders && !fh.Flags.Has(http2.FlagHeadersEndHeaders) {
-		c.block.start()
-		defer c.block.stop()
-	}
-	return c.fr.ReadFrameForHeader(fh)
+	return c.readForHeader(fh)
 }
 
 // beforeRead runs before every read of the connection's socket (the
@@ -328,10 +291,7 @@ func (c *h2Conn) takeData(fh http2.FrameHeader) bool {
 		}
 	}
 	st.mu.Lock()
-	ok := st.fastLocked() && !st.remoteEnd && int64(fh.Length) <= st.recvWin
-	if ok {
-		st.recvWin -= int64(fh.Length)
-	}
+	ok := st.fastLocked() && !st.remoteEnd && st.consume(int64(fh.Length))
 	st.mu.Unlock()
 	if !ok {
 		return false
@@ -416,14 +376,19 @@ func (c *h2Conn) stopStream(st *h2Stream) {
 
 func (c *h2Conn) onGoAway(*http2.GoAwayFrame) { c.goAway(http2.ErrCodeNo) }
 
+// connError is a connection error (RFC 9113 §5.4.1) with its code; err,
+// when set, is its cause.
 type connError struct {
 	code http2.ErrCode
 	msg  string
+	err  error
 }
 
 func (e *connError) Error() string {
 	return "http/2 connection error " + e.code.String() + ": " + e.msg
 }
+
+func (e *connError) Unwrap() error { return e.err }
 
 func (e *connError) As(target any) bool {
 	if ce, ok := target.(*http2.ConnectionError); ok {
@@ -573,7 +538,11 @@ func (c *h2Conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	if c.peerAddr.IsValid() {
 		ctx = context.WithValue(ctx, peerAddrCtx{}, c.peerAddr)
 	}
-	st := &h2Stream{c: c, id: id, target: target, recvWin: int64(cfg.StreamWindow), remoteEnd: ended}
+	st := &h2Stream{c: c, id: id, target: target, h2Recv: h2Recv{recvWin: int64(cfg.StreamWindow)}, remoteEnd: ended, state: stateOpen}
+	if ended {
+		st.state = stateHalfClosedRemote
+	}
+	st.flow, st.owner = &c.h2Flow, st
 	st.ctx, st.cancel = context.WithCancel(ctx)
 	c.mu.Lock()
 	if c.closed {
@@ -651,14 +620,13 @@ func (c *h2Conn) streamError(id uint32, code http2.ErrCode) {
 	}
 }
 
-// flood closes a connection whose client lets more than maxQueuedControl
-// of control frames pile up (h2Out.onFlood).
-func (c *h2Conn) flood() {
+// flood closes a connection whose client lets control frames pile up past
+// a bound (h2Out.onFlood): its own maxQueuedControl or the node's budget.
+func (c *h2Conn) flood(err error) {
 	// Closed from another goroutine: queue may run under c.mu.
-	c.s.stat.controlFloods.Add(1)
 	c.s.log.Warn("closing hbone connection: its client does not read the control frames it asks for",
-		"source_id", c.peer.String(), "remote", c.conn.RemoteAddr().String(), "queued_bytes", maxQueuedControl)
-	go c.close(errors.New("over 1 MiB of control frames queued for a client that does not read"))
+		"source_id", c.peer.String(), "remote", c.conn.RemoteAddr().String(), "error", err)
+	go c.close(err)
 }
 
 // writeLoop writes queued control frames nobody else wrote; after a
@@ -679,8 +647,7 @@ func (c *h2Conn) fail(code http2.ErrCode, err error) {
 	last := c.maxID
 	c.goingAway = true
 	c.mu.Unlock()
-	c.queue(appendGoAway(nil, last, code))
-	_ = c.writeFramesWithin(goAwayTimeout, nil)
+	c.sendGoAway(last, code)
 	c.close(err)
 }
 
@@ -723,7 +690,7 @@ func (c *h2Conn) close(err error) {
 	c.closed = true
 	streams := make([]*h2Stream, 0, len(c.streams))
 	for _, st := range c.streams {
-		st.stopped = true
+		st.state = stateClosed
 		streams = append(streams, st)
 	}
 	if c.idle != nil {
@@ -733,19 +700,15 @@ func (c *h2Conn) close(err error) {
 	c.cond.Broadcast()
 	c.mu.Unlock()
 	if err != nil {
-		if isTimeout(err) {
-			c.s.stat.writeTimeouts.Add(1)
-		}
+		c.s.stat.countClose(err)
 		c.s.log.Debug("hbone connection closed", "remote", c.conn.RemoteAddr().String(), "error", err)
 	}
 	close(c.done)
 	c.cancel()
-	_ = c.conn.Close()
+	c.shut()
 	for _, st := range streams {
 		st.closeIn()
 	}
-	c.s.cfg.Budget.releaseWindow(c.src, c.window)
-	c.s.cfg.Budget.dropSlots(c.src)
 	if c.leave != nil {
 		c.leave()
 	}

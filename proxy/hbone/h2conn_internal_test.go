@@ -7,7 +7,9 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"runtime"
 	"testing"
+	"time"
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"golang.org/x/net/http2"
@@ -142,4 +144,125 @@ func TestControlFloodClosesConnection(t *testing.T) {
 		t.Fatalf("after %d bytes of PINGs: %d control floods counted, want 1 (connection closed for another reason?)", sent, got)
 	}
 	srv.wg.Wait()
+}
+
+// TestControlBudgetBoundsNode: clients that send PINGs and read none of the
+// acks used to make each connection queue up to 1 MiB of them (1 GiB at the
+// node's 1024 connections, as much again in the writes under way). The
+// Budget's Control now bounds what all connections of the node hold beyond
+// 16 KiB each (here 256 KiB, for 16 clients that each ask for ~590 KiB of
+// acks): the heap grows by less than 4 MiB (before: ~9.4 MB of acks), the
+// connections past the budget are closed as control floods, nothing stays
+// charged once they are gone, and a client that reads still gets its acks.
+func TestControlBudgetBoundsNode(t *testing.T) {
+	budget, err := NewBudget(BudgetConfig{Control: 256 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := NewServer(ServerConfig{
+		Identity: fuzzServer, Certs: noCerts{}, Budget: budget,
+		Deliver: func(context.Context, spiffeid.ID, netip.AddrPort) (net.Conn, error) {
+			return nil, errors.New("no delivery in this test")
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln := loopbackListener(t)
+	heap := func() uint64 {
+		runtime.GC()
+		runtime.GC()
+		var m runtime.MemStats
+		runtime.ReadMemStats(&m)
+		return m.HeapAlloc
+	}
+	pings := newFrames()
+	_ = pings.fr.WritePing(false, [8]byte{'f', 'l', 'o', 'o', 'd'})
+	ping := pings.Bytes()
+	const clients, acks = 16, 590 << 10 // below the connection's own 1 MiB
+	burst := bytes.Repeat(ping, acks/len(ping))
+	before := heap()
+	type attacker struct {
+		cli    *net.TCPConn
+		pc     *plainConn
+		served chan struct{}
+		total  int64
+	}
+	var as []attacker
+	for range clients {
+		cli, _, pc, served := serveConn(t, srv, ln, false)
+		// Small socket buffers: the acks pile up in the engine, not the kernel.
+		if err := pc.SetWriteBuffer(4096); err != nil {
+			t.Fatal(err)
+		}
+		if err := cli.SetReadBuffer(4096); err != nil {
+			t.Fatal(err)
+		}
+		b := append([]byte(clientPreface), newFrames().settings().Bytes()...)
+		b = append(b, burst...)
+		if _, err := cli.Write(b); err != nil {
+			t.Fatal(err)
+		}
+		as = append(as, attacker{cli, pc, served, int64(len(b))})
+	}
+	// Every PING read: each engine waits for more input, or closed.
+	closed := func(ch chan struct{}) bool {
+		select {
+		case <-ch:
+			return true
+		default:
+			return false
+		}
+	}
+	for _, a := range as {
+		for a.pc.parked.Load() < a.total && !closed(a.served) {
+			time.Sleep(time.Millisecond)
+		}
+	}
+	during := heap()
+	flooded := 0
+	for _, a := range as {
+		if closed(a.served) {
+			flooded++
+		}
+	}
+	if st := budget.Stats(); st.Control > 256<<10 {
+		t.Errorf("control bytes charged = %d, over the budget's %d", st.Control, 256<<10)
+	}
+	t.Logf("live heap %d -> %d bytes with %d clients not reading %d bytes of acks each; %d closed", before, during, clients, acks, flooded)
+	const bound = 4 << 20
+	if during > before+bound {
+		t.Errorf("live heap grew by %d bytes with %d clients not reading their acks, want < %d", during-before, clients, bound)
+	}
+	if flooded == 0 || srv.Stats().ControlFloods != uint64(flooded) {
+		t.Errorf("%d connections closed, %d control floods counted; want some closed, each counted", flooded, srv.Stats().ControlFloods)
+	}
+
+	// A client that reads gets its ack.
+	cli, _, _, _ := serveConn(t, srv, ln, false)
+	b := append([]byte(clientPreface), newFrames().settings().Bytes()...)
+	if _, err := cli.Write(append(b, ping...)); err != nil {
+		t.Fatal(err)
+	}
+	fr := http2.NewFramer(nil, cli)
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("reading client: no PING ack: %v", err)
+		}
+		if p, ok := f.(*http2.PingFrame); ok && p.IsAck() {
+			break
+		}
+	}
+	_ = cli.Close()
+	for _, a := range as {
+		_ = a.cli.Close()
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_ = srv.Shutdown(ctx)
+	srv.wg.Wait()
+	if st := budget.Stats(); st.Control != 0 {
+		t.Errorf("control bytes still charged after every connection closed: %d", st.Control)
+	}
 }

@@ -1,6 +1,7 @@
 package hbone
 
 import (
+	"errors"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -13,7 +14,9 @@ import (
 // frames (SETTINGS and PING acks, WINDOW_UPDATE, RST_STREAM, GOAWAY, PING)
 // are appended to ctl and written ahead of the next write, or by the
 // engine's writer goroutine when wake is signaled: a read loop never waits
-// for the connection's writer. The queue is bounded by maxQueuedControl.
+// for the connection's writer. The queue is bounded by maxQueuedControl,
+// and what it holds beyond controlFloor, queued or being written, is
+// charged to the node's Budget (BudgetConfig.Control).
 //
 // It also keeps the connection's receive window (recvConn), whose
 // WINDOW_UPDATEs go through that queue.
@@ -24,22 +27,61 @@ type h2Out struct {
 	ctl     []byte
 	spare   []byte
 	wake    chan struct{}
-	flooded atomic.Bool // maxQueuedControl was passed: closing
+	flooded atomic.Bool // a control bound was passed: closing
 	// onFlood runs once, on the goroutine that passed maxQueuedControl
-	// (possibly under the engine's locks): it closes the connection from
-	// another goroutine.
-	onFlood  func()
-	recvConn recvWindow // bytes consumed are granted back
+	// or the budget's Control (err says which; possibly under the engine's
+	// locks): it closes the connection from another goroutine.
+	onFlood func(err error)
+	// h2Share's budget is charged what ctl holds beyond controlFloor
+	// (charged, under cmu). outClosed: the connection closed, nothing
+	// more is queued.
+	h2Share
+	charged   int64
+	outClosed bool
+	recvConn  recvWindow // bytes consumed are granted back
 	// writeTimeout bounds every write (wmu held): a peer that does not
 	// read fails the write, and the engine closes the connection.
 	writeTimeout time.Duration
+	keep         h2Keepalive // the ping check
+	errs         *h2Counters // the engine's: why its connections closed
 }
 
-// initOut sets the connection, its receive window, the write timeout and
-// the flood hook.
-func (o *h2Out) initOut(conn h2Transport, connWindow int, writeTimeout time.Duration, onFlood func()) {
-	o.conn, o.wake, o.onFlood, o.writeTimeout = conn, make(chan struct{}, 1), onFlood, writeTimeout
+// initOut sets the connection, its receive window (the share reserved),
+// the write timeout, the counters and the flood hook.
+func (o *h2Out) initOut(conn h2Transport, connWindow int, writeTimeout time.Duration, errs *h2Counters, onFlood func(error)) {
+	o.conn, o.wake, o.onFlood, o.writeTimeout, o.errs = conn, make(chan struct{}, 1), onFlood, writeTimeout, errs
 	o.recvConn.init(connWindow)
+}
+
+// shut closes the connection's socket and gives back what it held: the
+// control queue and its charge, the Budget's share (window, tokens).
+func (o *h2Out) shut() {
+	_ = o.conn.Close()
+	o.closeOut()
+	o.releaseShare()
+}
+
+// controlFloor is what a connection's control-frame queue holds without a
+// charge to the Budget: a peer that reads never leaves more queued (a
+// queue is written ahead of every frame write), so the node's bound
+// closes only connections whose peer does not read.
+const controlFloor = 16 << 10
+
+// Why a connection's control queue was closed (h2Out.onFlood).
+var (
+	errControlFlood  = errors.New("over 1 MiB of control frames queued for a peer that does not read")
+	errControlBudget = errors.New("control frames queued for a peer that does not read: the node's or its source's control-frame budget is spent")
+)
+
+// closeOut drops the queue and its charge when the connection closes; a
+// write in flight gives its own back when it returns.
+func (o *h2Out) closeOut() {
+	o.cmu.Lock()
+	o.outClosed = true
+	charged := o.charged
+	o.ctl, o.spare, o.charged = nil, nil, 0
+	o.cmu.Unlock()
+	o.budget.releaseControl(o.src, charged)
 }
 
 // armLocked sets the deadline of the write about to start (wmu held).
@@ -54,16 +96,7 @@ func (o *h2Out) armLocked(d time.Duration) {
 func (o *h2Out) writeFramesWithin(d time.Duration, b []byte) error {
 	o.wmu.Lock()
 	defer o.wmu.Unlock()
-	o.conn.beginBatch()
-	o.armLocked(d)
-	err := o.writeQueuedLocked()
-	if err == nil && len(b) > 0 {
-		_, err = o.conn.Write(b)
-	}
-	if ferr := o.conn.endBatch(); err == nil {
-		err = ferr
-	}
-	return err
+	return o.writeWithinLocked(d, b)
 }
 
 // queue appends control frames for the next write and wakes the writer.
@@ -71,14 +104,29 @@ func (o *h2Out) writeFramesWithin(d time.Duration, b []byte) error {
 // the peer does not read what it asks for.
 func (o *h2Out) queue(b []byte) {
 	o.cmu.Lock()
-	over := len(o.ctl)+len(b) > maxQueuedControl
-	if !over {
+	if o.outClosed {
+		o.cmu.Unlock()
+		return
+	}
+	n := len(o.ctl) + len(b)
+	var over error
+	if n > maxQueuedControl {
+		over = errControlFlood
+	} else if extra := int64(n-controlFloor) - o.charged; extra > 0 {
+		if o.budget.chargeControl(o.src, extra) {
+			o.charged += extra
+		} else {
+			over = errControlBudget
+		}
+	}
+	if over == nil {
 		o.ctl = append(o.ctl, b...)
 	}
 	o.cmu.Unlock()
-	if over {
+	if over != nil {
 		if o.flooded.CompareAndSwap(false, true) {
-			o.onFlood()
+			o.errs.controlFloods.Add(1)
+			o.onFlood(over)
 		}
 		return
 	}
@@ -86,6 +134,27 @@ func (o *h2Out) queue(b []byte) {
 	case o.wake <- struct{}{}:
 	default:
 	}
+}
+
+// startKeepalive starts the ping check (h2Keepalive): PINGs go through the
+// queue, and expire (which closes the connection) runs, counted, when one
+// is not acknowledged in time.
+func (o *h2Out) startKeepalive(interval, timeout time.Duration, expire func()) {
+	o.keep.start(interval, timeout, o.queue, func() {
+		o.errs.pingTimeouts.Add(1)
+		expire()
+	})
+}
+
+// sendGoAway sends GOAWAY with last and code ahead of a close for a connection
+// error, within goAwayTimeout (a peer that does not read does not hold the
+// caller), and counts the error.
+func (o *h2Out) sendGoAway(last uint32, code http2.ErrCode) {
+	if code != http2.ErrCodeNo {
+		o.errs.protocolErrors.Add(1)
+	}
+	o.queue(appendGoAway(nil, last, code))
+	_ = o.writeFramesWithin(goAwayTimeout, nil)
 }
 
 // creditConn returns n consumed bytes to the connection's receive window;
@@ -104,9 +173,13 @@ func (o *h2Out) writeFrames(b []byte) error {
 }
 
 // writeFramesLocked is writeFrames with wmu held.
-func (o *h2Out) writeFramesLocked(b []byte) error {
+func (o *h2Out) writeFramesLocked(b []byte) error { return o.writeWithinLocked(o.writeTimeout, b) }
+
+// writeWithinLocked writes the queued control frames, then b, in one
+// write(2) with deadline d (wmu held).
+func (o *h2Out) writeWithinLocked(d time.Duration, b []byte) error {
 	o.conn.beginBatch()
-	o.armLocked(o.writeTimeout)
+	o.armLocked(d)
 	err := o.writeQueuedLocked()
 	if err == nil && len(b) > 0 {
 		_, err = o.conn.Write(b)
@@ -120,15 +193,18 @@ func (o *h2Out) writeFramesLocked(b []byte) error {
 // writeQueuedLocked writes the queued control frames (wmu held).
 func (o *h2Out) writeQueuedLocked() error {
 	o.cmu.Lock()
-	b := o.ctl
-	o.ctl, o.spare = o.spare, nil
+	b, charged := o.ctl, o.charged
+	o.ctl, o.spare, o.charged = o.spare, nil, 0
 	o.cmu.Unlock()
 	if len(b) == 0 {
 		return nil
 	}
 	_, err := o.conn.Write(b)
+	o.budget.releaseControl(o.src, charged) // held while being written
 	o.cmu.Lock()
-	o.spare = b[:0]
+	if !o.outClosed {
+		o.spare = b[:0]
+	}
 	o.cmu.Unlock()
 	return err
 }
@@ -177,21 +253,6 @@ func (w *recvWindow) give(n int64) []byte {
 	}
 	w.left.Add(inc)
 	return appendWindowUpdate(nil, 0, uint32(inc))
-}
-
-// grantStream counts n bytes of a stream's receive window consumed (into
-// *credit) and returns the stream's WINDOW_UPDATE once a quarter of window
-// is due (added back to *recvWin), nil before or once the peer ended the
-// stream (ended).
-func grantStream(id uint32, credit, recvWin *int64, n, window int64, ended bool) []byte {
-	*credit += n
-	if ended || *credit < window/4 {
-		return nil
-	}
-	inc := *credit
-	*credit = 0
-	*recvWin += inc
-	return appendWindowUpdate(nil, id, uint32(inc))
 }
 
 // maxSettings is the most entries a SETTINGS frame may carry (x/net's

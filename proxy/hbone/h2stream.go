@@ -26,20 +26,18 @@ type h2Stream struct {
 	// started: serve runs (set by the read loop before it starts it).
 	started bool
 
-	// Under c.mu: the send side.
-	sendWin int64
-	stopped bool // reset (either side) or the connection closed: no more frames
-	// held: the send-buffer tokens wait acquired, not yet used by take
-	// (the stream's copy goroutine only).
-	held bool
+	// The send side (its window under c.mu): the stream's sendGate.
+	h2Send
+	// state is under c.mu: closed once reset (either side), the
+	// connection closed, or the response ended: no more frames.
+	state streamState
 
 	// Under mu: the receive side (client → upstream).
 	mu        sync.Mutex
 	up        net.Conn        // the delivered upstream; nil until Deliver returns
 	raw       syscall.RawConn // up's socket, written without waiting; nil: queue only
 	wrote     func(int)       // a SocketConn's SocketWritten
-	recvWin   int64           // receive window left
-	credit    int64           // bytes taken by up, not yet granted back
+	h2Recv                    // receive window; credit: bytes up took, not granted back yet
 	pending   []*[]byte       // DATA up could not take yet (pooled buffers)
 	draining  bool            // a goroutine writes pending
 	remoteEnd bool            // END_STREAM received
@@ -119,7 +117,7 @@ func (st *h2Stream) serve() {
 			b = appendRSTStream(nil, st.id, http2.ErrCodeInternal)
 		}
 		c.mu.Lock()
-		st.stopped = true
+		st.state = stateClosed
 		c.mu.Unlock()
 		_ = c.writeFrames(b)
 	}
@@ -149,7 +147,7 @@ func (st *h2Stream) attach(up net.Conn) bool {
 func (st *h2Stream) abort() {
 	c := st.c
 	c.mu.Lock()
-	live := c.streams[st.id] == st && !st.stopped
+	live := c.streams[st.id] == st && st.state != stateClosed
 	c.mu.Unlock()
 	if live {
 		c.streamError(st.id, http2.ErrCodeInternal)
@@ -171,16 +169,27 @@ func (st *h2Stream) kickLocked() {
 	}
 }
 
+// sendErrLocked is why the stream sends no more (c.mu held): it stopped.
+func (st *h2Stream) sendErrLocked() error {
+	if st.state == stateClosed {
+		return errStreamStopped
+	}
+	return nil
+}
+
+// sendStop is closed when the stream stops (its context ends then).
+func (st *h2Stream) sendStop() <-chan struct{} { return st.ctx.Done() }
+
 func (st *h2Stream) isStopped() bool {
 	st.c.mu.Lock()
 	defer st.c.mu.Unlock()
-	return st.stopped
+	return st.state == stateClosed
 }
 
 // stop ends the stream without further frames of ours (it was reset).
 func (st *h2Stream) stop() {
 	st.c.mu.Lock()
-	st.stopped = true
+	st.state = stateClosed
 	st.c.cond.Broadcast()
 	st.c.mu.Unlock()
 	st.cancel()
@@ -226,15 +235,19 @@ func (st *h2Stream) onData(data []byte, n int64, end bool) {
 		c.streamError(st.id, http2.ErrCodeStreamClosed)
 		return
 	}
-	if n > st.recvWin {
+	if !st.consume(n) {
 		st.mu.Unlock()
 		c.creditConn(n)
 		c.streamError(st.id, http2.ErrCodeFlowControl)
 		return
 	}
-	st.recvWin -= n
 	st.remoteEnd = end
 	st.pushLocked(data, n, n-int64(len(data)))
+	if end {
+		c.mu.Lock()
+		st.state = st.state.closeRemote()
+		c.mu.Unlock()
+	}
 }
 
 // pushLocked writes data (accounted as n bytes of window, of which taken
@@ -296,7 +309,7 @@ func (st *h2Stream) fastLocked() bool {
 // creditLocked counts n bytes taken by the upstream and returns a stream
 // WINDOW_UPDATE once a quarter of the window is due (st.mu held).
 func (st *h2Stream) creditLocked(n int64) []byte {
-	return grantStream(st.id, &st.credit, &st.recvWin, n, int64(st.c.s.cfg.StreamWindow), st.remoteEnd)
+	return st.grant(st.id, n, int64(st.c.s.cfg.StreamWindow), st.remoteEnd)
 }
 
 // drain writes pending data to the upstream, waiting as long as it takes,
@@ -341,92 +354,13 @@ func putPend(b *[]byte) {
 	pendBufs.Put(b)
 }
 
-// maxSendBufs is how many streams of a connection may hold a read buffer
-// of the upstream at once (sockBuf each): the rest wait for one without a
-// buffer, so a client that reads slowly holds at most 1 MiB of ours per
-// connection while its writes are waited for (up to WriteTimeout).
-const maxSendBufs = 4
-
-// wait blocks, holding no buffer, until the client's windows are open and
-// a send buffer of the connection is free, then takes (waiting in turn)
-// the tokens of a send buffer of its source and of the node, for the take
-// that follows (sendGate).
-func (st *h2Stream) wait() error {
-	c := st.c
-	c.mu.Lock()
-	for !st.stopped && (st.sendWin <= 0 || c.sendConn <= 0 || c.sendBufs >= maxSendBufs) {
-		c.cond.Wait()
-	}
-	stopped := st.stopped
-	c.mu.Unlock()
-	if stopped {
-		st.dropHeld()
-		return errStreamStopped
-	}
-	if !st.held {
-		if !c.slots.acquire(st.ctx.Done()) {
-			return errStreamStopped
-		}
-		st.held = true
-	}
-	return nil
-}
-
-// take reserves up to limit bytes of the client's windows and a send
-// buffer (sendGate), with the tokens wait took or, without them, tokens
-// free now; 0 when there is none now (the tokens held go back: a stream
-// that cannot send does not hold them).
-func (st *h2Stream) take(limit int) int {
-	c := st.c
-	c.mu.Lock()
-	ok := !st.stopped && st.sendWin > 0 && c.sendConn > 0 && c.sendBufs < maxSendBufs
-	if ok && !st.held {
-		ok = c.slots.tryTake()
-	} else if ok {
-		st.held = false
-	}
-	if !ok {
-		c.mu.Unlock()
-		st.dropHeld()
-		return 0
-	}
-	m := int(min(int64(limit), st.sendWin, c.sendConn))
-	st.sendWin -= int64(m)
-	c.sendConn -= int64(m)
-	c.sendBufs++
-	c.mu.Unlock()
-	return m
-}
-
-// dropHeld gives back the tokens wait took and no take used (the
-// stream's copy goroutine only).
-func (st *h2Stream) dropHeld() {
-	if st.held {
-		st.held = false
-		st.c.slots.give()
-	}
-}
-
-// back returns n bytes of window take reserved and not sent, and the send
-// buffer (sendGate).
-func (st *h2Stream) back(n int) {
-	c := st.c
-	c.mu.Lock()
-	st.sendWin += int64(n)
-	c.sendConn += int64(n)
-	c.sendBufs--
-	c.cond.Broadcast()
-	c.mu.Unlock()
-	c.slots.give()
-}
-
 // sendTaken sends b[frameHeaderLen:], whose windows take reserved, as DATA
 // frames; b[:frameHeaderLen] is room for the first frame's header, and
 // each later header is written over the payload just sent.
 func (st *h2Stream) sendTaken(b []byte) error {
 	c := st.c
 	c.mu.Lock()
-	stopped, maxFrame := st.stopped, c.peerMaxFrame
+	stopped, maxFrame := st.state == stateClosed, c.peerMaxFrame
 	c.mu.Unlock()
 	if stopped {
 		return errStreamStopped

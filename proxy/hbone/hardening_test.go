@@ -258,6 +258,7 @@ func TestTooManySettingsClosesConn(t *testing.T) {
 	if err != nil || code != http2.ErrCodeProtocol {
 		t.Fatalf("after SETTINGS of 101 entries: GOAWAY %s, %v; want GOAWAY PROTOCOL_ERROR", code, err)
 	}
+	waitFor(t, func() bool { return e.srv.Stats().ProtocolErrors == 1 }) // counted before the close
 }
 
 // TestContinuationFloodClosesConn: a HEADERS without END_HEADERS followed
@@ -291,5 +292,8 @@ func TestContinuationFloodClosesConn(t *testing.T) {
 	code, err := readUntilGoAway(rc)
 	if err != nil || code != http2.ErrCodeProtocol {
 		t.Fatalf("after a flood of empty CONTINUATION frames: GOAWAY %s, %v; want GOAWAY PROTOCOL_ERROR", code, err)
+	}
+	if got := e.srv.Stats().ProtocolErrors; got != 1 {
+		t.Errorf("protocol errors counted = %d, want 1", got)
 	}
 }

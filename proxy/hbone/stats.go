@@ -26,7 +26,8 @@ type ServerStats struct {
 	StreamsDeliverFailed uint64
 	// ControlFloods counts connections closed because their client did not
 	// read the control frames it asked for (PING/SETTINGS acks, resets)
-	// while more than 1 MiB of them were queued.
+	// while more than 1 MiB of them were queued, or more than the Budget's
+	// Control had room for.
 	ControlFloods uint64
 	// ConnsRejected counts connections closed at accept because the
 	// Budget's connection cap (node or source) was reached.
@@ -34,6 +35,13 @@ type ServerStats struct {
 	// WriteTimeouts counts connections closed because a write to the
 	// client did not finish within WriteTimeout.
 	WriteTimeouts uint64
+	// PingTimeouts counts connections closed because the client did not
+	// acknowledge a PING within PingTimeout.
+	PingTimeouts uint64
+	// ProtocolErrors counts connections closed on a connection error of
+	// the client's (GOAWAY with its code: a malformed frame, flow control,
+	// over 100 SETTINGS entries, a header block over 144 KiB).
+	ProtocolErrors uint64
 }
 
 // DialerStats is a snapshot of a Dialer's counters, for the proxy's telemetry.
@@ -54,17 +62,26 @@ type DialerStats struct {
 	StreamsFailed uint64
 	// ControlFloods counts connections closed because their server did not
 	// read the control frames it asked for (PING/SETTINGS acks) while more
-	// than 1 MiB of them were queued.
+	// than 1 MiB of them were queued, or more than the Budget's Control had
+	// room for.
 	ControlFloods uint64
 	// WriteTimeouts counts connections closed because a write to the
 	// server did not finish within WriteTimeout.
 	WriteTimeouts uint64
+	// PingTimeouts counts connections closed because the server did not
+	// acknowledge a PING within PingTimeout.
+	PingTimeouts uint64
+	// ProtocolErrors counts connections closed on a connection error of
+	// the server's (GOAWAY with its code: a malformed frame, flow control,
+	// over 100 SETTINGS entries, a header block over 144 KiB).
+	ProtocolErrors uint64
 }
 
 type serverCounters struct {
+	h2Counters                                                 // the engine's, per reason a connection closed
 	accepted, handshakes, handshakeTimeouts, handshakeFailures atomic.Uint64
 	streamsOpened, streamsBadRequest, streamsDeliverFailed     atomic.Uint64
-	controlFloods, connsRejected, writeTimeouts                atomic.Uint64
+	connsRejected                                              atomic.Uint64
 	streamsActive                                              atomic.Int64
 }
 
@@ -81,24 +98,28 @@ func (c *serverCounters) snapshot() ServerStats {
 		ControlFloods:        c.controlFloods.Load(),
 		ConnsRejected:        c.connsRejected.Load(),
 		WriteTimeouts:        c.writeTimeouts.Load(),
+		PingTimeouts:         c.pingTimeouts.Load(),
+		ProtocolErrors:       c.protocolErrors.Load(),
 	}
 }
 
 type dialerCounters struct {
+	h2Counters                                                           // the engine's, per reason a connection closed
 	connsOpened, connsFailed, connsEvicted, streamsOpened, streamsFailed atomic.Uint64
-	controlFloods, writeTimeouts                                         atomic.Uint64
 	connsPooled                                                          atomic.Int64
 }
 
 func (c *dialerCounters) snapshot() DialerStats {
 	return DialerStats{
-		ConnsOpened:   c.connsOpened.Load(),
-		ConnsFailed:   c.connsFailed.Load(),
-		ConnsEvicted:  c.connsEvicted.Load(),
-		ConnsPooled:   c.connsPooled.Load(),
-		StreamsOpened: c.streamsOpened.Load(),
-		StreamsFailed: c.streamsFailed.Load(),
-		ControlFloods: c.controlFloods.Load(),
-		WriteTimeouts: c.writeTimeouts.Load(),
+		ConnsOpened:    c.connsOpened.Load(),
+		ConnsFailed:    c.connsFailed.Load(),
+		ConnsEvicted:   c.connsEvicted.Load(),
+		ConnsPooled:    c.connsPooled.Load(),
+		StreamsOpened:  c.streamsOpened.Load(),
+		StreamsFailed:  c.streamsFailed.Load(),
+		ControlFloods:  c.controlFloods.Load(),
+		WriteTimeouts:  c.writeTimeouts.Load(),
+		PingTimeouts:   c.pingTimeouts.Load(),
+		ProtocolErrors: c.protocolErrors.Load(),
 	}
 }

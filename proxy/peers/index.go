@@ -43,6 +43,9 @@ type Peer struct {
 	// service account defaults to "default"); "" when the record names no
 	// trust domain.
 	Identity string
+	// Policies are the keys of the selector-scoped authorization policies
+	// the workload is bound to (authorization_policies); shared, read-only.
+	Policies []string
 }
 
 // Index maps raw address bytes to workloads. It is safe for concurrent use;
@@ -66,7 +69,8 @@ func peerOf(w *workload.Workload) Peer {
 	p := Peer{
 		UID: w.GetUid(), Workload: name, Name: w.GetName(), Namespace: w.GetNamespace(),
 		CanonicalName: w.GetCanonicalName(), CanonicalRevision: w.GetCanonicalRevision(), Cluster: w.GetClusterId(),
-		HBONE: w.GetTunnelProtocol() == workload.TunnelProtocol_HBONE,
+		HBONE:    w.GetTunnelProtocol() == workload.TunnelProtocol_HBONE,
+		Policies: w.GetAuthorizationPolicies(),
 	}
 	p.Identity = identityOf(w)
 	return p

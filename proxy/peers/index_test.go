@@ -2,6 +2,7 @@ package peers_test
 
 import (
 	"net/netip"
+	"reflect"
 	"testing"
 
 	"aether.io/node/api/istio/workload"
@@ -31,7 +32,7 @@ func TestIndex(t *testing.T) {
 	}
 	for _, tc := range tests {
 		got, ok := x.Lookup(netip.MustParseAddr(tc.addr))
-		if ok != tc.ok || got != tc.want {
+		if ok != tc.ok || !reflect.DeepEqual(got, tc.want) {
 			t.Errorf("Lookup(%s) = %+v, %v; want %+v, %v", tc.addr, got, ok, tc.want, tc.ok)
 		}
 	}

@@ -12,8 +12,8 @@ import (
 func TestRegisterHBONE(t *testing.T) {
 	m := telemetry.New()
 	st := telemetry.HBONEStats{
-		Server: hbone.ServerStats{Accepted: 1, Handshakes: 2, HandshakeTimeouts: 3, HandshakeFailures: 4, StreamsOpened: 5, StreamsActive: 6, StreamsBadRequest: 7, StreamsDeliverFailed: 8, ControlFloods: 15, ConnsRejected: 17, WriteTimeouts: 18},
-		Dialer: hbone.DialerStats{ConnsOpened: 9, ConnsFailed: 10, ConnsEvicted: 11, ConnsPooled: 12, StreamsOpened: 13, StreamsFailed: 14, ControlFloods: 16, WriteTimeouts: 19},
+		Server: hbone.ServerStats{Accepted: 1, Handshakes: 2, HandshakeTimeouts: 3, HandshakeFailures: 4, StreamsOpened: 5, StreamsActive: 6, StreamsBadRequest: 7, StreamsDeliverFailed: 8, ControlFloods: 15, ConnsRejected: 17, WriteTimeouts: 18, PingTimeouts: 20, ProtocolErrors: 21},
+		Dialer: hbone.DialerStats{ConnsOpened: 9, ConnsFailed: 10, ConnsEvicted: 11, ConnsPooled: 12, StreamsOpened: 13, StreamsFailed: 14, ControlFloods: 16, WriteTimeouts: 19, PingTimeouts: 22, ProtocolErrors: 23},
 	}
 	if err := m.RegisterHBONE(func() telemetry.HBONEStats { return st }); err != nil {
 		t.Fatal(err)
@@ -43,6 +43,10 @@ func TestRegisterHBONE(t *testing.T) {
 		"aether_proxy_hbone_server_connections_rejected_total":               17,
 		"aether_proxy_hbone_server_write_timeouts_total":                     18,
 		"aether_proxy_hbone_dialer_write_timeouts_total":                     19,
+		"aether_proxy_hbone_server_ping_timeouts_total":                      20,
+		"aether_proxy_hbone_server_protocol_errors_total":                    21,
+		"aether_proxy_hbone_dialer_ping_timeouts_total":                      22,
+		"aether_proxy_hbone_dialer_protocol_errors_total":                    23,
 	} {
 		if v, ok := got[name]; !ok || v != want {
 			t.Errorf("%s = %v (exported: %v), want %v", name, v, ok, want)

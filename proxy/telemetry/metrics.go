@@ -31,6 +31,7 @@ type Metrics struct {
 	outbound *prometheus.CounterVec
 	pods     prometheus.Gauge
 	log      *AccessLog
+	policy   policyMetrics
 }
 
 // New returns the metrics on a fresh registry, without an access log.
@@ -92,7 +93,9 @@ func NewWithAccessLog(log *AccessLog) *Metrics {
 			Help: "Pods whose listeners are bound and served.",
 		}),
 	}
+	m.policy = newPolicyMetrics()
 	m.Registry.MustRegister(m.opened, m.closed, m.sent, m.received, m.duration, m.failed, m.udp, m.limits, m.inbound, m.source, m.outbound, m.pods,
+		m.policy.denied, m.policy.dryRun,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

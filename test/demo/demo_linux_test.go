@@ -56,6 +56,7 @@ var Outcomes = []string{
 	"mTLS between pods",
 	"routed by the fabric",
 	"Service over the mesh",
+	"authorization policy",
 	"unmanaged untouched",
 	"bad binding refused",
 	"aetherctl pods",
@@ -67,6 +68,9 @@ const (
 	nodeName   = "demo-node"
 	podNS      = "shop"
 	serverPort = 8080
+	// adminPort is a second port of the server the demo policy does not
+	// allow.
+	adminPort = 8081
 	// proxyAdmin is aether-proxy's admin address inside the node netns.
 	proxyAdmin = "127.0.0.1:18090"
 	// trustDomain is the SPIFFE trust domain of the demo's identities.
@@ -732,11 +736,68 @@ func TestNodeDemo(t *testing.T) {
 			return fmt.Sprintf("the client dialled the ClusterIP %s; its proxy resolved the Service from workload discovery (istio.workload.Address), chose the endpoint %s/%s (%s:%d) and tunnelled over HBONE to %s:%d in mutual TLS (the VIP never reached the wire)",
 				serviceVIP, podNS, server.name, server.ip, serverPort, server.ip, hboneport), nil
 		})
+		r.check("authorization policy", func() (string, error) {
+			if !hbone {
+				return "", errors.New("aether-agent has no --ca-cert flag: no identities, no policy by principal")
+			}
+			if _, err := startEcho(t, server.ns, adminPort); err != nil {
+				return "", err
+			}
+			allowed, denied := netip.AddrPortFrom(server.ip, serverPort), netip.AddrPortFrom(server.ip, adminPort)
+			if _, err := talk(client.ns, denied, "before the policy"); err != nil {
+				return "", fmt.Errorf("shop/client -> %s before any policy: %w", denied, err)
+			}
+			// Istio's own YAML: only shop/client's service account, only :8080.
+			path := filepath.Join(dir, "pods", "shop_policy.yaml")
+			if err := os.WriteFile(path, []byte(demoPolicy), 0o600); err != nil {
+				return "", err
+			}
+			deadline := time.Now().Add(20 * time.Second)
+			for {
+				// The agent rescans every 200 ms and pushes the policy.
+				if _, err := talk(client.ns, denied, "after the policy"); err != nil {
+					break
+				}
+				if time.Now().After(deadline) {
+					return "", fmt.Errorf("shop/client -> %s still answered 20 s after the policy was written; proxy log:\n%s", denied, proxy.tail(15))
+				}
+				time.Sleep(200 * time.Millisecond)
+			}
+			answer, err := talk(client.ns, allowed, "allowed by shop/server-ingress")
+			if err != nil {
+				return "", fmt.Errorf("shop/client -> %s (allowed by the policy): %w", allowed, err)
+			}
+			ms, err := metrics()
+			if err != nil {
+				return "", err
+			}
+			refused := sum(ms, "aether_policy_denials_total", map[string]string{"reason": "no_allow_match"})
+			if refused < 1 {
+				return "", fmt.Errorf("the connection to %s was refused but aether_policy_denials_total{reason=\"no_allow_match\"} is %g", denied, refused)
+			}
+			// The policy goes: the port answers again.
+			if err := os.Remove(path); err != nil {
+				return "", err
+			}
+			for deadline = time.Now().Add(20 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+				if _, err := talk(client.ns, denied, "the policy is gone"); err == nil {
+					break
+				}
+				if time.Now().After(deadline) {
+					return "", fmt.Errorf("shop/client -> %s still refused 20 s after the policy was removed", denied)
+				}
+			}
+			r.printf("  AuthorizationPolicy shop/server-ingress: ALLOW from principals [%s/ns/shop/sa/client] to ports [%d]", trustDomain, serverPort)
+			r.printf("  shop/client -> %s: %s (allowed)", allowed, answer)
+			r.printf("  shop/client -> %s: refused by the server's proxy before its app saw a byte; aether_policy_denials_total{reason=\"no_allow_match\"} %g", denied, refused)
+			return fmt.Sprintf("an Istio AuthorizationPolicy from the manifest directory reached the server's proxy as istio.security.Authorization: client -> server:%d allowed (its verified principal and the port match), client -> server:%d refused, and answering again once the policy was removed", serverPort, adminPort), nil
+		})
 	} else {
 		r.skip("captured and proxied", "client or server is not up")
 		r.skip("mTLS between pods", "client or server is not up")
 		r.skip("routed by the fabric", "client or server is not up")
 		r.skip("Service over the mesh", "client or server is not up")
+		r.skip("authorization policy", "client or server is not up")
 	}
 	interrupted()
 

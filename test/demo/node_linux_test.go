@@ -249,6 +249,28 @@ func writeServiceManifest(dir, namespace, name, clusterIP string, port uint16, t
 	return os.WriteFile(filepath.Join(dir, namespace+"_svc_"+name+".json"), b, 0o600)
 }
 
+// demoPolicy is the demo's AuthorizationPolicy, as Istio's documentation
+// writes one: the server accepts only shop/client's service account, and
+// only on :8080.
+const demoPolicy = `apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata:
+  name: server-ingress
+  namespace: shop
+spec:
+  selector:
+    matchLabels:
+      app: server
+  action: ALLOW
+  rules:
+  - from:
+    - source:
+        principals: ["cluster.local/ns/shop/sa/client"]
+    to:
+    - operation:
+        ports: ["8080"]
+`
+
 // Metric is one Prometheus text-format sample.
 type Metric struct {
 	Name   string

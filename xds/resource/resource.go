@@ -11,6 +11,10 @@ const (
 	// AddressType is istio.workload.Address (a Workload or a Service),
 	// what ztunnel subscribes to; aether-proxy takes Services from it.
 	AddressType = "type.googleapis.com/istio.workload.Address"
+	// AuthorizationType is istio.security.Authorization, L4 authorization
+	// policies as ztunnel consumes them, served by xds/workload beside
+	// the Addresses and enforced by aether-proxy (proxy/authz).
+	AuthorizationType = "type.googleapis.com/istio.security.Authorization"
 	// ListenerType is envoy.config.listener.v3.Listener, built by
 	// xds/listener and consumed by aether-proxy.
 	ListenerType = "type.googleapis.com/envoy.config.listener.v3.Listener"

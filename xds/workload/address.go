@@ -8,6 +8,7 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
+	securitypb "aether.io/node/api/istio/security"
 	workloadpb "aether.io/node/api/istio/workload"
 	"aether.io/node/xds/resource"
 )
@@ -156,7 +157,7 @@ func (x *Index) Refresh(uids []string) (int, error) {
 				errs = append(errs, fmt.Errorf("failed to decode served workload %q: %w", uid, err))
 				continue
 			}
-			w.Services = x.members.Services(uid)
+			x.bindLocked(&w)
 			r, err := NewResource(&w)
 			if err != nil {
 				errs = append(errs, err)
@@ -173,4 +174,54 @@ func (x *Index) Refresh(uids []string) (int, error) {
 		}
 	}
 	return changed, errors.Join(errs...)
+}
+
+// PolicyBinding is the optional part of a Membership that binds workloads
+// to selector-scoped authorization policies: Policies returns the keys
+// (<namespace>/<name>) a workload's authorization_policies lists, and
+// Forget is told when the index no longer serves a uid. Both are called
+// with the index locked and must not call it.
+type PolicyBinding interface {
+	Policies(uid string) []string
+	Forget(uid string)
+}
+
+// bindLocked sets w's services map and authorization policies from the
+// Membership; x.mu is held.
+func (x *Index) bindLocked(w *workloadpb.Workload) {
+	w.Services = x.members.Services(w.GetUid())
+	if b, ok := x.members.(PolicyBinding); ok {
+		w.AuthorizationPolicies = b.Policies(w.GetUid())
+	}
+}
+
+// Authorizations returns the Authorization view of a workload index: the
+// istio.security.Authorization resources (resource.AuthorizationType)
+// the agent's policy model writes (Writer.UpsertAuthorization), served
+// beside the Addresses. Nil for a view.
+func (x *Index) Authorizations() *Index { return x.authz }
+
+// AuthorizationSource is the source the policy model writes as:
+// Authorizations().Writer(AuthorizationSource).
+const AuthorizationSource = "policies"
+
+// ErrNotAuthorizationIndex is returned when a policy is written to an
+// index that does not serve Authorizations.
+var ErrNotAuthorizationIndex = errors.New("authorizations are served only by an Authorization index (Index.Authorizations)")
+
+// UpsertAuthorization serves a under <namespace>/<name>, the key workloads
+// name it by. It reports whether anything changed.
+func (w *Writer) UpsertAuthorization(a *securitypb.Authorization) (bool, error) {
+	if w.x.typeURL != resource.AuthorizationType {
+		return false, ErrNotAuthorizationIndex
+	}
+	if a.GetName() == "" || a.GetNamespace() == "" {
+		return false, fmt.Errorf("invalid authorization %q/%q: name and namespace are required", a.GetNamespace(), a.GetName())
+	}
+	body, err := proto.MarshalOptions{Deterministic: true}.Marshal(a)
+	if err != nil {
+		return false, fmt.Errorf("failed to marshal authorization %s/%s: %w", a.GetNamespace(), a.GetName(), err)
+	}
+	name := a.GetNamespace() + "/" + a.GetName()
+	return w.x.upsertResource(w.source, name, newResource(resource.AuthorizationType, name, body))
 }

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
+	securitypb "aether.io/node/api/istio/security"
 	workloadpb "aether.io/node/api/istio/workload"
 	"aether.io/node/xds/resource"
 )
@@ -386,4 +387,50 @@ func liveHeap() uint64 {
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
 	return ms.HeapAlloc
+}
+
+// bindingMembers is a Membership that also binds policies.
+type bindingMembers struct {
+	fakeMembers
+	policies  map[string][]string
+	forgotten []string
+}
+
+func (b *bindingMembers) Policies(uid string) []string { return b.policies[uid] }
+func (b *bindingMembers) Forget(uid string)            { b.forgotten = append(b.forgotten, uid) }
+
+// TestAuthorizationView: policies are served under <namespace>/<name> in
+// the Authorization view (and only there); a PolicyBinding fills each
+// workload's authorization_policies, and is told when a uid goes.
+func TestAuthorizationView(t *testing.T) {
+	x := NewIndex()
+	uid0 := UID("Kubernetes", "shop", endpointN(0).Name)
+	b := &bindingMembers{fakeMembers: fakeMembers{m: map[string]map[string]*workloadpb.PortList{}}, policies: map[string][]string{uid0: {"shop/web-allow"}}}
+	x.SetMembership(b)
+	fill(t, x, 1)
+	var w workloadpb.Workload
+	if err := proto.Unmarshal(x.Get(uid0).Body, &w); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(w.GetAuthorizationPolicies(), []string{"shop/web-allow"}) {
+		t.Errorf("authorization_policies = %v", w.GetAuthorizationPolicies())
+	}
+	if _, err := x.Addresses().Writer(AuthorizationSource).UpsertAuthorization(&securitypb.Authorization{Name: "p", Namespace: "shop"}); !errors.Is(err, ErrNotAuthorizationIndex) {
+		t.Errorf("policy into the Address view: %v", err)
+	}
+	aw := x.Authorizations().Writer(AuthorizationSource)
+	if _, err := aw.UpsertAuthorization(&securitypb.Authorization{Name: "web-allow", Namespace: "shop", Scope: securitypb.Scope_WORKLOAD_SELECTOR}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := aw.UpsertAuthorization(&securitypb.Authorization{Namespace: "shop"}); err == nil {
+		t.Error("a policy without a name was accepted")
+	}
+	r := x.Authorizations().Get("shop/web-allow")
+	if r == nil || r.Any.GetTypeUrl() != resource.AuthorizationType || x.Addresses().Get("shop/web-allow") != nil {
+		t.Fatalf("policy served as %v", r)
+	}
+	x.Remove(endpointN(0).Key)
+	if !slices.Equal(b.forgotten, []string{uid0}) {
+		t.Errorf("forgotten %v, want [%s]", b.forgotten, uid0)
+	}
 }

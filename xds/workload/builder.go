@@ -38,6 +38,11 @@ type Config struct {
 	// until the data plane serves that listener: a consumer such as ztunnel
 	// would otherwise tunnel to pods that cannot accept it.
 	HBONE bool
+	// ObserveLabels, when set, is told every built workload's uid,
+	// namespace and labels (the labels are shared: do not modify them):
+	// the policy model matches AuthorizationPolicy selectors with them,
+	// which the Workload resource does not carry.
+	ObserveLabels func(uid, namespace string, labels map[string]string)
 }
 
 // UID returns the workload uid of the pod namespace/name in cluster:
@@ -91,6 +96,9 @@ func Build(cfg Config, ep registry.Endpoint) (*workloadpb.Workload, error) {
 	}
 	if err := Validate(w); err != nil {
 		return nil, err
+	}
+	if cfg.ObserveLabels != nil {
+		cfg.ObserveLabels(w.GetUid(), ep.Namespace, ep.Labels)
 	}
 	return w, nil
 }

@@ -132,6 +132,9 @@ type Index struct {
 	// index itself): every served workload is mirrored into it as an
 	// Address, next to the Services written there (see Addresses).
 	addr *Index
+	// authz is the Authorization view of a workload index (nil for the
+	// views themselves): see Authorizations.
+	authz *Index
 	// members says which Services each workload belongs to (nil: none);
 	// see SetMembership.
 	members Membership
@@ -170,6 +173,7 @@ var ErrNotOwner = errors.New("endpoint key belongs to another source")
 func NewIndex() *Index {
 	x := newIndex(resource.WorkloadType)
 	x.addr = newIndex(resource.AddressType)
+	x.authz = newIndex(resource.AuthorizationType)
 	return x
 }
 
@@ -220,7 +224,7 @@ func (x *Index) upsert(source, key string, w *workloadpb.Workload) (bool, error)
 		// an upsert built from the membership before it.
 		x.mu.Lock()
 		defer x.mu.Unlock()
-		w.Services = x.members.Services(w.GetUid())
+		x.bindLocked(w)
 		r, err := NewResource(w)
 		if err != nil {
 			return false, err
@@ -394,6 +398,9 @@ func (x *Index) deleteLocked(name string, now time.Time) {
 	x.sizeLocked()
 	if x.addr != nil {
 		x.addr.unmirror(name, now)
+	}
+	if b, ok := x.members.(PolicyBinding); ok {
+		b.Forget(name)
 	}
 }
 

@@ -80,6 +80,9 @@ func NewServer(idx *Index, opts ServerOptions) (*Server, error) {
 		caches[a.TypeURL()] = a
 		a.ObserveSize(func(n int) { m.addresses.Set(float64(n)) })
 	}
+	if a := idx.Authorizations(); a != nil {
+		caches[a.TypeURL()] = a
+	}
 	return &Server{caches: caches, log: log, m: m, stopped: make(chan struct{})}, nil
 }
 

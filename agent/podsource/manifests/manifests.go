@@ -50,6 +50,10 @@ type Objects struct {
 	Pods           []*corev1.Pod
 	Services       []*corev1.Service
 	EndpointSlices []*discoveryv1.EndpointSlice
+	// AuthorizationPolicies are security.istio.io AuthorizationPolicy
+	// objects as JSON, for the agent's policy model to decode with Istio's
+	// types (agent/policy.ParseObject).
+	AuthorizationPolicies [][]byte
 }
 
 // Kinds a manifest directory may hold, as "apiVersion kind".
@@ -57,6 +61,8 @@ const (
 	kindPod           = "v1 Pod"
 	kindService       = "v1 Service"
 	kindEndpointSlice = "discovery.k8s.io/v1 EndpointSlice"
+	kindAuthzV1       = "security.istio.io/v1 AuthorizationPolicy"
+	kindAuthzV1beta1  = "security.istio.io/v1beta1 AuthorizationPolicy"
 )
 
 // ParseObjects decodes every Pod, Service and EndpointSlice in a YAML or
@@ -98,6 +104,16 @@ func ParseObjects(data []byte) (Objects, error) {
 			SetNamespace(string)
 		}
 		switch apiVersion + " " + head.Kind {
+		case kindAuthzV1, kindAuthzV1beta1:
+			j, err := yaml.YAMLToJSON(raw)
+			if err != nil {
+				return Objects{}, fmt.Errorf("failed to parse manifest document %d (%s): %w", i, head.Kind, err)
+			}
+			if head.Metadata.Name == "" {
+				return Objects{}, fmt.Errorf("failed to parse manifest document %d (%s): metadata.name is required", i, head.Kind)
+			}
+			out.AuthorizationPolicies = append(out.AuthorizationPolicies, j)
+			continue
 		case kindPod:
 			p := &corev1.Pod{}
 			out.Pods, obj = append(out.Pods, p), p
@@ -108,8 +124,8 @@ func ParseObjects(data []byte) (Objects, error) {
 			es := &discoveryv1.EndpointSlice{}
 			out.EndpointSlices, obj = append(out.EndpointSlices, es), es
 		default:
-			return Objects{}, fmt.Errorf("failed to parse manifest document %d: kind %q apiVersion %q, only %s, %s and %s are allowed",
-				i, head.Kind, head.APIVersion, kindPod, kindService, kindEndpointSlice)
+			return Objects{}, fmt.Errorf("failed to parse manifest document %d: kind %q apiVersion %q, only %s, %s, %s and %s are allowed",
+				i, head.Kind, head.APIVersion, kindPod, kindService, kindEndpointSlice, kindAuthzV1)
 		}
 		// sigs.k8s.io/yaml converts by the target's types, as kubelet's
 		// decoder does (an unquoted `nodeName: n` arrives as "false").

@@ -1,0 +1,299 @@
+package policy
+
+import (
+	"log/slog"
+	"maps"
+	"slices"
+	"sync"
+
+	"k8s.io/apimachinery/pkg/labels"
+
+	"aether.io/node/agent/podsource/manifests"
+	workloadpb "aether.io/node/api/istio/workload"
+	"aether.io/node/xds/workload"
+)
+
+// ServiceMembers is what the model needs of the Service model: the
+// Services map of each workload (it is the index's one Membership) and
+// whether a workload is an endpoint of a Service (targetRefs).
+type ServiceMembers interface {
+	workload.Membership
+	MemberOf(uid, namespace, name string) bool
+}
+
+// Model keeps the index's Authorization view equal to the
+// AuthorizationPolicies it is given, and binds every workload to the
+// selector- and targetRef-scoped ones (workload.PolicyBinding). It is the
+// index's Membership, the Services part delegated to ServiceMembers.
+type Model struct {
+	root string
+	idx  *workload.Index
+	out  *workload.Writer
+	svcs ServiceMembers
+	log  *slog.Logger
+
+	apply sync.Mutex // one change translated and applied at a time
+
+	mu       sync.RWMutex
+	objs     map[string]*Object  // <ns>/<name>
+	bound    map[string]*binding // selector- and targetRef-scoped policies
+	warned   map[string]string   // key -> the warnings last logged
+	podsByNS map[string]map[string]map[string]string
+	podNS    map[string]string // uid -> namespace
+}
+
+// binding is how a WORKLOAD_SELECTOR policy selects workloads.
+type binding struct {
+	namespace string
+	root      bool // in the root namespace: workloads of every namespace
+	selector  labels.Selector
+	services  []string // targetRefs to Services, by name (the policy's namespace)
+}
+
+var (
+	_ workload.Membership    = (*Model)(nil)
+	_ workload.PolicyBinding = (*Model)(nil)
+)
+
+// New returns a model writing into idx's Authorization view, with rootNS
+// the mesh's root namespace, and makes it idx's Membership.
+func New(rootNS string, idx *workload.Index, svcs ServiceMembers, log *slog.Logger) *Model {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	m := &Model{
+		root: rootNS, idx: idx, out: idx.Authorizations().Writer(workload.AuthorizationSource), svcs: svcs, log: log,
+		objs: map[string]*Object{}, bound: map[string]*binding{}, warned: map[string]string{},
+		podsByNS: map[string]map[string]map[string]string{}, podNS: map[string]string{},
+	}
+	idx.SetMembership(m)
+	return m
+}
+
+// Services implements workload.Membership (the Service model's answer).
+func (m *Model) Services(uid string) map[string]*workloadpb.PortList {
+	if m.svcs == nil {
+		return nil
+	}
+	return m.svcs.Services(uid)
+}
+
+// ObserveLabels records a workload's labels (workload.Config.ObserveLabels).
+func (m *Model) ObserveLabels(uid, namespace string, l map[string]string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if old, ok := m.podNS[uid]; ok && old != namespace {
+		delete(m.podsByNS[old], uid)
+	}
+	if m.podsByNS[namespace] == nil {
+		m.podsByNS[namespace] = map[string]map[string]string{}
+	}
+	m.podsByNS[namespace][uid] = l
+	m.podNS[uid] = namespace
+}
+
+// Forget implements workload.PolicyBinding.
+func (m *Model) Forget(uid string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if ns, ok := m.podNS[uid]; ok {
+		delete(m.podsByNS[ns], uid)
+		if len(m.podsByNS[ns]) == 0 {
+			delete(m.podsByNS, ns)
+		}
+		delete(m.podNS, uid)
+	}
+}
+
+// Policies implements workload.PolicyBinding: the keys of the selector-
+// and targetRef-scoped policies that select uid, sorted.
+func (m *Model) Policies(uid string) []string {
+	m.mu.RLock()
+	ns, ok := m.podNS[uid]
+	var lbl map[string]string
+	if ok {
+		lbl = m.podsByNS[ns][uid]
+	}
+	var out, refs []string
+	var refBindings []*binding
+	for k, b := range m.bound {
+		if !b.root && b.namespace != ns {
+			continue
+		}
+		switch {
+		case b.selector != nil:
+			if ok && b.selector.Matches(labels.Set(lbl)) {
+				out = append(out, k)
+			}
+		case len(b.services) > 0:
+			refs, refBindings = append(refs, k), append(refBindings, b)
+		}
+	}
+	m.mu.RUnlock()
+	// Service membership is the Service model's, asked without our lock.
+	for i, b := range refBindings {
+		for _, svc := range b.services {
+			if m.svcs != nil && m.svcs.MemberOf(uid, b.namespace, svc) {
+				out = append(out, refs[i])
+				break
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// Upsert sets a policy.
+func (m *Model) Upsert(o *Object) { m.change(o.Key(), o) }
+
+// Delete removes a policy.
+func (m *Model) Delete(namespace, name string) { m.change(namespace+"/"+name, nil) }
+
+// Replace makes the model hold exactly objs.
+func (m *Model) Replace(objs []*Object) {
+	keep := map[string]bool{}
+	for _, o := range objs {
+		keep[o.Key()] = true
+	}
+	m.mu.RLock()
+	var gone []string
+	for k := range m.objs {
+		if !keep[k] {
+			gone = append(gone, k)
+		}
+	}
+	m.mu.RUnlock()
+	for _, k := range gone {
+		m.change(k, nil)
+	}
+	for _, o := range objs {
+		m.Upsert(o)
+	}
+}
+
+// Len returns the number of policies held.
+func (m *Model) Len() int {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	return len(m.objs)
+}
+
+// change applies one policy's new state (nil: deleted): its resource,
+// and the bindings of the workloads it selected or selects.
+func (m *Model) change(k string, o *Object) {
+	m.apply.Lock()
+	defer m.apply.Unlock()
+	var tr Translation
+	var b *binding
+	if o != nil {
+		tr = Translate(m.root, o)
+		b = m.bindingOf(o, &tr)
+	}
+	m.mu.Lock()
+	old := m.bound[k]
+	if o == nil {
+		delete(m.objs, k)
+		delete(m.warned, k)
+	} else {
+		m.objs[k] = o
+	}
+	if b != nil {
+		m.bound[k] = b
+	} else {
+		delete(m.bound, k)
+	}
+	refresh := m.affectedLocked(old, b)
+	logWarnings := o != nil && m.warned[k] != joined(tr.Warnings)
+	if o != nil {
+		m.warned[k] = joined(tr.Warnings)
+	}
+	m.mu.Unlock()
+	if logWarnings {
+		for _, w := range tr.Warnings {
+			m.log.Warn("authorization policy not enforced as written", "policy", k, "warning", w)
+		}
+	}
+	if tr.Authorization == nil {
+		m.out.Remove(k)
+	} else if _, err := m.out.UpsertAuthorization(tr.Authorization); err != nil {
+		m.log.Error("failed to serve authorization policy", "policy", k, "error", err.Error())
+	}
+	if len(refresh) > 0 {
+		if _, err := m.idx.Refresh(refresh); err != nil {
+			m.log.Error("failed to rebind workloads to authorization policies", "policy", k, "error", err.Error())
+		}
+	}
+}
+
+// bindingOf is how o selects workloads when it is WORKLOAD_SELECTOR
+// scoped; nil otherwise. A targetRef to anything but a Service is not
+// enforced by the node proxy (it attaches to a waypoint or gateway).
+func (m *Model) bindingOf(o *Object, tr *Translation) *binding {
+	a := tr.Authorization
+	if a == nil || a.GetScope().String() != "WORKLOAD_SELECTOR" {
+		return nil
+	}
+	b := &binding{namespace: o.Namespace, root: o.Namespace == m.root}
+	if ml := o.Spec.GetSelector().GetMatchLabels(); len(ml) > 0 && len(o.Spec.GetTargetRefs()) == 0 && o.Spec.GetTargetRef() == nil {
+		b.selector = labels.SelectorFromSet(ml)
+		return b
+	}
+	refs := o.Spec.GetTargetRefs()
+	if r := o.Spec.GetTargetRef(); r != nil {
+		refs = append(refs, r)
+	}
+	for _, r := range refs {
+		if (r.GetGroup() == "" || r.GetGroup() == "core") && r.GetKind() == "Service" {
+			b.services = append(b.services, r.GetName())
+			continue
+		}
+		tr.Warnings = append(tr.Warnings, "authorization policy "+o.Key()+": targetRef "+r.GetGroup()+"/"+r.GetKind()+" "+r.GetName()+
+			" attaches to a waypoint or gateway, not to workloads: the node proxy does not enforce it for that target")
+	}
+	b.root = false // targetRefs name Services of the policy's own namespace
+	return b
+}
+
+// affectedLocked returns the uids whose binding may change when a policy
+// goes from old to b.
+func (m *Model) affectedLocked(old, b *binding) []string {
+	var out []string
+	for _, x := range []*binding{old, b} {
+		if x == nil {
+			continue
+		}
+		if x.root {
+			for _, pods := range m.podsByNS {
+				out = append(out, slices.Collect(maps.Keys(pods))...)
+			}
+			continue
+		}
+		out = append(out, slices.Collect(maps.Keys(m.podsByNS[x.namespace]))...)
+	}
+	slices.Sort(out)
+	return slices.Compact(out)
+}
+
+func joined(ws []string) string {
+	out := ""
+	for _, w := range ws {
+		out += w + "\n"
+	}
+	return out
+}
+
+// ReplaceFrom makes the model hold the AuthorizationPolicies of a manifest
+// directory (manifests.Dir). One that does not decode strictly is held
+// failing closed; one that cannot be read at all is logged and skipped.
+func (m *Model) ReplaceFrom(o manifests.Objects) {
+	var objs []*Object
+	for _, raw := range o.AuthorizationPolicies {
+		obj, err := ParseObject(raw)
+		if obj == nil {
+			m.log.Error("failed to read authorization policy manifest", "error", err.Error())
+			continue
+		}
+		objs = append(objs, obj)
+	}
+	m.Replace(objs)
+}

@@ -1,0 +1,88 @@
+package dataplane
+
+import (
+	"net/http"
+	"net/netip"
+	"sync"
+	"time"
+
+	"aether.io/node/proxy/authz"
+	"aether.io/node/proxy/hbone"
+)
+
+// Authorizer decides whether a connection reaches its destination
+// workload (authz.Table).
+type Authorizer interface {
+	Decide(c *authz.Conn, dst authz.Target) authz.Decision
+}
+
+// reasonPolicyDenied is aether_tcp_connections_failed_total{reason} of a
+// connection authorization policy refused (also counted by
+// aether_policy_denials_total{policy,reason}).
+const reasonPolicyDenied = "policy_denied"
+
+// authorize applies authorization policy to an inbound connection from
+// src (identity: its verified SPIFFE ID, "" for plaintext) to the pod's
+// dst, before a byte reaches the app. It returns false when the connection
+// must be refused (counted and logged); a dry-run policy that would have
+// refused it is counted and logged, never enforced.
+func (p *pod) authorize(src netip.AddrPort, identity string, dst netip.AddrPort) bool {
+	az := p.m.cfg.Authorizer
+	if az == nil {
+		return true
+	}
+	peer := p.lookup(dst.Addr().Unmap())
+	ns := peer.Namespace
+	if ns == "" {
+		ns = p.namespace
+	}
+	d := az.Decide(&authz.Conn{Source: src.Addr().Unmap(), Identity: identity, Dest: dst}, authz.Target{Namespace: ns, Policies: peer.Policies})
+	if d.DryRun != "" {
+		p.m.metrics.PolicyDryRun(d.DryRun)
+		p.log.Info("dry-run authorization policy would refuse the connection", "policy", d.DryRun,
+			"src", src.String(), "source_principal", identity, "dst", dst.String())
+	}
+	if d.Allow {
+		return true
+	}
+	p.m.metrics.PolicyDenied(d.Policy, d.Reason)
+	p.m.metrics.Failed(reasonPolicyDenied)
+	if ok, suppressed := p.policyLog.allow(time.Now()); ok {
+		p.log.Info("connection refused by authorization policy", "policy", d.Policy, "reason", d.Reason,
+			"src", src.String(), "source_principal", identity, "dst", dst.String(), "suppressed", suppressed)
+	}
+	return false
+}
+
+// policyRefusal is the answer to an HBONE stream authorization policy
+// refused: 401 (as ztunnel answers), the source proxy resets its client.
+func policyRefusal(dst netip.AddrPort) error {
+	return &hbone.StatusError{Code: http.StatusUnauthorized, Err: errPolicyDenied{dst: dst}}
+}
+
+type errPolicyDenied struct{ dst netip.AddrPort }
+
+func (e errPolicyDenied) Error() string {
+	return "failed to deliver to " + e.dst.String() + ": refused by authorization policy"
+}
+
+// rateLog lets one line a second through (a peer can cause refusals at
+// will), counting those held back.
+type rateLog struct {
+	mu         sync.Mutex
+	next       time.Time
+	suppressed uint64
+}
+
+func (r *rateLog) allow(now time.Time) (bool, uint64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if now.Before(r.next) {
+		r.suppressed++
+		return false, 0
+	}
+	r.next = now.Add(time.Second)
+	n := r.suppressed
+	r.suppressed = 0
+	return true, n
+}
