@@ -8,6 +8,7 @@ import (
 
 	"aether.io/node/proxy/authz"
 	"aether.io/node/proxy/hbone"
+	"aether.io/node/proxy/telemetry"
 )
 
 // Authorizer decides whether a connection reaches its destination
@@ -23,10 +24,12 @@ const reasonPolicyDenied = "policy_denied"
 
 // authorize applies authorization policy to an inbound connection from
 // src (identity: its verified SPIFFE ID, "" for plaintext) to the pod's
-// dst, before a byte reaches the app. It returns false when the connection
-// must be refused (counted and logged); a dry-run policy that would have
-// refused it is counted and logged, never enforced.
-func (p *pod) authorize(src netip.AddrPort, identity string, dst netip.AddrPort) bool {
+// dst, before a byte reaches the app, and records the decision in info.
+// It returns false when the connection must be refused (counted in the
+// policy series, in Istio's with response_flags DENY and in the access
+// log, and logged); a dry-run policy that would have refused it is counted
+// and logged, never enforced.
+func (p *pod) authorize(src netip.AddrPort, identity string, dst netip.AddrPort, info *telemetry.ConnInfo) bool {
 	az := p.m.cfg.Authorizer
 	if az == nil {
 		return true
@@ -37,6 +40,13 @@ func (p *pod) authorize(src netip.AddrPort, identity string, dst netip.AddrPort)
 		ns = p.namespace
 	}
 	d := az.Decide(&authz.Conn{Source: src.Addr().Unmap(), Identity: identity, Dest: dst}, authz.Target{Namespace: ns, Policies: peer.Policies})
+	info.Policy, info.PolicyReason, info.PolicyDryRun = d.Policy, d.Reason, d.DryRun
+	switch {
+	case !d.Allow:
+		info.PolicyDecision = telemetry.PolicyDeny
+	case d.Reason == authz.ReasonAllowed:
+		info.PolicyDecision = telemetry.PolicyAllow
+	}
 	if d.DryRun != "" {
 		p.m.metrics.PolicyDryRun(d.DryRun)
 		p.log.Info("dry-run authorization policy would refuse the connection", "policy", d.DryRun,
@@ -47,6 +57,7 @@ func (p *pod) authorize(src netip.AddrPort, identity string, dst netip.AddrPort)
 	}
 	p.m.metrics.PolicyDenied(d.Policy, d.Reason)
 	p.m.metrics.Failed(reasonPolicyDenied)
+	p.m.metrics.Refused(*info, telemetry.ReasonDenied, errPolicyDenied{dst: dst})
 	if ok, suppressed := p.policyLog.allow(time.Now()); ok {
 		p.log.Info("connection refused by authorization policy", "policy", d.Policy, "reason", d.Reason,
 			"src", src.String(), "source_principal", identity, "dst", dst.String(), "suppressed", suppressed)

@@ -20,7 +20,8 @@ import (
 // reason; a dry-run DENY is counted, never enforced.
 func TestAuthorizationEnforced(t *testing.T) {
 	tb := authz.NewTable()
-	e := setupHBONEConfig(t, dataplane.Config{ConnectTimeout: 3e9, Authorizer: tb})
+	m, log := accessMetrics(t)
+	e := setupHBONEMetrics(t, dataplane.Config{ConnectTimeout: 3e9, Authorizer: tb}, m)
 	// Inbound capture on the server, so plaintext reaches its proxy too
 	// (cni.inboundCapture; without it plaintext bypasses the proxy and
 	// policy, see docs/policy.md).
@@ -51,12 +52,26 @@ func TestAuthorizationEnforced(t *testing.T) {
 	if v := sum(e.metrics, "aether_policy_denials_total", map[string]string{"policy": "", "reason": authz.ReasonNoAllowMatch}); v != 1 {
 		t.Errorf("denials{reason=no_allow_match} = %v, want 1", v)
 	}
+	// In Istio's series and the access log: the destination side refused
+	// it, no ALLOW matched.
+	log.await(t, map[string]any{
+		"reporter": "destination", "dst_addr": dst, "reason": "denied", "policy_decision": "deny",
+		"policy": "", "policy_reason": authz.ReasonNoAllowMatch, "response_flags": "DENY", "security": "mutual_tls",
+		"src_principal": podID(e.client).String(),
+	})
+	if v := sum(e.metrics, "istio_tcp_connections_closed_total", map[string]string{"reporter": "destination", "response_flags": "DENY"}); v != 1 {
+		t.Errorf("istio closed{reporter=destination,response_flags=DENY} = %v, want 1", v)
+	}
 	if err := tb.Upsert(allowOnly(clientPrincipal)); err != nil {
 		t.Fatal(err)
 	}
 	if got, err := roundTrip(ctx10(t), e.client, dst, "allowed"); err != nil || got == "" {
 		t.Fatalf("an ALLOW naming the client's principal (%s): %q, %v", clientPrincipal, got, err)
 	}
+	log.await(t, map[string]any{
+		"reporter": "destination", "dst_addr": dst, "reason": "client_closed", "policy_decision": "allow",
+		"policy": authz.Key("default", "allow"), "policy_reason": authz.ReasonAllowed, "bytes_to_dst": len("allowed"),
+	})
 	// Plaintext (the unmanaged pod): no identity, the principal rule
 	// cannot match it.
 	if got, err := roundTrip(ctx10(t), e.plain, dst, "plaintext"); err == nil && got != "" {
@@ -82,4 +97,8 @@ func TestAuthorizationEnforced(t *testing.T) {
 	if v := sum(e.metrics, "aether_policy_dry_run_total", map[string]string{"policy": key}); v < 1 {
 		t.Errorf("dry_run{policy=%s} = %v, want >= 1", key, v)
 	}
+	log.await(t, map[string]any{
+		"reporter": "destination", "dst_addr": dst, "policy_decision": "allow", "policy_dry_run": key,
+		"bytes_to_dst": len("audited"),
+	})
 }

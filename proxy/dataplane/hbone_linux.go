@@ -290,11 +290,7 @@ func (p *pod) deliverHBONE(ctx context.Context, src spiffeid.ID, target netip.Ad
 		p.m.metrics.Refused(info, telemetry.ReasonDenied, err)
 		return nil, err
 	}
-	var peerAddr netip.AddrPort
-	if a, ok := hbone.PeerAddr(ctx); ok {
-		peerAddr = a
-	}
-	if !p.authorize(peerAddr, src.String(), target) {
+	if !p.authorize(peer, src.String(), target, &info) {
 		return nil, policyRefusal(target)
 	}
 	release, limit := p.admitTCP()

@@ -85,7 +85,7 @@ func (p *pod) serveInbound(down *net.TCPConn, l *tcpListener) {
 		reset(down)
 		return
 	}
-	if !p.authorize(src, "", dst) { // plaintext: no identity
+	if !p.authorize(src, "", dst, &info) { // plaintext: no identity
 		reset(down)
 		return
 	}

@@ -80,6 +80,8 @@ const (
 	keySecurity       = "security"
 	keyPolicyDecision = "policy_decision"
 	keyPolicy         = "policy"
+	keyPolicyReason   = "policy_reason"
+	keyPolicyDryRun   = "policy_dry_run"
 	keyReason         = "reason"
 	keyLimit          = "limit"
 	keyResponseFlags  = "response_flags"
@@ -88,11 +90,16 @@ const (
 
 // Values of the access log's policy_decision.
 const (
-	// PolicyNone: no policy was evaluated (authorization policies are
-	// not built yet: issue 27).
+	// PolicyNone: no policy decided (none applies to the destination,
+	// the source side, which does not enforce, or no authorization).
 	PolicyNone = "none"
-	// PolicyDeny: the connection was refused by the built-in policy the
-	// line's policy names.
+	// PolicyAllow: an ALLOW authorization policy (the line's policy)
+	// matched.
+	PolicyAllow = "allow"
+	// PolicyDeny: the connection was refused by the policy the line's
+	// policy names (an authorization policy, or a built-in rule); with
+	// ALLOW policies of which none matched, policy is empty and
+	// policy_reason says so.
 	PolicyDeny = "deny"
 )
 
@@ -173,9 +180,12 @@ func fields(i *ConnInfo, start, end time.Time, toDst, toSrc int64, reason, flags
 		// Only what mutual TLS proved (ztunnel logs the same).
 		security, srcPrincipal, dstPrincipal = SecurityMutualTLS, i.SourcePrincipal, i.DestinationPrincipal
 	}
-	decision := PolicyNone
-	if reason == ReasonDenied.String() {
-		decision = PolicyDeny
+	decision := i.PolicyDecision
+	if decision == "" {
+		decision = PolicyNone
+		if reason == ReasonDenied.String() {
+			decision = PolicyDeny
+		}
 	}
 	var errText string
 	if err != nil {
@@ -208,6 +218,8 @@ func fields(i *ConnInfo, start, end time.Time, toDst, toSrc int64, reason, flags
 		keySecurity, security,
 		keyPolicyDecision, decision,
 		keyPolicy, i.Policy,
+		keyPolicyReason, i.PolicyReason,
+		keyPolicyDryRun, i.PolicyDryRun,
 		keyReason, reason,
 		keyLimit, i.Limit,
 		keyResponseFlags, flags,

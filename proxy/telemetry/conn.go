@@ -197,9 +197,21 @@ type ConnInfo struct {
 	MTLS bool
 	// Path is one of the Path* values.
 	Path string
-	// Policy names what decided a refusal (PolicyDecision "deny"); ""
-	// otherwise.
+	// PolicyDecision is the authorization decision at the destination:
+	// PolicyAllow (an ALLOW policy matched), PolicyDeny, or "" for
+	// PolicyNone (no policy decided; a ReasonDenied refusal without one is
+	// PolicyDeny).
+	PolicyDecision string
+	// Policy names the policy that decided (an AuthorizationPolicy's key,
+	// or a built-in rule: PolicyInboundStrict, PolicyDeclaredPortsOnly);
+	// "" when none did.
 	Policy string
+	// PolicyReason is the authorization's reason (proxy/authz: ALLOW or
+	// DENY matched, no ALLOW matched, no policy); "" without one.
+	PolicyReason string
+	// PolicyDryRun names a dry-run policy that would have changed the
+	// decision (never enforced); "" when none.
+	PolicyDryRun string
 	// Limit names the cap a ReasonLimit refusal hit.
 	Limit string
 }

@@ -188,8 +188,8 @@ func TestAccessLog(t *testing.T) {
 		}
 		return k
 	}
-	if a, b := len(keys(lines[0])), len(keys(lines[1])); a != b || a != 28 {
-		t.Errorf("lines have %d and %d keys, want the same 28: %v", a, b, keys(lines[0]))
+	if a, b := len(keys(lines[0])), len(keys(lines[1])); a != b || a != 30 {
+		t.Errorf("lines have %d and %d keys, want the same 30: %v", a, b, keys(lines[0]))
 	}
 	for key, want := range map[string]any{
 		"msg": "connection closed", "level": "INFO", "reporter": "source", "reason": "server_closed",
@@ -272,7 +272,7 @@ func TestAccessLogOpens(t *testing.T) {
 			t.Errorf("level %s: lines %v, want %v", tc.level, got, tc.want)
 		}
 		if tc.level == telemetry.AccessLogAll {
-			if len(open) != 28 || open["end_time"] != "" || open["reason"] != "" || open["bytes_to_dst"] != 0.0 || open["dst_service"] != "db.b.svc.cluster.local" {
+			if len(open) != 30 || open["end_time"] != "" || open["reason"] != "" || open["bytes_to_dst"] != 0.0 || open["dst_service"] != "db.b.svc.cluster.local" {
 				t.Errorf("open line %v", open)
 			}
 		}
