@@ -1,6 +1,7 @@
 package proxy_test
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -11,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -24,6 +26,7 @@ import (
 	workload "aether.io/node/api/istio/workload"
 	"aether.io/node/proxy"
 	"aether.io/node/proxy/proxytest"
+	"aether.io/node/proxy/telemetry"
 	"aether.io/node/test/harness"
 	"aether.io/node/xds/listener"
 	"aether.io/node/xds/resource"
@@ -155,7 +158,11 @@ func TestEndToEnd(t *testing.T) {
 	ag.addPod(t, client)
 	ag.addPod(t, server)
 
-	p := runProxy(t, proxy.Config{XDSTarget: "unix://" + ag.socket, NodeID: "node-1", AdminAddress: "127.0.0.1:0"})
+	access := &lockedBuffer{}
+	p := runProxy(t, proxy.Config{
+		XDSTarget: "unix://" + ag.socket, NodeID: "node-1", AdminAddress: "127.0.0.1:0",
+		AccessLog: telemetry.AccessLogAll, AccessLogOutput: access,
+	})
 	wctx, wcancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer wcancel()
 	admin, err := p.AdminAddr(wctx)
@@ -235,6 +242,18 @@ func TestEndToEnd(t *testing.T) {
 	}
 	if seriesLine(metrics(t, admin), "istio_tcp_received_bytes_total", labels...) == "" {
 		t.Errorf("no received bytes series")
+	}
+	// The access log (AccessLogOutput, at all): a line per connection,
+	// the client's two and the server's one.
+	if err := proxytest.WaitFor(wctx, func() bool {
+		return strings.Count(access.String(), `"msg":"connection closed"`) >= 3
+	}); err != nil {
+		t.Fatalf("access log has fewer than 3 lines:\n%s", access.String())
+	}
+	for _, want := range []string{`"reporter":"source","start_time":`, `"src_workload":"client"`, `"dst_workload":"server"`, `"reason":"client_closed"`} {
+		if !strings.Contains(access.String(), want) {
+			t.Errorf("access log lacks %s:\n%s", want, access.String())
+		}
 	}
 
 	// RemovePod: the client's listeners are withdrawn and drained.
@@ -343,4 +362,23 @@ func TestSplitStreams(t *testing.T) {
 	if err != nil {
 		t.Fatalf("split streams: pods %+v, %d workloads", p.Manager.Status(), p.Peers.Len())
 	}
+}
+
+// lockedBuffer is a bytes.Buffer safe for the access log's concurrent
+// writes and the test's reads.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }

@@ -57,7 +57,7 @@ func main() {
 	level := flag.String("log-level", "info", "debug, info, warn or error")
 	accessLog := flag.String("access-log", telemetry.DefaultAccessLogLevel.String(), "connections written to the access log on stdout, one JSON line each at its close: off, errors (refused, failed, reset, timed out, cut by a drain) or all")
 	flag.BoolVar(&cfg.AccessLogOpens, "access-log-open", false, "with -access-log=all, also write a line when a connection opens (\"connection opened\", the same keys)")
-	accessRate := flag.Float64("access-log-sample-rate", 1, "share of the access log's lines kept, 0 to 1 (0: none)")
+	accessRate := flag.Float64("access-log-sample-rate", 1, "share of connections whose access-log lines are kept, 0 to 1 (0: none)")
 	flag.Parse()
 	var err error
 	if cfg.AccessLog, err = telemetry.ParseAccessLogLevel(*accessLog); err != nil {
