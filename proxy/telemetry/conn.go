@@ -5,8 +5,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"aether.io/node/proxy/peers"
 )
 
@@ -17,7 +15,7 @@ const Unknown = "unknown"
 // IstioLabels are the labels of every istio_tcp_* series, in order: Istio's
 // standard label set for TCP as ztunnel reports it (without its optional
 // locality labels).
-var IstioLabels = []string{
+var IstioLabels = [...]string{
 	"reporter",
 	"source_workload", "source_canonical_service", "source_canonical_revision", "source_workload_namespace",
 	"source_principal", "source_app", "source_version", "source_cluster",
@@ -216,9 +214,9 @@ type ConnInfo struct {
 	Limit string
 }
 
-// labels returns the istio_tcp_* label values of the connection, closed
-// with flags.
-func (i *ConnInfo) labels(flags string) []string {
+// key returns the istio_tcp_* label values of the connection, closed with
+// flags.
+func (i *ConnInfo) key(flags string) labelKey {
 	security := SecurityNone
 	if i.MTLS {
 		security = SecurityMutualTLS
@@ -228,7 +226,7 @@ func (i *ConnInfo) labels(flags string) []string {
 	if dstPrincipal == "" {
 		dstPrincipal = dst.Identity
 	}
-	return []string{
+	return labelKey{
 		i.Reporter,
 		orUnknown(src.Workload), orUnknown(src.CanonicalName), orUnknown(src.CanonicalRevision), orUnknown(src.Namespace),
 		orUnknown(i.SourcePrincipal), orUnknown(src.CanonicalName), orUnknown(src.CanonicalRevision), orUnknown(src.Cluster),
@@ -250,12 +248,10 @@ func orUnknown(s string) string {
 // its access-log line. Received and Sent may be called from the
 // connection's two copy goroutines concurrently; Close once, at the end.
 type Conn struct {
-	m        *Metrics
-	info     ConnInfo
-	labels   []string
-	start    time.Time
-	received prometheus.Counter
-	sent     prometheus.Counter
+	m      *Metrics
+	info   ConnInfo
+	start  time.Time
+	series *seriesEntry // the counters of the connection's label set
 	// rx and tx are the connection's own byte counts (the access log's).
 	rx, tx atomic.Int64
 	// logged: the access log keeps this connection's lines (sampled at
@@ -265,14 +261,10 @@ type Conn struct {
 
 // Open counts a new connection and returns its handle.
 func (m *Metrics) Open(info ConnInfo) *Conn {
-	labels := info.labels(FlagNone)
-	m.opened.WithLabelValues(labels...).Inc()
-	c := &Conn{
-		m: m, info: info, labels: labels, start: time.Now(),
-		received: m.received.WithLabelValues(labels...),
-		sent:     m.sent.WithLabelValues(labels...),
-		logged:   m.log.sample(),
-	}
+	k := info.key(FlagNone)
+	e := m.istio.entry(&k, famOpened|famSent|famReceived)
+	e.opened.Add(1)
+	c := &Conn{m: m, info: info, start: time.Now(), series: e, logged: m.log.sample()}
 	if c.logged {
 		m.log.opened(&c.info, c.start)
 	}
@@ -283,24 +275,27 @@ func (m *Metrics) Open(info ConnInfo) *Conn {
 // destination).
 func (c *Conn) Received(n int64) {
 	c.rx.Add(n)
-	c.received.Add(float64(n))
+	c.series.received.Add(uint64(n))
 }
 
 // Sent adds n bytes sent to the source (from the destination).
 func (c *Conn) Sent(n int64) {
 	c.tx.Add(n)
-	c.sent.Add(float64(n))
+	c.series.sent.Add(uint64(n))
 }
 
 // Close counts the end of the connection (closed with reason's
 // response_flags) and its duration, and offers it to the access log, with
 // err (nil for a clean end) as its error.
 func (c *Conn) Close(reason CloseReason, err error) {
-	labels := c.labels
+	e := c.series
 	if f := reason.Flag(); f != FlagNone {
-		labels = c.info.labels(f)
+		k := c.info.key(f)
+		e = c.m.istio.entry(&k, famClosed)
+	} else if e.families.Load()&famClosed == 0 {
+		e.families.Or(famClosed)
 	}
-	c.m.closed.WithLabelValues(labels...).Inc()
+	e.closed.Add(1)
 	end := time.Now()
 	c.m.duration.WithLabelValues(c.info.Reporter).Observe(end.Sub(c.start).Seconds())
 	if c.logged {

@@ -18,10 +18,7 @@ type Metrics struct {
 	// collectors).
 	Registry *prometheus.Registry
 
-	opened   *prometheus.CounterVec
-	closed   *prometheus.CounterVec
-	sent     *prometheus.CounterVec
-	received *prometheus.CounterVec
+	istio    *istioSeries
 	duration *prometheus.HistogramVec
 	failed   *prometheus.CounterVec
 	udp      *prometheus.CounterVec
@@ -43,22 +40,7 @@ func NewWithAccessLog(log *AccessLog) *Metrics {
 	m := &Metrics{
 		Registry: prometheus.NewRegistry(),
 		log:      log,
-		opened: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "istio_tcp_connections_opened_total",
-			Help: "The total number of TCP connections opened (reporter source: the client pod's outbound side; destination: the server pod's inbound side).",
-		}, IstioLabels),
-		closed: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "istio_tcp_connections_closed_total",
-			Help: "The total number of TCP connections closed (response_flags: how a refused or failed one ended).",
-		}, IstioLabels),
-		sent: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "istio_tcp_sent_bytes_total",
-			Help: "The size of total bytes sent during response in case of a TCP connection (destination to source).",
-		}, IstioLabels),
-		received: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "istio_tcp_received_bytes_total",
-			Help: "The size of total bytes received during request in case of a TCP connection (source to destination).",
-		}, IstioLabels),
+		istio:    newIstioSeries(),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "aether_tcp_connection_duration_seconds",
 			Help:    "Lifetime of proxied TCP connections, accept to close, by reporter (Istio has no TCP duration series).",
@@ -94,11 +76,14 @@ func NewWithAccessLog(log *AccessLog) *Metrics {
 		}),
 	}
 	m.policy = newPolicyMetrics()
-	m.Registry.MustRegister(m.opened, m.closed, m.sent, m.received, m.duration, m.failed, m.udp, m.limits, m.inbound, m.source, m.outbound, m.pods,
+	m.Registry.MustRegister(m.istio, m.duration, m.failed, m.udp, m.limits, m.inbound, m.source, m.outbound, m.pods,
 		m.policy.denied, m.policy.dryRun,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
+
+// FlushAccessLog writes the access log's held lines (AccessLog.Flush).
+func (m *Metrics) FlushAccessLog() { m.log.Flush() }
 
 // Failed counts a connection that could not be proxied.
 func (m *Metrics) Failed(reason string) { m.failed.WithLabelValues(reason).Inc() }

@@ -10,7 +10,9 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"
@@ -162,6 +164,7 @@ func accessLines(t *testing.T, level string, rate float64) []map[string]any {
 	denied := info(telemetry.ReporterDestination, false)
 	denied.Policy = telemetry.PolicyInboundStrict
 	m.Refused(denied, telemetry.ReasonDenied, errors.New("plaintext refused"))
+	m.FlushAccessLog()
 	var lines []map[string]any
 	for l := range strings.SplitSeq(strings.TrimSpace(buf.String()), "\n") {
 		if l == "" {
@@ -253,6 +256,7 @@ func TestAccessLogOpens(t *testing.T) {
 		c := m.Open(info(telemetry.ReporterSource, true))
 		c.Received(3)
 		c.Close(telemetry.ReasonClientClosed, nil)
+		m.FlushAccessLog()
 		var got []string
 		var open map[string]any
 		for l := range strings.SplitSeq(strings.TrimSpace(buf.String()), "\n") {
@@ -279,6 +283,56 @@ func TestAccessLogOpens(t *testing.T) {
 	}
 }
 
+// syncBuffer is a bytes.Buffer for the flush timer's writes and the test's
+// reads.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// TestAccessLogBuffered: lines are held, then written without another
+// line or a Flush (the flush timer), at once when FlushSize is held, and
+// at Flush.
+func TestAccessLogBuffered(t *testing.T) {
+	var out syncBuffer
+	al, err := telemetry.NewAccessLog(&out, telemetry.AccessLogAll, 1, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := telemetry.NewWithAccessLog(al)
+	m.Open(info(telemetry.ReporterSource, false)).Close(telemetry.ReasonClientClosed, nil)
+	// The timer writes it, however long that takes here.
+	for strings.Count(out.String(), "\n") != 1 {
+		time.Sleep(time.Millisecond)
+	}
+	// Enough lines to pass FlushSize are written without waiting.
+	n := 0
+	for len(out.String()) < telemetry.FlushSize {
+		m.Open(info(telemetry.ReporterSource, false)).Close(telemetry.ReasonClientClosed, nil)
+		n++
+		if n > telemetry.FlushSize {
+			t.Fatalf("%d lines held, none written", n)
+		}
+	}
+	m.Open(info(telemetry.ReporterSource, false)).Close(telemetry.ReasonClientClosed, nil)
+	m.FlushAccessLog()
+	if got := strings.Count(out.String(), "\n"); got != n+2 {
+		t.Errorf("%d lines written after Flush, want %d", got, n+2)
+	}
+}
+
 // TestAccessLogSampleRate checks that a rate keeps about that share: 2,000
 // lines at 0.25 keep between 350 and 650 (binomial, > 10 sigma either
 // side).
@@ -292,6 +346,7 @@ func TestAccessLogSampleRate(t *testing.T) {
 	for range 2000 {
 		m.Open(info(telemetry.ReporterSource, false)).Close(telemetry.ReasonClientClosed, nil)
 	}
+	m.FlushAccessLog()
 	if n := strings.Count(buf.String(), "\n"); n < 350 || n > 650 {
 		t.Errorf("rate 0.25 kept %d of 2000 lines", n)
 	}
@@ -381,5 +436,27 @@ func BenchmarkConnTelemetry(b *testing.B) {
 				c.Close(telemetry.ReasonClientClosed, nil)
 			}
 		})
+	}
+}
+
+// BenchmarkGather: one scrape of the registry (Gather: what /metrics
+// encodes) holding the series of 1,000 workload pairs as
+// BenchmarkSeriesMemory lays them out.
+func BenchmarkGather(b *testing.B) {
+	m := telemetry.New()
+	for i := range 1000 {
+		ci := info(telemetry.ReporterSource, true)
+		ci.Source.Workload = "web-" + strconv.Itoa(i)
+		ci.Destination.Workload = "db-" + strconv.Itoa(i)
+		c := m.Open(ci)
+		c.Received(100)
+		c.Close(telemetry.ReasonClientClosed, nil)
+		m.Refused(ci, telemetry.ReasonConnectFailed, nil)
+	}
+	b.ReportAllocs()
+	for range b.N {
+		if _, err := m.Registry.Gather(); err != nil {
+			b.Fatal(err)
+		}
 	}
 }
