@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -128,61 +129,122 @@ type AccessLog struct {
 // FlushInterval and FlushSize bound how long and how much of the access log
 // is held before it is written (a write(2) per line to a file cost the
 // proxy ~5% more CPU per connection; Envoy's file access log buffers the
-// same way, 1 s and 64 KiB by default).
+// same way, 1 s and 64 KiB by default). MaxHeld bounds what is held while a
+// write is under way: a stdout that does not drain drops lines (counted),
+// it never holds up a connection.
 const (
 	FlushInterval = 200 * time.Millisecond
 	FlushSize     = 64 << 10
+	MaxHeld       = 1 << 20
 )
 
 // lineBuffer holds whole lines (slog writes a record in one Write) for w.
+// One write to w is under way at a time, outside the lock: lines keep
+// being taken (up to MaxHeld) while it runs.
 type lineBuffer struct {
-	mu    sync.Mutex
-	w     io.Writer
-	buf   []byte
-	timer *time.Timer // flushes FlushInterval after the first held line
-	armed bool
+	w io.Writer
+
+	mu      sync.Mutex
+	idle    *sync.Cond // signalled when a write ends
+	buf     []byte
+	spare   []byte
+	writing bool
+	timer   *time.Timer // flushes FlushInterval after the first held line
+	armed   bool
+	dropped atomic.Uint64
 }
 
-// Write holds p; it never fails (a broken stdout loses lines, not
-// connections).
+func newLineBuffer(w io.Writer) *lineBuffer {
+	b := &lineBuffer{w: w}
+	b.idle = sync.NewCond(&b.mu)
+	return b
+}
+
+// Write holds p; it never fails (a broken or stuck stdout loses lines, not
+// connections). Once FlushSize is held the lines are written on a
+// goroutine of their own, so no connection waits for stdout.
 func (b *lineBuffer) Write(p []byte) (int, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.buf = append(b.buf, p...)
-	switch {
-	case len(b.buf) >= FlushSize:
-		b.flushLocked()
-	case !b.armed:
-		b.armed = true
-		if b.timer == nil {
-			b.timer = time.AfterFunc(FlushInterval, b.flush)
-		} else {
-			b.timer.Reset(FlushInterval)
-		}
+	if len(b.buf)+len(p) > MaxHeld {
+		b.dropped.Add(1)
+		return len(p), nil
 	}
+	b.buf = append(b.buf, p...)
+	if len(b.buf) >= FlushSize && !b.writing {
+		go b.write(b.takeLocked())
+		return len(p), nil
+	}
+	b.armLocked()
 	return len(p), nil
 }
 
-func (b *lineBuffer) flush() {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	b.flushLocked()
+// armLocked starts the flush timer when lines are held, no write is under
+// way (its end arms it) and it is not running.
+func (b *lineBuffer) armLocked() {
+	if b.armed || b.writing || len(b.buf) == 0 {
+		return
+	}
+	b.armed = true
+	if b.timer == nil {
+		b.timer = time.AfterFunc(FlushInterval, b.tick)
+	} else {
+		b.timer.Reset(FlushInterval)
+	}
 }
 
-func (b *lineBuffer) flushLocked() {
+// tick is the flush timer: it writes what is held (on the timer's
+// goroutine).
+func (b *lineBuffer) tick() {
+	b.mu.Lock()
+	b.armed = false
+	if b.writing {
+		b.mu.Unlock()
+		return
+	}
+	out := b.takeLocked()
+	b.mu.Unlock()
+	b.write(out)
+}
+
+// takeLocked takes the held lines for a write, which the caller then does
+// (write) with b.mu released.
+func (b *lineBuffer) takeLocked() []byte {
 	if b.armed {
 		b.timer.Stop()
 		b.armed = false
 	}
-	if len(b.buf) == 0 {
-		return
+	out := b.buf
+	b.buf, b.spare = b.spare[:0], nil
+	b.writing = true
+	return out
+}
+
+// write writes out and ends the write: what came meanwhile waits for the
+// timer, or the next FlushSize.
+func (b *lineBuffer) write(out []byte) {
+	if len(out) > 0 {
+		_, _ = b.w.Write(out)
 	}
-	_, _ = b.w.Write(b.buf)
-	if cap(b.buf) > 4*FlushSize {
-		b.buf = nil // a burst's buffer is not kept
-	} else {
-		b.buf = b.buf[:0]
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.writing = false
+	if cap(out) <= 4*FlushSize { // a burst's buffer is not kept
+		b.spare = out[:0]
 	}
+	b.armLocked()
+	b.idle.Broadcast()
+}
+
+// flush writes everything held now, after the write under way, if any.
+func (b *lineBuffer) flush() {
+	b.mu.Lock()
+	for b.writing {
+		b.idle.Wait()
+	}
+	out := b.takeLocked()
+	b.mu.Unlock()
+	b.write(out)
 }
 
 // Flush writes the lines held now (at the proxy's stop). A nil AccessLog
@@ -191,6 +253,15 @@ func (a *AccessLog) Flush() {
 	if a != nil {
 		a.out.flush()
 	}
+}
+
+// Dropped is the number of lines dropped because MaxHeld was held while a
+// write did not end (stdout not drained).
+func (a *AccessLog) Dropped() uint64 {
+	if a == nil {
+		return 0
+	}
+	return a.out.dropped.Load()
 }
 
 // NewAccessLog returns the access log writing JSON lines to w (the proxy's
@@ -205,7 +276,7 @@ func NewAccessLog(w io.Writer, level AccessLogLevel, rate float64, opens bool) (
 	if level == AccessLogOff || rate == 0 {
 		return nil, nil
 	}
-	out := &lineBuffer{w: w}
+	out := newLineBuffer(w)
 	return &AccessLog{log: slog.New(slog.NewJSONHandler(out, nil)), out: out, level: level, rate: rate, opens: opens && level == AccessLogAll}, nil
 }
 

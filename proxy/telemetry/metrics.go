@@ -75,6 +75,12 @@ func NewWithAccessLog(log *AccessLog) *Metrics {
 			Help: "Pods whose listeners are bound and served.",
 		}),
 	}
+	if log != nil {
+		m.Registry.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "aether_proxy_access_log_dropped_total",
+			Help: "Access-log lines dropped because stdout did not drain (1 MiB held while a write was under way).",
+		}, func() float64 { return float64(log.Dropped()) }))
+	}
 	m.policy = newPolicyMetrics()
 	m.Registry.MustRegister(m.istio, m.duration, m.failed, m.udp, m.limits, m.inbound, m.source, m.outbound, m.pods,
 		m.policy.denied, m.policy.dryRun,

@@ -333,6 +333,53 @@ func TestAccessLogBuffered(t *testing.T) {
 	}
 }
 
+// stuckWriter is a stdout nobody drains until release is closed.
+type stuckWriter struct {
+	release chan struct{}
+	mu      sync.Mutex
+	lines   int
+}
+
+func (w *stuckWriter) Write(p []byte) (int, error) {
+	<-w.release
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.lines += bytes.Count(p, []byte("\n"))
+	return len(p), nil
+}
+
+// TestAccessLogStuckStdout: while stdout does not drain, connections still
+// close (none waits for it), lines past MaxHeld are dropped and counted,
+// and what was held is written once it drains.
+func TestAccessLogStuckStdout(t *testing.T) {
+	w := &stuckWriter{release: make(chan struct{})}
+	al, err := telemetry.NewAccessLog(w, telemetry.AccessLogAll, 1, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := telemetry.NewWithAccessLog(al)
+	// Each line is ~800 bytes: 4,000 lines pass MaxHeld (1 MiB) beyond
+	// the 64 KiB under way.
+	const n = 4000
+	for range n {
+		m.Open(info(telemetry.ReporterSource, false)).Close(telemetry.ReasonClientClosed, nil)
+	}
+	dropped := al.Dropped()
+	if dropped == 0 {
+		t.Fatalf("no line dropped with %d lines held behind a stuck stdout", n)
+	}
+	if got := gather(t, m, false)["aether_proxy_access_log_dropped_total"]; got != float64(dropped) {
+		t.Errorf("aether_proxy_access_log_dropped_total = %v, want %d", got, dropped)
+	}
+	close(w.release)
+	m.FlushAccessLog()
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if uint64(w.lines)+dropped != n {
+		t.Errorf("%d lines written + %d dropped, want %d", w.lines, dropped, n)
+	}
+}
+
 // TestAccessLogSampleRate checks that a rate keeps about that share: 2,000
 // lines at 0.25 keep between 350 and 650 (binomial, > 10 sigma either
 // side).
