@@ -25,9 +25,9 @@ import (
 
 	"aether.io/node/api/istio/security"
 	"aether.io/node/api/istio/workload"
+	"aether.io/node/pkg/authz"
 	"aether.io/node/pkg/lifecycle"
 	"aether.io/node/pkg/meshcontract"
-	"aether.io/node/proxy/authz"
 	"aether.io/node/proxy/dataplane"
 	"aether.io/node/proxy/identity"
 	"aether.io/node/proxy/identity/spire"
@@ -223,6 +223,9 @@ func (p *Proxy) apply(typeURL string, updated []*discovery.Resource, removed []s
 			p.Services.RemoveWorkload(n)
 			p.Services.RemoveService(n)
 		}
+		if p.Authz.Len() > 0 {
+			p.reauthorize() // a workload's bindings may have changed
+		}
 		return errors.Join(errs...)
 	case resource.AuthorizationType:
 		var errs []error
@@ -241,9 +244,21 @@ func (p *Proxy) apply(typeURL string, updated []*discovery.Resource, removed []s
 		for _, n := range removed {
 			p.Authz.Remove(n)
 		}
+		p.reauthorize()
 		return errors.Join(errs...)
 	default:
 		return fmt.Errorf("unexpected type %q: subscribed to %s, %s and %s", typeURL, resource.ListenerType, resource.AddressType, resource.AuthorizationType)
+	}
+}
+
+// reauthorize decides the established inbound connections again after a
+// policy push: those the new policies refuse are closed at once.
+func (p *Proxy) reauthorize() {
+	if p.Manager == nil {
+		return
+	}
+	if n := p.Manager.Reauthorize(); n > 0 {
+		p.log.Info("closed established connections that authorization policy now refuses", "connections", n)
 	}
 }
 

@@ -15,8 +15,11 @@ import (
 )
 
 // GVR is the resource the informer watches: security.istio.io/v1
-// authorizationpolicies, cluster-wide.
-var GVR = schema.GroupVersionResource{Group: Group, Version: "v1", Resource: ResourceAuthorizationPol}
+// authorizationpolicies, cluster-wide; PeerGVR the peerauthentications.
+var (
+	GVR     = schema.GroupVersionResource{Group: Group, Version: "v1", Resource: ResourceAuthorizationPol}
+	PeerGVR = schema.GroupVersionResource{Group: Group, Version: "v1", Resource: ResourcePeerAuthentication}
+)
 
 // RunInformer feeds m from the Kubernetes API until ctx ends. Until the
 // cluster serves the AuthorizationPolicy CRD it checks again every
@@ -72,7 +75,41 @@ func RunInformer(ctx context.Context, disc discovery.DiscoveryInterface, client 
 		log.Error("failed to watch authorization policies", "error", err.Error())
 		return
 	}
-	inf.RunWithContext(ctx)
+	peers := f.ForResource(PeerGVR).Informer()
+	handlePeer := func(o any, deleted bool) {
+		if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
+			o = t.Obj
+		}
+		u, ok := o.(*unstructured.Unstructured)
+		if !ok {
+			return
+		}
+		if deleted {
+			m.DeletePeer(u.GetNamespace(), u.GetName())
+			return
+		}
+		raw, err := json.Marshal(u.Object)
+		if err != nil {
+			return
+		}
+		p, err := ParsePeerObject(raw)
+		if err != nil {
+			log.Error("failed to read peer authentication; the level above applies", "policy", u.GetNamespace()+"/"+u.GetName(), "error", err.Error())
+			return
+		}
+		m.UpsertPeer(p)
+	}
+	if _, err := peers.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(o any) { handlePeer(o, false) },
+		UpdateFunc: func(_, o any) { handlePeer(o, false) },
+		DeleteFunc: func(o any) { handlePeer(o, true) },
+	}); err != nil {
+		log.Error("failed to watch peer authentications", "error", err.Error())
+		return
+	}
+	f.Start(ctx.Done())
+	<-ctx.Done()
+	f.Shutdown()
 }
 
 // served reports whether the API server serves the resource.

@@ -9,6 +9,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 
 	"aether.io/node/agent/podsource/manifests"
+	"aether.io/node/api/istio/security"
 	workloadpb "aether.io/node/api/istio/workload"
 	"aether.io/node/xds/workload"
 )
@@ -40,6 +41,8 @@ type Model struct {
 	warned   map[string]string   // key -> the warnings last logged
 	podsByNS map[string]map[string]map[string]string
 	podNS    map[string]string // uid -> namespace
+	peers    map[string]*PeerObject
+	peerOut  map[string]bool // keys of the PeerAuthentication translations served
 }
 
 // binding is how a WORKLOAD_SELECTOR policy selects workloads.
@@ -65,6 +68,7 @@ func New(rootNS string, idx *workload.Index, svcs ServiceMembers, log *slog.Logg
 		root: rootNS, idx: idx, out: idx.Authorizations().Writer(workload.AuthorizationSource), svcs: svcs, log: log,
 		objs: map[string]*Object{}, bound: map[string]*binding{}, warned: map[string]string{},
 		podsByNS: map[string]map[string]map[string]string{}, podNS: map[string]string{},
+		peers: map[string]*PeerObject{}, peerOut: map[string]bool{},
 	}
 	idx.SetMembership(m)
 	return m
@@ -128,6 +132,9 @@ func (m *Model) Policies(uid string) []string {
 		case len(b.services) > 0:
 			refs, refBindings = append(refs, k), append(refBindings, b)
 		}
+	}
+	if ok {
+		out = append(out, peerBinding(m.root, ns, lbl, m.peers)...)
 	}
 	m.mu.RUnlock()
 	// Service membership is the Service model's, asked without our lock.
@@ -296,4 +303,80 @@ func (m *Model) ReplaceFrom(o manifests.Objects) {
 		objs = append(objs, obj)
 	}
 	m.Replace(objs)
+	var peers []*PeerObject
+	for _, raw := range o.PeerAuthentications {
+		p, err := ParsePeerObject(raw)
+		if err != nil {
+			m.log.Error("failed to read peer authentication manifest; the level above applies", "error", err.Error())
+			continue
+		}
+		peers = append(peers, p)
+	}
+	m.ReplacePeers(peers)
+}
+
+// UpsertPeer sets a PeerAuthentication.
+func (m *Model) UpsertPeer(o *PeerObject) { m.changePeers(func() { m.peers[o.Key()] = o }) }
+
+// DeletePeer removes a PeerAuthentication.
+func (m *Model) DeletePeer(namespace, name string) {
+	m.changePeers(func() { delete(m.peers, namespace+"/"+name) })
+}
+
+// ReplacePeers makes the model hold exactly objs.
+func (m *Model) ReplacePeers(objs []*PeerObject) {
+	m.changePeers(func() {
+		m.peers = map[string]*PeerObject{}
+		for _, o := range objs {
+			m.peers[o.Key()] = o
+		}
+	})
+}
+
+// changePeers applies edit and serves what the PeerAuthentications become
+// (the static strict policy, and each port-level translation), then
+// rebinds every workload (a mesh-wide mode reaches all of them).
+func (m *Model) changePeers(edit func()) {
+	m.apply.Lock()
+	defer m.apply.Unlock()
+	m.mu.Lock()
+	edit()
+	want := map[string]*security.Authorization{}
+	if len(m.peers) > 0 {
+		ss := staticStrict(m.root)
+		want[ss.Namespace+"/"+ss.Name] = ss
+	}
+	for _, o := range m.peers {
+		if len(o.Spec.GetSelector().GetMatchLabels()) == 0 || o.Namespace == m.root {
+			continue
+		}
+		mesh, nsWide, _ := peerLevels(m.root, o.Namespace, nil, m.peers)
+		if a := convertPeer(o, mesh, nsWide); a != nil {
+			want[a.Namespace+"/"+a.Name] = a
+		}
+	}
+	var gone []string
+	for k := range m.peerOut {
+		if want[k] == nil {
+			gone = append(gone, k)
+			delete(m.peerOut, k)
+		}
+	}
+	for k := range want {
+		m.peerOut[k] = true
+	}
+	uids := slices.Collect(maps.Keys(m.podNS))
+	m.mu.Unlock()
+	for _, k := range gone {
+		m.out.Remove(k)
+	}
+	for _, k := range slices.Sorted(maps.Keys(want)) {
+		if _, err := m.out.UpsertAuthorization(want[k]); err != nil {
+			m.log.Error("failed to serve peer authentication", "policy", k, "error", err.Error())
+		}
+	}
+	slices.Sort(uids)
+	if _, err := m.idx.Refresh(uids); err != nil {
+		m.log.Error("failed to rebind workloads to peer authentication", "error", err.Error())
+	}
 }

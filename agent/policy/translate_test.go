@@ -1,14 +1,19 @@
 package policy
 
 import (
+	"fmt"
 	"net/netip"
+	"runtime"
 	"strings"
 	"testing"
 
+	securityv1beta1 "istio.io/api/security/v1beta1"
+	typev1beta1 "istio.io/api/type/v1beta1"
 	"sigs.k8s.io/yaml"
 
 	"aether.io/node/api/istio/security"
-	"aether.io/node/proxy/authz"
+	"aether.io/node/pkg/authz"
+	"aether.io/node/xds/workload"
 )
 
 func parse(t *testing.T, doc string) *Object {
@@ -240,4 +245,42 @@ spec:
 			}
 		})
 	}
+}
+
+// BenchmarkTranslate10k: 10,000 AuthorizationPolicies (a principal, a
+// namespace, a port and a CIDR each) translated and served by the model,
+// with the heap they hold afterwards.
+func BenchmarkTranslate10k(b *testing.B) {
+	objs := make([]*Object, 10000)
+	for i := range objs {
+		objs[i] = &Object{Namespace: fmt.Sprintf("ns-%d", i%100), Name: fmt.Sprintf("p-%d", i), Spec: &securityv1beta1.AuthorizationPolicy{
+			Selector: &typev1beta1.WorkloadSelector{MatchLabels: map[string]string{"app": fmt.Sprintf("app-%d", i%50)}},
+			Rules: []*securityv1beta1.Rule{{
+				From: []*securityv1beta1.Rule_From{{Source: &securityv1beta1.Source{
+					Principals: []string{fmt.Sprintf("cluster.local/ns/ns-%d/sa/sa-%d", i%100, i)}, Namespaces: []string{"shop"}, IpBlocks: []string{"10.0.0.0/8"},
+				}}},
+				To: []*securityv1beta1.Rule_To{{Operation: &securityv1beta1.Operation{Ports: []string{"8080"}}}},
+			}},
+		}}
+	}
+	var heap uint64
+	for b.Loop() {
+		before := liveHeap()
+		x := workload.NewIndex()
+		m := New("istio-system", x, nil, nil)
+		m.Replace(objs)
+		heap = liveHeap() - before
+		if x.Authorizations().Len() != len(objs) {
+			b.Fatalf("%d served", x.Authorizations().Len())
+		}
+		runtime.KeepAlive(m)
+	}
+	b.ReportMetric(float64(heap)/float64(len(objs)), "B/policy")
+}
+
+func liveHeap() uint64 {
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return ms.HeapAlloc
 }

@@ -25,11 +25,13 @@ var commands = map[string]command{
 	"pod":       {ctl.RunPod, "show one pod's records in detail: pod <namespace>/<name>"},
 	"workloads": {ctl.RunWorkloads, "list the agent's istio.workload.Workload resources over xDS"},
 	"services":  {ctl.RunServices, "list the Services of workload discovery: VIPs, ports and endpoints"},
+	"policies":  {ctl.RunPolicies, "list each workload's authorization policies, then every policy served"},
+	"policy":    {ctl.RunPolicy, "policy check <src ns/pod> <dst ns/pod>[:port]: the destination proxy's decision and its policy"},
 }
 
 func usage(w io.Writer) {
 	fmt.Fprintln(w, "Usage: aetherctl <command> [flags] [args]\n\nCommands:")
-	for _, n := range []string{"pods", "pod", "workloads", "services"} {
+	for _, n := range []string{"pods", "pod", "workloads", "services", "policies", "policy"} {
 		fmt.Fprintf(w, "  %-10s %s\n", n, commands[n].help)
 	}
 	fmt.Fprintln(w, "\nRun 'aetherctl <command> --help' for a command's flags.")

@@ -6,7 +6,7 @@ import (
 	"sync"
 	"time"
 
-	"aether.io/node/proxy/authz"
+	"aether.io/node/pkg/authz"
 	"aether.io/node/proxy/hbone"
 	"aether.io/node/proxy/telemetry"
 )
@@ -65,6 +65,10 @@ func (p *pod) authorize(src netip.AddrPort, identity string, dst netip.AddrPort,
 	return false
 }
 
+// denier is an established connection Reauthorize can report refused
+// (its telemetry: reason denied, the policy that refused it).
+type denier interface{ denied(policy, reason string) }
+
 // policyRefusal is the answer to an HBONE stream authorization policy
 // refused: 401 (as ztunnel answers), the source proxy resets its client.
 func policyRefusal(dst netip.AddrPort) error {
@@ -96,4 +100,76 @@ func (r *rateLog) allow(now time.Time) (bool, uint64) {
 	n := r.suppressed
 	r.suppressed = 0
 	return true, n
+}
+
+// reasonPolicyClosed is aether_tcp_connections_failed_total{reason} of an
+// established connection a policy change refused (closed, both ends reset).
+const reasonPolicyClosed = "policy_closed_established"
+
+// authorizedConn is an inbound connection that was authorized: what it
+// was decided on, so a policy change can decide it again.
+type authorizedConn interface {
+	closer
+	authorized() (authz.Conn, bool)
+}
+
+// Reauthorize decides every established inbound connection of every pod
+// again with the current policies (call it after a policy or binding
+// change) and closes, resetting both ends, those now refused; each is
+// counted (aether_policy_denials_total and
+// aether_tcp_connections_failed_total{reason="policy_closed_established"})
+// and logged (rate-limited). It returns how many it closed.
+func (m *Manager) Reauthorize() int {
+	if m.cfg.Authorizer == nil {
+		return 0
+	}
+	m.mu.Lock()
+	pods := make([]*pod, 0, len(m.pods)+len(m.draining))
+	for _, p := range m.pods {
+		pods = append(pods, p)
+	}
+	for p := range m.draining {
+		pods = append(pods, p)
+	}
+	m.mu.Unlock()
+	closed := 0
+	for _, p := range pods {
+		p.mu.Lock()
+		conns := make([]authorizedConn, 0, len(p.conns))
+		for c := range p.conns {
+			if ac, ok := c.(authorizedConn); ok {
+				conns = append(conns, ac)
+			}
+		}
+		p.mu.Unlock()
+		for _, c := range conns {
+			ac, ok := c.authorized()
+			if !ok {
+				continue
+			}
+			peer := p.lookup(ac.Dest.Addr().Unmap())
+			ns := peer.Namespace
+			if ns == "" {
+				ns = p.namespace
+			}
+			d := m.cfg.Authorizer.Decide(&ac, authz.Target{Namespace: ns, Policies: peer.Policies})
+			if d.Allow {
+				continue
+			}
+			if dn, ok := c.(denier); ok {
+				dn.denied(d.Policy, d.Reason)
+			}
+			// Reset in the background: the stream's reset waits for its
+			// connection's writer, which a policy push must not.
+			go c.abort()
+			closed++
+			m.metrics.PolicyDenied(d.Policy, d.Reason)
+			m.metrics.Failed(reasonPolicyClosed)
+			if ok, suppressed := p.policyLog.allow(time.Now()); ok {
+				p.log.Info("established connection closed: authorization policy now refuses it", "policy", d.Policy, "reason", d.Reason,
+					"src", ac.Source.String(), "source_principal", ac.Identity, "dst", ac.Dest.String(), "suppressed", suppressed)
+			}
+		}
+	}
+	return closed
 }

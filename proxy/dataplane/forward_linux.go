@@ -14,6 +14,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"aether.io/node/pkg/authz"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"
 )
@@ -140,9 +141,30 @@ type tcpPair struct {
 	up   upstream
 	once sync.Once
 	end  telemetry.End
+	// tc is the pair's telemetry, for an inbound plaintext pair (set
+	// before it is tracked: Reauthorize reports a refusal through it).
+	tc *telemetry.Conn
+	// az, for an inbound plaintext pair, is what it was authorized on
+	// (Manager.Reauthorize); nil for outbound pairs.
+	az *authz.Conn
+}
+
+func (t *tcpPair) authorized() (authz.Conn, bool) {
+	if t.az == nil {
+		return authz.Conn{}, false
+	}
+	return *t.az, true
 }
 
 func (t *tcpPair) endWith(r telemetry.CloseReason) { t.end.Force(r) }
+
+// denied records that policy now refuses the established pair.
+func (t *tcpPair) denied(policy, reason string) {
+	t.end.Force(telemetry.ReasonDenied)
+	if t.tc != nil {
+		t.tc.Deny(policy, reason)
+	}
+}
 
 // abort resets both ends (a unix socket has no reset: it is closed).
 func (t *tcpPair) abort() {

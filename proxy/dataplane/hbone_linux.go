@@ -15,6 +15,7 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
+	"aether.io/node/pkg/authz"
 	"aether.io/node/proxy/hbone"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"
@@ -315,7 +316,10 @@ func (p *pod) deliverHBONE(ctx context.Context, src spiffeid.ID, target netip.Ad
 	if _, ok := up.(*net.UnixConn); ok {
 		info.Path = telemetry.PathUDS
 	}
-	c := &inboundConn{Conn: up, release: release, untrack: p.untrack, tc: p.m.metrics.Open(info)}
+	c := &inboundConn{
+		Conn: up, release: release, untrack: p.untrack, tc: p.m.metrics.Open(info),
+		az: authz.Conn{Source: peer.Addr(), Identity: src.String(), Dest: target},
+	}
 	c.act.touch()
 	if !p.track(c) {
 		c.endWith(telemetry.ReasonPodClosed)
@@ -343,11 +347,19 @@ type inboundConn struct {
 	onAbort atomic.Pointer[func()] // the server's stream reset (hbone.Abortable)
 	end     telemetry.End
 	readErr atomic.Pointer[error] // the app side's read error (ReadDone)
+	// az is what the stream was authorized on (Manager.Reauthorize).
+	az authz.Conn
 }
 
 var _ hbone.ReadObserver = (*inboundConn)(nil)
 
 func (c *inboundConn) endWith(r telemetry.CloseReason) { c.end.Force(r) }
+
+// denied records that policy now refuses the established stream.
+func (c *inboundConn) denied(policy, reason string) {
+	c.end.Force(telemetry.ReasonDenied)
+	c.tc.Deny(policy, reason)
+}
 
 // ReadDone records how reading the app ended (hbone.ReadObserver): EOF,
 // the server (the app) closed first; an error, a reset.
@@ -359,6 +371,8 @@ func (c *inboundConn) ReadDone(err error) {
 	}
 	c.end.Finished(telemetry.ReasonServerClosed)
 }
+
+func (c *inboundConn) authorized() (authz.Conn, bool) { return c.az, true }
 
 // OnAbort sets what abort calls after closing the app connection: the
 // server resets the stream and wakes its goroutine wherever it waits

@@ -8,6 +8,8 @@ import (
 	"reflect"
 	"slices"
 
+	"aether.io/node/pkg/authz"
+
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/proxy/telemetry"
 	"aether.io/node/xds/listener"
@@ -110,15 +112,14 @@ func (p *pod) serveInbound(down *net.TCPConn, l *tcpListener) {
 	if _, ok := us.(*net.UnixConn); ok {
 		info.Path = telemetry.PathUDS
 	}
-	pair := &tcpPair{down: down, up: us}
+	pair := &tcpPair{down: down, up: us, az: &authz.Conn{Source: src.Addr().Unmap(), Dest: dst}, tc: p.m.metrics.Open(info)}
 	if !p.track(pair) {
 		pair.abort()
-		p.m.metrics.Refused(info, telemetry.ReasonPodClosed, nil)
+		pair.tc.Close(telemetry.ReasonPodClosed, nil)
 		return
 	}
 	defer p.untrack(pair)
-	tc := p.m.metrics.Open(info)
-	tc.Close(pipe(&p.m.pipes, pair, tc))
+	pair.tc.Close(pipe(&p.m.pipes, pair, pair.tc))
 }
 
 // Errors the access log gives refused inbound connections.

@@ -2,7 +2,9 @@ package dataplane_test
 
 import (
 	"fmt"
+	"io"
 	"net/netip"
+	"slices"
 	"testing"
 	"time"
 
@@ -136,4 +138,49 @@ func TestServiceVIP(t *testing.T) {
 		}
 		<-srv.Got
 	})
+}
+
+// BenchmarkServiceConnect: connect plus a one-byte round trip from the
+// client pod over HBONE to the server pod, dialled at the pod's IP (peer)
+// and at a Service VIP the proxy resolves to it (ours), alternated in one
+// run; p50/p99. The difference is what resolving and choosing costs.
+func BenchmarkServiceConnect(b *testing.B) {
+	svcs := peers.NewServices()
+	e := setupHBONEConfig(b, dataplane.Config{ConnectTimeout: 3 * time.Second, Services: svcs})
+	e.server.Echo(b, 8080)
+	vip4 := netip.MustParseAddr("10.88.0.200")
+	svc := serviceOf("bench", vip4, netip.MustParseAddr("fd88::200"))
+	svcs.UpsertService(svc)
+	svcs.UpsertWorkload(member(hboneWorkload(e.server, true), svc))
+	for _, mode := range []string{"peer", "ours", "peer-again", "ours-again"} {
+		dst := netip.AddrPortFrom(e.server.IP4, 8080)
+		if mode == "ours" || mode == "ours-again" {
+			dst = netip.AddrPortFrom(vip4, 80)
+		}
+		b.Run(mode, func(b *testing.B) {
+			lat := make([]time.Duration, 0, b.N)
+			one := []byte{1}
+			b.ResetTimer()
+			for range b.N {
+				start := time.Now()
+				c, err := e.client.Dial(ctx10(b), dst)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if _, err := c.Write(one); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := io.ReadFull(c, one); err != nil {
+					b.Fatal(err)
+				}
+				lat = append(lat, time.Since(start))
+				_ = c.SetLinger(0)
+				_ = c.Close()
+			}
+			b.StopTimer()
+			slices.Sort(lat)
+			b.ReportMetric(float64(lat[len(lat)/2].Nanoseconds()), "p50-ns")
+			b.ReportMetric(float64(lat[len(lat)*99/100].Nanoseconds()), "p99-ns")
+		})
+	}
 }

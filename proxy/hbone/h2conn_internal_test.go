@@ -234,8 +234,12 @@ func TestControlBudgetBoundsNode(t *testing.T) {
 	if during > before+bound {
 		t.Errorf("live heap grew by %d bytes with %d clients not reading their acks, want < %d", during-before, clients, bound)
 	}
-	if flooded == 0 || srv.Stats().ControlFloods != uint64(flooded) {
-		t.Errorf("%d connections closed, %d control floods counted; want some closed, each counted", flooded, srv.Stats().ControlFloods)
+	// On a loaded machine the wait above can outlast the 30 s write
+	// deadline: a connection whose acks were not read is then closed by
+	// it before its queue passes the budget. Either way it is closed and
+	// counted.
+	if st := srv.Stats(); flooded == 0 || st.ControlFloods+st.WriteTimeouts != uint64(flooded) || st.ControlFloods == 0 {
+		t.Errorf("%d connections closed, %d control floods and %d write timeouts counted; want some closed as floods, each counted", flooded, st.ControlFloods, st.WriteTimeouts)
 	}
 
 	// A client that reads gets its ack.

@@ -257,7 +257,19 @@ type Conn struct {
 	// logged: the access log keeps this connection's lines (sampled at
 	// Open).
 	logged bool
+	// denial is set when a policy refused the connection after it opened
+	// (Deny).
+	denial atomic.Pointer[denial]
 }
+
+// denial is the policy that refused an established connection.
+type denial struct{ policy, reason string }
+
+// Deny records that policy (with its reason) now refuses the established
+// connection: its close, which the caller then causes, is reported with
+// policy_decision deny and that policy (the caller's End gives
+// ReasonDenied).
+func (c *Conn) Deny(policy, reason string) { c.denial.Store(&denial{policy: policy, reason: reason}) }
 
 // Open counts a new connection and returns its handle.
 func (m *Metrics) Open(info ConnInfo) *Conn {
@@ -299,7 +311,13 @@ func (c *Conn) Close(reason CloseReason, err error) {
 	end := time.Now()
 	c.m.duration.WithLabelValues(c.info.Reporter).Observe(end.Sub(c.start).Seconds())
 	if c.logged {
-		c.m.log.write(&c.info, c.start, end, c.rx.Load(), c.tx.Load(), reason, err)
+		info := &c.info
+		if d := c.denial.Load(); d != nil {
+			denied := c.info
+			denied.PolicyDecision, denied.Policy, denied.PolicyReason = PolicyDeny, d.policy, d.reason
+			info = &denied
+		}
+		c.m.log.write(info, c.start, end, c.rx.Load(), c.tx.Load(), reason, err)
 	}
 }
 

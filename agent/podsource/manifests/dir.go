@@ -129,6 +129,7 @@ func (d *Dir) Scan() {
 		all.Services = append(all.Services, o.Services...)
 		all.EndpointSlices = append(all.EndpointSlices, o.EndpointSlices...)
 		all.AuthorizationPolicies = append(all.AuthorizationPolicies, o.AuthorizationPolicies...)
+		all.PeerAuthentications = append(all.PeerAuthentications, o.PeerAuthentications...)
 	}
 	for _, s := range d.sinks {
 		s.ReplaceFrom(all)

@@ -54,6 +54,9 @@ type Objects struct {
 	// objects as JSON, for the agent's policy model to decode with Istio's
 	// types (agent/policy.ParseObject).
 	AuthorizationPolicies [][]byte
+	// PeerAuthentications are security.istio.io PeerAuthentication objects
+	// as JSON (agent/policy.ParsePeerObject).
+	PeerAuthentications [][]byte
 }
 
 // Kinds a manifest directory may hold, as "apiVersion kind".
@@ -63,6 +66,8 @@ const (
 	kindEndpointSlice = "discovery.k8s.io/v1 EndpointSlice"
 	kindAuthzV1       = "security.istio.io/v1 AuthorizationPolicy"
 	kindAuthzV1beta1  = "security.istio.io/v1beta1 AuthorizationPolicy"
+	kindPeerV1        = "security.istio.io/v1 PeerAuthentication"
+	kindPeerV1beta1   = "security.istio.io/v1beta1 PeerAuthentication"
 )
 
 // ParseObjects decodes every Pod, Service and EndpointSlice in a YAML or
@@ -104,7 +109,7 @@ func ParseObjects(data []byte) (Objects, error) {
 			SetNamespace(string)
 		}
 		switch apiVersion + " " + head.Kind {
-		case kindAuthzV1, kindAuthzV1beta1:
+		case kindAuthzV1, kindAuthzV1beta1, kindPeerV1, kindPeerV1beta1:
 			j, err := yaml.YAMLToJSON(raw)
 			if err != nil {
 				return Objects{}, fmt.Errorf("failed to parse manifest document %d (%s): %w", i, head.Kind, err)
@@ -112,7 +117,11 @@ func ParseObjects(data []byte) (Objects, error) {
 			if head.Metadata.Name == "" {
 				return Objects{}, fmt.Errorf("failed to parse manifest document %d (%s): metadata.name is required", i, head.Kind)
 			}
-			out.AuthorizationPolicies = append(out.AuthorizationPolicies, j)
+			if head.Kind == "PeerAuthentication" {
+				out.PeerAuthentications = append(out.PeerAuthentications, j)
+			} else {
+				out.AuthorizationPolicies = append(out.AuthorizationPolicies, j)
+			}
 			continue
 		case kindPod:
 			p := &corev1.Pod{}
@@ -124,8 +133,8 @@ func ParseObjects(data []byte) (Objects, error) {
 			es := &discoveryv1.EndpointSlice{}
 			out.EndpointSlices, obj = append(out.EndpointSlices, es), es
 		default:
-			return Objects{}, fmt.Errorf("failed to parse manifest document %d: kind %q apiVersion %q, only %s, %s, %s and %s are allowed",
-				i, head.Kind, head.APIVersion, kindPod, kindService, kindEndpointSlice, kindAuthzV1)
+			return Objects{}, fmt.Errorf("failed to parse manifest document %d: kind %q apiVersion %q, only %s, %s, %s, %s and %s are allowed",
+				i, head.Kind, head.APIVersion, kindPod, kindService, kindEndpointSlice, kindAuthzV1, kindPeerV1)
 		}
 		// sigs.k8s.io/yaml converts by the target's types, as kubelet's
 		// decoder does (an unquoted `nodeName: n` arrives as "false").

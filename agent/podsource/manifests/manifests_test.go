@@ -26,7 +26,7 @@ func TestParse(t *testing.T) {
 		{"json", `{"apiVersion":"v1","kind":"Pod","metadata":{"name":"j","namespace":"n"}}`, []string{"n/j"}, ""},
 		{"empty docs skipped", "---\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: a}\n", []string{"default/a"}, ""},
 		{"services skipped", "apiVersion: v1\nkind: Service\nmetadata: {name: s}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: s-1}\naddressType: IPv4\nendpoints: []\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: a}\n", []string{"default/a"}, ""},
-		{"other kind", "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\n", nil, "only v1 Pod, v1 Service, discovery.k8s.io/v1 EndpointSlice and security.istio.io/v1 AuthorizationPolicy are allowed"},
+		{"other kind", "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\n", nil, "only v1 Pod, v1 Service, discovery.k8s.io/v1 EndpointSlice, security.istio.io/v1 AuthorizationPolicy and security.istio.io/v1 PeerAuthentication are allowed"},
 		{"no name", "apiVersion: v1\nkind: Pod\nmetadata: {namespace: a}\n", nil, "metadata.name is required"},
 		{"garbage", "apiVersion: [\n", nil, "failed to parse"},
 	} {

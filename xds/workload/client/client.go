@@ -20,6 +20,7 @@ import (
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/protobuf/proto"
 
+	"aether.io/node/api/istio/security"
 	"aether.io/node/api/istio/workload"
 	"aether.io/node/xds/adsclient"
 	"aether.io/node/xds/resource"
@@ -45,6 +46,9 @@ type Options struct {
 	// Services, what ztunnel and aether-proxy consume) instead of
 	// istio.workload.Workload.
 	Addresses bool
+	// Authorizations also subscribes to istio.security.Authorization (the
+	// policies; Client.Policies), on the same stream.
+	Authorizations bool
 }
 
 // Update is what one response changed.
@@ -53,8 +57,11 @@ type Update struct {
 	Updated []*workload.Workload
 	// Services are the Services added or changed (Options.Addresses).
 	Services []*workload.Service
-	// Removed are the names removed (workload uids, and Services'
-	// <namespace>/<hostname>).
+	// Policies are the authorization policies added or changed
+	// (Options.Authorizations).
+	Policies []*security.Authorization
+	// Removed are the names removed (workload uids, Services'
+	// <namespace>/<hostname>, policies' <namespace>/<name>).
 	Removed []string
 }
 
@@ -78,6 +85,7 @@ type Client struct {
 	mu       sync.Mutex
 	state    map[string]*workload.Workload
 	services map[string]*workload.Service
+	policies map[string]*security.Authorization
 }
 
 // Target returns the gRPC target for opts.
@@ -114,6 +122,7 @@ func Dial(ctx context.Context, opts Options) (*Client, error) {
 		done:     make(chan struct{}),
 		state:    make(map[string]*workload.Workload),
 		services: make(map[string]*workload.Service),
+		policies: make(map[string]*security.Authorization),
 		typeURL:  resource.WorkloadType,
 	}
 	if opts.Addresses {
@@ -122,6 +131,9 @@ func Dial(ctx context.Context, opts Options) (*Client, error) {
 	c.ads = &adsclient.Client{
 		Target: target, Node: &core.Node{Id: node}, TypeURLs: []string{c.typeURL},
 		Handler: c.handle, MaxMessageBytes: maxMsg, Once: true, TLS: opts.TLS,
+	}
+	if opts.Authorizations {
+		c.ads.TypeURLs = append(c.ads.TypeURLs, resource.AuthorizationType)
 	}
 	if len(opts.Names) > 0 {
 		c.ads.Names = map[string][]string{c.typeURL: slices.Clone(opts.Names)}
@@ -148,7 +160,11 @@ func Dial(ctx context.Context, opts Options) (*Client, error) {
 // take it. A response that does not decode is NACKed and leaves the state
 // alone.
 func (c *Client) handle(typeURL string, updated []*discovery.Resource, removed []string) error {
-	up, err := decode(c.typeURL, typeURL, updated, removed)
+	want := c.typeURL
+	if typeURL == resource.AuthorizationType {
+		want = typeURL
+	}
+	up, err := decode(want, typeURL, updated, removed)
 	if err == nil {
 		c.mu.Lock()
 		for _, w := range up.Updated {
@@ -157,7 +173,14 @@ func (c *Client) handle(typeURL string, updated []*discovery.Resource, removed [
 		for _, sv := range up.Services {
 			c.services[sv.GetNamespace()+"/"+sv.GetHostname()] = sv
 		}
+		for _, a := range up.Policies {
+			c.policies[a.GetNamespace()+"/"+a.GetName()] = a
+		}
 		for _, n := range up.Removed {
+			if typeURL == resource.AuthorizationType {
+				delete(c.policies, n)
+				continue
+			}
 			delete(c.state, n)
 			delete(c.services, n)
 		}
@@ -191,6 +214,14 @@ func decode(want, typeURL string, updated []*discovery.Resource, removed []strin
 		a := r.GetResource()
 		if a.GetTypeUrl() != want {
 			return nil, fmt.Errorf("resource %q has type %q, want %q", r.GetName(), a.GetTypeUrl(), want)
+		}
+		if want == resource.AuthorizationType {
+			pol := &security.Authorization{}
+			if err := proto.Unmarshal(a.GetValue(), pol); err != nil {
+				return nil, fmt.Errorf("failed to decode authorization %q: %w", r.GetName(), err)
+			}
+			up.Policies = append(up.Policies, pol)
+			continue
 		}
 		w := &workload.Workload{}
 		if want == resource.AddressType {
@@ -247,6 +278,19 @@ func (c *Client) Services() []*workload.Service {
 	out := make([]*workload.Service, len(keys))
 	for i, k := range keys {
 		out[i] = c.services[k]
+	}
+	return out
+}
+
+// Policies returns the authorization policies held
+// (Options.Authorizations), sorted by <namespace>/<name>.
+func (c *Client) Policies() []*security.Authorization {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	keys := slices.Sorted(maps.Keys(c.policies))
+	out := make([]*security.Authorization, len(keys))
+	for i, k := range keys {
+		out[i] = c.policies[k]
 	}
 	return out
 }

@@ -12,6 +12,7 @@ import (
 
 	"google.golang.org/grpc"
 
+	securitypb "aether.io/node/api/istio/security"
 	workloadpb "aether.io/node/api/istio/workload"
 	"aether.io/node/pkg/unixsock"
 	"aether.io/node/registry"
@@ -206,3 +207,53 @@ func TestRunServices(t *testing.T) {
 type membership map[string]map[string]*workloadpb.PortList
 
 func (m membership) Services(uid string) map[string]*workloadpb.PortList { return m[uid] }
+
+// TestRunPolicyCheck: aetherctl policy check decides as the destination's
+// proxy would from what workload discovery serves, and names the policy;
+// aetherctl policies lists each workload's policies.
+func TestRunPolicyCheck(t *testing.T) {
+	x, socket := serve(t)
+	for i, name := range []string{"client", "server"} {
+		w, err := workload.Build(workload.Config{ClusterID: "c1", TrustDomain: "cluster.local"}, registry.Endpoint{
+			Key: name, Node: "node-a", Namespace: "shop", Name: name, ServiceAccount: name, Healthy: true, FixedName: true,
+			IPs: []netip.Addr{netip.AddrFrom4([4]byte{10, 0, 0, byte(i + 1)})},
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := x.Upsert(name, w); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := x.Authorizations().Writer(workload.AuthorizationSource).UpsertAuthorization(&securitypb.Authorization{
+		Name: "only-8080", Namespace: "shop", Scope: securitypb.Scope_NAMESPACE, Action: securitypb.Action_ALLOW,
+		Groups: []*securitypb.Group{{Rules: []*securitypb.Rules{{Matches: []*securitypb.Match{{DestinationPorts: []uint32{8080}}}}}}},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	for arg, want := range map[string]string{
+		"shop/server:8080": "ALLOW: shop/client -> shop/server (allowed_by_policy)",
+		"shop/server:9090": "DENY: shop/client -> shop/server (no_allow_match)",
+	} {
+		var out bytes.Buffer
+		if err := client.RunPolicyCheck(context.Background(), []string{"--xds-socket", socket, "shop/client", arg}, &out); err != nil {
+			t.Fatal(err)
+		}
+		if !strings.HasPrefix(out.String(), want) || (strings.HasPrefix(want, "ALLOW") && !strings.Contains(out.String(), "decided by: shop/only-8080")) {
+			t.Errorf("policy check %s:\n%s\nwant %q", arg, out.String(), want)
+		}
+		if !strings.Contains(out.String(), "spiffe://cluster.local/ns/shop/sa/client") {
+			t.Errorf("the source identity is not named:\n%s", out.String())
+		}
+	}
+	if err := client.RunPolicyCheck(context.Background(), []string{"--xds-socket", socket, "shop/client", "shop/nobody:80"}, &bytes.Buffer{}); err == nil {
+		t.Error("an unknown destination was accepted")
+	}
+	var out bytes.Buffer
+	if err := client.RunPolicies(context.Background(), []string{"--xds-socket", socket}, &out); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(strings.Join(strings.Fields(out.String()), " "), "shop/server node-a shop/only-8080") {
+		t.Errorf("aetherctl policies:\n%s", out.String())
+	}
+}
