@@ -5,9 +5,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -67,6 +69,18 @@ type Config struct {
 	// and the trust bundle are subscribed on instead (proxy/identity/spire);
 	// empty leaves identity to WorkloadAPISocket.
 	SPIREAdminSocket string
+	// AccessLog selects the connections written to the access log (one
+	// JSON line per connection at its end, telemetry.AccessLog): off (the
+	// zero value), errors or all. The binary's default is errors.
+	AccessLog telemetry.AccessLogLevel
+	// AccessLogSampleRate keeps each access-log line with this probability
+	// (0..1); 0 means 1, every line.
+	AccessLogSampleRate float64
+	// AccessLogOpens also writes a line when a connection opens (with
+	// AccessLog all only).
+	AccessLogOpens bool
+	// AccessLogOutput is where the access log goes; nil: os.Stdout.
+	AccessLogOutput io.Writer
 }
 
 // Proxy is aether-proxy. Construct with New, then Run.
@@ -107,8 +121,19 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 	if cfg.WorkloadAPISocket != "" && cfg.SPIREAdminSocket != "" {
 		return nil, fmt.Errorf("workload api socket %q and spire admin socket %q are both set: choose one identity provider", cfg.WorkloadAPISocket, cfg.SPIREAdminSocket)
 	}
+	out, rate := cfg.AccessLogOutput, cfg.AccessLogSampleRate
+	if out == nil {
+		out = os.Stdout
+	}
+	if rate == 0 {
+		rate = 1
+	}
+	al, err := telemetry.NewAccessLog(out, cfg.AccessLog, rate, cfg.AccessLogOpens)
+	if err != nil {
+		return nil, err
+	}
 	p := &Proxy{
-		cfg: cfg, log: log, Metrics: telemetry.New(), Peers: peers.NewIndex(), Services: peers.NewServices(), Authz: authz.NewTable(),
+		cfg: cfg, log: log, Metrics: telemetry.NewWithAccessLog(al), Peers: peers.NewIndex(), Services: peers.NewServices(), Authz: authz.NewTable(),
 		listeners: map[string]listener.Spec{}, adminAddr: make(chan net.Addr, 1),
 	}
 	dp := cfg.Dataplane
@@ -337,6 +362,11 @@ func (p *Proxy) Run(ctx context.Context) error {
 	if p.cfg.AdminAddress != "" {
 		lc.Serve("admin", p.listenAdmin)
 	}
+	// Stopped after the pods: their connections' last lines are written.
+	lc.Append(lifecycle.Hook{Name: "access_log", Stop: func(context.Context) error {
+		p.Metrics.FlushAccessLog()
+		return nil
+	}})
 	lc.Append(lifecycle.Hook{Name: "pods", Stop: func(context.Context) error {
 		if err := p.Manager.Close(); err != nil {
 			p.log.Warn("failed to close pods", "error", err.Error())

@@ -1,6 +1,7 @@
 package proxy_test
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -11,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -24,6 +26,7 @@ import (
 	workload "aether.io/node/api/istio/workload"
 	"aether.io/node/proxy"
 	"aether.io/node/proxy/proxytest"
+	"aether.io/node/proxy/telemetry"
 	"aether.io/node/test/harness"
 	"aether.io/node/xds/listener"
 	"aether.io/node/xds/resource"
@@ -155,7 +158,11 @@ func TestEndToEnd(t *testing.T) {
 	ag.addPod(t, client)
 	ag.addPod(t, server)
 
-	p := runProxy(t, proxy.Config{XDSTarget: "unix://" + ag.socket, NodeID: "node-1", AdminAddress: "127.0.0.1:0"})
+	access := &lockedBuffer{}
+	p := runProxy(t, proxy.Config{
+		XDSTarget: "unix://" + ag.socket, NodeID: "node-1", AdminAddress: "127.0.0.1:0",
+		AccessLog: telemetry.AccessLogAll, AccessLogOutput: access,
+	})
 	wctx, wcancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer wcancel()
 	admin, err := p.AdminAddr(wctx)
@@ -213,16 +220,40 @@ func TestEndToEnd(t *testing.T) {
 	}
 	c.Close()
 	<-back.Got
-	wantBack := `aether_tcp_connections_opened_total{destination_canonical_name="client-svc",destination_principal="unknown",destination_workload="client",destination_workload_namespace="default",direction="outbound",source_canonical_name="server-svc",source_principal="unknown",source_workload="server",source_workload_namespace="default"} 1`
-	if !strings.Contains(metrics(t, admin), wantBack) {
-		t.Errorf("metrics lack %s:\n%s", wantBack, grepAether(metrics(t, admin)))
+	// Istio's series, reported by the source side (the capturing pod's
+	// outbound), with Istio's labels: plaintext, so no source principal.
+	backLabels := []string{
+		`reporter="source"`, `source_workload="server"`, `source_canonical_service="server-svc"`, `source_app="server-svc"`,
+		`source_workload_namespace="default"`, `source_principal="unknown"`, `destination_workload="client"`,
+		`destination_canonical_service="client-svc"`, `destination_app="client-svc"`, `destination_workload_namespace="default"`,
+		`destination_service="unknown"`, `request_protocol="tcp"`, `response_flags="-"`, `connection_security_policy="none"`,
 	}
-	want := `aether_tcp_connections_closed_total{destination_canonical_name="server-svc",destination_principal="unknown",destination_workload="server",destination_workload_namespace="default",direction="outbound",source_canonical_name="client-svc",source_principal="unknown",source_workload="client",source_workload_namespace="default"} 2`
-	if err := proxytest.WaitFor(wctx, func() bool { return strings.Contains(metrics(t, admin), want) }); err != nil {
-		t.Fatalf("metrics lack %s:\n%s", want, grepAether(metrics(t, admin)))
+	if l := seriesLine(metrics(t, admin), "istio_tcp_connections_opened_total", backLabels...); !strings.HasSuffix(l, " 1") {
+		t.Errorf("metrics lack istio_tcp_connections_opened_total %v = 1 (found %q):\n%s", backLabels, l, grepSeries(metrics(t, admin)))
 	}
-	if !strings.Contains(metrics(t, admin), `aether_tcp_received_bytes_total{destination_canonical_name="server-svc"`) {
+	labels := []string{
+		`reporter="source"`, `source_workload="client"`, `source_canonical_service="client-svc"`,
+		`destination_workload="server"`, `destination_canonical_service="server-svc"`, `response_flags="-"`, `connection_security_policy="none"`,
+	}
+	if err := proxytest.WaitFor(wctx, func() bool {
+		return strings.HasSuffix(seriesLine(metrics(t, admin), "istio_tcp_connections_closed_total", labels...), " 2")
+	}); err != nil {
+		t.Fatalf("metrics lack istio_tcp_connections_closed_total %v = 2:\n%s", labels, grepSeries(metrics(t, admin)))
+	}
+	if seriesLine(metrics(t, admin), "istio_tcp_received_bytes_total", labels...) == "" {
 		t.Errorf("no received bytes series")
+	}
+	// The access log (AccessLogOutput, at all): a line per connection,
+	// the client's two and the server's one.
+	if err := proxytest.WaitFor(wctx, func() bool {
+		return strings.Count(access.String(), `"msg":"connection closed"`) >= 3
+	}); err != nil {
+		t.Fatalf("access log has fewer than 3 lines:\n%s", access.String())
+	}
+	for _, want := range []string{`"reporter":"source","start_time":`, `"src_workload":"client"`, `"dst_workload":"server"`, `"reason":"client_closed"`} {
+		if !strings.Contains(access.String(), want) {
+			t.Errorf("access log lacks %s:\n%s", want, access.String())
+		}
 	}
 
 	// RemovePod: the client's listeners are withdrawn and drained.
@@ -240,10 +271,30 @@ func TestEndToEnd(t *testing.T) {
 	}
 }
 
-func grepAether(s string) string {
+// seriesLine returns the first sample line of metric name in the scraped
+// text whose labels include every one of labels (`name="value"`); "" when
+// none does.
+func seriesLine(text, name string, labels ...string) string {
+next:
+	for l := range strings.SplitSeq(text, "\n") {
+		if !strings.HasPrefix(l, name+"{") {
+			continue
+		}
+		for _, want := range labels {
+			if !strings.Contains(l, "{"+want+",") && !strings.Contains(l, ","+want+",") && !strings.Contains(l, ","+want+"}") {
+				continue next
+			}
+		}
+		return l
+	}
+	return ""
+}
+
+// grepSeries returns the proxy's own and Istio's series of a scrape.
+func grepSeries(s string) string {
 	var out []string
 	for _, l := range strings.Split(s, "\n") {
-		if strings.HasPrefix(l, "aether_") {
+		if strings.HasPrefix(l, "aether_") || strings.HasPrefix(l, "istio_") {
 			out = append(out, l)
 		}
 	}
@@ -311,4 +362,23 @@ func TestSplitStreams(t *testing.T) {
 	if err != nil {
 		t.Fatalf("split streams: pods %+v, %d workloads", p.Manager.Status(), p.Peers.Len())
 	}
+}
+
+// lockedBuffer is a bytes.Buffer safe for the access log's concurrent
+// writes and the test's reads.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }

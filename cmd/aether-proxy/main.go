@@ -19,6 +19,7 @@ import (
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/proxy"
 	"aether.io/node/proxy/dataplane"
+	"aether.io/node/proxy/telemetry"
 )
 
 func main() {
@@ -54,7 +55,23 @@ func main() {
 	flag.StringVar(&cfg.SPIREAdminSocket, "spire-admin-socket", "", "SPIRE agent admin socket (its admin_socket_path) serving the Delegated Identity API; the proxy must be one of the agent's authorized_delegates; mutually exclusive with -workload-api-socket")
 	flag.BoolVar(&cfg.Dataplane.HBONEDeclaredPortsOnly, "hbone-declared-ports-only", false, "deliver an HBONE stream only to a TCP port the destination pod's containers declare (spec.containers[].ports, sidecars included); others are refused with 403 before the app sees a connection. A pod whose ports the agent does not know (its record predates them) gets every port, as without the flag")
 	level := flag.String("log-level", "info", "debug, info, warn or error")
+	accessLog := flag.String("access-log", telemetry.DefaultAccessLogLevel.String(), "connections written to the access log on stdout, one JSON line each at its close: off, errors (refused, failed, reset, timed out, cut by a drain) or all")
+	flag.BoolVar(&cfg.AccessLogOpens, "access-log-open", false, "with -access-log=all, also write a line when a connection opens (\"connection opened\", the same keys)")
+	accessRate := flag.Float64("access-log-sample-rate", 1, "share of connections whose access-log lines are kept, 0 to 1 (0: none)")
 	flag.Parse()
+	var err error
+	if cfg.AccessLog, err = telemetry.ParseAccessLogLevel(*accessLog); err != nil {
+		fmt.Fprintf(os.Stderr, "aether-proxy: invalid -access-log %q: use off, errors or all\n", *accessLog)
+		os.Exit(2)
+	}
+	if !(*accessRate >= 0 && *accessRate <= 1) {
+		fmt.Fprintf(os.Stderr, "aether-proxy: invalid -access-log-sample-rate %v: must be between 0 and 1\n", *accessRate)
+		os.Exit(2)
+	}
+	cfg.AccessLogSampleRate = *accessRate
+	if *accessRate == 0 {
+		cfg.AccessLog = telemetry.AccessLogOff
+	}
 	cfg.Dataplane.BypassMark = uint32(*bypass)
 	cfg.Dataplane.DeliverMark = uint32(*deliver)
 	if *hbonePort == 0 || *hbonePort > 65535 {

@@ -8,6 +8,7 @@ import (
 
 	"aether.io/node/pkg/authz"
 	"aether.io/node/proxy/hbone"
+	"aether.io/node/proxy/telemetry"
 )
 
 // Authorizer decides whether a connection reaches its destination
@@ -23,10 +24,12 @@ const reasonPolicyDenied = "policy_denied"
 
 // authorize applies authorization policy to an inbound connection from
 // src (identity: its verified SPIFFE ID, "" for plaintext) to the pod's
-// dst, before a byte reaches the app. It returns false when the connection
-// must be refused (counted and logged); a dry-run policy that would have
-// refused it is counted and logged, never enforced.
-func (p *pod) authorize(src netip.AddrPort, identity string, dst netip.AddrPort) bool {
+// dst, before a byte reaches the app, and records the decision in info.
+// It returns false when the connection must be refused (counted in the
+// policy series, in Istio's with response_flags DENY and in the access
+// log, and logged); a dry-run policy that would have refused it is counted
+// and logged, never enforced.
+func (p *pod) authorize(src netip.AddrPort, identity string, dst netip.AddrPort, info *telemetry.ConnInfo) bool {
 	az := p.m.cfg.Authorizer
 	if az == nil {
 		return true
@@ -37,6 +40,13 @@ func (p *pod) authorize(src netip.AddrPort, identity string, dst netip.AddrPort)
 		ns = p.namespace
 	}
 	d := az.Decide(&authz.Conn{Source: src.Addr().Unmap(), Identity: identity, Dest: dst}, authz.Target{Namespace: ns, Policies: peer.Policies})
+	info.Policy, info.PolicyReason, info.PolicyDryRun = d.Policy, d.Reason, d.DryRun
+	switch {
+	case !d.Allow:
+		info.PolicyDecision = telemetry.PolicyDeny
+	case d.Reason == authz.ReasonAllowed:
+		info.PolicyDecision = telemetry.PolicyAllow
+	}
 	if d.DryRun != "" {
 		p.m.metrics.PolicyDryRun(d.DryRun)
 		p.log.Info("dry-run authorization policy would refuse the connection", "policy", d.DryRun,
@@ -47,12 +57,17 @@ func (p *pod) authorize(src netip.AddrPort, identity string, dst netip.AddrPort)
 	}
 	p.m.metrics.PolicyDenied(d.Policy, d.Reason)
 	p.m.metrics.Failed(reasonPolicyDenied)
+	p.m.metrics.Refused(*info, telemetry.ReasonDenied, errPolicyDenied{dst: dst})
 	if ok, suppressed := p.policyLog.allow(time.Now()); ok {
 		p.log.Info("connection refused by authorization policy", "policy", d.Policy, "reason", d.Reason,
 			"src", src.String(), "source_principal", identity, "dst", dst.String(), "suppressed", suppressed)
 	}
 	return false
 }
+
+// denier is an established connection Reauthorize can report refused
+// (its telemetry: reason denied, the policy that refused it).
+type denier interface{ denied(policy, reason string) }
 
 // policyRefusal is the answer to an HBONE stream authorization policy
 // refused: 401 (as ztunnel answers), the source proxy resets its client.
@@ -140,6 +155,9 @@ func (m *Manager) Reauthorize() int {
 			d := m.cfg.Authorizer.Decide(&ac, authz.Target{Namespace: ns, Policies: peer.Policies})
 			if d.Allow {
 				continue
+			}
+			if dn, ok := c.(denier); ok {
+				dn.denied(d.Policy, d.Reason)
 			}
 			// Reset in the background: the stream's reset waits for its
 			// connection's writer, which a policy push must not.

@@ -23,7 +23,8 @@ import (
 // reason; a dry-run DENY is counted, never enforced.
 func TestAuthorizationEnforced(t *testing.T) {
 	tb := authz.NewTable()
-	e := setupHBONEConfig(t, dataplane.Config{ConnectTimeout: 3e9, Authorizer: tb})
+	m, log := accessMetrics(t)
+	e := setupHBONEMetrics(t, dataplane.Config{ConnectTimeout: 3e9, Authorizer: tb}, m)
 	// Inbound capture on the server, so plaintext reaches its proxy too
 	// (cni.inboundCapture; without it plaintext bypasses the proxy and
 	// policy, see docs/policy.md).
@@ -54,12 +55,26 @@ func TestAuthorizationEnforced(t *testing.T) {
 	if v := sum(e.metrics, "aether_policy_denials_total", map[string]string{"policy": "", "reason": authz.ReasonNoAllowMatch}); v != 1 {
 		t.Errorf("denials{reason=no_allow_match} = %v, want 1", v)
 	}
+	// In Istio's series and the access log: the destination side refused
+	// it, no ALLOW matched.
+	log.await(t, map[string]any{
+		"reporter": "destination", "dst_addr": dst, "reason": "denied", "policy_decision": "deny",
+		"policy": "", "policy_reason": authz.ReasonNoAllowMatch, "response_flags": "DENY", "security": "mutual_tls",
+		"src_principal": podID(e.client).String(),
+	})
+	if v := sum(e.metrics, "istio_tcp_connections_closed_total", map[string]string{"reporter": "destination", "response_flags": "DENY"}); v != 1 {
+		t.Errorf("istio closed{reporter=destination,response_flags=DENY} = %v, want 1", v)
+	}
 	if err := tb.Upsert(allowOnly(clientPrincipal)); err != nil {
 		t.Fatal(err)
 	}
 	if got, err := roundTrip(ctx10(t), e.client, dst, "allowed"); err != nil || got == "" {
 		t.Fatalf("an ALLOW naming the client's principal (%s): %q, %v", clientPrincipal, got, err)
 	}
+	log.await(t, map[string]any{
+		"reporter": "destination", "dst_addr": dst, "reason": "client_closed", "policy_decision": "allow",
+		"policy": authz.Key("default", "allow"), "policy_reason": authz.ReasonAllowed, "bytes_to_dst": len("allowed"),
+	})
 	// An established connection the next policy refuses is closed (an
 	// app that echoes until EOF keeps it open).
 	e.server.Handle(t, 8082, func(c net.Conn) { _, _ = io.Copy(c, c) })
@@ -94,6 +109,12 @@ func TestAuthorizationEnforced(t *testing.T) {
 	if v := sum(e.metrics, "aether_tcp_connections_failed_total", map[string]string{"reason": "policy_closed_established"}); v != 1 {
 		t.Errorf("failed{reason=policy_closed_established} = %v, want 1", v)
 	}
+	// The access log names the policy that closed it.
+	log.await(t, map[string]any{
+		"reporter": "destination", "dst_addr": netip.AddrPortFrom(e.server.IP4, 8082), "reason": "denied",
+		"policy_decision": "deny", "policy": authz.Key("default", "deny-now"), "policy_reason": authz.ReasonDenied,
+		"response_flags": "DENY", "bytes_to_dst": 4,
+	})
 	tb.Remove(authz.Key("default", "deny-now"))
 
 	// Plaintext (the unmanaged pod): no identity, the principal rule
@@ -121,6 +142,10 @@ func TestAuthorizationEnforced(t *testing.T) {
 	if v := sum(e.metrics, "aether_policy_dry_run_total", map[string]string{"policy": key}); v < 1 {
 		t.Errorf("dry_run{policy=%s} = %v, want >= 1", key, v)
 	}
+	log.await(t, map[string]any{
+		"reporter": "destination", "dst_addr": dst, "policy_decision": "allow", "policy_dry_run": key,
+		"bytes_to_dst": len("audited"),
+	})
 }
 
 // BenchmarkHBONEConnectPolicy: connect plus a one-byte round trip from the

@@ -38,8 +38,14 @@ type env struct {
 
 func setup(t testing.TB, cfg dataplane.Config) *env {
 	t.Helper()
+	return setupMetrics(t, cfg, telemetry.New())
+}
+
+// setupMetrics is setup with the manager's metrics (an access log).
+func setupMetrics(t testing.TB, cfg dataplane.Config, m *telemetry.Metrics) *env {
+	t.Helper()
 	topo := proxytest.New(t, []string{"client", "server"}, "client", "server")
-	e := &env{topo: topo, client: topo.Pods[0], server: topo.Pods[1], metrics: telemetry.New()}
+	e := &env{topo: topo, client: topo.Pods[0], server: topo.Pods[1], metrics: m}
 	idx := peers.NewIndex()
 	idx.Upsert(e.client.Workload())
 	idx.Upsert(e.server.Workload())
@@ -118,7 +124,7 @@ func opened(m *telemetry.Metrics, src, dst string) float64 {
 	mfs, _ := m.Registry.Gather()
 	var sum float64
 	for _, mf := range mfs {
-		if mf.GetName() != "aether_tcp_connections_opened_total" {
+		if mf.GetName() != "istio_tcp_connections_opened_total" {
 			continue
 		}
 		for _, mt := range mf.GetMetric() {
@@ -127,7 +133,7 @@ func opened(m *telemetry.Metrics, src, dst string) float64 {
 				l[lp.GetName()] = lp.GetValue()
 			}
 			if l["source_workload"] == src && l["destination_workload"] == dst &&
-				l["source_workload_namespace"] == "default" && l["destination_canonical_name"] == dst+"-svc" {
+				l["source_workload_namespace"] == "default" && l["destination_canonical_service"] == dst+"-svc" {
 				sum += mt.GetCounter().GetValue()
 			}
 		}
@@ -179,14 +185,14 @@ func TestCaptureForwardsTCP(t *testing.T) {
 			}
 			// The proxy accounted the connection to both workloads.
 			if err := proxytest.WaitFor(ctx, func() bool { return opened(e.metrics, "client", "server") >= float64(i+1) }); err != nil {
-				t.Fatalf("no aether_tcp_connections_opened_total{source_workload=client,destination_workload=server}")
+				t.Fatalf("no istio_tcp_connections_opened_total{source_workload=client,destination_workload=server}")
 			}
 		})
 	}
 	// Bytes are counted when a connection ends, after the client saw EOF.
 	want := float64(len("hello-0") + len("hello-1"))
-	if err := proxytest.WaitFor(ctx10(t), func() bool { return sum(e.metrics, "aether_tcp_received_bytes_total", nil) >= want }); err != nil {
-		t.Errorf("aether_tcp_received_bytes_total = %v, want at least %v", sum(e.metrics, "aether_tcp_received_bytes_total", nil), want)
+	if err := proxytest.WaitFor(ctx10(t), func() bool { return sum(e.metrics, "istio_tcp_received_bytes_total", nil) >= want }); err != nil {
+		t.Errorf("istio_tcp_received_bytes_total = %v, want at least %v", sum(e.metrics, "istio_tcp_received_bytes_total", nil), want)
 	}
 }
 
@@ -476,10 +482,10 @@ func TestBytesCountedWhileOpen(t *testing.T) {
 		t.Fatal(err)
 	}
 	match := map[string]string{"source_workload": "client", "destination_workload": "server"}
-	if err := proxytest.WaitFor(ctx, func() bool { return sum(e.metrics, "aether_tcp_received_bytes_total", match) >= 4<<20 }); err != nil {
-		t.Fatalf("received bytes of an open connection = %v, want >= 4 MiB", sum(e.metrics, "aether_tcp_received_bytes_total", match))
+	if err := proxytest.WaitFor(ctx, func() bool { return sum(e.metrics, "istio_tcp_received_bytes_total", match) >= 4<<20 }); err != nil {
+		t.Fatalf("received bytes of an open connection = %v, want >= 4 MiB", sum(e.metrics, "istio_tcp_received_bytes_total", match))
 	}
-	if got := sum(e.metrics, "aether_tcp_connections_closed_total", match); got != 0 {
+	if got := sum(e.metrics, "istio_tcp_connections_closed_total", match); got != 0 {
 		t.Errorf("connection counted closed while open: %v", got)
 	}
 }
@@ -512,14 +518,14 @@ func TestBytesCountedWhenIdle(t *testing.T) {
 	}
 	match := map[string]string{"source_workload": "client", "destination_workload": "server"}
 	counted := func() bool {
-		return sum(e.metrics, "aether_tcp_received_bytes_total", match) == up &&
-			sum(e.metrics, "aether_tcp_sent_bytes_total", match) == down
+		return sum(e.metrics, "istio_tcp_received_bytes_total", match) == up &&
+			sum(e.metrics, "istio_tcp_sent_bytes_total", match) == down
 	}
 	if err := proxytest.WaitFor(ctx, counted); err != nil {
 		t.Fatalf("bytes of an idle open connection: received %v, sent %v, want %d and %d",
-			sum(e.metrics, "aether_tcp_received_bytes_total", match), sum(e.metrics, "aether_tcp_sent_bytes_total", match), up, down)
+			sum(e.metrics, "istio_tcp_received_bytes_total", match), sum(e.metrics, "istio_tcp_sent_bytes_total", match), up, down)
 	}
-	if got := sum(e.metrics, "aether_tcp_connections_closed_total", match); got != 0 {
+	if got := sum(e.metrics, "istio_tcp_connections_closed_total", match); got != 0 {
 		t.Errorf("connection counted closed while open: %v", got)
 	}
 }

@@ -19,9 +19,6 @@ import (
 	"aether.io/node/proxy/telemetry"
 )
 
-// Direction label of captured outbound connections.
-const directionOutbound = "outbound"
-
 func addrPort(a net.Addr) netip.AddrPort {
 	switch v := a.(type) {
 	case *net.TCPAddr:
@@ -143,6 +140,10 @@ type tcpPair struct {
 	down *net.TCPConn
 	up   upstream
 	once sync.Once
+	end  telemetry.End
+	// tc is the pair's telemetry, for an inbound plaintext pair (set
+	// before it is tracked: Reauthorize reports a refusal through it).
+	tc *telemetry.Conn
 	// az, for an inbound plaintext pair, is what it was authorized on
 	// (Manager.Reauthorize); nil for outbound pairs.
 	az *authz.Conn
@@ -153,6 +154,16 @@ func (t *tcpPair) authorized() (authz.Conn, bool) {
 		return authz.Conn{}, false
 	}
 	return *t.az, true
+}
+
+func (t *tcpPair) endWith(r telemetry.CloseReason) { t.end.Force(r) }
+
+// denied records that policy now refuses the established pair.
+func (t *tcpPair) denied(policy, reason string) {
+	t.end.Force(telemetry.ReasonDenied)
+	if t.tc != nil {
+		t.tc.Deny(policy, reason)
+	}
 }
 
 // abort resets both ends (a unix socket has no reset: it is closed).
@@ -173,6 +184,7 @@ func (p *pod) proxyTCP(down *net.TCPConn, l *tcpListener) {
 	src := addrPort(down.RemoteAddr())
 	if p.isLoop(dst, l.port) {
 		p.m.metrics.Failed("loop")
+		p.m.metrics.Misdirected(p.sourceInfo(src, dst, peers.Peer{}), errLoop)
 		reset(down)
 		return
 	}
@@ -182,27 +194,33 @@ func (p *pod) proxyTCP(down *net.TCPConn, l *tcpListener) {
 	ctx, cancel := context.WithTimeout(p.ctx, p.m.cfg.ConnectTimeout)
 	up, err := p.dialTCP(ctx, dst)
 	cancel()
+	info := p.sourceInfo(src, dst, p.lookup(dst.Addr()))
 	if err != nil {
 		p.m.metrics.Failed("connect")
+		p.m.metrics.Refused(info, telemetry.ReasonConnectFailed, err)
 		p.log.Debug("upstream connect failed", "src", src, "dst", dst, "error", err)
 		reset(down)
 		return
 	}
-	p.pipeTCP(down, up, src, p.lookup(dst.Addr()))
+	p.pipeTCP(down, up, info)
 }
 
+// errLoop is the access log's error of a connection to the pod's own
+// capture port.
+var errLoop = errors.New("connection to the proxy's own capture port (not diverted): reset")
+
 // pipeTCP relays a captured connection and its plain upstream until both
-// are done, counted as the outbound side.
-func (p *pod) pipeTCP(down, up *net.TCPConn, src netip.AddrPort, dstPeer peers.Peer) {
+// are done, counted as the source side (info).
+func (p *pod) pipeTCP(down, up *net.TCPConn, info telemetry.ConnInfo) {
 	pair := &tcpPair{down: down, up: up}
 	if !p.track(pair) {
 		pair.abort()
+		p.m.metrics.Refused(info, telemetry.ReasonPodClosed, nil)
 		return
 	}
 	defer p.untrack(pair)
-	tc := p.m.metrics.Open(telemetry.Labels(directionOutbound, p.lookup(src.Addr()), dstPeer))
-	pipe(&p.m.pipes, pair, tc)
-	tc.Close()
+	tc := p.m.metrics.Open(info)
+	tc.Close(pipe(&p.m.pipes, pair, tc))
 }
 
 // accountChunk is how many bytes a copy moves between two metric updates,
@@ -251,21 +269,29 @@ func copyCounted(dst io.Writer, src io.Reader, add func(int64)) (int64, error) {
 // passed on as a half-close (FIN); an error on either side resets both. The
 // copies are splice(2) between the two sockets through pipes of pool.
 // Bytes received from the downstream (source) and sent to it are reported
-// as they move and whenever the connection goes idle.
-func pipe(pool *pipePool, t *tcpPair, tc *telemetry.Conn) {
+// as they move and whenever the connection goes idle. It returns how the
+// connection ended and the copy error of a reset.
+func pipe(pool *pipePool, t *tcpPair, tc *telemetry.Conn) (telemetry.CloseReason, error) {
 	var wg sync.WaitGroup
+	var upErr error
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
 		if _, err := copyConn(pool, t.up, t.down, tc.Received); err != nil {
+			upErr = err
+			t.end.Force(telemetry.ReasonReset)
 			t.abort()
 			return
 		}
+		t.end.Finished(telemetry.ReasonClientClosed)
 		_ = t.up.CloseWrite()
 	}()
-	if _, err := copyConn(pool, t.down, t.up, tc.Sent); err != nil {
+	_, downErr := copyConn(pool, t.down, t.up, tc.Sent)
+	if downErr != nil {
+		t.end.Force(telemetry.ReasonReset)
 		t.abort()
 	} else {
+		t.end.Finished(telemetry.ReasonServerClosed)
 		_ = t.down.CloseWrite()
 	}
 	wg.Wait()
@@ -273,6 +299,8 @@ func pipe(pool *pipePool, t *tcpPair, tc *telemetry.Conn) {
 		_ = t.down.Close()
 		_ = t.up.Close()
 	})
+	r := t.end.Reason(telemetry.ReasonClientClosed)
+	return r, closeErr(r, errors.Join(upErr, downErr))
 }
 
 func (p *pod) lookup(a netip.Addr) (peer peers.Peer) {

@@ -29,8 +29,8 @@ func awaitHBONESettled(t *testing.T, e *hboneEnv) {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		streams := sum(e.metrics, "aether_proxy_hbone_server_streams_active", nil)
-		opened := sum(e.metrics, "aether_tcp_connections_opened_total", nil)
-		closed := sum(e.metrics, "aether_tcp_connections_closed_total", nil)
+		opened := sum(e.metrics, "istio_tcp_connections_opened_total", nil)
+		closed := sum(e.metrics, "istio_tcp_connections_closed_total", nil)
 		if streams == 0 && opened == closed {
 			return
 		}

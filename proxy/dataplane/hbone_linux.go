@@ -275,46 +275,54 @@ func (l *retryListener) Accept() (net.Conn, error) {
 // principal. With HBONEDeclaredPortsOnly, a port the pod does not declare
 // is refused first (403: refuseUndeclaredPort).
 func (p *pod) deliverHBONE(ctx context.Context, src spiffeid.ID, target netip.AddrPort) (net.Conn, error) {
+	// The source pod's address (the source proxy dials from its netns):
+	// the delivery binds it with a port of its own; the telemetry reports
+	// the tunnel connection's address and port.
+	var client, peer netip.AddrPort
+	if a, ok := hbone.PeerAddr(ctx); ok {
+		peer = netip.AddrPortFrom(a.Addr().Unmap(), a.Port())
+		client = netip.AddrPortFrom(peer.Addr(), 0)
+	}
+	target = netip.AddrPortFrom(target.Addr().Unmap(), target.Port())
+	info := p.destinationInfo(peer, target)
+	info.MTLS, info.Path, info.SourcePrincipal, info.DestinationPrincipal = true, telemetry.PathHBONE, src.String(), p.hb.id.String()
 	if err := p.refuseUndeclaredPort(src, target); err != nil {
+		info.Policy = telemetry.PolicyDeclaredPortsOnly
+		p.m.metrics.Refused(info, telemetry.ReasonDenied, err)
 		return nil, err
 	}
-	var peerAddr netip.AddrPort
-	if a, ok := hbone.PeerAddr(ctx); ok {
-		peerAddr = a
-	}
-	if !p.authorize(peerAddr, src.String(), target) {
+	if !p.authorize(peer, src.String(), target, &info) {
 		return nil, policyRefusal(target)
 	}
 	release, limit := p.admitTCP()
 	if limit != "" {
 		p.m.metrics.LimitHit(limit)
 		p.m.metrics.Failed(limit)
-		return nil, &hbone.StatusError{Code: http.StatusServiceUnavailable, Err: fmt.Errorf("failed to admit a stream to pod %q: %s limit", p.key, limit)}
-	}
-	var client netip.AddrPort // the source pod's address: the source proxy dials from its netns
-	if a, ok := hbone.PeerAddr(ctx); ok {
-		client = netip.AddrPortFrom(a.Addr().Unmap(), 0)
+		err := &hbone.StatusError{Code: http.StatusServiceUnavailable, Err: fmt.Errorf("failed to admit a stream to pod %q: %s limit", p.key, limit)}
+		info.Limit = limit
+		p.m.metrics.Refused(info, telemetry.ReasonLimit, err)
+		return nil, err
 	}
 	up, err := p.deliverInbound(ctx, target, client)
 	if err != nil {
 		release()
 		if errors.Is(err, ErrNotThisPod) {
+			p.m.metrics.Misdirected(info, err)
 			return nil, &hbone.StatusError{Code: http.StatusBadGateway, Err: err}
 		}
+		p.m.metrics.Refused(info, telemetry.ReasonConnectFailed, err)
 		return nil, err
 	}
-	var srcPeer peers.Peer
-	if client.IsValid() {
-		srcPeer = p.lookup(client.Addr())
+	if _, ok := up.(*net.UnixConn); ok {
+		info.Path = telemetry.PathUDS
 	}
-	dstPeer := p.lookup(target.Addr().Unmap())
-	tc := p.m.metrics.Open(telemetry.TunnelLabels(directionInbound, srcPeer, dstPeer, src.String(), p.hb.id.String()))
 	c := &inboundConn{
-		Conn: up, release: release, untrack: p.untrack, tc: tc,
-		az: authz.Conn{Source: peerAddr.Addr().Unmap(), Identity: src.String(), Dest: target},
+		Conn: up, release: release, untrack: p.untrack, tc: p.m.metrics.Open(info),
+		az: authz.Conn{Source: peer.Addr(), Identity: src.String(), Dest: target},
 	}
 	c.act.touch()
 	if !p.track(c) {
+		c.endWith(telemetry.ReasonPodClosed)
 		c.abort()
 		_ = c.Close()
 		return nil, fmt.Errorf("failed to deliver to %s: pod %q: %w", target, p.key, ErrNotServing)
@@ -337,8 +345,31 @@ type inboundConn struct {
 	once    sync.Once
 	act     activity
 	onAbort atomic.Pointer[func()] // the server's stream reset (hbone.Abortable)
+	end     telemetry.End
+	readErr atomic.Pointer[error] // the app side's read error (ReadDone)
 	// az is what the stream was authorized on (Manager.Reauthorize).
 	az authz.Conn
+}
+
+var _ hbone.ReadObserver = (*inboundConn)(nil)
+
+func (c *inboundConn) endWith(r telemetry.CloseReason) { c.end.Force(r) }
+
+// denied records that policy now refuses the established stream.
+func (c *inboundConn) denied(policy, reason string) {
+	c.end.Force(telemetry.ReasonDenied)
+	c.tc.Deny(policy, reason)
+}
+
+// ReadDone records how reading the app ended (hbone.ReadObserver): EOF,
+// the server (the app) closed first; an error, a reset.
+func (c *inboundConn) ReadDone(err error) {
+	if err != nil {
+		c.readErr.Store(&err)
+		c.end.Force(telemetry.ReasonReset)
+		return
+	}
+	c.end.Finished(telemetry.ReasonServerClosed)
 }
 
 func (c *inboundConn) authorized() (authz.Conn, bool) { return c.az, true }
@@ -397,6 +428,7 @@ func (c *inboundConn) String() string { return "hbone stream -> " + c.Conn.Remot
 
 // CloseWrite passes the source's half-close on to the app.
 func (c *inboundConn) CloseWrite() error {
+	c.end.Finished(telemetry.ReasonClientClosed)
 	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
 		return cw.CloseWrite()
 	}
@@ -408,7 +440,15 @@ func (c *inboundConn) Close() error {
 	err := c.Conn.Close()
 	c.once.Do(func() {
 		c.untrack(c)
-		c.tc.Close()
+		// Neither end seen finishing, no error: the source reset the
+		// stream (the server closes the app side under the copy, which
+		// then reports its error first in most cases).
+		r := c.end.Reason(telemetry.ReasonReset)
+		var err error
+		if e := c.readErr.Load(); e != nil {
+			err = *e
+		}
+		c.tc.Close(r, closeErr(r, err))
 		c.release()
 	})
 	return err
@@ -461,6 +501,7 @@ func (p *pod) tunnelTCP(down *net.TCPConn, src, dst netip.AddrPort) bool {
 		if err != nil {
 			p.m.metrics.Outbound(pathHBONEFailed)
 			p.m.metrics.Failed(failedHBONEDial)
+			p.m.metrics.Refused(p.tunnelInfo(src, dst, dstPeer, ""), telemetry.ReasonConnectFailed, err)
 			p.log.Error("destination's spiffe id is invalid; resetting the connection", "dst", dst.String(), "spiffe_id", dstPeer.Identity, "error", err.Error())
 			reset(down)
 			return true
@@ -476,28 +517,40 @@ func (p *pod) tunnelTCP(down *net.TCPConn, src, dst netip.AddrPort) bool {
 	if err != nil {
 		p.m.metrics.Outbound(pathHBONEFailed)
 		p.m.metrics.Failed(failedHBONEDial)
+		p.m.metrics.Refused(p.tunnelInfo(src, dst, dstPeer, ""), telemetry.ReasonConnectFailed, err)
 		p.log.Debug("hbone connect failed", "src", src.String(), "dst", dst.String(), "error", err.Error())
 		reset(down)
 		return true
 	}
 	p.m.metrics.Outbound(pathHBONE)
-	p.pipeStream(down, up, src, dstPeer)
+	p.pipeStream(down, up, p.sourceInfo(src, dst, dstPeer))
 	return true
 }
 
+// tunnelInfo is sourceInfo of a connection tunnelled over HBONE whose
+// destination's principal is verified ("": not verified, a failed dial).
+func (p *pod) tunnelInfo(src, dst netip.AddrPort, dstPeer peers.Peer, verified string) telemetry.ConnInfo {
+	i := p.sourceInfo(src, dst, dstPeer)
+	i.MTLS, i.Path, i.SourcePrincipal, i.DestinationPrincipal = true, telemetry.PathHBONE, p.hb.id.String(), verified
+	return i
+}
+
 // pipeStream relays a captured connection and the HBONE stream opened for
-// it until both are done, counted as the outbound side.
-func (p *pod) pipeStream(down *net.TCPConn, up *hbone.Stream, src netip.AddrPort, dstPeer peers.Peer) {
+// it until both are done, counted as the source side (info, made mutual TLS
+// with both principals here).
+func (p *pod) pipeStream(down *net.TCPConn, up *hbone.Stream, info telemetry.ConnInfo) {
+	info.MTLS, info.Path = true, telemetry.PathHBONE
+	info.SourcePrincipal, info.DestinationPrincipal = p.hb.id.String(), up.Peer().String()
 	pair := &streamPair{down: down, up: up}
 	pair.act.touch()
 	if !p.track(pair) {
 		pair.abort()
+		p.m.metrics.Refused(info, telemetry.ReasonPodClosed, nil)
 		return
 	}
 	defer p.untrack(pair)
-	tc := p.m.metrics.Open(telemetry.TunnelLabels(directionOutbound, p.lookup(src.Addr()), dstPeer, p.hb.id.String(), up.Peer().String()))
-	pair.pipe(tc)
-	tc.Close()
+	tc := p.m.metrics.Open(info)
+	tc.Close(pair.pipe(tc))
 }
 
 // streamPair is one captured connection tunnelled over an HBONE stream.
@@ -506,7 +559,10 @@ type streamPair struct {
 	up   *hbone.Stream
 	once sync.Once
 	act  activity
+	end  telemetry.End
 }
+
+func (t *streamPair) endWith(r telemetry.CloseReason) { t.end.Force(r) }
 
 // idle is the time since data last moved through the stream (either way),
 // or through the client's socket (TCP_INFO), whichever is shorter.
@@ -556,9 +612,11 @@ func (c countWriter) StreamWritten(n int) {
 }
 
 // pipe copies both ways like pipe does for plain pairs: EOF → half-close
-// (END_STREAM upstream, FIN downstream), an error resets both.
-func (t *streamPair) pipe(tc *telemetry.Conn) {
+// (END_STREAM upstream, FIN downstream), an error resets both. It returns
+// how the connection ended and the copy error of a reset.
+func (t *streamPair) pipe(tc *telemetry.Conn) (telemetry.CloseReason, error) {
 	var wg sync.WaitGroup
+	var upErr error
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -566,14 +624,20 @@ func (t *streamPair) pipe(tc *telemetry.Conn) {
 		// framed in place into the stream (countWriter is an
 		// hbone.StreamWriter).
 		if err := hbone.Copy(countWriter{t.up, tc.Received, &t.act}, t.down); err != nil {
+			upErr = err
+			t.end.Force(telemetry.ReasonReset)
 			t.abort()
 			return
 		}
+		t.end.Finished(telemetry.ReasonClientClosed)
 		_ = t.up.CloseWrite()
 	}()
-	if _, err := io.Copy(countWriter{t.down, tc.Sent, &t.act}, t.up); err != nil {
+	_, downErr := io.Copy(countWriter{t.down, tc.Sent, &t.act}, t.up)
+	if downErr != nil {
+		t.end.Force(telemetry.ReasonReset)
 		t.abort()
 	} else {
+		t.end.Finished(telemetry.ReasonServerClosed)
 		_ = t.down.CloseWrite()
 	}
 	wg.Wait()
@@ -581,4 +645,6 @@ func (t *streamPair) pipe(tc *telemetry.Conn) {
 		_ = t.down.Close()
 		_ = t.up.Close()
 	})
+	r := t.end.Reason(telemetry.ReasonClientClosed)
+	return r, closeErr(r, errors.Join(upErr, downErr))
 }

@@ -54,13 +54,20 @@ func setupHBONE(t testing.TB) *hboneEnv {
 // setupHBONEConfig is setupHBONE with the manager's cfg (Certs is set here).
 func setupHBONEConfig(t testing.TB, cfg dataplane.Config) *hboneEnv {
 	t.Helper()
+	return setupHBONEMetrics(t, cfg, telemetry.New())
+}
+
+// setupHBONEMetrics is setupHBONEConfig with the manager's metrics (an
+// access log).
+func setupHBONEMetrics(t testing.TB, cfg dataplane.Config, m *telemetry.Metrics) *hboneEnv {
+	t.Helper()
 	topo := proxytest.New(t, []string{"client", "server", "plain"}, "client", "server")
 	ca, err := hbonetest.NewCA(spiffeid.RequireTrustDomainFromString(testTrustDomain))
 	if err != nil {
 		t.Fatal(err)
 	}
 	e := &hboneEnv{
-		client: topo.Pods[0], server: topo.Pods[1], plain: topo.Pods[2], metrics: telemetry.New(),
+		client: topo.Pods[0], server: topo.Pods[1], plain: topo.Pods[2], metrics: m,
 		idx: peers.NewIndex(), certs: hbonetest.NewCerts(ca.Bundle()), ca: ca,
 	}
 	for _, p := range []*proxytest.Pod{e.client, e.server} {
@@ -175,23 +182,23 @@ func TestHBONE(t *testing.T) {
 			t.Errorf("outbound path=hbone = %v, want 2", got)
 		}
 		in := map[string]string{
-			"direction": "inbound", "source_workload": "client", "destination_workload": "server",
+			"reporter": "destination", "source_workload": "client", "destination_workload": "server",
 			"source_principal": podID(e.client).String(), "destination_principal": podID(e.server).String(),
 		}
 		out := map[string]string{
-			"direction": "outbound", "source_workload": "client", "destination_workload": "server",
+			"reporter": "source", "source_workload": "client", "destination_workload": "server",
 			"source_principal": podID(e.client).String(), "destination_principal": podID(e.server).String(),
 		}
 		for _, m := range []map[string]string{in, out} {
 			if err := proxytest.WaitFor(ctx10(t), func() bool {
 				// Sent: on the inbound side the HBONE server reads the app
 				// socket itself (hbone.SocketConn) and reports every read.
-				return sum(e.metrics, "aether_tcp_connections_closed_total", m) == 2 &&
-					sum(e.metrics, "aether_tcp_received_bytes_total", m) == float64(2*len("secret-0")) &&
-					sum(e.metrics, "aether_tcp_sent_bytes_total", m) == float64(replied)
+				return sum(e.metrics, "istio_tcp_connections_closed_total", m) == 2 &&
+					sum(e.metrics, "istio_tcp_received_bytes_total", m) == float64(2*len("secret-0")) &&
+					sum(e.metrics, "istio_tcp_sent_bytes_total", m) == float64(replied)
 			}); err != nil {
-				t.Errorf("connections/bytes %v: closed %v, received %v, sent %v (want %d)", m, sum(e.metrics, "aether_tcp_connections_closed_total", m),
-					sum(e.metrics, "aether_tcp_received_bytes_total", m), sum(e.metrics, "aether_tcp_sent_bytes_total", m), replied)
+				t.Errorf("connections/bytes %v: closed %v, received %v, sent %v (want %d)", m, sum(e.metrics, "istio_tcp_connections_closed_total", m),
+					sum(e.metrics, "istio_tcp_received_bytes_total", m), sum(e.metrics, "istio_tcp_sent_bytes_total", m), replied)
 			}
 		}
 		if got := sum(e.metrics, "aether_inbound_deliveries_total", map[string]string{"via": telemetry.ViaTCP}); got != 2 {

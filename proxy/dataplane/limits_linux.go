@@ -215,7 +215,7 @@ func (p *pod) closeIdle(timeout time.Duration) {
 		if c.idle() >= timeout {
 			p.m.metrics.LimitHit(telemetry.LimitTCPIdle)
 			p.log.Debug("closing idle connection", "conn", c.String(), "timeout", timeout)
-			c.abort()
+			abortFor(c, telemetry.ReasonIdleTimeout)
 		}
 	}
 }

@@ -68,7 +68,7 @@ func TestConnectionCaps(t *testing.T) {
 		})
 		if c, err := echoOnce(t, e.client, dst); err == nil {
 			_ = c.Close()
-			t.Fatalf("a connection over the pod's cap was proxied: status %+v, hits %v, opened %v", e.mgr.Status(), limitHits(e, telemetry.LimitPodConnections), sum(e.metrics, "aether_tcp_connections_opened_total", nil))
+			t.Fatalf("a connection over the pod's cap was proxied: status %+v, hits %v, opened %v", e.mgr.Status(), limitHits(e, telemetry.LimitPodConnections), sum(e.metrics, "istio_tcp_connections_opened_total", nil))
 		}
 		if limitHits(e, telemetry.LimitPodConnections) < 1 {
 			t.Error("the pod cap was not counted")

@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"aether.io/node/proxy/telemetry"
 	"aether.io/node/xds/listener"
 )
 
@@ -276,7 +277,7 @@ func (p *pod) acceptLoop(l *tcpListener) {
 		if limit != "" {
 			p.m.metrics.LimitHit(limit)
 			p.m.metrics.Failed(limit)
-			reset(c)
+			p.refuseAtLimit(c, l, limit)
 			continue
 		}
 		p.wg.Add(1)
@@ -291,6 +292,22 @@ func (p *pod) acceptLoop(l *tcpListener) {
 			}
 		}()
 	}
+}
+
+// refuseAtLimit resets a connection accepted over a connection cap
+// (limit), counted as the side its listener is: the capture listener's
+// source, the inbound listener's destination.
+func (p *pod) refuseAtLimit(c *net.TCPConn, l *tcpListener, limit string) {
+	src, dst := addrPort(c.RemoteAddr()), addrPort(c.LocalAddr())
+	var info telemetry.ConnInfo
+	if l.spec.Role == listener.RoleCapture {
+		info = p.sourceInfo(src, dst, p.lookup(dst.Addr()))
+	} else {
+		info = p.destinationInfo(src, dst)
+	}
+	info.Limit = limit
+	reset(c)
+	p.m.metrics.Refused(info, telemetry.ReasonLimit, fmt.Errorf("failed to admit a connection of pod %q: %s limit", p.key, limit))
 }
 
 // track registers an open connection or flow; false when the pod is closing.
@@ -362,19 +379,25 @@ func (p *pod) drainUntil(timeout time.Duration, abort <-chan struct{}) {
 	}()
 	t := time.NewTimer(timeout)
 	defer t.Stop()
+	reason := telemetry.ReasonPodClosed
 	select {
 	case <-finished:
 	case <-t.C:
 		p.log.Warn("drain deadline passed; closing open connections", "open", p.openConns())
+		reason = telemetry.ReasonDrainDeadline
 	case <-abort:
 	}
-	p.close()
+	p.closeWith(reason)
 	<-p.done
 }
 
 // close aborts everything at once; done is closed when every goroutine of
 // the pod has ended.
-func (p *pod) close() {
+func (p *pod) close() { p.closeWith(telemetry.ReasonPodClosed) }
+
+// closeWith is close with the reason the open connections' telemetry
+// gives.
+func (p *pod) closeWith(reason telemetry.CloseReason) {
 	p.closeOnce.Do(func() {
 		p.draining.Store(true)
 		p.cancel()
@@ -390,7 +413,7 @@ func (p *pod) close() {
 		p.conns = nil
 		p.mu.Unlock()
 		for c := range conns {
-			c.abort()
+			abortFor(c, reason)
 		}
 		p.closeHBONE()
 		go func() {

@@ -2,6 +2,8 @@ package dataplane
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"net"
 	"reflect"
 	"slices"
@@ -12,10 +14,6 @@ import (
 	"aether.io/node/proxy/telemetry"
 	"aether.io/node/xds/listener"
 )
-
-// Direction label of inbound connections: plaintext on the inbound
-// listener and those delivered from an HBONE stream.
-const directionInbound = "inbound"
 
 // Reasons of aether_tcp_connections_failed_total for the inbound listener.
 const (
@@ -75,17 +73,21 @@ func (p *pod) serveInbound(down *net.TCPConn, l *tcpListener) {
 	src := addrPort(down.RemoteAddr())
 	if !slices.Contains(p.ips, dst.Addr()) || slices.ContainsFunc(p.tcp, func(o *tcpListener) bool { return o.port == dst.Port() }) {
 		p.m.metrics.Failed(reasonInboundNotPod)
+		p.m.metrics.Misdirected(p.destinationInfo(src, dst), errInboundNotPod)
 		p.log.Debug("inbound connection not for the pod's app", "src", src, "dst", dst, "listener", l.spec.Name)
 		reset(down)
 		return
 	}
+	info := p.destinationInfo(src, dst)
 	if p.strict.Load() {
 		p.m.metrics.Failed(reasonInboundPolicyDenied)
+		info.Policy = telemetry.PolicyInboundStrict
+		p.m.metrics.Refused(info, telemetry.ReasonDenied, errInboundStrict)
 		p.log.Debug("plaintext inbound connection refused: inbound policy strict", "src", src, "dst", dst)
 		reset(down)
 		return
 	}
-	if !p.authorize(src, "", dst) { // plaintext: no identity
+	if !p.authorize(src, "", dst, &info) { // plaintext: no identity
 		reset(down)
 		return
 	}
@@ -94,6 +96,7 @@ func (p *pod) serveInbound(down *net.TCPConn, l *tcpListener) {
 	cancel()
 	if err != nil {
 		p.m.metrics.Failed(reasonInboundDeliver)
+		p.m.metrics.Refused(info, telemetry.ReasonConnectFailed, err)
 		p.log.Debug("inbound delivery failed", "src", src, "dst", dst, "error", err)
 		reset(down)
 		return
@@ -102,16 +105,25 @@ func (p *pod) serveInbound(down *net.TCPConn, l *tcpListener) {
 	if !ok {
 		_ = up.Close()
 		p.m.metrics.Failed(reasonInboundDeliver)
+		p.m.metrics.Refused(info, telemetry.ReasonConnectFailed, fmt.Errorf("failed to deliver to %s: %T has no half-close", dst, up))
 		reset(down)
 		return
 	}
-	pair := &tcpPair{down: down, up: us, az: &authz.Conn{Source: src.Addr().Unmap(), Dest: dst}}
+	if _, ok := us.(*net.UnixConn); ok {
+		info.Path = telemetry.PathUDS
+	}
+	pair := &tcpPair{down: down, up: us, az: &authz.Conn{Source: src.Addr().Unmap(), Dest: dst}, tc: p.m.metrics.Open(info)}
 	if !p.track(pair) {
 		pair.abort()
+		pair.tc.Close(telemetry.ReasonPodClosed, nil)
 		return
 	}
 	defer p.untrack(pair)
-	tc := p.m.metrics.Open(telemetry.Labels(directionInbound, p.lookup(src.Addr()), p.lookup(dst.Addr())))
-	pipe(&p.m.pipes, pair, tc)
-	tc.Close()
+	pair.tc.Close(pipe(&p.m.pipes, pair, pair.tc))
 }
+
+// Errors the access log gives refused inbound connections.
+var (
+	errInboundNotPod = errors.New("inbound destination is not the pod's app (not its address, or one of the proxy's own ports): reset")
+	errInboundStrict = errors.New("plaintext refused: the pod's inbound policy is strict (only HBONE is accepted)")
+)

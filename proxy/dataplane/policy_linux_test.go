@@ -36,7 +36,8 @@ func TestHBONEPortAgrees(t *testing.T) {
 // and a direct connection to the inbound port is reset.
 func TestInboundPolicy(t *testing.T) {
 	udsRoot := t.TempDir()
-	e := setup(t, dataplane.Config{UDSRoot: udsRoot})
+	m, log := accessMetrics(t)
+	e := setupMetrics(t, dataplane.Config{UDSRoot: udsRoot}, m)
 	const appPort = 8080
 	// The node's address (an unmeshed client) and the kubelet's.
 	node4, kubelet4 := netip.MustParseAddr("10.88.0.1"), netip.MustParseAddr("10.88.0.254")
@@ -104,7 +105,7 @@ func TestInboundPolicy(t *testing.T) {
 			dst netip.AddrPort
 		}{{node4, server4}, {node6, server6}} {
 			msg := "permissive-" + tc.dst.String()
-			before := sum(e.metrics, "aether_tcp_connections_opened_total", map[string]string{"direction": "inbound", "destination_workload": "server"})
+			before := sum(e.metrics, "istio_tcp_connections_opened_total", map[string]string{"reporter": "destination", "destination_workload": "server"})
 			ans, err := call(tc.src, tc.dst, msg)
 			if err != nil || ans != "app:"+msg {
 				t.Fatalf("call %d = %q, %v; want the app's answer", i, ans, err)
@@ -112,7 +113,7 @@ func TestInboundPolicy(t *testing.T) {
 			if m := <-got; m != msg {
 				t.Errorf("the app received %q, want %q", m, msg)
 			}
-			if n := sum(e.metrics, "aether_tcp_connections_opened_total", map[string]string{"direction": "inbound", "destination_workload": "server"}) - before; n != 1 {
+			if n := sum(e.metrics, "istio_tcp_connections_opened_total", map[string]string{"reporter": "destination", "destination_workload": "server"}) - before; n != 1 {
 				t.Errorf("inbound connections opened counted %v, want 1", n)
 			}
 		}
@@ -159,6 +160,12 @@ func TestInboundPolicy(t *testing.T) {
 		if n := denied() - before; n != 2 {
 			t.Errorf("inbound_policy_denied counted %v, want 2", n)
 		}
+		// The destination side's access log names the policy.
+		log.await(t, map[string]any{
+			"reporter": "destination", "dst_addr": server6, "reason": "denied",
+			"policy_decision": "deny", "policy": "inbound-policy/strict", "response_flags": "DENY",
+			"path": "plaintext", "security": "none", "dst_workload": "server",
+		})
 		noApp(t)
 	})
 	t.Run("kubelet exempt under strict", func(t *testing.T) {

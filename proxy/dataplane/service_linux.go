@@ -2,6 +2,7 @@ package dataplane
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"net/netip"
 
@@ -9,6 +10,7 @@ import (
 
 	"aether.io/node/proxy/hbone"
 	"aether.io/node/proxy/peers"
+	"aether.io/node/proxy/telemetry"
 )
 
 // ServiceChooser balances connections to Service VIPs (peers.Services).
@@ -16,6 +18,9 @@ type ServiceChooser interface {
 	// Choose picks an endpoint for a connection from src to dst, never
 	// exclude unless it is the only one.
 	Choose(src netip.Addr, dst, exclude netip.AddrPort) (peers.Endpoint, peers.ServiceRef, peers.Verdict)
+	// ServiceOf returns the Service the workload at dst's address serves
+	// dst's port for (the destination side's destination_service).
+	ServiceOf(dst netip.AddrPort) (peers.ServiceRef, bool)
 }
 
 // Outbound paths of a connection to a Service VIP
@@ -49,6 +54,9 @@ func (p *pod) balanceTCP(down *net.TCPConn, src, dst netip.AddrPort) bool {
 	case peers.Chosen:
 	case peers.NoEndpoint:
 		p.m.metrics.Outbound(pathServiceNoEndpoint)
+		info := p.sourceInfo(src, dst, peers.Peer{})
+		info.Service = ref
+		p.m.metrics.Refused(info, telemetry.ReasonNoEndpoint, fmt.Errorf("service %s/%s has no usable endpoint", ref.Namespace, ref.Name))
 		p.log.Debug("service has no usable endpoint; resetting the connection", "src", src.String(), "dst", dst.String(),
 			"service", ref.Namespace+"/"+ref.Name)
 		reset(down)
@@ -65,22 +73,27 @@ func (p *pod) balanceTCP(down *net.TCPConn, src, dst netip.AddrPort) bool {
 			up, err = p.dialEndpoint(e)
 		}
 	}
+	info := p.sourceInfo(src, e.Addr, p.lookup(e.Addr.Addr()))
+	info.Service, info.Path = ref, telemetry.PathPlaintext
+	if e.HBONE && p.m.tunnel != nil && p.hb != nil {
+		info.MTLS, info.Path, info.SourcePrincipal = true, telemetry.PathHBONE, p.hb.id.String()
+	}
 	if err != nil {
 		p.m.metrics.Outbound(pathServiceFailed)
 		p.m.metrics.Failed(failedServiceDial)
+		p.m.metrics.Refused(info, telemetry.ReasonConnectFailed, err)
 		p.log.Debug("service endpoint connect failed", "src", src.String(), "dst", dst.String(),
 			"service", ref.Namespace+"/"+ref.Name, "endpoint", e.Addr.String(), "error", err.Error())
 		reset(down)
 		return true
 	}
-	dstPeer := p.lookup(e.Addr.Addr())
 	switch up := up.(type) {
 	case *hbone.Stream:
 		p.m.metrics.Outbound(pathServiceHBONE)
-		p.pipeStream(down, up, src, dstPeer)
+		p.pipeStream(down, up, info)
 	case *net.TCPConn:
 		p.m.metrics.Outbound(pathServicePlain)
-		p.pipeTCP(down, up, src, dstPeer)
+		p.pipeTCP(down, up, info)
 	}
 	return true
 }

@@ -221,20 +221,20 @@ func TestHBONETwoNodes(t *testing.T) {
 			"source_principal": podID(client).String(), "destination_principal": podID(server).String(),
 		}
 		for _, side := range []struct {
-			name      string
-			m         *telemetry.Metrics
-			direction string
-		}{{"B (destination)", b.metrics, "inbound"}, {"A (source)", a.metrics, "outbound"}} {
-			m := map[string]string{"direction": side.direction}
+			name     string
+			m        *telemetry.Metrics
+			reporter string
+		}{{"B (destination)", b.metrics, "destination"}, {"A (source)", a.metrics, "source"}} {
+			m := map[string]string{"reporter": side.reporter, "connection_security_policy": "mutual_tls", "response_flags": "-"}
 			for k, v := range principals {
 				m[k] = v
 			}
 			if err := proxytest.WaitFor(ctx10(t), func() bool {
-				return sum(side.m, "aether_tcp_connections_closed_total", m) == 2 &&
-					sum(side.m, "aether_tcp_received_bytes_total", m) == float64(2*len("secret-0"))
+				return sum(side.m, "istio_tcp_connections_closed_total", m) == 2 &&
+					sum(side.m, "istio_tcp_received_bytes_total", m) == float64(2*len("secret-0"))
 			}); err != nil {
 				t.Errorf("%s %v: closed %v, received %v; want 2, %d", side.name, m,
-					sum(side.m, "aether_tcp_connections_closed_total", m), sum(side.m, "aether_tcp_received_bytes_total", m), 2*len("secret-0"))
+					sum(side.m, "istio_tcp_connections_closed_total", m), sum(side.m, "istio_tcp_received_bytes_total", m), 2*len("secret-0"))
 			}
 		}
 		if got := sum(a.metrics, "aether_outbound_connections_total", map[string]string{"path": "hbone"}); got != 2 {

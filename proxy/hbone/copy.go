@@ -37,6 +37,15 @@ type Abortable interface {
 	OnAbort(f func())
 }
 
+// ReadObserver is implemented by a DeliverFunc's connection that wants to
+// know how the Server's reading of it (the response direction) ended: nil
+// at EOF (the upstream finished first or after the client), the error
+// otherwise (a reset, a close under the copy). The Server calls ReadDone
+// once, before it ends the stream.
+type ReadObserver interface {
+	ReadDone(err error)
+}
+
 // Copy buffers: an idle tunnel holds only a small buffer per direction; a
 // busy one borrows a large pooled buffer once a read fills the small one,
 // and gives it back when the flow slows to a trickle (a read shorter than

@@ -94,6 +94,9 @@ func (st *h2Stream) serve() {
 	}
 	err = readChunks(up, frameHeaderLen, st, st.sendTaken)
 	st.dropHeld() // the copy ended between a wait and its take
+	if o, ok := up.(ReadObserver); ok {
+		o.ReadDone(err)
+	}
 	if !st.isStopped() {
 		var b []byte
 		if err == nil {

@@ -23,8 +23,18 @@ type Peer struct {
 	Workload string
 	// Namespace is the workload's namespace.
 	Namespace string
-	// CanonicalName is the canonical service name.
+	// Name is the workload's own name (the pod name).
+	Name string
+	// CanonicalName is the canonical service name
+	// (service.istio.io/canonical-name, else app.kubernetes.io/name, app,
+	// the workload name: the agent's builder).
 	CanonicalName string
+	// CanonicalRevision is the canonical revision
+	// (service.istio.io/canonical-revision, else
+	// app.kubernetes.io/version, version, "latest").
+	CanonicalRevision string
+	// Cluster is the workload's cluster_id.
+	Cluster string
 	// HBONE reports tunnel_protocol: HBONE: the workload's proxy serves
 	// HBONE on its :15008.
 	HBONE bool
@@ -57,7 +67,8 @@ func peerOf(w *workload.Workload) Peer {
 		name = w.GetName()
 	}
 	p := Peer{
-		UID: w.GetUid(), Workload: name, Namespace: w.GetNamespace(), CanonicalName: w.GetCanonicalName(),
+		UID: w.GetUid(), Workload: name, Name: w.GetName(), Namespace: w.GetNamespace(),
+		CanonicalName: w.GetCanonicalName(), CanonicalRevision: w.GetCanonicalRevision(), Cluster: w.GetClusterId(),
 		HBONE:    w.GetTunnelProtocol() == workload.TunnelProtocol_HBONE,
 		Policies: w.GetAuthorizationPolicies(),
 	}

@@ -24,10 +24,10 @@ func TestIndex(t *testing.T) {
 		want peers.Peer
 		ok   bool
 	}{
-		{"10.0.0.5", peers.Peer{UID: "k//Pod/a/web-1", Workload: "web", Namespace: "a", CanonicalName: "web-svc"}, true},
-		{"::ffff:10.0.0.5", peers.Peer{UID: "k//Pod/a/web-1", Workload: "web", Namespace: "a", CanonicalName: "web-svc"}, true},
-		{"fd00::5", peers.Peer{UID: "k//Pod/a/web-1", Workload: "web", Namespace: "a", CanonicalName: "web-svc"}, true},
-		{"10.0.0.6", peers.Peer{UID: "k//Pod/b/db-0", Workload: "db-0", Namespace: "b"}, true},
+		{"10.0.0.5", peers.Peer{UID: "k//Pod/a/web-1", Workload: "web", Name: "web-1", Namespace: "a", CanonicalName: "web-svc"}, true},
+		{"::ffff:10.0.0.5", peers.Peer{UID: "k//Pod/a/web-1", Workload: "web", Name: "web-1", Namespace: "a", CanonicalName: "web-svc"}, true},
+		{"fd00::5", peers.Peer{UID: "k//Pod/a/web-1", Workload: "web", Name: "web-1", Namespace: "a", CanonicalName: "web-svc"}, true},
+		{"10.0.0.6", peers.Peer{UID: "k//Pod/b/db-0", Workload: "db-0", Name: "db-0", Namespace: "b"}, true},
 		{"10.0.0.7", peers.Peer{}, false},
 	}
 	for _, tc := range tests {

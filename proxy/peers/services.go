@@ -500,3 +500,51 @@ func (x *Services) Len() int {
 	}
 	return n
 }
+
+// ServiceOf returns the Service a connection to a workload's own address dst
+// is reported under when it was not balanced through a VIP here (the
+// destination side of a tunnel, a connection to a pod IP), as ztunnel
+// guesses it for its inbound metrics: among the Services the workload at
+// dst's address is an endpoint of (with a resource of their own), one with a
+// port whose target port is dst's port, the Service's own or the endpoint's
+// mapping of it (a named targetPort). When several match, the first by
+// <namespace>/<hostname> wins, so the choice is stable. It does not
+// allocate.
+func (x *Services) ServiceOf(dst netip.AddrPort) (ServiceRef, bool) {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	m := x.members[x.byAddr[dst.Addr().Unmap().As16()]]
+	if m == nil {
+		return ServiceRef{}, false
+	}
+	var best *service
+	for key, own := range m.services {
+		s := x.byName[key]
+		if s == nil || len(s.ports) == 0 || (best != nil && key >= best.key) {
+			continue
+		}
+		if servesPort(s.ports, own.GetPorts(), uint32(dst.Port())) {
+			best = s
+		}
+	}
+	if best == nil {
+		return ServiceRef{}, false
+	}
+	return best.ref, true
+}
+
+// servesPort reports whether one of a Service's ports targets port, by its
+// own target port or by the endpoint's mapping of its service port.
+func servesPort(ports, own []*workload.Port, port uint32) bool {
+	for _, sp := range ports {
+		if sp.GetTargetPort() == port {
+			return true
+		}
+		for _, p := range own {
+			if p.GetServicePort() == sp.GetServicePort() && p.GetTargetPort() == port {
+				return true
+			}
+		}
+	}
+	return false
+}

@@ -344,3 +344,57 @@ func BenchmarkChoose(b *testing.B) {
 		})
 	}
 }
+
+func TestServiceOf(t *testing.T) {
+	x := peers.NewServices()
+	// web: 80 -> 8080; admin (another Service of the same pods): 9000 -> a
+	// named port the endpoint maps to 9090.
+	x.UpsertService(webService(nil))
+	x.UpsertService(&workload.Service{
+		Name: "admin", Namespace: "shop", Hostname: "admin.shop.svc.cluster.local",
+		Addresses: []*workload.NetworkAddress{{Address: raw("10.96.0.11")}},
+		Ports:     []*workload.Port{{ServicePort: 9000}},
+	})
+	// "aaa" also serves 8080, but only later; until then web is the one.
+	w := ep{name: "web-1", addrs: []string{"10.0.1.1", "fd00::1:1"}}.workload()
+	w.Services["shop/admin.shop.svc.cluster.local"] = &workload.PortList{Ports: []*workload.Port{{ServicePort: 9000, TargetPort: 9090}}}
+	x.UpsertWorkload(w)
+	x.UpsertWorkload(client.workload())
+
+	for _, tc := range []struct {
+		dst  string
+		want string // hostname; "" none
+	}{
+		{"10.0.1.1:8080", "web.shop.svc.cluster.local"},
+		{"[fd00::1:1]:8080", "web.shop.svc.cluster.local"},
+		{"10.0.1.1:9090", "admin.shop.svc.cluster.local"},
+		{"10.0.1.1:80", ""},     // a service port, not a target port
+		{"10.0.0.2:8080", ""},   // a workload of no Service
+		{"10.0.9.9:8080", ""},   // not a workload
+		{"10.96.0.10:8080", ""}, // a VIP is no workload address
+	} {
+		ref, ok := x.ServiceOf(netip.MustParseAddrPort(tc.dst))
+		if ok != (tc.want != "") || ref.Hostname != tc.want {
+			t.Errorf("ServiceOf(%s) = %+v, %v; want %q", tc.dst, ref, ok, tc.want)
+		}
+	}
+	if ref, _ := x.ServiceOf(netip.MustParseAddrPort("10.0.1.1:9090")); ref.Name != "admin" || ref.Namespace != "shop" {
+		t.Errorf("ServiceOf named port: %+v", ref)
+	}
+	// Two Services target 8080: the first by key wins, whatever the order.
+	x.UpsertService(&workload.Service{
+		Name: "aaa", Namespace: "shop", Hostname: "aaa.shop.svc.cluster.local",
+		Addresses: []*workload.NetworkAddress{{Address: raw("10.96.0.12")}},
+		Ports:     []*workload.Port{{ServicePort: 80, TargetPort: 8080}},
+	})
+	w.Services["shop/aaa.shop.svc.cluster.local"] = &workload.PortList{}
+	x.UpsertWorkload(w)
+	for range 20 {
+		if ref, _ := x.ServiceOf(netip.MustParseAddrPort("10.0.1.1:8080")); ref.Hostname != "aaa.shop.svc.cluster.local" {
+			t.Fatalf("ServiceOf with two matches = %+v, want aaa", ref)
+		}
+	}
+	if n := testing.AllocsPerRun(100, func() { _, _ = x.ServiceOf(netip.MustParseAddrPort("10.0.1.1:8080")) }); n != 0 {
+		t.Errorf("ServiceOf allocates %v times", n)
+	}
+}

@@ -1,27 +1,16 @@
-// Package telemetry holds aether-proxy's Prometheus metrics: per-connection
-// TCP counters labelled with the workloads at both ends (looked up in the WDS
-// index), plus listener and datagram counters.
+// Package telemetry holds aether-proxy's Prometheus metrics and its access
+// log: Istio's TCP metrics (istio_tcp_*, labelled as Istio labels them, the
+// workloads at both ends looked up in the WDS index), reported by the source
+// side and by the destination side of every connection; one access-log line
+// per connection (AccessLog); and the proxy's own aether_* series for what
+// Istio has no series for (limits, capture, refusals by reason, outbound
+// paths, inbound deliveries, HBONE).
 package telemetry
 
 import (
-	"time"
-
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
-
-	"aether.io/node/proxy/peers"
 )
-
-// Unknown is the label value of an end not found in the WDS index.
-const Unknown = "unknown"
-
-// PeerLabels are the labels of every aether_tcp_* series, in order.
-var PeerLabels = []string{
-	"direction",
-	"source_workload", "source_workload_namespace", "source_canonical_name",
-	"destination_workload", "destination_workload_namespace", "destination_canonical_name",
-	"source_principal", "destination_principal",
-}
 
 // Metrics are the proxy's collectors, registered on their own registry.
 type Metrics struct {
@@ -29,10 +18,7 @@ type Metrics struct {
 	// collectors).
 	Registry *prometheus.Registry
 
-	opened   *prometheus.CounterVec
-	closed   *prometheus.CounterVec
-	sent     *prometheus.CounterVec
-	received *prometheus.CounterVec
+	istio    *istioSeries
 	duration *prometheus.HistogramVec
 	failed   *prometheus.CounterVec
 	udp      *prometheus.CounterVec
@@ -41,37 +27,28 @@ type Metrics struct {
 	limits   *prometheus.CounterVec
 	outbound *prometheus.CounterVec
 	pods     prometheus.Gauge
+	log      *AccessLog
 	policy   policyMetrics
 }
 
-// New returns the metrics on a fresh registry.
-func New() *Metrics {
+// New returns the metrics on a fresh registry, without an access log.
+func New() *Metrics { return NewWithAccessLog(nil) }
+
+// NewWithAccessLog returns the metrics on a fresh registry; every
+// connection's end is also offered to log (nil: no access log).
+func NewWithAccessLog(log *AccessLog) *Metrics {
 	m := &Metrics{
 		Registry: prometheus.NewRegistry(),
-		opened: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "aether_tcp_connections_opened_total",
-			Help: "TCP connections accepted by a pod listener and proxied.",
-		}, PeerLabels),
-		closed: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "aether_tcp_connections_closed_total",
-			Help: "Proxied TCP connections that ended.",
-		}, PeerLabels),
-		sent: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "aether_tcp_sent_bytes_total",
-			Help: "Bytes sent to the source (the response direction, destination to source).",
-		}, PeerLabels),
-		received: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "aether_tcp_received_bytes_total",
-			Help: "Bytes received from the source (the request direction, source to destination).",
-		}, PeerLabels),
+		log:      log,
+		istio:    newIstioSeries(),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "aether_tcp_connection_duration_seconds",
-			Help:    "Lifetime of proxied TCP connections, accept to close.",
+			Help:    "Lifetime of proxied TCP connections, accept to close, by reporter (Istio has no TCP duration series).",
 			Buckets: prometheus.ExponentialBuckets(0.001, 4, 10),
-		}, PeerLabels),
+		}, []string{"reporter"}),
 		failed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "aether_tcp_connections_failed_total",
-			Help: "Accepted TCP connections that could not be proxied, by reason.",
+			Help: "Accepted TCP connections that could not be proxied, by reason (Istio's series carry only response_flags).",
 		}, []string{"reason"}),
 		udp: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "aether_udp_datagrams_total",
@@ -98,70 +75,21 @@ func New() *Metrics {
 			Help: "Pods whose listeners are bound and served.",
 		}),
 	}
+	if log != nil {
+		m.Registry.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "aether_proxy_access_log_dropped_total",
+			Help: "Access-log lines dropped because stdout did not drain (1 MiB held while a write was under way).",
+		}, func() float64 { return float64(log.Dropped()) }))
+	}
 	m.policy = newPolicyMetrics()
-	m.Registry.MustRegister(m.opened, m.closed, m.sent, m.received, m.duration, m.failed, m.udp, m.limits, m.inbound, m.source, m.outbound, m.pods,
+	m.Registry.MustRegister(m.istio, m.duration, m.failed, m.udp, m.limits, m.inbound, m.source, m.outbound, m.pods,
 		m.policy.denied, m.policy.dryRun,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
 
-func orUnknown(s string) string {
-	if s == "" {
-		return Unknown
-	}
-	return s
-}
-
-// Labels returns the label values of a plain (untunnelled) connection from
-// src to dst: its principals are unknown.
-func Labels(direction string, src, dst peers.Peer) []string {
-	return TunnelLabels(direction, src, dst, "", "")
-}
-
-// TunnelLabels returns the label values of an HBONE connection from src to
-// dst with the SPIFFE IDs of both ends: the one this proxy presented and the
-// one it verified. Principals are identities, never per connection, so the
-// cardinality stays that of the workloads.
-func TunnelLabels(direction string, src, dst peers.Peer, srcPrincipal, dstPrincipal string) []string {
-	return []string{
-		direction,
-		orUnknown(src.Workload), orUnknown(src.Namespace), orUnknown(src.CanonicalName),
-		orUnknown(dst.Workload), orUnknown(dst.Namespace), orUnknown(dst.CanonicalName),
-		orUnknown(srcPrincipal), orUnknown(dstPrincipal),
-	}
-}
-
-// Conn is one proxied connection's telemetry. Received and Sent may be
-// called from the connection's two copy goroutines concurrently.
-type Conn struct {
-	m        *Metrics
-	labels   []string
-	start    time.Time
-	received prometheus.Counter
-	sent     prometheus.Counter
-}
-
-// Open counts a new connection and returns its handle.
-func (m *Metrics) Open(labels []string) *Conn {
-	m.opened.WithLabelValues(labels...).Inc()
-	return &Conn{
-		m: m, labels: labels, start: time.Now(),
-		received: m.received.WithLabelValues(labels...),
-		sent:     m.sent.WithLabelValues(labels...),
-	}
-}
-
-// Received adds n bytes received from the source.
-func (c *Conn) Received(n int64) { c.received.Add(float64(n)) }
-
-// Sent adds n bytes sent to the source.
-func (c *Conn) Sent(n int64) { c.sent.Add(float64(n)) }
-
-// Close counts the end of the connection and its duration.
-func (c *Conn) Close() {
-	c.m.closed.WithLabelValues(c.labels...).Inc()
-	c.m.duration.WithLabelValues(c.labels...).Observe(time.Since(c.start).Seconds())
-}
+// FlushAccessLog writes the access log's held lines (AccessLog.Flush).
+func (m *Metrics) FlushAccessLog() { m.log.Flush() }
 
 // Failed counts a connection that could not be proxied.
 func (m *Metrics) Failed(reason string) { m.failed.WithLabelValues(reason).Inc() }

@@ -582,21 +582,21 @@ func TestNodeDemo(t *testing.T) {
 			deadline := time.Now().Add(10 * time.Second)
 			for {
 				ms, err = metrics()
-				if err == nil && sum(ms, "aether_tcp_connections_closed_total", pair) >= 1 {
+				if err == nil && sum(ms, "istio_tcp_connections_closed_total", pair) >= 1 {
 					break
 				}
 				if time.Now().After(deadline) {
-					return "", fmt.Errorf("the connection worked but aether-proxy did not count it as client -> server (so it was not captured): %s; aether_tcp_connections_* samples: %v", errString(err), tcpSamples(ms))
+					return "", fmt.Errorf("the connection worked but aether-proxy did not count it as client -> server (so it was not captured): %s; istio_tcp_connections_* samples: %v", errString(err), tcpSamples(ms))
 				}
 				time.Sleep(100 * time.Millisecond)
 			}
 			r.printf("  aether-proxy /metrics {source_workload=%q,source_workload_namespace=%q,destination_workload=%q,destination_workload_namespace=%q}:",
 				pair["source_workload"], pair["source_workload_namespace"], pair["destination_workload"], pair["destination_workload_namespace"])
-			r.printf("    aether_tcp_connections_opened_total %g, aether_tcp_connections_closed_total %g, aether_tcp_received_bytes_total %g, aether_tcp_sent_bytes_total %g, aether_tcp_connection_duration_seconds_sum %.3f",
-				sum(ms, "aether_tcp_connections_opened_total", pair), sum(ms, "aether_tcp_connections_closed_total", pair),
-				sum(ms, "aether_tcp_received_bytes_total", pair), sum(ms, "aether_tcp_sent_bytes_total", pair),
-				sum(ms, "aether_tcp_connection_duration_seconds_sum", pair))
-			if sum(ms, "aether_tcp_received_bytes_total", pair) == 0 || sum(ms, "aether_tcp_sent_bytes_total", pair) == 0 {
+			r.printf("    istio_tcp_connections_opened_total %g, istio_tcp_connections_closed_total %g, istio_tcp_received_bytes_total %g, istio_tcp_sent_bytes_total %g (both reporters: source and destination), aether_tcp_connection_duration_seconds_sum %.3f",
+				sum(ms, "istio_tcp_connections_opened_total", pair), sum(ms, "istio_tcp_connections_closed_total", pair),
+				sum(ms, "istio_tcp_received_bytes_total", pair), sum(ms, "istio_tcp_sent_bytes_total", pair),
+				sum(ms, "aether_tcp_connection_duration_seconds_sum", nil))
+			if sum(ms, "istio_tcp_received_bytes_total", pair) == 0 || sum(ms, "istio_tcp_sent_bytes_total", pair) == 0 {
 				return "", fmt.Errorf("aether-proxy counted the connection but no bytes both ways")
 			}
 			via := "plain"
@@ -625,15 +625,17 @@ func TestNodeDemo(t *testing.T) {
 			// The client's side presented its SVID and verified the
 			// server's; the server's side verified the client's.
 			out := maps.Clone(pair)
-			out["direction"], out["source_principal"], out["destination_principal"] = "outbound", clientID, serverID
+			out["reporter"], out["source_principal"], out["destination_principal"] = "source", clientID, serverID
+			out["connection_security_policy"] = "mutual_tls"
 			in := maps.Clone(pair)
-			in["direction"], in["source_principal"], in["destination_principal"] = "inbound", clientID, serverID
-			if sum(ms, "aether_tcp_connections_opened_total", out) < 1 || sum(ms, "aether_tcp_connections_opened_total", in) < 1 {
+			in["reporter"], in["source_principal"], in["destination_principal"] = "destination", clientID, serverID
+			in["connection_security_policy"] = "mutual_tls"
+			if sum(ms, "istio_tcp_connections_opened_total", out) < 1 || sum(ms, "istio_tcp_connections_opened_total", in) < 1 {
 				return "", fmt.Errorf("aether-proxy did not count the client -> server connection as HBONE with both identities (outbound %v, inbound %v); samples: %v",
 					out, in, tcpSamples(ms))
 			}
 			r.printf("  outbound (client's proxy): source_principal=%q destination_principal=%q (verified), %g bytes sent",
-				clientID, serverID, sum(ms, "aether_tcp_received_bytes_total", out))
+				clientID, serverID, sum(ms, "istio_tcp_received_bytes_total", out))
 			r.printf("  inbound (server's :%d): source_principal=%q (verified client SVID), delivered to the app on :%d", hboneport, clientID, serverPort)
 			// On the wire between the pods: only :15008 (TLS) carried it.
 			pk, err := flows.packets()
@@ -715,6 +717,22 @@ func TestNodeDemo(t *testing.T) {
 				return "", fmt.Errorf("no HBONE packets client -> server:%d while the Service answered", hboneport)
 			}
 			r.printf("  aether_outbound_connections_total{path=\"service_hbone\"} %g; %d packets to :%d across the fabric, none to the VIP", viaHBONE, tunnelled, hboneport)
+			// Istio's series name the Service on both sides: the source
+			// (the client's proxy balanced through it) and the destination
+			// (the server's workload serves the target port for it).
+			svc := map[string]string{
+				"source_workload": client.name, "destination_workload": server.name,
+				"destination_service": "web." + podNS + ".svc.cluster.local", "destination_service_name": "web",
+				"destination_service_namespace": podNS, "connection_security_policy": "mutual_tls",
+			}
+			for _, reporter := range []string{"source", "destination"} {
+				svc["reporter"] = reporter
+				n := sum(ms, "istio_tcp_connections_opened_total", svc)
+				if n < 1 {
+					return "", fmt.Errorf("aether-proxy counted no connection with %v: %v", svc, tcpSamples(ms))
+				}
+				r.printf("  istio_tcp_connections_opened_total{reporter=%q,destination_service=%q} %g", reporter, svc["destination_service"], n)
+			}
 			return fmt.Sprintf("the client dialled the ClusterIP %s; its proxy resolved the Service from workload discovery (istio.workload.Address), chose the endpoint %s/%s (%s:%d) and tunnelled over HBONE to %s:%d in mutual TLS (the VIP never reached the wire)",
 				serviceVIP, podNS, server.name, server.ip, serverPort, server.ip, hboneport), nil
 		})
@@ -824,7 +842,7 @@ func TestNodeDemo(t *testing.T) {
 				return "", fmt.Errorf("the legacy pod's connection did not cross the fabric")
 			}
 			after, _ := metrics()
-			if b, a := sum(before, "aether_tcp_connections_opened_total", nil), sum(after, "aether_tcp_connections_opened_total", nil); a != b {
+			if b, a := sum(before, "istio_tcp_connections_opened_total", nil), sum(after, "istio_tcp_connections_opened_total", nil); a != b {
 				return "", fmt.Errorf("aether-proxy's opened connections went from %g to %g: the unmanaged pod's connection was proxied", b, a)
 			}
 			return fmt.Sprintf("no capture table, no fwmark rules, no agent record; its connection went straight through the fabric (%d packets), not through the proxy", pk["legacy->server"]), nil
@@ -1011,7 +1029,7 @@ func TestNodeDemo(t *testing.T) {
 func tcpSamples(ms []Metric) []string {
 	var out []string
 	for _, m := range ms {
-		if strings.HasPrefix(m.Name, "aether_tcp_connections") {
+		if strings.HasPrefix(m.Name, "istio_tcp_connections") {
 			out = append(out, fmt.Sprintf("%s%v=%g", m.Name, m.Labels, m.Value))
 		}
 	}

@@ -117,7 +117,7 @@ func TestKubernetes(t *testing.T) {
 		// aether-proxy, which names both workloads.
 		echoFrom(t, podNetns(t, n, pods["client"]), net.JoinHostPort(pods["web"].Status.PodIP, strconv.Itoa(echoPort)))
 		m := proxyMetrics(t, n)
-		line := metricLine(m, "aether_tcp_connections_opened_total", `source_workload="client"`, `destination_workload="web"`)
+		line := metricLine(m, "istio_tcp_connections_opened_total", `reporter="source"`, `source_workload="client"`, `destination_workload="web"`)
 		if line == "" {
 			t.Fatalf("aether-proxy metrics do not name client -> web:\n%s", m)
 		}
@@ -128,7 +128,7 @@ func TestKubernetes(t *testing.T) {
 		// agent knows, so the proxy cannot name it.
 		echoFrom(t, podNetns(t, n, pods["client"]), net.JoinHostPort(plain.Status.PodIP, strconv.Itoa(echoPort)))
 		m = proxyMetrics(t, n)
-		line = metricLine(m, "aether_tcp_connections_opened_total", `source_workload="client"`, `destination_workload="unknown"`)
+		line = metricLine(m, "istio_tcp_connections_opened_total", `reporter="source"`, `source_workload="client"`, `destination_workload="unknown"`)
 		if line == "" {
 			t.Fatalf("aether-proxy metrics have no client -> unknown series for the unmanaged destination:\n%s", m)
 		}

@@ -411,7 +411,7 @@ func meshToUDS(t *testing.T, n *node, client, dst corev1.Pod, via string) {
 		t.Fatalf("aether_inbound_deliveries_total{via=%q} went from %v to %v, want one more:\n%s", via, before, after, m)
 	}
 	principal := "spiffe://cluster.local/ns/" + appNamespace + "/sa/default"
-	line := metricLine(m, "aether_tcp_connections_opened_total", `direction="inbound"`, `source_principal="`+principal+`"`,
+	line := metricLine(m, "istio_tcp_connections_opened_total", `reporter="destination"`, `connection_security_policy="mutual_tls"`, `source_principal="`+principal+`"`,
 		`source_workload="client"`, `destination_workload="`+dst.Name+`"`)
 	if line == "" {
 		t.Fatalf("aether-proxy metrics have no inbound HBONE connection from %s to %s:\n%s", principal, dst.Name, m)

@@ -251,6 +251,13 @@ binaries or the API server would reject. */}}
 {{- if not (and (or (kindIs "float64" $podDrain) (kindIs "int" $podDrain) (kindIs "int64" $podDrain)) (eq (float64 $podDrain) (floor $podDrain)) (ge (float64 $podDrain) 1.0)) -}}
 {{- fail (printf "invalid proxy.podDrainSeconds %v: must be a whole number of seconds, at least 1" $podDrain) -}}
 {{- end -}}
+{{- if not (has .Values.proxy.accessLog (list "off" "errors" "all")) -}}
+{{- fail (printf "invalid proxy.accessLog %v: must be off, errors or all" .Values.proxy.accessLog) -}}
+{{- end -}}
+{{- $rate := .Values.proxy.accessLogSampleRate -}}
+{{- if not (and (or (kindIs "float64" $rate) (kindIs "int" $rate) (kindIs "int64" $rate)) (ge (float64 $rate) 0.0) (le (float64 $rate) 1.0)) -}}
+{{- fail (printf "invalid proxy.accessLogSampleRate %v: must be a number from 0 to 1" $rate) -}}
+{{- end -}}
 {{- $mu := .Values.maxUnavailable -}}
 {{- if kindIs "string" $mu -}}
 {{- if not (regexMatch "^([1-9][0-9]?|100)%$" $mu) -}}
