@@ -14,6 +14,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"aether.io/node/test/harness"
 )
@@ -133,6 +134,50 @@ func TestKubernetes(t *testing.T) {
 			t.Fatalf("aether-proxy metrics have no client -> unknown series for the unmanaged destination:\n%s", m)
 		}
 		t.Logf("proxy metric: %s", line)
+	}) {
+		return // later scenarios build on this one
+	}
+
+	if !t.Run("ServiceVIP", func(t *testing.T) {
+		// A ClusterIP Service of web, with its EndpointSlices from the
+		// controller-manager; no kube-proxy runs in the lane, so only the
+		// client's proxy can make the VIP answer (resolved from workload
+		// discovery, tunnelled over HBONE to web's pod).
+		svc, err := n.cluster.Client.CoreV1().Services(appNamespace).Create(context.Background(), &corev1.Service{
+			ObjectMeta: metav1.ObjectMeta{Name: "web"},
+			Spec: corev1.ServiceSpec{
+				Selector: map[string]string{"app": "web"},
+				Ports:    []corev1.ServicePort{{Name: "tcp-echo", Port: 80, TargetPort: intstr.FromInt32(echoPort)}},
+			},
+		}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		vip := net.JoinHostPort(svc.Spec.ClusterIP, "80")
+		client := runningPods(t, n, "client", 1, 60*time.Second)[0]
+		start := time.Now()
+		for {
+			err := tryEcho(podNetns(t, n, client), vip)
+			if err == nil {
+				break
+			}
+			if time.Since(start) > 60*time.Second {
+				t.Fatalf("client -> Service web %s: %v", vip, err)
+			}
+			time.Sleep(500 * time.Millisecond)
+		}
+		t.Logf("client -> Service web (%s) answered %s after the Service was created", vip, time.Since(start).Round(time.Millisecond))
+		m := proxyMetrics(t, n)
+		if line := metricLine(m, "aether_outbound_connections_total", `path="service_hbone"`); line == "" {
+			t.Fatalf("the VIP answered but aether-proxy counted no service_hbone connection:\n%s", m)
+		} else {
+			t.Logf("proxy metric: %s", line)
+		}
+		out := string(aetherctl(t, "services", "--xds-socket", filepath.Join(in.proxySocketDir(), "xds.sock")))
+		if !strings.Contains(out, appNamespace+"/web."+appNamespace+".svc.cluster.local") {
+			t.Fatalf("aetherctl services does not list web:\n%s", out)
+		}
+		t.Logf("aetherctl services:\n%s", out)
 	}) {
 		return // later scenarios build on this one
 	}

@@ -194,9 +194,16 @@ func proxyServing(t *testing.T, nsPath string) {
 // checks it comes back.
 func echoFrom(t *testing.T, nsPath, addr string) {
 	t.Helper()
+	if err := tryEcho(nsPath, addr); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// tryEcho is echoFrom returning what went wrong.
+func tryEcho(nsPath, addr string) error {
 	netns, err := ns.GetNS(nsPath)
 	if err != nil {
-		t.Fatal(err)
+		return err
 	}
 	defer netns.Close()
 	var c net.Conn
@@ -206,18 +213,19 @@ func echoFrom(t *testing.T, nsPath, addr string) {
 		return err
 	})
 	if err != nil {
-		t.Fatalf("failed to dial %s from %s: %v", addr, nsPath, err)
+		return fmt.Errorf("failed to dial %s from %s: %w", addr, nsPath, err)
 	}
 	defer c.Close()
 	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
 	const msg = "hello through the mesh\n"
 	if _, err := io.WriteString(c, msg); err != nil {
-		t.Fatalf("failed to write to %s: %v", addr, err)
+		return fmt.Errorf("failed to write to %s: %w", addr, err)
 	}
 	got, err := bufio.NewReader(c).ReadString('\n')
 	if err != nil || got != msg {
-		t.Fatalf("echo from %s = %q, %v; want %q", addr, got, err, msg)
+		return fmt.Errorf("echo from %s = %q, %v; want %q", addr, got, err, msg)
 	}
+	return nil
 }
 
 // proxyMetrics returns aether-proxy's /metrics text (from the node netns).
