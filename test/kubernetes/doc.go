@@ -48,6 +48,14 @@
 //     pod goes through aether-proxy (its metrics name both workloads, over
 //     HBONE with both principals, or "unknown" for the unmanaged
 //     destination, in plain TCP);
+//   - a ClusterIP Service of web (EndpointSlices from the
+//     controller-manager) answers from the managed client with no
+//     kube-proxy: its proxy resolves the VIP from workload discovery and
+//     tunnels to web (path="service_hbone"); aetherctl services lists it;
+//   - Istio's AuthorizationPolicy YAML, on the CRD the chart installed
+//     (policy.installCRDs auto), refuses client -> web at web's proxy
+//     (aether_policy_denials_total), and deleting it lets the connection
+//     through again;
 //   - a deleted pod turns UNHEALTHY before it is removed (watched with
 //     aetherctl workloads --watch), and its record goes with the DEL;
 //   - a rolling update of the DaemonSet (new tag) keeps every record and

@@ -16,6 +16,10 @@ import (
 	"testing"
 	"time"
 
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
+	"k8s.io/apimachinery/pkg/runtime/serializer"
+
 	admissionv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -111,11 +115,10 @@ csi:
 identity:
   enabled: true
   generateCA: true
-# The lane applies the render with the typed client, which has no
-# CustomResourceDefinition kind: Istio's CRDs are not installed here (the
-# agent then finds no AuthorizationPolicy API, which it logs once).
+# Istio's AuthorizationPolicy and PeerAuthentication CRDs, as the chart
+# installs them on a cluster without Istio (helm template sees no cluster).
 policy:
-  installCRDs: never
+  installCRDs: auto
 `, imageRepo, tag, in.runDir, in.state, n.cniBin, n.runtime.ConfDir(), n.kubeletRoot)), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -137,7 +140,7 @@ policy:
 		if len(bytes.TrimSpace(doc)) == 0 {
 			continue
 		}
-		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode(doc, nil, nil)
+		obj, _, err := laneCodecs.UniversalDeserializer().Decode(doc, nil, nil)
 		if err != nil {
 			t.Fatalf("failed to decode the rendered chart: %v\n%s", err, doc)
 		}
@@ -174,6 +177,12 @@ policy:
 			_, err = cs.AdmissionregistrationV1().ValidatingAdmissionPolicies().Create(ctx, o, metav1.CreateOptions{})
 		case *admissionv1.ValidatingAdmissionPolicyBinding:
 			_, err = cs.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Create(ctx, o, metav1.CreateOptions{})
+		case *apiextensionsv1.CustomResourceDefinition:
+			// Istio's security CRDs (kept on uninstall, as helm keeps them).
+			var ext apiextensionsclient.Interface
+			if ext, err = apiextensionsclient.NewForConfig(n.cluster.Config); err == nil {
+				_, err = ext.ApiextensionsV1().CustomResourceDefinitions().Create(ctx, o, metav1.CreateOptions{})
+			}
 		default:
 			t.Fatalf("the chart renders a %T the lane does not install", obj)
 		}
@@ -183,6 +192,19 @@ policy:
 	}
 	return in
 }
+
+// laneCodecs decode the render: client-go's kinds plus the
+// CustomResourceDefinition.
+var laneCodecs = func() serializer.CodecFactory {
+	s := runtime.NewScheme()
+	if err := scheme.AddToScheme(s); err != nil {
+		panic(err)
+	}
+	if err := apiextensionsv1.AddToScheme(s); err != nil {
+		panic(err)
+	}
+	return serializer.NewCodecFactory(s)
+}()
 
 // adaptDaemonSet sets what the chart has no value for and the lane needs
 // (see installAetherNode).

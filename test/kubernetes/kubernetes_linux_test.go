@@ -14,7 +14,11 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/dynamic"
+	"sigs.k8s.io/yaml"
 
 	"aether.io/node/test/harness"
 )
@@ -178,6 +182,70 @@ func TestKubernetes(t *testing.T) {
 			t.Fatalf("aetherctl services does not list web:\n%s", out)
 		}
 		t.Logf("aetherctl services:\n%s", out)
+	}) {
+		return // later scenarios build on this one
+	}
+
+	if !t.Run("AuthorizationPolicy", func(t *testing.T) {
+		// Istio's own YAML, applied to the CRD the chart installed: web
+		// accepts connections to port 9999 only, so client -> web:echo is
+		// refused by web's proxy; deleting the policy lets it through.
+		dyn, err := dynamic.NewForConfig(n.cluster.Config)
+		if err != nil {
+			t.Fatal(err)
+		}
+		gvr := schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: "authorizationpolicies"}
+		var obj unstructured.Unstructured
+		if err := yaml.Unmarshal([]byte(`apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata:
+  name: web-port-9999
+spec:
+  selector:
+    matchLabels:
+      app: web
+  action: ALLOW
+  rules:
+  - to:
+    - operation:
+        ports: ["9999"]
+`), &obj.Object); err != nil {
+			t.Fatal(err)
+		}
+		pols := dyn.Resource(gvr).Namespace(appNamespace)
+		if _, err := pols.Create(context.Background(), &obj, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("failed to create the AuthorizationPolicy (is the chart's CRD installed?): %v", err)
+		}
+		client := runningPods(t, n, "client", 1, 60*time.Second)[0]
+		web := runningPods(t, n, "web", 1, 60*time.Second)[0]
+		addr := net.JoinHostPort(web.Status.PodIP, strconv.Itoa(echoPort))
+		// The agent checks for the CRD every 30 s until it is served.
+		waitEcho := func(what string, wantOK bool) {
+			t.Helper()
+			start := time.Now()
+			for {
+				err := tryEcho(podNetns(t, n, client), addr)
+				if (err == nil) == wantOK {
+					t.Logf("%s after %s", what, time.Since(start).Round(time.Millisecond))
+					return
+				}
+				if time.Since(start) > 90*time.Second {
+					t.Fatalf("%s: not within 90 s (last: %v)", what, err)
+				}
+				time.Sleep(500 * time.Millisecond)
+			}
+		}
+		waitEcho("client -> web:"+strconv.Itoa(echoPort)+" refused by the policy", false)
+		m := proxyMetrics(t, n)
+		if line := metricLine(m, "aether_policy_denials_total", `reason="no_allow_match"`); line == "" {
+			t.Fatalf("refused, but no aether_policy_denials_total{reason=\"no_allow_match\"}:\n%s", m)
+		} else {
+			t.Logf("proxy metric: %s", line)
+		}
+		if err := pols.Delete(context.Background(), "web-port-9999", metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		waitEcho("client -> web answers again once the policy is deleted", true)
 	}) {
 		return // later scenarios build on this one
 	}
