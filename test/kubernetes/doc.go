@@ -52,10 +52,14 @@
 //     controller-manager) answers from the managed client with no
 //     kube-proxy: its proxy resolves the VIP from workload discovery and
 //     tunnels to web (path="service_hbone"); aetherctl services lists it;
-//   - Istio's AuthorizationPolicy YAML, on the CRD the chart installed
-//     (policy.installCRDs auto), refuses client -> web at web's proxy
-//     (aether_policy_denials_total), and deleting it lets the connection
-//     through again;
+//   - Istio's YAML on the CRDs the chart installed (policy.installCRDs
+//     auto; cni.inboundCapture on, so plaintext reaches web's proxy too),
+//     each checked by client (managed, HBONE) and plain (plaintext)
+//     connections to web that must pass or be refused: a port-restricted
+//     ALLOW (and its deletion), ALLOW one service account, DENY a
+//     namespace, an L7 ALLOW rule failing safe, PeerAuthentication STRICT
+//     and PERMISSIVE, and an open connection closed by a DENY applied
+//     while it runs;
 //   - a deleted pod turns UNHEALTHY before it is removed (watched with
 //     aetherctl workloads --watch), and its record goes with the DEL;
 //   - a rolling update of the DaemonSet (new tag) keeps every record and

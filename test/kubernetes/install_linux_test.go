@@ -104,6 +104,9 @@ hostPaths:
   kubeletDir: %s
 cni:
   pluginLogLevel: debug
+  # Plaintext inbound reaches the managed pods' proxies, so policy and
+  # PeerAuthentication decide it too (the AuthorizationPolicy scenario).
+  inboundCapture: true
 logLevel: debug
 # aether-csi registers itself with the lane's kubelet (csi.registrar
 # builtin, the default) under its root dir.

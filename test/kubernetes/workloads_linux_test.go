@@ -222,8 +222,11 @@ func tryEcho(nsPath, addr string) error {
 		return fmt.Errorf("failed to write to %s: %w", addr, err)
 	}
 	got, err := bufio.NewReader(c).ReadString('\n')
-	if err != nil || got != msg {
-		return fmt.Errorf("echo from %s = %q, %v; want %q", addr, got, err, msg)
+	if err != nil {
+		return fmt.Errorf("echo from %s: %w", addr, err)
+	}
+	if got != msg {
+		return fmt.Errorf("echo from %s = %q, want %q", addr, got, msg)
 	}
 	return nil
 }
