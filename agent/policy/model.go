@@ -4,6 +4,7 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -212,9 +213,9 @@ func (m *Model) change(k string, o *Object) {
 		delete(m.bound, k)
 	}
 	refresh := m.affectedLocked(old, b)
-	logWarnings := o != nil && m.warned[k] != joined(tr.Warnings)
+	logWarnings := o != nil && m.warned[k] != strings.Join(tr.Warnings, "\n")
 	if o != nil {
-		m.warned[k] = joined(tr.Warnings)
+		m.warned[k] = strings.Join(tr.Warnings, "\n")
 	}
 	m.mu.Unlock()
 	if logWarnings {
@@ -304,14 +305,6 @@ func (m *Model) affectedLocked(old, b *binding) []string {
 	}
 	slices.Sort(out)
 	return slices.Compact(out)
-}
-
-func joined(ws []string) string {
-	out := ""
-	for _, w := range ws {
-		out += w + "\n"
-	}
-	return out
 }
 
 // ReplaceFrom makes the model hold the AuthorizationPolicies of a manifest

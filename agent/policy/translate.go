@@ -157,11 +157,16 @@ func translateRule(action security.Action, ns string, i int, r *securityv1beta1.
 	var from []*security.Match
 	for j, f := range r.GetFrom() {
 		s := f.GetSource()
-		for field, set := range map[string]bool{
-			"requestPrincipals": len(s.GetRequestPrincipals()) > 0, "notRequestPrincipals": len(s.GetNotRequestPrincipals()) > 0,
+		// In a fixed order: a policy's warnings are compared to decide
+		// whether to log them again.
+		for _, f := range []struct {
+			field string
+			set   bool
+		}{
+			{"requestPrincipals", len(s.GetRequestPrincipals()) > 0}, {"notRequestPrincipals", len(s.GetNotRequestPrincipals()) > 0},
 		} {
-			if set {
-				l7(fmt.Sprintf("from[%d].source.%s", j, field))
+			if f.set {
+				l7(fmt.Sprintf("from[%d].source.%s", j, f.field))
 			}
 		}
 		m := &security.Match{
@@ -190,12 +195,19 @@ func translateRule(action security.Action, ns string, i int, r *securityv1beta1.
 	var to []*security.Match
 	for j, t := range r.GetTo() {
 		op := t.GetOperation()
-		for field, set := range map[string]bool{
-			"hosts": len(op.GetHosts()) > 0, "notHosts": len(op.GetNotHosts()) > 0, "methods": len(op.GetMethods()) > 0,
-			"notMethods": len(op.GetNotMethods()) > 0, "paths": len(op.GetPaths()) > 0, "notPaths": len(op.GetNotPaths()) > 0,
+		for _, f := range []struct {
+			field string
+			set   bool
+		}{
+			{"hosts", len(op.GetHosts()) > 0},
+			{"notHosts", len(op.GetNotHosts()) > 0},
+			{"methods", len(op.GetMethods()) > 0},
+			{"notMethods", len(op.GetNotMethods()) > 0},
+			{"paths", len(op.GetPaths()) > 0},
+			{"notPaths", len(op.GetNotPaths()) > 0},
 		} {
-			if set {
-				l7(fmt.Sprintf("to[%d].operation.%s", j, field))
+			if f.set {
+				l7(fmt.Sprintf("to[%d].operation.%s", j, f.field))
 			}
 		}
 		m := &security.Match{}

@@ -6,6 +6,7 @@ import (
 	"maps"
 	"net/netip"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -35,9 +36,6 @@ type Model struct {
 
 	apply sync.Mutex    // one change computed and applied at a time
 	gen   atomic.Uint64 // bumped by every change (Generation)
-	// servedBefore is the ServiceName the Service being recomputed was
-	// served under before the change (m.mu held).
-	servedBefore string
 
 	mu       sync.RWMutex
 	services map[string]*corev1.Service            // "ns/name"
@@ -157,23 +155,24 @@ func (m *Model) Replace(svcs []*corev1.Service, ess []*discoveryv1.EndpointSlice
 		keepES[key(es.Namespace, es.Name)] = true
 	}
 	m.mu.RLock()
-	var goneSvc, goneES []*[2]string
+	var goneSvc []*corev1.Service
+	var goneES []*discoveryv1.EndpointSlice
 	for k, s := range m.services {
 		if !keepSvc[k] {
-			goneSvc = append(goneSvc, &[2]string{s.Namespace, s.Name})
+			goneSvc = append(goneSvc, s)
 		}
 	}
 	for k, es := range m.slices {
 		if !keepES[k] {
-			goneES = append(goneES, &[2]string{es.Namespace, es.Name})
+			goneES = append(goneES, es)
 		}
 	}
 	m.mu.RUnlock()
-	for _, g := range goneES {
-		m.DeleteSlice(g[0], g[1])
+	for _, es := range goneES {
+		m.DeleteSlice(es.Namespace, es.Name)
 	}
-	for _, g := range goneSvc {
-		m.DeleteService(g[0], g[1])
+	for _, s := range goneSvc {
+		m.DeleteService(s.Namespace, s.Name)
 	}
 	for _, s := range svcs {
 		m.UpsertService(s)
@@ -242,9 +241,9 @@ func (m *Model) recomputeLocked(sk, changed string) actions {
 		name = workload.ServiceName(built.GetNamespace(), built.GetHostname())
 		a.upsert = built
 	}
-	m.servedBefore = m.served[sk]
-	if old := m.servedBefore; old != "" && old != name {
-		ns, host, _ := cutName(old)
+	servedBefore := m.served[sk]
+	if servedBefore != "" && servedBefore != name {
+		ns, host, _ := strings.Cut(servedBefore, "/")
 		a.remove = [2]string{ns, host}
 	}
 	if name == "" {
@@ -252,7 +251,7 @@ func (m *Model) recomputeLocked(sk, changed string) actions {
 	} else {
 		m.served[sk] = name
 	}
-	full := changed == "" || name != m.servedBefore
+	full := changed == "" || name != servedBefore
 
 	// The endpoints each slice names (by uid), read again for the changed
 	// slice only (all of them on a Service change).
@@ -437,16 +436,6 @@ func (m *Model) applyActions(sk string, a actions) {
 
 // stubKey is the index key of a workload known only from EndpointSlices.
 func stubKey(uid string) string { return "endpointslice/" + uid }
-
-// cutName splits a ServiceName into namespace and hostname.
-func cutName(name string) (string, string, bool) {
-	for i := range len(name) {
-		if name[i] == '/' {
-			return name[:i], name[i+1:], true
-		}
-	}
-	return "", name, false
-}
 
 func mergePorts(a, b []*workloadpb.Port) []*workloadpb.Port {
 	out := slices.Clone(a)

@@ -16,15 +16,19 @@ import (
 	"aether.io/node/pkg/authz"
 )
 
-// fetchPolicies dials with Addresses and Authorizations and waits for both
-// first responses.
-func fetchPolicies(ctx context.Context, opts Options) (*Client, error) {
-	opts.Addresses, opts.Authorizations = true, true
+// fetchAddresses dials for the Addresses (and, with policies, the
+// Authorizations) and waits for the first response of each type.
+func fetchAddresses(ctx context.Context, opts Options, policies bool) (*Client, error) {
+	opts.Addresses, opts.Authorizations = true, policies
 	c, err := Dial(ctx, opts)
 	if err != nil {
 		return nil, err
 	}
-	for range 2 { // one response per type
+	types := 1
+	if policies {
+		types = 2
+	}
+	for range types {
 		if _, err := c.Recv(); err != nil {
 			_ = c.Close()
 			return nil, err
@@ -62,7 +66,7 @@ func RunPolicies(ctx context.Context, args []string, stdout io.Writer) error {
 	if err != nil || opts == nil {
 		return err
 	}
-	c, err := fetchPolicies(ctx, *opts)
+	c, err := fetchAddresses(ctx, *opts, true)
 	if err != nil {
 		return err
 	}
@@ -119,7 +123,7 @@ func RunPolicyCheck(ctx context.Context, args []string, stdout io.Writer) error 
 		}
 		dstArg, port = name, uint16(n)
 	}
-	c, err := fetchPolicies(ctx, *opts)
+	c, err := fetchAddresses(ctx, *opts, true)
 	if err != nil {
 		return err
 	}

@@ -131,18 +131,14 @@ func RunServices(ctx context.Context, args []string, stdout io.Writer) error {
 	if len(opts.Names) > 0 {
 		return fmt.Errorf("unexpected arguments %q: aetherctl services lists every Service", opts.Names)
 	}
-	opts.Addresses = true
-	c, err := Dial(ctx, *opts)
+	c, err := fetchAddresses(ctx, *opts, false)
 	if err != nil {
-		return err
-	}
-	defer func() { _ = c.Close() }()
-	if _, err := c.Recv(); err != nil {
 		if ctx.Err() != nil {
 			return nil
 		}
 		return err
 	}
+	defer func() { _ = c.Close() }()
 	rows := ServiceRows(c.Services(), c.Workloads())
 	if *cf.output == "json" {
 		enc := json.NewEncoder(stdout)
