@@ -44,6 +44,7 @@ var valueSets = []valueSet{
 	{name: "identity-spire", files: []string{"identity-spire.yaml"}},
 	{name: "k3s", files: []string{"k3s.yaml"}},
 	{name: "ports", files: []string{"ports.yaml"}},
+	{name: "observability", files: []string{"observability.yaml"}},
 }
 
 func (v valueSet) paths() []string {
@@ -295,6 +296,13 @@ func TestChartRejects(t *testing.T) {
 		{"cni.binDir moved", "cni:\n  binDir: /opt/cni/bin\n", "invalid cni.binDir: moved to hostPaths.cniBinDir"},
 		{"cni.confDir moved", "cni:\n  confDir: /etc/cni/net.d\n", "invalid cni.confDir: moved to hostPaths.cniConfDir"},
 		{"csi.kubeletDir moved", "csi:\n  kubeletDir: /var/lib/kubelet\n", "invalid csi.kubeletDir: moved to hostPaths.kubeletDir"},
+		{"metrics port out of range", "metrics:\n  proxyPort: 0\n", "invalid metrics.proxyPort 0: must be a port number, 1-65535"},
+		{"metrics port not a number", "metrics:\n  agentPort: metrics\n", "invalid metrics.agentPort metrics: must be a port number"},
+		{"metrics ports the same", "metrics:\n  agentPort: 15020\n", "invalid metrics.proxyPort 15020: the same port as metrics.agentPort"},
+		{"metrics port taken by the loopback ones", "metrics:\n  agentPort: 15029\n", "invalid metrics.agentPort 15029: the same port as ports.agentHTTP; the pod is hostNetwork"},
+		{"metrics pod monitor mode", "metrics:\n  podMonitor:\n    enabled: yes\n", "invalid metrics.podMonitor.enabled true: must be auto, always or never"},
+		{"metrics pod monitor interval", "metrics:\n  podMonitor:\n    interval: 15\n", "invalid metrics.podMonitor.interval 15: must be a Prometheus duration"},
+		{"metrics scrape config without metrics", "metrics:\n  enabled: false\n  scrapeConfig:\n    enabled: true\n", "invalid metrics: podMonitor.enabled always or scrapeConfig.enabled with metrics.enabled false"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

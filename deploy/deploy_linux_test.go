@@ -42,7 +42,7 @@ import (
 func expand(args []string) []string {
 	out := make([]string, len(args))
 	for i, a := range args {
-		out[i] = strings.ReplaceAll(a, "$(NODE_NAME)", "node-1")
+		out[i] = strings.NewReplacer("$(NODE_NAME)", "node-1", "$(NODE_IP)", "192.0.2.10").Replace(a)
 	}
 	return out
 }
@@ -137,6 +137,16 @@ func TestValuesReachTheBinaries(t *testing.T) {
 		}
 		if r.ds.Spec.Template.Spec.PriorityClassName != "system-node-critical" {
 			t.Errorf("priorityClassName %q, want system-node-critical", r.ds.Spec.Template.Spec.PriorityClassName)
+		}
+	})
+	t.Run("observability", func(t *testing.T) {
+		r := renderSet(t, valueSets[slices.IndexFunc(valueSets, func(v valueSet) bool { return v.name == "observability" })])
+		cfg := agentConfig(t, r)
+		if cfg.OTLPEndpoint != "otel-collector.monitoring:4317" || cfg.MetricsAddr != "[192.0.2.10]:25030" {
+			t.Errorf("agent config: otlp endpoint %q, metrics address %q; want the set's collector and [node IP]:25030", cfg.OTLPEndpoint, cfg.MetricsAddr)
+		}
+		if cfg.HTTPAddr != "127.0.0.1:15029" {
+			t.Errorf("agent --http-addr %q: health must stay on 127.0.0.1", cfg.HTTPAddr)
 		}
 	})
 	t.Run("etcd-tls", func(t *testing.T) {

@@ -2,8 +2,10 @@ package proxy_test
 
 import (
 	"context"
+	"io"
 	"log/slog"
 	"net"
+	"net/http"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -142,5 +144,56 @@ func TestNewIdentityProvidersExclusive(t *testing.T) {
 	}, slog.New(slog.DiscardHandler))
 	if err == nil || !strings.Contains(err.Error(), "workload.sock") || !strings.Contains(err.Error(), "admin.sock") {
 		t.Fatalf("New with both identity sockets = %v, want an error naming both", err)
+	}
+}
+
+// TestRunMetricsAddress serves /metrics alone on -metrics-address (what a
+// Prometheus outside the node scrapes): the Istio series are there,
+// /healthz and /debug/pods are not.
+func TestRunMetricsAddress(t *testing.T) {
+	ag := startAgent(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	_ = ln.Close()
+	p, err := proxy.New(proxy.Config{XDSTarget: "unix://" + ag.socket, NodeID: "node-1", AdminAddress: "127.0.0.1:0", MetricsAddress: addr},
+		slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- p.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run after a clean stop = %v", err)
+		}
+	})
+	get := func(path string) (int, string) {
+		t.Helper()
+		for {
+			resp, err := http.Get("http://" + addr + path)
+			if err != nil {
+				if ctx.Err() == nil && strings.Contains(err.Error(), "refused") {
+					time.Sleep(10 * time.Millisecond) // not listening yet
+					continue
+				}
+				t.Fatalf("GET %s: %v", path, err)
+			}
+			defer resp.Body.Close()
+			b, _ := io.ReadAll(resp.Body)
+			return resp.StatusCode, string(b)
+		}
+	}
+	if code, body := get("/metrics"); code != http.StatusOK || !strings.Contains(body, "aether_proxy_pods_serving") {
+		t.Errorf("GET /metrics on -metrics-address = %d, want 200 with the proxy's series; body starts %.200q", code, body)
+	}
+	for _, path := range []string{"/healthz", "/debug/pods"} {
+		if code, _ := get(path); code != http.StatusNotFound {
+			t.Errorf("GET %s on -metrics-address = %d, want 404: it stays on -admin-address", path, code)
+		}
 	}
 }

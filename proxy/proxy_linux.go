@@ -53,6 +53,10 @@ type Config struct {
 	// AdminAddress is where /metrics, /healthz and /debug/pods are served
 	// ("127.0.0.1:18090"; "" disables).
 	AdminAddress string
+	// MetricsAddress, when set, serves /metrics (only) on a second
+	// address, such as the node's, for a Prometheus outside the node;
+	// /healthz and /debug/pods stay on AdminAddress.
+	MetricsAddress string
 	// Dataplane tunes the data plane.
 	Dataplane dataplane.Config
 	// WorkloadAPISocket is the SPIFFE Workload API socket the pods' SVIDs
@@ -350,7 +354,7 @@ func (p *Proxy) Handler() http.Handler {
 // Run serves until ctx ends: the admin server, the data plane and the xDS
 // stream(s). The parts start in this order and stop in reverse:
 //
-//	admin server → open pods (closed at stop) → data plane →
+//	admin server → metrics server → open pods (closed at stop) → data plane →
 //	identity (Workload API watch or SPIRE subscriptions) → xDS client(s)
 //
 // so SIGTERM first stops taking xDS updates, then stops the data plane
@@ -361,6 +365,9 @@ func (p *Proxy) Run(ctx context.Context) error {
 	lc := lifecycle.New(p.log, 0)
 	if p.cfg.AdminAddress != "" {
 		lc.Serve("admin", p.listenAdmin)
+	}
+	if p.cfg.MetricsAddress != "" {
+		lc.Serve("metrics", p.listenMetrics)
 	}
 	// Stopped after the pods: their connections' last lines are written.
 	lc.Append(lifecycle.Hook{Name: "access_log", Stop: func(context.Context) error {
@@ -394,6 +401,21 @@ func (p *Proxy) listenAdmin() (net.Listener, lifecycle.Server, error) {
 	}
 	p.adminAddr <- ln.Addr()
 	srv := &http.Server{Handler: p.Handler(), ReadHeaderTimeout: 5 * time.Second}
+	return ln, lifecycle.Server{Serve: srv.Serve, Shutdown: func(context.Context) { _ = srv.Close() }}, nil
+}
+
+// listenMetrics opens the metrics address: /metrics alone, so a scraper
+// reaching the node's address sees neither /healthz nor /debug/pods (which
+// lists every pod's listeners).
+func (p *Proxy) listenMetrics() (net.Listener, lifecycle.Server, error) {
+	ln, err := net.Listen("tcp", p.cfg.MetricsAddress)
+	if err != nil {
+		return nil, lifecycle.Server{}, fmt.Errorf("failed to listen on metrics address %q: %w", p.cfg.MetricsAddress, err)
+	}
+	p.log.Info("metrics listening", "addr", ln.Addr().String())
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(p.Metrics.Registry, promhttp.HandlerOpts{}))
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	return ln, lifecycle.Server{Serve: srv.Serve, Shutdown: func(context.Context) { _ = srv.Close() }}, nil
 }
 

@@ -13,13 +13,18 @@ command -v xz >/dev/null || need+=(xz-utils)
 command -v containerd >/dev/null || need+=(containerd)
 command -v runc >/dev/null || need+=(runc)
 [ -x /usr/bin/time ] || need+=(time)
+# prometheus + promtool: the chart's scrape configuration and dashboard
+# queries (deploy tests, the Kubernetes lane); without its recommends
+# (node-exporter and friends). No service starts: the lane runs its own.
+need_norec=()
+command -v promtool >/dev/null || need_norec+=(prometheus)
 lists_ok=true
 apt-cache show linux-image-amd64 >/dev/null 2>&1 || lists_ok=false
-if [ ${#need[@]} -eq 0 ] && $lists_ok; then
+if [ ${#need[@]} -eq 0 ] && [ ${#need_norec[@]} -eq 0 ] && $lists_ok; then
   exit 0
 fi
 if [ "$(id -u)" != 0 ]; then
-  echo "missing packages (${need[*]}) or apt package lists: run as root (apt-get update && apt-get install -y ${need[*]})" >&2
+  echo "missing packages (${need[*]} ${need_norec[*]}) or apt package lists: run as root (apt-get update && apt-get install -y ${need[*]} ${need_norec[*]})" >&2
   exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive
@@ -27,4 +32,8 @@ apt-get update -qq
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing ${need[*]}"
   apt-get install -y -qq -o DPkg::Lock::Timeout=600 "${need[@]}" >/dev/null
+fi
+if [ ${#need_norec[@]} -gt 0 ]; then
+  echo "installing ${need_norec[*]} (without recommends)"
+  apt-get install -y -qq --no-install-recommends -o DPkg::Lock::Timeout=600 "${need_norec[@]}" >/dev/null
 fi

@@ -13,7 +13,9 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracegrpc"
+	"go.opentelemetry.io/otel/sdk/resource"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/trace"
 	"go.opentelemetry.io/otel/trace/noop"
@@ -126,6 +128,9 @@ func newAgent(c *Config, log *slog.Logger) *agent {
 	}})
 	a.lc.Append(lifecycle.Hook{Name: "pods", Start: a.startPods})
 	a.lc.Serve("http", a.listenHTTP)
+	if c.MetricsAddr != "" {
+		a.lc.Serve("metrics", a.listenMetrics)
+	}
 	a.appendXDS()
 	a.appendIdentity()
 	a.lc.Go("pod_source", func(ctx context.Context) error { return a.src.Run(ctx, a.mgr.Handler(ctx)) })
@@ -157,7 +162,7 @@ func newAgent(c *Config, log *slog.Logger) *agent {
 }
 
 func (a *agent) startTracing(ctx context.Context) error {
-	tracer, shutdown, err := newTracer(ctx, a.c.OTLPEndpoint)
+	tracer, shutdown, err := newTracer(ctx, a.c.OTLPEndpoint, a.c.NodeName)
 	if err != nil {
 		return err
 	}
@@ -281,6 +286,21 @@ func (a *agent) listenHTTP() (net.Listener, lifecycle.Server, error) {
 	return ln, lifecycle.HTTP(srv), nil
 }
 
+// listenMetrics serves /metrics alone on --metrics-addr: the address a
+// Prometheus outside the node scrapes, where /healthz and /readyz (which
+// say whether to restart the agent) have no business.
+func (a *agent) listenMetrics() (net.Listener, lifecycle.Server, error) {
+	ln, err := net.Listen("tcp", a.c.MetricsAddr)
+	if err != nil {
+		return nil, lifecycle.Server{}, fmt.Errorf("failed to listen on --metrics-addr %q: %w", a.c.MetricsAddr, err)
+	}
+	a.log.Info("metrics listening", "addr", ln.Addr().String())
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(a.metrics.Registry, promhttp.HandlerOpts{}))
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	return ln, lifecycle.HTTP(srv), nil
+}
+
 func (a *agent) listenCNI() (net.Listener, lifecycle.Server, error) {
 	gs, err := cniserver.NewGRPCServer(cniserver.New(a.mgr, a.log.With("component", "cni_server")), cniserver.Options{
 		AllowedUIDs: a.c.AllowedUIDs, Tracer: a.tracer, Metrics: a.metrics, Logger: a.log.With("component", "cni_server"),
@@ -380,16 +400,28 @@ func newRegistry(c *Config, client kubernetes.Interface, log *slog.Logger, metri
 	}, nil
 }
 
-func newTracer(ctx context.Context, endpoint string) (trace.Tracer, func(), error) {
+// TracerName is the instrumentation scope of the agent's spans.
+const TracerName = "aether-agent"
+
+// newTracer returns the tracer of the agent's spans: exported over
+// OTLP/gRPC to endpoint, or a no-op one when endpoint is empty. Spans
+// carry the resource service.name aether-agent and k8s.node.name node, so
+// a collector tells the nodes apart.
+func newTracer(ctx context.Context, endpoint, node string) (trace.Tracer, func(), error) {
 	if endpoint == "" {
-		return noop.NewTracerProvider().Tracer("aether-agent"), func() {}, nil
+		return noop.NewTracerProvider().Tracer(TracerName), func() {}, nil
 	}
 	exp, err := otlptracegrpc.New(ctx, otlptracegrpc.WithEndpoint(endpoint), otlptracegrpc.WithInsecure())
 	if err != nil {
 		return nil, nil, fmt.Errorf("failed to create otlp exporter for %q: %w", endpoint, err)
 	}
-	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp))
-	return tp.Tracer("aether-agent"), func() {
+	res, err := resource.Merge(resource.Default(), resource.NewSchemaless(
+		attribute.String("service.name", TracerName), attribute.String("k8s.node.name", node)))
+	if err != nil {
+		return nil, nil, fmt.Errorf("failed to build the trace resource: %w", err)
+	}
+	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp), sdktrace.WithResource(res))
+	return tp.Tracer(TracerName), func() {
 		sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()
 		_ = tp.Shutdown(sctx)

@@ -5,6 +5,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -339,5 +340,38 @@ func TestRunSocketDirUnderOpenParent(t *testing.T) {
 			continue
 		}
 		_ = conn.Close()
+	}
+}
+
+// TestMetricsAddr serves /metrics alone on --metrics-addr (the address a
+// Prometheus outside the node scrapes), while /healthz and /readyz stay on
+// --http-addr only.
+func TestMetricsAddr(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	_ = ln.Close()
+	c := testConfig(t, "--metrics-addr", addr)
+	ctx, done := runAgent(t, c)
+	waitServing(ctx, t, c, done)
+	get := func(path string) (int, string) {
+		t.Helper()
+		resp, err := http.Get("http://" + addr + path)
+		if err != nil {
+			t.Fatalf("GET %s: %v", path, err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	if code, body := get("/metrics"); code != http.StatusOK || !strings.Contains(body, "aether_agent_") {
+		t.Errorf("GET /metrics on --metrics-addr = %d, want 200 with aether_agent_* series; body starts %.200q", code, body)
+	}
+	for _, p := range []string{"/healthz", "/readyz"} {
+		if code, _ := get(p); code != http.StatusNotFound {
+			t.Errorf("GET %s on --metrics-addr = %d, want 404: health stays on --http-addr", p, code)
+		}
 	}
 }

@@ -53,6 +53,10 @@ type Config struct {
 	SystemNamespaces []string
 	UDSRoot          string
 	HTTPAddr         string
+	// MetricsAddr, when set, serves /metrics (only) on a second address,
+	// such as the node's, for a Prometheus outside the node; health stays
+	// on HTTPAddr.
+	MetricsAddr      string
 	LivenessInterval time.Duration
 	PodWait          time.Duration
 	ShutdownTimeout  time.Duration
@@ -153,6 +157,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.StringVar(&sysNS, "system-namespaces", strings.Join(pods.DefaultSystemNamespaces, ","), "comma-separated namespaces that are never mesh-managed")
 	fs.StringVar(&c.UDSRoot, meshcontract.UDSCSIRootFlag, meshcontract.DefaultUDSCSIRoot, "root of the "+meshcontract.CSIDriver+" driver's sockets: <root>/<pod uid>/<file>; must equal aether-csi's")
 	fs.StringVar(&c.HTTPAddr, "http-addr", "127.0.0.1:15029", "TCP address of /metrics, /healthz and /readyz; port 0 picks one (logged)")
+	fs.StringVar(&c.MetricsAddr, "metrics-addr", "", "a second TCP address serving /metrics only (for example the node's address, [$(NODE_IP)]:15030, for Prometheus); health stays on --http-addr; empty disables")
 	fs.DurationVar(&c.LivenessInterval, "liveness-interval", 5*time.Second, "period of the liveness loop")
 	fs.DurationVar(&c.PodWait, "pod-wait", 5*time.Second, "longest AddPod waits for an unknown pod when the request has no earlier deadline")
 	fs.DurationVar(&c.ShutdownTimeout, "shutdown-timeout", 10*time.Second, "how long shutdown waits for in-flight RPCs")

@@ -192,7 +192,21 @@ func (ic *interceptor) unary(ctx context.Context, req any, info *grpc.UnaryServe
 	if err != nil && recording {
 		span.SetStatus(codes.Error, err.Error())
 	}
+	if r, ok := req.(*cniv1.ReportAddResultRequest); ok && err == nil && ic.o.Metrics != nil {
+		observeAddTimings(ic.o.Metrics, r.GetTimings())
+	}
 	return resp, err
+}
+
+// observeAddTimings adds an ADD's reported phases to
+// aether_cni_add_duration_seconds; a phase the plugin did not time (a
+// disabled probe, a plugin that predates timings) is not observed.
+func observeAddTimings(m *telemetry.Metrics, t *cniv1.PluginTimings) {
+	for i, d := range []*durationpb.Duration{t.GetTotal(), t.GetPreCall(), t.GetReadinessProbe(), t.GetCaptureDivert()} {
+		if d != nil {
+			m.CNIAddDuration.WithLabelValues(telemetry.CNIPhases[i]).Observe(d.AsDuration().Seconds())
+		}
+	}
 }
 
 // requestAttributes are the span attributes of a request: the pod's

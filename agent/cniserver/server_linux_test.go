@@ -30,6 +30,14 @@ import (
 // serve runs a CNIService whose pod source is the returned manifest dir.
 func serve(t *testing.T, allowed []uint32) (cniv1grpc.CNIServiceClient, *tracetest.SpanRecorder, string) {
 	t.Helper()
+	c, rec, mdir, _ := serveWithMetrics(t, allowed)
+	return c, rec, mdir
+}
+
+// serveWithMetrics is serve that also returns the agent metrics the
+// server records on.
+func serveWithMetrics(t *testing.T, allowed []uint32) (cniv1grpc.CNIServiceClient, *tracetest.SpanRecorder, string, *telemetry.Metrics) {
+	t.Helper()
 	dir := t.TempDir()
 	st, err := store.Open(filepath.Join(dir, "state"), store.Options{NoSync: true})
 	if err != nil {
@@ -62,7 +70,47 @@ func serve(t *testing.T, allowed []uint32) (cniv1grpc.CNIServiceClient, *tracete
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cc.Close() })
-	return cniv1grpc.NewCNIServiceClient(cc), rec, mdir
+	return cniv1grpc.NewCNIServiceClient(cc), rec, mdir, m
+}
+
+// TestReportAddResultDurations: each reported phase of an ADD is one
+// observation of aether_cni_add_duration_seconds{phase} (what the
+// dashboard's CNI latency panel reads); a phase the plugin did not time
+// (no readiness probe) is not observed.
+func TestReportAddResultDurations(t *testing.T) {
+	c, _, _, m := serveWithMetrics(t, []uint32{uint32(os.Geteuid())})
+	for range 2 {
+		if _, err := c.ReportAddResult(context.Background(), &cniv1.ReportAddResultRequest{
+			ContainerId: "c1", Name: "p", Namespace: "ns",
+			Timings: &cniv1.PluginTimings{PreCall: durationpb.New(time.Millisecond), CaptureDivert: durationpb.New(3 * time.Millisecond), Total: durationpb.New(7 * time.Millisecond)},
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	type obs struct {
+		count uint64
+		sum   float64
+	}
+	got := map[string]obs{}
+	mfs, err := m.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "aether_cni_add_duration_seconds" {
+			continue
+		}
+		for _, mt := range mf.GetMetric() {
+			got[mt.GetLabel()[0].GetValue()] = obs{mt.GetHistogram().GetSampleCount(), mt.GetHistogram().GetSampleSum()}
+		}
+	}
+	want := map[string]obs{"total": {2, 0.014}, "pre_call": {2, 0.002}, "readiness_probe": {0, 0}, "capture_divert": {2, 0.006}}
+	for phase, w := range want {
+		g, ok := got[phase]
+		if !ok || g.count != w.count || g.sum < w.sum-1e-9 || g.sum > w.sum+1e-9 {
+			t.Errorf("aether_cni_add_duration_seconds{phase=%q} = %d observations summing %v (present %v), want %d summing %v", phase, g.count, g.sum, ok, w.count, w.sum)
+		}
+	}
 }
 
 func TestReportAddResultSpanAttributes(t *testing.T) {

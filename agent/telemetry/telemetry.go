@@ -78,7 +78,14 @@ type Metrics struct {
 	// InboundPolicyInvalid counts pod listener builds whose inbound policy
 	// annotation was invalid (the pod is served strict).
 	InboundPolicyInvalid prometheus.Counter
+	// CNIAddDuration observes each CNI ADD's phases as aether-cni reports
+	// them (ReportAddResult's PluginTimings), by phase (CNIPhases).
+	CNIAddDuration *prometheus.HistogramVec
 }
+
+// CNIPhases are the phase label values of aether_cni_add_duration_seconds:
+// the PluginTimings fields that are durations.
+var CNIPhases = []string{"total", "pre_call", "readiness_probe", "capture_divert"}
 
 // NewMetrics registers every metric (with zero values for known labels) on
 // a fresh registry, plus the Go and process collectors.
@@ -149,10 +156,15 @@ func NewMetrics() *Metrics {
 			Name: "aether_agent_inbound_policy_invalid_total",
 			Help: "Pod listener builds whose aether.io/inbound-policy annotation is neither permissive nor strict: the pod is served strict.",
 		}),
+		CNIAddDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "aether_cni_add_duration_seconds",
+			Help:    "CNI ADDs of mesh-managed pods as aether-cni timed them (ReportAddResult), by phase: total (the plugin's start to its report), pre_call (netconf, PID lookup, netns pin), readiness_probe (the proxy's capture listener in the pod netns), capture_divert (nftables and policy routing).",
+			Buckets: prometheus.ExponentialBuckets(0.001, 2, 14),
+		}, []string{"phase"}),
 	}
 	m.Registry.MustRegister(m.Operations, m.Quarantined, m.PeerRejected, m.WorkloadAPITokenRejected, m.UDSRefusals, m.PodLookupRetry, m.Pods,
 		m.PendingDeregistrations, m.RegistryGhostsDeleted, m.RegistryReregistered,
-		m.SVIDs, m.SVIDRotations, m.SVIDMintFailures, m.CAReloads, m.CAReloadFailures, m.InboundPolicyInvalid,
+		m.SVIDs, m.SVIDRotations, m.SVIDMintFailures, m.CAReloads, m.CAReloadFailures, m.InboundPolicyInvalid, m.CNIAddDuration,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for _, op := range []string{OpAddPod, OpRemovePod, OpReadinessProbe, OpCaptureDivert} {
 		for _, r := range []string{ResultSuccess, ResultError} {
@@ -160,6 +172,9 @@ func NewMetrics() *Metrics {
 		}
 	}
 	m.Operations.WithLabelValues(OpAddPod, ResultIgnored)
+	for _, p := range CNIPhases {
+		m.CNIAddDuration.WithLabelValues(p)
+	}
 	for _, s := range []string{SocketCNI, SocketAdmin, SocketWorkloadAPI} {
 		m.PeerRejected.WithLabelValues(s)
 	}

@@ -29,6 +29,7 @@ func main() {
 	flag.StringVar(&cfg.LDSTarget, "lds-address", "", "optional separate xDS endpoint for the Listener type (default: the same ADS stream as -xds-address)")
 	flag.StringVar(&cfg.NodeID, "node-id", host, "node id sent to the agent (the node name)")
 	flag.StringVar(&cfg.AdminAddress, "admin-address", "127.0.0.1:18090", "address of /metrics, /healthz and /debug/pods (empty disables)")
+	flag.StringVar(&cfg.MetricsAddress, "metrics-address", "", "a second address serving /metrics only (for example the node's, [$(NODE_IP)]:15020, for Prometheus); /healthz and /debug/pods stay on -admin-address; empty disables")
 	bypass := flag.Uint("bypass-mark", dataplane.DefaultBypassMark, "SO_MARK of upstream sockets; must equal aether-cni's capture bypass mark")
 	deliver := flag.Uint("deliver-mark", dataplane.DefaultDeliverMark, "SO_MARK of inbound delivery sockets bound to the client's address (the app sees the client, not the pod); must equal aether-cni's capture deliver_mark")
 	flag.DurationVar(&cfg.Dataplane.ConnectTimeout, "connect-timeout", dataplane.DefaultConnectTimeout, "upstream TCP connect timeout")

@@ -81,6 +81,11 @@ func NewWithAccessLog(log *AccessLog) *Metrics {
 			Help: "Access-log lines dropped because stdout did not drain (1 MiB held while a write was under way).",
 		}, func() float64 { return float64(log.Dropped()) }))
 	}
+	// Known limits start at zero, so a limit that was never hit is a 0
+	// on a dashboard, not "no data".
+	for _, l := range []string{LimitPodConnections, LimitNodeConnections, LimitPodUDPFlows, LimitNodeUDPFlows, LimitTCPIdle} {
+		m.limits.WithLabelValues(l)
+	}
 	m.policy = newPolicyMetrics()
 	m.Registry.MustRegister(m.istio, m.duration, m.failed, m.udp, m.limits, m.inbound, m.source, m.outbound, m.pods,
 		m.policy.denied, m.policy.dryRun,

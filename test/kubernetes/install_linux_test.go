@@ -122,6 +122,13 @@ identity:
 # installs them on a cluster without Istio (helm template sees no cluster).
 policy:
   installCRDs: auto
+# The scrape configuration Debian's Prometheus runs in the Prometheus
+# scenario, and the dashboard whose queries it answers.
+metrics:
+  scrapeConfig:
+    enabled: true
+  dashboard:
+    enabled: true
 `, imageRepo, tag, in.runDir, in.state, n.cniBin, n.runtime.ConfDir(), n.kubeletRoot)), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -162,6 +169,8 @@ policy:
 			_, err = cs.CoreV1().ServiceAccounts(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
 		case *corev1.Secret:
 			_, err = cs.CoreV1().Secrets(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
+		case *corev1.ConfigMap:
+			_, err = cs.CoreV1().ConfigMaps(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
 		case *rbacv1.ClusterRole:
 			_, err = cs.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
 		case *rbacv1.ClusterRoleBinding:
@@ -292,6 +301,8 @@ func (in *install) uninstall(t *testing.T, n *node) {
 			err = cs.CoreV1().ServiceAccounts(o.Namespace).Delete(ctx, o.Name, opts)
 		case *corev1.Secret:
 			err = cs.CoreV1().Secrets(o.Namespace).Delete(ctx, o.Name, opts)
+		case *corev1.ConfigMap:
+			err = cs.CoreV1().ConfigMaps(o.Namespace).Delete(ctx, o.Name, opts)
 		case *admissionv1.ValidatingAdmissionPolicyBinding:
 			err = cs.AdmissionregistrationV1().ValidatingAdmissionPolicyBindings().Delete(ctx, o.Name, opts)
 		case *admissionv1.ValidatingAdmissionPolicy:

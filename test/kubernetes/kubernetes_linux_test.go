@@ -85,6 +85,9 @@ func TestKubernetes(t *testing.T) {
 		return // later scenarios build on this one
 	}
 
+	// Scrapes from before the first managed pod, so the CNI ADDs and all
+	// the traffic of the scenarios below are in its series.
+	prom := startPrometheus(t, n)
 	createNamespace(t, n)
 	deployEcho(t, n, "client", true)
 	deployEcho(t, n, "web", true)
@@ -363,6 +366,11 @@ spec:
 	}) {
 		return // later scenarios build on this one
 	}
+
+	if !t.Run("Prometheus", func(t *testing.T) { testPrometheus(t, n, prom) }) {
+		return // later scenarios build on this one
+	}
+	prom.Stop()
 
 	if !t.Run("DeletePod", func(t *testing.T) {
 		events := watchWorkloads(t, in)

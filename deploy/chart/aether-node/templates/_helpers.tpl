@@ -236,6 +236,7 @@ binaries or the API server would reject. */}}
 {{- if eq (float64 .Values.ports.agentHTTP) (float64 .Values.ports.proxyAdmin) -}}
 {{- fail (printf "invalid ports.proxyAdmin %v: the same port as ports.agentHTTP; both listen on the node's 127.0.0.1" .Values.ports.proxyAdmin) -}}
 {{- end -}}
+{{- include "aether-node.validateMetrics" . -}}
 {{- $grace := .Values.terminationGracePeriodSeconds -}}
 {{- if not (and (or (kindIs "float64" $grace) (kindIs "int" $grace) (kindIs "int64" $grace)) (eq (float64 $grace) (floor $grace)) (ge (float64 $grace) 1.0)) -}}
 {{- fail (printf "invalid terminationGracePeriodSeconds %v: must be a whole number of seconds, at least 1" $grace) -}}
@@ -265,5 +266,38 @@ binaries or the API server would reject. */}}
 {{- end -}}
 {{- else if not (and (or (kindIs "float64" $mu) (kindIs "int" $mu) (kindIs "int64" $mu)) (eq (float64 $mu) (floor $mu)) (ge (float64 $mu) 1.0)) -}}
 {{- fail (printf "invalid maxUnavailable %v: must be a number of at least 1 or a percentage from 1%% to 100%%" $mu) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Fails the render on metrics values the binaries or Prometheus would
+reject: ports that are no port or collide (the node's address also holds
+the loopback ports: the pod is hostNetwork), a PodMonitor mode or scrape
+interval that is not one. */}}
+{{- define "aether-node.validateMetrics" -}}
+{{- $m := .Values.metrics -}}
+{{- if $m.enabled -}}
+{{- range $name := list "agentPort" "proxyPort" -}}
+{{- $p := index $m $name -}}
+{{- if not (and (or (kindIs "float64" $p) (kindIs "int" $p) (kindIs "int64" $p)) (eq (float64 $p) (floor $p)) (ge (float64 $p) 1.0) (le (float64 $p) 65535.0)) -}}
+{{- fail (printf "invalid metrics.%s %v: must be a port number, 1-65535" $name $p) -}}
+{{- end -}}
+{{- end -}}
+{{- $taken := dict (toString (float64 $.Values.ports.agentHTTP)) "ports.agentHTTP" (toString (float64 $.Values.ports.proxyAdmin)) "ports.proxyAdmin" -}}
+{{- range $name := list "agentPort" "proxyPort" -}}
+{{- $k := toString (float64 (index $m $name)) -}}
+{{- with index $taken $k -}}
+{{- fail (printf "invalid metrics.%s %v: the same port as %s; the pod is hostNetwork, so every port is the node's" $name (index $m $name) .) -}}
+{{- end -}}
+{{- $_ := set $taken $k (printf "metrics.%s" $name) -}}
+{{- end -}}
+{{- end -}}
+{{- if not (has (toString $m.podMonitor.enabled) (list "auto" "always" "never")) -}}
+{{- fail (printf "invalid metrics.podMonitor.enabled %v: must be auto, always or never" $m.podMonitor.enabled) -}}
+{{- end -}}
+{{- if not (regexMatch "^[0-9]+(ms|s|m|h)$" (toString $m.podMonitor.interval)) -}}
+{{- fail (printf "invalid metrics.podMonitor.interval %v: must be a Prometheus duration such as 15s or 1m" $m.podMonitor.interval) -}}
+{{- end -}}
+{{- if and (not $m.enabled) (or (eq (toString $m.podMonitor.enabled) "always") $m.scrapeConfig.enabled) -}}
+{{- fail "invalid metrics: podMonitor.enabled always or scrapeConfig.enabled with metrics.enabled false; nothing serves /metrics on the node's address to scrape" -}}
 {{- end -}}
 {{- end -}}
