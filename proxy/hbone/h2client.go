@@ -111,11 +111,13 @@ func (c *h2Client) start(ctx context.Context) error {
 	if w := c.recvConn.size; w > initialWindow {
 		b = appendWindowUpdate(b, 0, uint32(w-initialWindow))
 	}
-	// The loops first: they end when the connection closes, also when
-	// this write fails.
-	go c.readLoop()
-	go c.writeLoop()
-	if err := c.writeFrames(b); err != nil {
+	// The loops start first (they end when the connection closes, also
+	// when this write fails), under the write lock: the preface is on the
+	// wire before any frame they queue (the ack of the server's SETTINGS).
+	if err := c.writePreface(b, func() {
+		go c.readLoop()
+		go c.writeLoop()
+	}); err != nil {
 		c.close(err)
 		return fmt.Errorf("failed to send the http/2 preface: %w", err)
 	}

@@ -180,7 +180,7 @@ func (c *h2Conn) serve() {
 	if c.window > 0 {
 		settings = appendWindowUpdate(settings, 0, uint32(c.window))
 	}
-	if err := c.writeFrames(settings); err != nil {
+	if err := c.writePreface(settings, nil); err != nil { // ahead of a PING keepalive queued already
 		return
 	}
 	c.s.wg.Add(1)

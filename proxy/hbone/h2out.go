@@ -172,6 +172,31 @@ func (o *h2Out) writeFrames(b []byte) error {
 	return o.writeFramesLocked(b)
 }
 
+// writePreface writes b, a connection preface (the client's magic and
+// SETTINGS, or the server's SETTINGS), and then the control frames queued
+// meanwhile, in one write(2): RFC 9113 §3.4 makes the preface the first
+// thing either side sends, and a SETTINGS ack or a PING queued before it
+// (the read loop or keepalive ran first) would go ahead of it otherwise.
+// start, when set, runs with the write lock held, before the write: the
+// loops it starts may queue frames but write none before the preface.
+func (o *h2Out) writePreface(b []byte, start func()) error {
+	o.wmu.Lock()
+	defer o.wmu.Unlock()
+	if start != nil {
+		start()
+	}
+	o.conn.beginBatch()
+	o.armLocked(o.writeTimeout)
+	_, err := o.conn.Write(b)
+	if err == nil {
+		err = o.writeQueuedLocked()
+	}
+	if ferr := o.conn.endBatch(); err == nil {
+		err = ferr
+	}
+	return err
+}
+
 // writeFramesLocked is writeFrames with wmu held.
 func (o *h2Out) writeFramesLocked(b []byte) error { return o.writeWithinLocked(o.writeTimeout, b) }
 
