@@ -218,7 +218,7 @@ func runDialerScript(t *testing.T, certs hbone.Certs, serverTLS *tls.Config, in 
 	}
 	req := hbone.Request{
 		Source: clientID, Expected: serverID,
-		Proxy:  netip.MustParseAddrPort("192.0.2.20:15008"), Target: netip.MustParseAddrPort("192.0.2.20:8080"),
+		Proxy: netip.MustParseAddrPort("192.0.2.20:15008"), Target: netip.MustParseAddrPort("192.0.2.20:8080"),
 	}
 	open := func() {
 		r.streams.Add(1)
