@@ -60,6 +60,18 @@
 //     namespace, an L7 ALLOW rule failing safe, PeerAuthentication STRICT
 //     and PERMISSIVE, and an open connection closed by a DENY applied
 //     while it runs;
+//   - Prometheus (prometheus_linux_test.go): Debian's prometheus, started
+//     in the node netns right after the DaemonSet is Ready, scrapes both
+//     metrics ports on the node's address every second through the scrape
+//     configuration the chart installed (metrics.scrapeConfig; Debian's
+//     build has no Kubernetes discovery, so the job's kubernetes_sd_configs
+//     becomes a file the lane writes from the API in the shape Kubernetes
+//     discovery gives, and the chart's relabelling runs unchanged); after a
+//     DENY refused connections while it scraped and fresh HBONE and
+//     plaintext traffic, Istio's TCP dashboard queries and every query of
+//     the dashboard ConfigMap the chart installed return the expected
+//     series and labels (the denial panel counts the DENY, the mTLS share
+//     lies between 0 and 1);
 //   - a deleted pod turns UNHEALTHY before it is removed (watched with
 //     aetherctl workloads --watch), and its record goes with the DEL;
 //   - a rolling update of the DaemonSet (new tag) keeps every record and

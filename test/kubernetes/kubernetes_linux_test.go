@@ -199,31 +199,12 @@ func TestKubernetes(t *testing.T) {
 		// proxy: client is managed (HBONE, principal
 		// cluster.local/ns/<ns>/sa/default), plain is not (plaintext,
 		// through web's inbound capture).
-		dyn, err := dynamic.NewForConfig(n.cluster.Config)
-		if err != nil {
-			t.Fatal(err)
-		}
 		client := runningPods(t, n, "client", 1, 60*time.Second)[0]
 		plain := runningPods(t, n, "plain", 1, 60*time.Second)[0]
 		web := runningPods(t, n, "web", 1, 60*time.Second)[0]
 		addr := net.JoinHostPort(web.Status.PodIP, strconv.Itoa(echoPort))
 		from := map[string]string{"client": podNetns(t, n, client), "plain": podNetns(t, n, plain)}
-		apply := func(resource, doc string) func() {
-			t.Helper()
-			var obj unstructured.Unstructured
-			if err := yaml.Unmarshal([]byte(doc), &obj.Object); err != nil {
-				t.Fatal(err)
-			}
-			r := dyn.Resource(schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: resource}).Namespace(appNamespace)
-			if _, err := r.Create(context.Background(), &obj, metav1.CreateOptions{}); err != nil {
-				t.Fatalf("failed to create %s %s (is the chart's CRD installed?): %v", resource, obj.GetName(), err)
-			}
-			return func() {
-				if err := r.Delete(context.Background(), obj.GetName(), metav1.DeleteOptions{}); err != nil {
-					t.Fatal(err)
-				}
-			}
-		}
+		apply := func(resource, doc string) func() { return applyIstio(t, n, resource, doc) }
 		// expect waits until every source gets the outcome it must (the
 		// push takes milliseconds; 30 s bound).
 		expect := func(what string, want map[string]bool) {
@@ -492,4 +473,28 @@ func hasTaint(taints []corev1.Taint, key string) bool {
 		}
 	}
 	return false
+}
+
+// applyIstio creates an Istio security object (resource authorizationpolicies
+// or peerauthentications) from doc in the app namespace, on the CRDs the
+// chart installed, and returns its deletion.
+func applyIstio(t *testing.T, n *node, resource, doc string) func() {
+	t.Helper()
+	dyn, err := dynamic.NewForConfig(n.cluster.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var obj unstructured.Unstructured
+	if err := yaml.Unmarshal([]byte(doc), &obj.Object); err != nil {
+		t.Fatal(err)
+	}
+	r := dyn.Resource(schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: resource}).Namespace(appNamespace)
+	if _, err := r.Create(context.Background(), &obj, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("failed to create %s %s (is the chart's CRD installed?): %v", resource, obj.GetName(), err)
+	}
+	return func() {
+		if err := r.Delete(context.Background(), obj.GetName(), metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
 }

@@ -99,7 +99,48 @@ func startPrometheus(t *testing.T, n *node) *promServer {
 		resp.Body.Close()
 		return resp.StatusCode == http.StatusOK
 	})
+	// Scraping before the caller goes on: what happens next is in the
+	// series from their first sample.
+	p.waitUp(t)
 	return p
+}
+
+// waitUp waits until Prometheus has scraped both of the DaemonSet's
+// metrics ports (its discovery hands targets over every 5 s, so the first
+// scrape comes seconds after the start) and returns their up series.
+func (p *promServer) waitUp(t *testing.T) []promSample {
+	t.Helper()
+	n := p.n
+	// Both targets up (the first scrapes may still be under way).
+	var up []promSample
+	for start := time.Now(); ; time.Sleep(200 * time.Millisecond) {
+		up = p.query(t, `up{job="`+chart.Release+`"} == 1`)
+		_, agent := find(up, "container", "aether-agent", "namespace", chart.Namespace, "node", nodeName)
+		_, proxy := find(up, "container", "aether-proxy", "namespace", chart.Namespace, "node", nodeName)
+		if agent && proxy {
+			return up
+		}
+		if time.Since(start) > 20*time.Second {
+			_, targets := nodeFetch(t, n, "http://"+p.addr+"/api/v1/targets?state=any")
+			b, _ := os.ReadFile(filepath.Join(n.base, "prometheus", "targets.json"))
+			t.Fatalf("Prometheus does not scrape aether-agent and aether-proxy through the chart's scrape configuration (up = %v)\ntargets: %s\ndiscovered file: %s\nprometheus: %s", up, targets, b, p.proc.Output())
+		}
+	}
+}
+
+// waitScrapes waits until the proxy's target was scraped n times after
+// since (its up sample's timestamp, one scrape a second).
+func (p *promServer) waitScrapes(t *testing.T, since time.Time, n int) {
+	t.Helper()
+	want := float64(since.Add(time.Duration(n)*time.Second).UnixMilli()) / 1000
+	for start := time.Now(); ; time.Sleep(200 * time.Millisecond) {
+		if s, ok := find(p.query(t, `timestamp(up{container="aether-proxy"})`)); ok && s.Value >= want {
+			return
+		}
+		if time.Since(start) > 30*time.Second {
+			t.Fatalf("no %d scrapes of aether-proxy within 30 s", n)
+		}
+	}
 }
 
 // Stop stops the target writer and the server (idempotent).
@@ -272,21 +313,48 @@ func testPrometheus(t *testing.T, n *node, p *promServer) {
 	web := runningPods(t, n, "web", 1, 60*time.Second)[0]
 	plain := runningPods(t, n, "plain", 1, 60*time.Second)[0]
 	webAddr := net.JoinHostPort(web.Status.PodIP, strconv.Itoa(echoPort))
+	for _, s := range p.waitUp(t) {
+		t.Logf("scraped: %s", s)
+	}
+	// Denials while Prometheus scrapes: a DENY on web's port, tried every
+	// 200 ms from both sources for three scrape intervals, so the new
+	// denial series have samples before and after increments.
+	del := applyIstio(t, n, "authorizationpolicies", `apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: deny-web-port}
+spec:
+  selector: {matchLabels: {app: web}}
+  action: DENY
+  rules:
+  - to:
+    - operation: {ports: ["8080"]}
+`)
+	denied := 0
+	for start := time.Now(); time.Since(start) < 3500*time.Millisecond || denied == 0; time.Sleep(200 * time.Millisecond) {
+		if time.Since(start) > 30*time.Second {
+			t.Fatal("the DENY never refused a connection to web")
+		}
+		for _, src := range []corev1.Pod{client, plain} {
+			if tryEcho(podNetns(t, n, src), webAddr) != nil {
+				denied++
+			}
+		}
+	}
+	del()
+	for start := time.Now(); tryEcho(podNetns(t, n, plain), webAddr) != nil; time.Sleep(100 * time.Millisecond) {
+		if time.Since(start) > 30*time.Second {
+			t.Fatal("web refuses connections 30 s after the DENY was deleted")
+		}
+	}
+	t.Logf("%d connections denied while Prometheus scraped", denied)
 	// Fresh traffic for the 1m windows of Istio's queries: HBONE
 	// (client -> web), plaintext into the mesh (plain -> web, through
-	// web's inbound capture) and out of it (client -> plain).
+	// web's inbound capture) and out of it (client -> plain); then two
+	// scrapes, so every rate sees it.
 	echoFrom(t, podNetns(t, n, client), webAddr)
 	echoFrom(t, podNetns(t, n, plain), webAddr)
 	echoFrom(t, podNetns(t, n, client), net.JoinHostPort(plain.Status.PodIP, strconv.Itoa(echoPort)))
-
-	up := p.query(t, `up{job="`+chart.Release+`"}`)
-	for _, c := range []string{"aether-agent", "aether-proxy"} {
-		s, ok := find(up, "container", c, "namespace", chart.Namespace, "node", nodeName)
-		if !ok || s.Value != 1 {
-			t.Fatalf("Prometheus does not scrape %s through the chart's scrape configuration (up = %v)", c, up)
-		}
-		t.Logf("scraped: %s", s)
-	}
+	p.waitScrapes(t, time.Now(), 2)
 
 	// Istio's own dashboard queries, as its workload and service
 	// dashboards write them.
@@ -298,7 +366,9 @@ func testPrometheus(t *testing.T, n *node, p *promServer) {
 			break
 		}
 		if time.Since(start) > 30*time.Second {
-			t.Fatalf("%s has no client -> web series after 30 s: %v", istioBytes, p.query(t, istioBytes))
+			_, raw := nodeFetch(t, n, "http://"+p.addr+"/api/v1/query?query="+url.QueryEscape(`istio_tcp_sent_bytes_total{reporter="destination", source_workload="client", destination_workload="web"}[2m]`))
+			t.Fatalf("%s has no client -> web series after 30 s: %v\nsamples: %s\nproxy now: %s", istioBytes, p.query(t, istioBytes), raw,
+				metricLine(proxyMetrics(t, n), "istio_tcp_sent_bytes_total", `reporter="destination"`, `source_workload="client"`, `destination_workload="web"`))
 		}
 		time.Sleep(500 * time.Millisecond)
 	}
