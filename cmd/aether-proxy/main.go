@@ -52,6 +52,8 @@ func main() {
 	windowSrcMiB := flag.Int64("hbone-window-budget-per-source-mib", dataplane.DefaultHBONEWindowBudgetPerSource>>20, "the same per source address (inbound) and per source pod (outbound)")
 	flag.IntVar(&cfg.Dataplane.HBONESendBufs, "hbone-send-buffers", dataplane.DefaultHBONESendBufs, "256 KiB send buffers HBONE streams may hold at once while their writes wait for a peer that reads slowly (bounds that memory), inbound and outbound each")
 	flag.IntVar(&cfg.Dataplane.HBONESendBufsPerSource, "hbone-send-buffers-per-source", dataplane.DefaultHBONESendBufsPerSource, "the same per source address (inbound) and per source pod (outbound)")
+	controlMiB := flag.Int64("hbone-control-budget-mib", dataplane.DefaultHBONEControlBudget>>20, "MiB of HTTP/2 control frames (PING and SETTINGS acks, resets, WINDOW_UPDATEs) HBONE connections may queue for peers that do not read them, beyond 16 KiB each; a connection past it is closed as a control flood; inbound and outbound each")
+	controlSrcMiB := flag.Int64("hbone-control-budget-per-source-mib", dataplane.DefaultHBONEControlBudgetPerSource>>20, "the same per source address (inbound) and per source pod (outbound)")
 	hbonePort := flag.Uint("hbone-port", dataplane.DefaultHBONEPort, "port of every pod's HBONE listener (with -workload-api-socket)")
 	flag.StringVar(&cfg.SPIREAdminSocket, "spire-admin-socket", "", "SPIRE agent admin socket (its admin_socket_path) serving the Delegated Identity API; the proxy must be one of the agent's authorized_delegates; mutually exclusive with -workload-api-socket")
 	flag.BoolVar(&cfg.Dataplane.HBONEDeclaredPortsOnly, "hbone-declared-ports-only", false, "deliver an HBONE stream only to a TCP port the destination pod's containers declare (spec.containers[].ports, sidecars included); others are refused with 403 before the app sees a connection. A pod whose ports the agent does not know (its record predates them) gets every port, as without the flag")
@@ -84,7 +86,10 @@ func main() {
 		name string
 		mib  int64
 		dst  *int64
-	}{{"hbone-window-budget-mib", *windowMiB, &cfg.Dataplane.HBONEWindowBudget}, {"hbone-window-budget-per-source-mib", *windowSrcMiB, &cfg.Dataplane.HBONEWindowBudgetPerSource}} {
+	}{
+		{"hbone-window-budget-mib", *windowMiB, &cfg.Dataplane.HBONEWindowBudget}, {"hbone-window-budget-per-source-mib", *windowSrcMiB, &cfg.Dataplane.HBONEWindowBudgetPerSource},
+		{"hbone-control-budget-mib", *controlMiB, &cfg.Dataplane.HBONEControlBudget}, {"hbone-control-budget-per-source-mib", *controlSrcMiB, &cfg.Dataplane.HBONEControlBudgetPerSource},
+	} {
 		if w.mib < 1 || w.mib > 1<<20 {
 			fmt.Fprintf(os.Stderr, "aether-proxy: invalid -%s %d: must be 1-1048576\n", w.name, w.mib)
 			os.Exit(2)

@@ -51,6 +51,7 @@ func (m *Manager) newTunnel() (*hbone.Dialer, error) {
 	budget, err := hbone.NewBudget(hbone.BudgetConfig{
 		Window: m.cfg.HBONEWindowBudget, WindowPerSource: m.cfg.HBONEWindowBudgetPerSource,
 		SendBufs: m.cfg.HBONESendBufs, SendBufsPerSource: m.cfg.HBONESendBufsPerSource,
+		Control: m.cfg.HBONEControlBudget, ControlPerSource: m.cfg.HBONEControlBudgetPerSource,
 	})
 	if err != nil {
 		return nil, err

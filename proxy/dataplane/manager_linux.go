@@ -64,6 +64,13 @@ const (
 	// side (per source pod).
 	DefaultHBONESendBufs          = hbone.DefaultSendBufs
 	DefaultHBONESendBufsPerSource = hbone.DefaultSendBufsPerSource
+	// DefaultHBONEControlBudget and DefaultHBONEControlBudgetPerSource
+	// bound the HTTP/2 control frames (PING and SETTINGS acks, resets,
+	// WINDOW_UPDATEs) queued for peers beyond 16 KiB per connection, in
+	// bytes, inbound (per source address) and, separately, outbound (per
+	// source pod).
+	DefaultHBONEControlBudget          = hbone.DefaultControlBudget
+	DefaultHBONEControlBudgetPerSource = hbone.DefaultControlBudgetPerSource
 )
 
 // Config tunes the data plane. Zero fields take the defaults.
@@ -147,6 +154,12 @@ type Config struct {
 	// peer that reads slowly: inbound in total and per source address,
 	// outbound (the dialer) in total and per source pod.
 	HBONESendBufs, HBONESendBufsPerSource int
+	// HBONEControlBudget and HBONEControlBudgetPerSource bound, in bytes,
+	// the control frames HBONE connections queue for peers that do not
+	// read them, beyond 16 KiB each: inbound in total and per source
+	// address, outbound in total and per source pod. A connection past
+	// them is closed as a control flood.
+	HBONEControlBudget, HBONEControlBudgetPerSource int64
 }
 
 func (c Config) withDefaults() Config {
@@ -209,6 +222,12 @@ func (c Config) withDefaults() Config {
 	}
 	if c.HBONESendBufsPerSource == 0 {
 		c.HBONESendBufsPerSource = DefaultHBONESendBufsPerSource
+	}
+	if c.HBONEControlBudget == 0 {
+		c.HBONEControlBudget = DefaultHBONEControlBudget
+	}
+	if c.HBONEControlBudgetPerSource == 0 {
+		c.HBONEControlBudgetPerSource = DefaultHBONEControlBudgetPerSource
 	}
 	return c
 }
@@ -325,6 +344,7 @@ func New(cfg Config, lookup PeerLookup, m *telemetry.Metrics, log *slog.Logger) 
 			MaxConns: cfg.HBONEMaxConns, MaxConnsPerSource: cfg.HBONEMaxConnsPerSource,
 			Window: cfg.HBONEWindowBudget, WindowPerSource: cfg.HBONEWindowBudgetPerSource,
 			SendBufs: cfg.HBONESendBufs, SendBufsPerSource: cfg.HBONESendBufsPerSource,
+			Control: cfg.HBONEControlBudget, ControlPerSource: cfg.HBONEControlBudgetPerSource,
 		})
 		if err == nil {
 			mg.tunnel, err = mg.newTunnel()
