@@ -5,6 +5,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"aether.io/node/pkg/flowapi"
 	"aether.io/node/proxy/peers"
 )
 
@@ -29,10 +30,10 @@ var IstioLabels = [...]string{
 const (
 	// ReporterSource is the client pod's outbound side (the capture
 	// listener).
-	ReporterSource = "source"
+	ReporterSource = flowapi.ReporterSource
 	// ReporterDestination is the server pod's inbound side (an HBONE
 	// stream delivered to the app, plaintext on the inbound listener).
-	ReporterDestination = "destination"
+	ReporterDestination = flowapi.ReporterDestination
 )
 
 // Values of connection_security_policy.
