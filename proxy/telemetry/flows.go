@@ -22,7 +22,7 @@ const (
 	FlowQueue = 4096
 	// MaxFlowSubscribers is how many subscribers may follow at once. With
 	// FlowQueue it bounds what the hub holds: at most 8 × 4096 events (a
-	// connection's description, ~650 bytes each: ~21 MiB).
+	// connection's description, ~670 bytes each: ~21 MiB).
 	MaxFlowSubscribers = 8
 	// FlowNoticeInterval is how often, at most, a subscriber whose queue
 	// never empties is told how many events it lost; one whose queue
