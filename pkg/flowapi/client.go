@@ -40,13 +40,15 @@ func Subscribe(ctx context.Context, path string, req Request) (*Stream, error) {
 		_ = s.Close()
 		return nil, fmt.Errorf("failed to encode flows request: %w", err)
 	}
-	if _, err := c.Write(append(line, '\n')); err != nil {
-		_ = s.Close()
-		return nil, fmt.Errorf("failed to send flows request to %q: %w", path, orCtx(ctx, err))
-	}
+	// A server that refuses the peer answers (and closes) without reading
+	// the request: its answer is still read after a failed write.
+	_, werr := c.Write(append(line, '\n'))
 	m, err := s.Next()
 	if err != nil {
 		_ = s.Close()
+		if werr != nil {
+			return nil, fmt.Errorf("failed to send flows request to %q: %w", path, orCtx(ctx, werr))
+		}
 		return nil, fmt.Errorf("failed to read the answer of flows socket %q: %w", path, orCtx(ctx, err))
 	}
 	switch m.Type {
