@@ -285,7 +285,7 @@ func TestChartRejects(t *testing.T) {
 		{"host path empty", "hostPaths:\n  kubeletDir: \"\"\n", `invalid hostPaths.kubeletDir "": must be an absolute host path`},
 		{"host path not a string", "hostPaths:\n  runDir: 7\n", "invalid hostPaths.runDir 7: must be a host path"},
 		{"host path with a space", "hostPaths:\n  stateDir: /var/lib/my aether\n", `invalid hostPaths.stateDir "/var/lib/my aether": may contain only`},
-		{"host path too long for its sockets", "hostPaths:\n  runDir: /run/" + strings.Repeat("a", 83) + "\n", "88 bytes, at most 87"},
+		{"host path too long for its sockets", "hostPaths:\n  runDir: /run/" + strings.Repeat("a", 80) + "\n", "85 bytes, at most 84"},
 		{"kubelet dir too long for its sockets", "hostPaths:\n  kubeletDir: /k/" + strings.Repeat("a", 65) + "\n", "68 bytes, at most 67"},
 		{"two host paths the same", "hostPaths:\n  stateDir: /run/aether\n", `invalid hostPaths.stateDir "/run/aether": is the same path as hostPaths.runDir "/run/aether"`},
 		{"a host path inside another", "hostPaths:\n  cniConfDir: /opt/cni/bin/net.d\n", `invalid hostPaths.cniConfDir "/opt/cni/bin/net.d": lies inside hostPaths.cniBinDir "/opt/cni/bin"`},

@@ -16,6 +16,7 @@ import (
 	"aether.io/node/cniinstall"
 	"aether.io/node/csi"
 	"aether.io/node/meshcni"
+	"aether.io/node/pkg/flowapi"
 	"aether.io/node/pkg/meshcontract"
 )
 
@@ -134,6 +135,19 @@ func TestHostPaths(t *testing.T) {
 			}
 		}
 		sameOnHost(proxy, append(dialed, pinDir, cfg.UDSRoot)...)
+		// It serves the flows socket in a directory of its own, which
+		// aetherctl on the node reaches at the same path.
+		var flows string
+		for _, a := range expand(proxy.Args) {
+			if s, ok := strings.CutPrefix(a, "-flows-socket="); ok {
+				flows = s
+			}
+		}
+		if filepath.Dir(flows) != filepath.Join(run, "proxy-flows") {
+			t.Errorf("aether-proxy -flows-socket %q: want it in %s/proxy-flows, its own directory", flows, run)
+		} else {
+			sameOnHost(proxy, flows)
+		}
 		// An app's UDS socket belongs to the app's user, mode by its umask
 		// (0755 typically): root connects to it only with DAC_OVERRIDE;
 		// without it every UDS delivery falls back to TCP.
@@ -201,6 +215,7 @@ func TestHostPathDefaults(t *testing.T) {
 		{"runDir/agent/cni.sock: aether-cni's agent_socket", filepath.Join(hp["runDir"], "agent", "cni.sock"), meshcni.DefaultAgentSocket},
 		{"runDir/netns: aether-cni's netns_pin_dir", filepath.Join(hp["runDir"], "netns"), meshcni.DefaultPinDir},
 		{"runDir/uds: --uds-csi-root", filepath.Join(hp["runDir"], "uds"), meshcontract.DefaultUDSCSIRoot},
+		{"runDir/proxy-flows/flows.sock: aether-proxy's -flows-socket, aetherctl flows' --socket", filepath.Join(hp["runDir"], "proxy-flows", "flows.sock"), flowapi.DefaultSocket},
 		{"stateDir: aether-agent's --state-dir", hp["stateDir"], def.StateDir},
 		{"stateDir: the installer's --state-file", filepath.Join(hp["stateDir"], "cni-install", "state.json"), cniinstall.DefaultStateFile},
 		{"cniBinDir: the installer's --cni-bin-dir", hp["cniBinDir"], cniinstall.DefaultBinDir},

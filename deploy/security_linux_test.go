@@ -160,8 +160,9 @@ func TestServiceAccountToken(t *testing.T) {
 // TestRunDirMounts checks no container but aether-agent mounts the whole
 // run dir, a directory holding it, or the agent's own socket directory
 // (CNI and admin sockets), and that aether-proxy mounts exactly the parts
-// it uses, read-only: proxy/ (its sockets and token), netns/ (pins, with
-// HostToContainer) and uds/.
+// it uses: read-only proxy/ (its sockets and token), netns/ (pins, with
+// HostToContainer) and uds/, and read-write only proxy-flows/ (its own
+// flows socket), which no other container mounts.
 func TestRunDirMounts(t *testing.T) {
 	forEachSet(t, func(t *testing.T, r *render) {
 		run := chartValues(t, r).HostPaths["runDir"]
@@ -173,6 +174,7 @@ func TestRunDirMounts(t *testing.T) {
 			}
 		}
 		within := func(p, dir string) bool { return p == dir || strings.HasPrefix(p, dir+"/") }
+		flowsDir := filepath.Join(run, "proxy-flows")
 		for _, c := range allContainers(r) {
 			if c.Name == "aether-agent" {
 				continue
@@ -185,6 +187,9 @@ func TestRunDirMounts(t *testing.T) {
 				if within(run, p) || within(p, agentDir) {
 					t.Errorf("container %s mounts host path %s (volume %s): only aether-agent may reach %s or %s", c.Name, p, m.Name, run, agentDir)
 				}
+				if within(p, flowsDir) && c.Name != "aether-proxy" {
+					t.Errorf("container %s mounts host path %s (volume %s): only aether-proxy may reach its flows socket", c.Name, p, m.Name)
+				}
 			}
 		}
 		proxy := container(t, r, "aether-proxy")
@@ -194,14 +199,14 @@ func TestRunDirMounts(t *testing.T) {
 			if !ok {
 				continue
 			}
-			if !m.ReadOnly {
-				t.Errorf("aether-proxy mounts host path %s read-write: it writes none", p)
+			if !m.ReadOnly && p != flowsDir {
+				t.Errorf("aether-proxy mounts host path %s read-write: it writes only %s", p, flowsDir)
 			}
 			if within(p, run) {
 				got[p] = m
 			}
 		}
-		want := []string{filepath.Join(run, "netns"), filepath.Join(run, "proxy"), filepath.Join(run, "uds")}
+		want := []string{filepath.Join(run, "netns"), filepath.Join(run, "proxy"), flowsDir, filepath.Join(run, "uds")}
 		if keys := slices.Sorted(maps.Keys(got)); !slices.Equal(keys, want) {
 			t.Errorf("aether-proxy mounts %q of the run dir, want exactly %q", keys, want)
 		}

@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -26,9 +27,11 @@ import (
 	"aether.io/node/api/istio/security"
 	"aether.io/node/api/istio/workload"
 	"aether.io/node/pkg/authz"
+	"aether.io/node/pkg/flowapi"
 	"aether.io/node/pkg/lifecycle"
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/proxy/dataplane"
+	"aether.io/node/proxy/flowserver"
 	"aether.io/node/proxy/identity"
 	"aether.io/node/proxy/identity/spire"
 	"aether.io/node/proxy/peers"
@@ -85,6 +88,15 @@ type Config struct {
 	AccessLogOpens bool
 	// AccessLogOutput is where the access log goes; nil: os.Stdout.
 	AccessLogOutput io.Writer
+	// FlowsSocket is the unix socket the live connection events are
+	// streamed on (proxy/flowserver, pkg/flowapi: `aetherctl flows`);
+	// empty serves none. Its directory is the proxy's own
+	// (flowapi.DefaultSocketDir), never one the agent serves or a pod
+	// reaches.
+	FlowsSocket string
+	// FlowsAllowedUIDs are the peer uids (SO_PEERCRED) that may follow the
+	// flows; empty means uid 0 only.
+	FlowsAllowedUIDs []uint32
 }
 
 // Proxy is aether-proxy. Construct with New, then Run.
@@ -124,6 +136,12 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 	}
 	if cfg.WorkloadAPISocket != "" && cfg.SPIREAdminSocket != "" {
 		return nil, fmt.Errorf("workload api socket %q and spire admin socket %q are both set: choose one identity provider", cfg.WorkloadAPISocket, cfg.SPIREAdminSocket)
+	}
+	if cfg.FlowsSocket != "" {
+		switch dir := filepath.Dir(cfg.FlowsSocket); dir {
+		case meshcontract.ProxySocketDir, meshcontract.AgentSocketDir:
+			return nil, fmt.Errorf("flows socket %q is in the agent's socket dir %q: give it a directory of the proxy's own, e.g. %s", cfg.FlowsSocket, dir, flowapi.DefaultSocket)
+		}
 	}
 	out, rate := cfg.AccessLogOutput, cfg.AccessLogSampleRate
 	if out == nil {
@@ -351,15 +369,18 @@ func (p *Proxy) Handler() http.Handler {
 	return mux
 }
 
-// Run serves until ctx ends: the admin server, the data plane and the xDS
-// stream(s). The parts start in this order and stop in reverse:
+// Run serves until ctx ends: the admin server, the flows socket, the data
+// plane and the xDS stream(s). The parts start in this order and stop in
+// reverse:
 //
-//	admin server → metrics server → open pods (closed at stop) → data plane →
-//	identity (Workload API watch or SPIRE subscriptions) → xDS client(s)
+//	admin server → metrics server → flows socket → open pods (closed at
+//	stop) → data plane → identity (Workload API watch or SPIRE
+//	subscriptions) → xDS client(s)
 //
 // so SIGTERM first stops taking xDS updates, then stops the data plane
-// loop, closes every open pod, and stops the admin server last (/healthz
-// answers while the pods drain). Every goroutine has returned when Run does;
+// loop, closes every open pod (their last events still reach the flows
+// subscribers' queues), and stops the admin server last (/healthz answers
+// while the pods drain). Every goroutine has returned when Run does;
 // a failed start (the admin address in use) stops what started.
 func (p *Proxy) Run(ctx context.Context) error {
 	lc := lifecycle.New(p.log, 0)
@@ -368,6 +389,9 @@ func (p *Proxy) Run(ctx context.Context) error {
 	}
 	if p.cfg.MetricsAddress != "" {
 		lc.Serve("metrics", p.listenMetrics)
+	}
+	if p.cfg.FlowsSocket != "" {
+		lc.Serve("flows", p.listenFlows)
 	}
 	// Stopped after the pods: their connections' last lines are written.
 	lc.Append(lifecycle.Hook{Name: "access_log", Stop: func(context.Context) error {
@@ -417,6 +441,18 @@ func (p *Proxy) listenMetrics() (net.Listener, lifecycle.Server, error) {
 	mux.Handle("GET /metrics", promhttp.HandlerFor(p.Metrics.Registry, promhttp.HandlerOpts{}))
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	return ln, lifecycle.Server{Serve: srv.Serve, Shutdown: func(context.Context) { _ = srv.Close() }}, nil
+}
+
+// listenFlows opens the flows socket; its clients are closed at once at
+// stop.
+func (p *Proxy) listenFlows() (net.Listener, lifecycle.Server, error) {
+	ln, err := flowserver.Listen(p.cfg.FlowsSocket)
+	if err != nil {
+		return nil, lifecycle.Server{}, err
+	}
+	srv := flowserver.New(p.Metrics.Flows(), flowserver.Options{AllowedUIDs: p.cfg.FlowsAllowedUIDs, Logger: p.log.With("component", "flows")})
+	p.log.Info("flows socket listening", "path", p.cfg.FlowsSocket)
+	return ln, lifecycle.Server{Serve: srv.Serve, Shutdown: func(context.Context) { srv.Close() }}, nil
 }
 
 // registerSPIREMetrics exports the SPIRE provider's counters.

@@ -3,12 +3,12 @@ package cniserver
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net"
 
-	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/peer"
+
+	"aether.io/node/pkg/peercred"
 )
 
 // PeerInfo is the AuthInfo of a unix-socket peer, read with SO_PEERCRED.
@@ -36,29 +36,15 @@ func PeerUID(ctx context.Context) (uint32, bool) {
 	return pi.UID, true
 }
 
-// ConnPeer reads SO_PEERCRED of a unix connection.
+// ConnPeer reads SO_PEERCRED of a unix connection (pkg/peercred).
 func ConnPeer(c net.Conn) (PeerInfo, error) {
-	uc, ok := c.(*net.UnixConn)
-	if !ok {
-		return PeerInfo{}, fmt.Errorf("failed to read peer credentials: %T is not a unix connection", c)
-	}
-	raw, err := uc.SyscallConn()
+	cred, err := peercred.Read(c)
 	if err != nil {
-		return PeerInfo{}, fmt.Errorf("failed to read peer credentials: %w", err)
-	}
-	var cred *unix.Ucred
-	var serr error
-	if err := raw.Control(func(fd uintptr) {
-		cred, serr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-	}); err != nil {
-		return PeerInfo{}, fmt.Errorf("failed to read peer credentials: %w", err)
-	}
-	if serr != nil {
-		return PeerInfo{}, fmt.Errorf("failed to read peer credentials: %w", serr)
+		return PeerInfo{}, err
 	}
 	return PeerInfo{
 		CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.NoSecurity},
-		UID:            cred.Uid, GID: cred.Gid, PID: cred.Pid,
+		UID:            cred.UID, GID: cred.GID, PID: cred.PID,
 	}, nil
 }
 

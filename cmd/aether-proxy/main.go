@@ -13,9 +13,12 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
+	"aether.io/node/pkg/flowapi"
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/proxy"
 	"aether.io/node/proxy/dataplane"
@@ -61,6 +64,8 @@ func main() {
 	accessLog := flag.String("access-log", telemetry.DefaultAccessLogLevel.String(), "connections written to the access log on stdout, one JSON line each at its close: off, errors (refused, failed, reset, timed out, cut by a drain) or all")
 	flag.BoolVar(&cfg.AccessLogOpens, "access-log-open", false, "with -access-log=all, also write a line when a connection opens (\"connection opened\", the same keys)")
 	accessRate := flag.Float64("access-log-sample-rate", 1, "share of connections whose access-log lines are kept, 0 to 1 (0: none)")
+	flag.StringVar(&cfg.FlowsSocket, "flows-socket", flowapi.DefaultSocket, "unix socket (mode 0600) streaming the node's live connection events to aetherctl flows; its directory must be the proxy's own, never "+meshcontract.ProxySocketDir+" nor one a pod reaches; empty disables")
+	flowsUIDs := flag.String("flows-allowed-uids", "0", "comma-separated peer uids (SO_PEERCRED) allowed to follow -flows-socket")
 	flag.Parse()
 	var err error
 	if cfg.AccessLog, err = telemetry.ParseAccessLogLevel(*accessLog); err != nil {
@@ -74,6 +79,21 @@ func main() {
 	cfg.AccessLogSampleRate = *accessRate
 	if *accessRate == 0 {
 		cfg.AccessLog = telemetry.AccessLogOff
+	}
+	for _, f := range strings.Split(*flowsUIDs, ",") {
+		if f = strings.TrimSpace(f); f == "" {
+			continue
+		}
+		u, err := strconv.ParseUint(f, 10, 32)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "aether-proxy: invalid -flows-allowed-uids entry %q: want a decimal uid\n", f)
+			os.Exit(2)
+		}
+		cfg.FlowsAllowedUIDs = append(cfg.FlowsAllowedUIDs, uint32(u))
+	}
+	if len(cfg.FlowsAllowedUIDs) == 0 {
+		fmt.Fprintln(os.Stderr, "aether-proxy: invalid -flows-allowed-uids: at least one uid is required")
+		os.Exit(2)
 	}
 	cfg.Dataplane.BypassMark = uint32(*bypass)
 	cfg.Dataplane.DeliverMark = uint32(*deliver)

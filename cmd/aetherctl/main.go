@@ -1,5 +1,6 @@
 // Command aetherctl is the aether operator CLI: it reads the node agent's
-// state. Each subcommand lives in package ctl.
+// state and follows aether-proxy's connection events. Each subcommand
+// lives in package ctl.
 package main
 
 import (
@@ -27,11 +28,12 @@ var commands = map[string]command{
 	"services":  {ctl.RunServices, "list the Services of workload discovery: VIPs, ports and endpoints"},
 	"policies":  {ctl.RunPolicies, "list each workload's authorization policies, then every policy served"},
 	"policy":    {ctl.RunPolicy, "policy check <src ns/pod> <dst ns/pod>[:port]: the destination proxy's decision and its policy"},
+	"flows":     {ctl.RunFlows, "follow the node's connection events from aether-proxy as they happen (--pod, --namespace, --denied, --service)"},
 }
 
 func usage(w io.Writer) {
 	fmt.Fprintln(w, "Usage: aetherctl <command> [flags] [args]\n\nCommands:")
-	for _, n := range []string{"pods", "pod", "workloads", "services", "policies", "policy"} {
+	for _, n := range []string{"pods", "pod", "workloads", "services", "policies", "policy", "flows"} {
 		fmt.Fprintf(w, "  %-10s %s\n", n, commands[n].help)
 	}
 	fmt.Fprintln(w, "\nRun 'aetherctl <command> --help' for a command's flags.")

@@ -390,18 +390,24 @@ func telemetryEnv(b *testing.B, accessLog bool) (*env, *telemetry.Metrics) {
 
 // connectRounds runs n connections (connect plus a one-byte round trip)
 // from e's client to its echo server, waits until the proxy counted them
-// all closed (want in total), and returns the process CPU time they took.
-func connectRounds(b *testing.B, e *env, m *telemetry.Metrics, n int, want float64) time.Duration {
+// all closed (want in total), and returns the process CPU time they took;
+// with lat, it appends each connection's latency (connect to the byte
+// back) to it.
+func connectRounds(b *testing.B, e *env, m *telemetry.Metrics, n int, want float64, lat *[]time.Duration) time.Duration {
 	dst := netip.AddrPortFrom(e.server.IP4, 9001)
 	one := []byte{1}
 	cpu := hbonetest.CPUTime()
 	for range n {
+		start := time.Now()
 		c := benchDial(b, e, "ours", dst)
 		if _, err := c.Write(one); err != nil {
 			b.Fatal(err)
 		}
 		if _, err := io.ReadFull(c, one); err != nil {
 			b.Fatal(err)
+		}
+		if lat != nil {
+			*lat = append(*lat, time.Since(start))
 		}
 		_ = c.SetLinger(0) // no TIME_WAIT pile-up across iterations
 		c.Close()
@@ -429,7 +435,7 @@ func BenchmarkConnectTelemetry(b *testing.B) {
 		b.Run(mode, func(b *testing.B) {
 			e, m := telemetryEnv(b, mode == "ours")
 			b.ResetTimer()
-			used := connectRounds(b, e, m, b.N, float64(b.N))
+			used := connectRounds(b, e, m, b.N, float64(b.N), nil)
 			b.StopTimer()
 			b.ReportMetric(float64(used.Nanoseconds())/float64(b.N), "cpu-ns/conn")
 		})
@@ -447,9 +453,9 @@ func BenchmarkConnectTelemetryAB(b *testing.B) {
 	var nOn, nOff int
 	b.ResetTimer()
 	for done := 0; done < b.N; done += 2 * block {
-		cpuOff += connectRounds(b, off, mOff, block, float64(nOff+block))
+		cpuOff += connectRounds(b, off, mOff, block, float64(nOff+block), nil)
 		nOff += block
-		cpuOn += connectRounds(b, on, mOn, block, float64(nOn+block))
+		cpuOn += connectRounds(b, on, mOn, block, float64(nOn+block), nil)
 		nOn += block
 	}
 	b.StopTimer()

@@ -57,38 +57,12 @@ func (l AccessLogLevel) String() string {
 	return "off"
 }
 
-// Access log keys: one JSON object per line, always these keys (empty
-// strings and zeros where a value is not known), after slog's time, level
-// and msg ("connection closed").
-const (
-	keyReporter       = "reporter"
-	keyStartTime      = "start_time"
-	keyEndTime        = "end_time"
-	keyDurationMS     = "duration_ms"
-	keySrcAddr        = "src_addr"
-	keySrcWorkload    = "src_workload"
-	keySrcPod         = "src_pod"
-	keySrcNamespace   = "src_namespace"
-	keySrcPrincipal   = "src_principal"
-	keyDstAddr        = "dst_addr"
-	keyDstWorkload    = "dst_workload"
-	keyDstPod         = "dst_pod"
-	keyDstNamespace   = "dst_namespace"
-	keyDstPrincipal   = "dst_principal"
-	keyDstService     = "dst_service"
-	keyBytesToDst     = "bytes_to_dst"
-	keyBytesToSrc     = "bytes_to_src"
-	keyPath           = "path"
-	keySecurity       = "security"
-	keyPolicyDecision = "policy_decision"
-	keyPolicy         = "policy"
-	keyPolicyReason   = "policy_reason"
-	keyPolicyDryRun   = "policy_dry_run"
-	keyReason         = "reason"
-	keyLimit          = "limit"
-	keyResponseFlags  = "response_flags"
-	keyError          = "error"
-)
+// The access log's keys: one JSON object per line, after slog's time,
+// level and msg ("connection opened", "connection closed"), always every
+// field of flowapi.Event under its JSON name, in its order (empty strings
+// and zeros where a value is not known): newEvent builds it, eventAttrs
+// turns it into the line's attributes, and the flows socket streams the
+// same Event.
 
 // Values of the access log's policy_decision.
 const (
@@ -291,7 +265,8 @@ func (a *AccessLog) opened(i *ConnInfo, start time.Time) {
 	if a == nil || !a.opens {
 		return
 	}
-	a.log.Log(context.Background(), slog.LevelInfo, "connection opened", fields(i, start, time.Time{}, 0, 0, "", "", nil)...)
+	ev := newEvent(i, start, time.Time{}, 0, 0, reasonNone, nil)
+	a.log.LogAttrs(context.Background(), slog.LevelInfo, "connection opened", eventAttrs(&ev)...)
 }
 
 // write writes the close line of a sampled connection, when the level
@@ -304,68 +279,6 @@ func (a *AccessLog) write(i *ConnInfo, start, end time.Time, toDst, toSrc int64,
 	if !reason.Clean() {
 		lvl = slog.LevelWarn
 	}
-	a.log.Log(context.Background(), lvl, "connection closed", fields(i, start, end, toDst, toSrc, reason.String(), reason.Flag(), err)...)
-}
-
-// fields are the keys and values of one line; an open line has no end,
-// bytes, reason or flags (empty values, the same keys).
-func fields(i *ConnInfo, start, end time.Time, toDst, toSrc int64, reason, flags string, err error) []any {
-	var srcAddr, dstAddr string
-	if i.Src.IsValid() {
-		srcAddr = i.Src.String()
-	}
-	if i.Dst.IsValid() {
-		dstAddr = i.Dst.String()
-	}
-	security := SecurityNone
-	var srcPrincipal, dstPrincipal string
-	if i.MTLS {
-		// Only what mutual TLS proved (ztunnel logs the same).
-		security, srcPrincipal, dstPrincipal = SecurityMutualTLS, i.SourcePrincipal, i.DestinationPrincipal
-	}
-	decision := i.PolicyDecision
-	if decision == "" {
-		decision = PolicyNone
-		if reason == ReasonDenied.String() {
-			decision = PolicyDeny
-		}
-	}
-	var errText string
-	if err != nil {
-		errText = err.Error()
-	}
-	var endTime string
-	var durationMS float64
-	if !end.IsZero() {
-		endTime, durationMS = end.UTC().Format(time.RFC3339Nano), float64(end.Sub(start).Microseconds())/1000
-	}
-	return []any{
-		keyReporter, i.Reporter,
-		keyStartTime, start.UTC().Format(time.RFC3339Nano),
-		keyEndTime, endTime,
-		keyDurationMS, durationMS,
-		keySrcAddr, srcAddr,
-		keySrcWorkload, i.Source.Workload,
-		keySrcPod, i.Source.Name,
-		keySrcNamespace, i.Source.Namespace,
-		keySrcPrincipal, srcPrincipal,
-		keyDstAddr, dstAddr,
-		keyDstWorkload, i.Destination.Workload,
-		keyDstPod, i.Destination.Name,
-		keyDstNamespace, i.Destination.Namespace,
-		keyDstPrincipal, dstPrincipal,
-		keyDstService, i.Service.Hostname,
-		keyBytesToDst, toDst,
-		keyBytesToSrc, toSrc,
-		keyPath, i.Path,
-		keySecurity, security,
-		keyPolicyDecision, decision,
-		keyPolicy, i.Policy,
-		keyPolicyReason, i.PolicyReason,
-		keyPolicyDryRun, i.PolicyDryRun,
-		keyReason, reason,
-		keyLimit, i.Limit,
-		keyResponseFlags, flags,
-		keyError, errText,
-	}
+	ev := newEvent(i, start, end, toDst, toSrc, reason, err)
+	a.log.LogAttrs(context.Background(), lvl, "connection closed", eventAttrs(&ev)...)
 }

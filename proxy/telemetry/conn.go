@@ -5,6 +5,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"aether.io/node/pkg/flowapi"
 	"aether.io/node/proxy/peers"
 )
 
@@ -29,10 +30,10 @@ var IstioLabels = [...]string{
 const (
 	// ReporterSource is the client pod's outbound side (the capture
 	// listener).
-	ReporterSource = "source"
+	ReporterSource = flowapi.ReporterSource
 	// ReporterDestination is the server pod's inbound side (an HBONE
 	// stream delivered to the app, plaintext on the inbound listener).
-	ReporterDestination = "destination"
+	ReporterDestination = flowapi.ReporterDestination
 )
 
 // Values of connection_security_policy.
@@ -244,8 +245,8 @@ func orUnknown(s string) string {
 	return s
 }
 
-// Conn is one proxied connection's telemetry: its istio_tcp_* counters and
-// its access-log line. Received and Sent may be called from the
+// Conn is one proxied connection's telemetry: its istio_tcp_* counters, its
+// access-log line and its flow events. Received and Sent may be called from the
 // connection's two copy goroutines concurrently; Close once, at the end.
 type Conn struct {
 	m      *Metrics
@@ -272,13 +273,20 @@ type denial struct{ policy, reason string }
 func (c *Conn) Deny(policy, reason string) { c.denial.Store(&denial{policy: policy, reason: reason}) }
 
 // Open counts a new connection and returns its handle.
-func (m *Metrics) Open(info ConnInfo) *Conn {
+func (m *Metrics) Open(info ConnInfo) *Conn { return m.open(info, true) }
+
+// open is Open; announce publishes the open to the flows (a refusal only
+// publishes its close).
+func (m *Metrics) open(info ConnInfo, announce bool) *Conn {
 	k := info.key(FlagNone)
 	e := m.istio.entry(&k, famOpened|famSent|famReceived)
 	e.opened.Add(1)
 	c := &Conn{m: m, info: info, start: time.Now(), series: e, logged: m.log.sample()}
 	if c.logged {
 		m.log.opened(&c.info, c.start)
+	}
+	if announce && m.flows.active() {
+		m.flows.publish(&c.info, c.start, time.Time{}, 0, 0, reasonNone, nil)
 	}
 	return c
 }
@@ -297,8 +305,8 @@ func (c *Conn) Sent(n int64) {
 }
 
 // Close counts the end of the connection (closed with reason's
-// response_flags) and its duration, and offers it to the access log, with
-// err (nil for a clean end) as its error.
+// response_flags) and its duration, and offers it to the access log and
+// the flows, with err (nil for a clean end) as its error.
 func (c *Conn) Close(reason CloseReason, err error) {
 	e := c.series
 	if f := reason.Flag(); f != FlagNone {
@@ -310,30 +318,47 @@ func (c *Conn) Close(reason CloseReason, err error) {
 	e.closed.Add(1)
 	end := time.Now()
 	c.m.duration.WithLabelValues(c.info.Reporter).Observe(end.Sub(c.start).Seconds())
+	flowing := c.m.flows.active()
+	if !c.logged && !flowing {
+		return
+	}
+	info := &c.info
+	if d := c.denial.Load(); d != nil {
+		denied := c.info
+		denied.PolicyDecision, denied.Policy, denied.PolicyReason = PolicyDeny, d.policy, d.reason
+		info = &denied
+	}
+	rx, tx := c.rx.Load(), c.tx.Load()
 	if c.logged {
-		info := &c.info
-		if d := c.denial.Load(); d != nil {
-			denied := c.info
-			denied.PolicyDecision, denied.Policy, denied.PolicyReason = PolicyDeny, d.policy, d.reason
-			info = &denied
-		}
-		c.m.log.write(info, c.start, end, c.rx.Load(), c.tx.Load(), reason, err)
+		c.m.log.write(info, c.start, end, rx, tx, reason, err)
+	}
+	if flowing {
+		c.m.flows.publish(info, c.start, end, rx, tx, reason, err)
 	}
 }
 
 // Refused counts a connection that ended before any byte was proxied (a
 // cap, a policy, an upstream that could not be reached): opened and closed
-// at once with reason's response_flags, and offered to the access log.
+// at once with reason's response_flags, and offered to the access log and
+// (its close only) to the flows.
 func (m *Metrics) Refused(info ConnInfo, reason CloseReason, err error) {
-	m.Open(info).Close(reason, err)
+	m.open(info, false).Close(reason, err)
 }
 
 // Misdirected offers a connection that was reset because it was for no
-// workload (ReasonMisdirected) to the access log only: it is in no
-// istio_tcp_* series (ztunnel logs such connections without metrics).
+// workload (ReasonMisdirected) to the access log and the flows only: it is
+// in no istio_tcp_* series (ztunnel logs such connections without
+// metrics).
 func (m *Metrics) Misdirected(info ConnInfo, err error) {
-	if m.log.sample() {
-		now := time.Now()
+	logged, flowing := m.log.sample(), m.flows.active()
+	if !logged && !flowing {
+		return
+	}
+	now := time.Now()
+	if logged {
 		m.log.write(&info, now, now, 0, 0, ReasonMisdirected, err)
+	}
+	if flowing {
+		m.flows.publish(&info, now, now, 0, 0, ReasonMisdirected, err)
 	}
 }

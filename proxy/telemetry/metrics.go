@@ -29,6 +29,7 @@ type Metrics struct {
 	pods     prometheus.Gauge
 	log      *AccessLog
 	policy   policyMetrics
+	flows    *Flows
 }
 
 // New returns the metrics on a fresh registry, without an access log.
@@ -87,11 +88,16 @@ func NewWithAccessLog(log *AccessLog) *Metrics {
 		m.limits.WithLabelValues(l)
 	}
 	m.policy = newPolicyMetrics()
+	m.flows = newFlows(m.Registry)
 	m.Registry.MustRegister(m.istio, m.duration, m.failed, m.udp, m.limits, m.inbound, m.source, m.outbound, m.pods,
 		m.policy.denied, m.policy.dryRun,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
+
+// Flows returns the hub of the connection events the flows socket
+// streams.
+func (m *Metrics) Flows() *Flows { return m.flows }
 
 // FlushAccessLog writes the access log's held lines (AccessLog.Flush).
 func (m *Metrics) FlushAccessLog() { m.log.Flush() }

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"aether.io/node/pkg/flowapi"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"
 )
@@ -143,6 +144,31 @@ func TestCloseReasons(t *testing.T) {
 	}
 }
 
+// bufferedMetrics returns metrics whose access log (level, rate, opens)
+// writes to the returned buffer.
+func bufferedMetrics(t *testing.T, level telemetry.AccessLogLevel, rate float64, opens bool) (*telemetry.Metrics, *bytes.Buffer) {
+	t.Helper()
+	buf := &bytes.Buffer{}
+	al, err := telemetry.NewAccessLog(buf, level, rate, opens)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return telemetry.NewWithAccessLog(al), buf
+}
+
+// cleanAndRefused runs one clean connection (web to db over mutual TLS,
+// 100 bytes to db, 7 back, db closed first) and one the destination's
+// inbound policy strict refused.
+func cleanAndRefused(m *telemetry.Metrics) {
+	c := m.Open(info(telemetry.ReporterSource, true))
+	c.Received(100)
+	c.Sent(7)
+	c.Close(telemetry.ReasonServerClosed, nil)
+	denied := info(telemetry.ReporterDestination, false)
+	denied.Policy = telemetry.PolicyInboundStrict
+	m.Refused(denied, telemetry.ReasonDenied, errors.New("plaintext refused"))
+}
+
 // accessLines runs one clean and one failed connection through an access
 // log of level and rate and returns its lines.
 func accessLines(t *testing.T, level string, rate float64) []map[string]any {
@@ -151,19 +177,8 @@ func accessLines(t *testing.T, level string, rate float64) []map[string]any {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var buf bytes.Buffer
-	al, err := telemetry.NewAccessLog(&buf, lvl, rate, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	m := telemetry.NewWithAccessLog(al)
-	c := m.Open(info(telemetry.ReporterSource, true))
-	c.Received(100)
-	c.Sent(7)
-	c.Close(telemetry.ReasonServerClosed, nil)
-	denied := info(telemetry.ReporterDestination, false)
-	denied.Policy = telemetry.PolicyInboundStrict
-	m.Refused(denied, telemetry.ReasonDenied, errors.New("plaintext refused"))
+	m, buf := bufferedMetrics(t, lvl, rate, false)
+	cleanAndRefused(m)
 	m.FlushAccessLog()
 	var lines []map[string]any
 	for l := range strings.SplitSeq(strings.TrimSpace(buf.String()), "\n") {
@@ -247,12 +262,7 @@ func TestAccessLogOpens(t *testing.T) {
 		{telemetry.AccessLogAll, []string{"connection opened", "connection closed"}},
 		{telemetry.AccessLogErrors, nil},
 	} {
-		var buf bytes.Buffer
-		al, err := telemetry.NewAccessLog(&buf, tc.level, 1, true)
-		if err != nil {
-			t.Fatal(err)
-		}
-		m := telemetry.NewWithAccessLog(al)
+		m, buf := bufferedMetrics(t, tc.level, 1, true)
 		c := m.Open(info(telemetry.ReporterSource, true))
 		c.Received(3)
 		c.Close(telemetry.ReasonClientClosed, nil)
@@ -384,12 +394,7 @@ func TestAccessLogStuckStdout(t *testing.T) {
 // lines at 0.25 keep between 350 and 650 (binomial, > 10 sigma either
 // side).
 func TestAccessLogSampleRate(t *testing.T) {
-	var buf bytes.Buffer
-	al, err := telemetry.NewAccessLog(&buf, telemetry.AccessLogAll, 0.25, false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	m := telemetry.NewWithAccessLog(al)
+	m, buf := bufferedMetrics(t, telemetry.AccessLogAll, 0.25, false)
 	for range 2000 {
 		m.Open(info(telemetry.ReporterSource, false)).Close(telemetry.ReasonClientClosed, nil)
 	}
@@ -454,14 +459,24 @@ func BenchmarkSeriesMemory(b *testing.B) {
 }
 
 // BenchmarkConnTelemetry: what one connection costs the telemetry, Open,
-// a Received and a Sent, Close: the istio_tcp_* series only (off) and with
-// the access log at all writing its line to a file (all). The difference is
-// the access log's cost per connection, to set against the proxy's CPU per
-// connection (proxy/dataplane BenchmarkConnectTelemetry).
+// a Received and a Sent, Close: the istio_tcp_* series only (off), with
+// the access log at all writing its line to a file (all), and with a flows
+// subscriber that never reads (flows-unread: its queue full, every event
+// dropped and counted). The differences are the access log's and the
+// flows' costs per connection, to set against the proxy's CPU per
+// connection (proxy/dataplane BenchmarkConnectTelemetry,
+// BenchmarkConnectFlows).
 func BenchmarkConnTelemetry(b *testing.B) {
-	for _, mode := range []string{"off", "all"} {
+	for _, mode := range []string{"off", "all", "flows-unread"} {
 		b.Run(mode, func(b *testing.B) {
 			m := telemetry.New()
+			if mode == "flows-unread" {
+				s, err := m.Flows().Subscribe(flowapi.Request{})
+				if err != nil {
+					b.Fatal(err)
+				}
+				b.Cleanup(s.Close)
+			}
 			if mode == "all" {
 				f, err := os.Create(filepath.Join(b.TempDir(), "access.log"))
 				if err != nil {

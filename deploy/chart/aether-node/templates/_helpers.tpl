@@ -34,12 +34,16 @@ runDir, a directory it creates 0700 itself (kubelet creates the hostPath
 proxy consumes (xDS, LDS, Workload API, with the Workload API token file)
 from proxy/, a hostPath of its own that kubelet creates and the agent
 tightens to 0700: the proxy mounts proxy/, netns/ and uds/, never agent/.
+The proxy serves its own socket (the flows aetherctl flows follows) from
+proxy-flows/, a hostPath only it mounts (kubelet creates it 0755; the socket
+is 0600, root's).
 aether-cni pins network namespaces in netns/; the pods' UDS socket dirs are
 in uds/.
 */}}
 {{- define "aether-node.runDir" -}}{{ .Values.hostPaths.runDir }}{{- end -}}
 {{- define "aether-node.socketDir" -}}{{ .Values.hostPaths.runDir }}/agent{{- end -}}
 {{- define "aether-node.proxySocketDir" -}}{{ .Values.hostPaths.runDir }}/proxy{{- end -}}
+{{- define "aether-node.proxyFlowsDir" -}}{{ .Values.hostPaths.runDir }}/proxy-flows{{- end -}}
 {{- define "aether-node.pinDir" -}}{{ .Values.hostPaths.runDir }}/netns{{- end -}}
 {{- define "aether-node.udsRoot" -}}{{ .Values.hostPaths.runDir }}/uds{{- end -}}
 {{- define "aether-node.stateDir" -}}{{ .Values.hostPaths.stateDir }}{{- end -}}
@@ -105,10 +109,12 @@ a mount of its own at the same path in the containers).
 {{- end -}}
 {{- end -}}
 {{- /* The sockets below runDir: the agent's own in agent/, the ones the
-proxy dials in proxy/ (aether-node.socketDir, aether-node.proxySocketDir);
-runDir may be as long as the longest of them allows. */ -}}
+proxy dials in proxy/, the proxy's own in proxy-flows/
+(aether-node.socketDir, aether-node.proxySocketDir,
+aether-node.proxyFlowsDir); runDir may be as long as the longest of them
+allows. */ -}}
 {{- $socketLen := 0 -}}
-{{- range list "/agent/cni.sock" "/agent/admin.sock" "/proxy/xds.sock" "/proxy/lds.sock" "/proxy/workload.sock" -}}
+{{- range list "/agent/cni.sock" "/agent/admin.sock" "/proxy/xds.sock" "/proxy/lds.sock" "/proxy/workload.sock" "/proxy-flows/flows.sock" -}}
 {{- $socketLen = max $socketLen (len .) -}}
 {{- end -}}
 {{- $regLen := 40 -}}{{/* /plugins_registry/csi.aether.io-reg.sock */}}
