@@ -261,28 +261,27 @@ func (st *h2Stream) pushLocked(data []byte, n, taken int64) {
 		return
 	}
 	if len(data) > 0 && st.fastLocked() {
-		// Fast path: the upstream takes what it can now.
-		raw, wrote := st.raw, st.wrote
-		st.mu.Unlock()
-		w, err := tryWrite(raw, data)
-		if w > 0 && wrote != nil {
-			wrote(w)
+		// Fast path: the upstream takes what it can now. The write does
+		// not block (tryWrite: one write(2), EAGAIN leaves the rest
+		// queued), so st.mu stays held across it and its count: a
+		// closeIn from another goroutine (an abort, a policy closing
+		// the stream) cannot close the upstream, and its access-log line
+		// be written, between the bytes reaching the app and being
+		// counted (bytes_to_dst 0 for bytes the app had echoed).
+		w, err := tryWrite(st.raw, data)
+		if w > 0 && st.wrote != nil {
+			st.wrote(w)
 		}
 		if err != nil {
 			// The upstream failed: close it; the stream's copy then
 			// resets the stream.
+			st.mu.Unlock()
 			st.closeIn()
 			c.creditConn(n)
 			return
 		}
-		st.mu.Lock()
 		data = data[w:]
 		taken += int64(w)
-		if st.closedIn {
-			st.mu.Unlock()
-			c.creditConn(n)
-			return
-		}
 	}
 	for len(data) > 0 {
 		b := pendBufs.Get().(*[]byte)
