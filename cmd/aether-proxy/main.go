@@ -107,8 +107,10 @@ func main() {
 		mib  int64
 		dst  *int64
 	}{
-		{"hbone-window-budget-mib", *windowMiB, &cfg.Dataplane.HBONEWindowBudget}, {"hbone-window-budget-per-source-mib", *windowSrcMiB, &cfg.Dataplane.HBONEWindowBudgetPerSource},
-		{"hbone-control-budget-mib", *controlMiB, &cfg.Dataplane.HBONEControlBudget}, {"hbone-control-budget-per-source-mib", *controlSrcMiB, &cfg.Dataplane.HBONEControlBudgetPerSource},
+		{"hbone-window-budget-mib", *windowMiB, &cfg.Dataplane.HBONEWindowBudget},
+		{"hbone-window-budget-per-source-mib", *windowSrcMiB, &cfg.Dataplane.HBONEWindowBudgetPerSource},
+		{"hbone-control-budget-mib", *controlMiB, &cfg.Dataplane.HBONEControlBudget},
+		{"hbone-control-budget-per-source-mib", *controlSrcMiB, &cfg.Dataplane.HBONEControlBudgetPerSource},
 	} {
 		if w.mib < 1 || w.mib > 1<<20 {
 			fmt.Fprintf(os.Stderr, "aether-proxy: invalid -%s %d: must be 1-1048576\n", w.name, w.mib)
