@@ -22,7 +22,10 @@ import (
 // A step that creates something pushes its undo (pin: unpin; register:
 // RemovePod; ruleset: remove the divert). A failed or refused AddPod, and
 // under capture_failure "fail" a failed probe or divert, unwind the stack
-// once, newest first, so the failed ADD leaves nothing.
+// once, newest first, so the failed ADD leaves nothing: the divert (also a
+// half-installed one), the agent's record and registration, and the netns
+// pin. Each undo logs its own failure and the next one is still tried; the
+// runtime's DEL finds nothing left.
 func (p *Plugin) Add(args *skel.CmdArgs) error {
 	c, err := p.begin(args, verbAdd)
 	if err != nil {
