@@ -23,6 +23,7 @@ import (
 	"aether.io/node/enivlan/preflight"
 	"aether.io/node/enivlan/spiderpool"
 	"aether.io/node/pkg/cniutil"
+	"aether.io/node/pkg/undo"
 )
 
 // Add implements CNI ADD as named steps (see README.md, "ADD"):
@@ -39,7 +40,7 @@ func (p *Plugin) Add(a *skel.CmdArgs) error {
 	}
 	defer c.close()
 	if err := c.run(); err != nil {
-		return c.undo.unwind(err, c.log)
+		return c.undo.Unwind(err, c.log)
 	}
 	return nil
 }
@@ -71,7 +72,7 @@ type addCall struct {
 	prober        Prober         // open between configure and the end of announce
 	validation    map[string]string
 
-	undo undoStack
+	undo undo.Stack
 	t    addTimings
 }
 
@@ -208,10 +209,10 @@ func (c *addCall) allocate() error {
 	if err != nil {
 		return fmt.Errorf("failed to allocate addresses with IPAM %q: %w", c.conf.IPAMConf.Type, err)
 	}
-	c.undo.push(undo{
-		what:   func() string { return "releasing IPAM" },
-		logErr: func(log *slog.Logger, err error) { log.Error("failed to release IPAM after failed ADD", keyErr, err) },
-		fn:     func() error { return c.p.releaseIPAM(c.ctx, c.conf, c.args.StdinData) },
+	c.undo.Push(undo.Entry{
+		What:   func() string { return "releasing IPAM" },
+		LogErr: func(log *slog.Logger, err error) { log.Error("failed to release IPAM after failed ADD", keyErr, err) },
+		Fn:     func() error { return c.p.releaseIPAM(c.ctx, c.conf, c.args.StdinData) },
 	})
 	res, err := current.NewResultFromResult(ipamRes)
 	if err != nil {
@@ -258,10 +259,10 @@ func (c *addCall) claim() (err error) {
 	if err != nil {
 		return err
 	}
-	mark := c.undo.mark()
+	mark := c.undo.Mark()
 	defer func() {
 		if err != nil {
-			err = c.undo.unwindTo(mark, err, c.log)
+			err = c.undo.UnwindTo(mark, err, c.log)
 		}
 		unlock()
 	}()
@@ -306,10 +307,10 @@ func (c *addCall) claim() (err error) {
 	if err != nil {
 		return err
 	}
-	c.undo.push(undo{
-		what:   func() string { return fmt.Sprintf("deleting link %q", c.linkName) },
-		logErr: func(log *slog.Logger, err error) { log.Error("failed to delete link after failed ADD", keyErr, err) },
-		fn:     func() error { return c.podNS.Do(func(ns.NetNS) error { return c.deleteLink() }) },
+	c.undo.Push(undo.Entry{
+		What:   func() string { return fmt.Sprintf("deleting link %q", c.linkName) },
+		LogErr: func(log *slog.Logger, err error) { log.Error("failed to delete link after failed ADD", keyErr, err) },
+		Fn:     func() error { return c.podNS.Do(func(ns.NetNS) error { return c.deleteLink() }) },
 	})
 	if own {
 		return c.commitRecord(f, rec)
@@ -351,7 +352,7 @@ func (c *addCall) commitRecord(f *os.File, rec *record) error {
 		return err
 	}
 	c.recFile = nil
-	c.undo.push(undo{fn: func() error { removeRecord(c.conf.StateDir, rec.Master, rec.VLAN); return nil }})
+	c.undo.Push(undo.Entry{Fn: func() error { removeRecord(c.conf.StateDir, rec.Master, rec.VLAN); return nil }})
 	return nil
 }
 

@@ -206,7 +206,31 @@ func port(field string, v int) (uint16, error) {
 
 // ParseConfig parses and validates stdin data. requirePrev makes a missing
 // prevResult an error (ADD and CHECK: aether-cni is a chained plugin).
+// Each group of fields is one step, in the order the netconf is checked.
 func ParseConfig(data []byte, requirePrev bool) (*Config, error) {
+	n, err := decodeNetConf(data, requirePrev)
+	if err != nil {
+		return nil, err
+	}
+	c := &Config{Raw: n, LogFile: n.LogFile, LogLevel: n.LogLevel}
+	if err := c.parseAgent(n); err != nil {
+		return nil, err
+	}
+	if err := c.parsePin(n); err != nil {
+		return nil, err
+	}
+	if err := c.parseProbeAndCapture(n); err != nil {
+		return nil, err
+	}
+	if err := c.parseModes(n); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// decodeNetConf decodes the netconf and its prevResult, required when
+// requirePrev is set (code 7).
+func decodeNetConf(data []byte, requirePrev bool) (*NetConf, error) {
 	n := &NetConf{}
 	if err := json.Unmarshal(data, n); err != nil {
 		return nil, cniutil.InvalidConfigf("failed to parse aether-cni network configuration: %w", err)
@@ -219,75 +243,96 @@ func ParseConfig(data []byte, requirePrev bool) (*Config, error) {
 	if requirePrev && n.PrevResult == nil {
 		return nil, cniutil.InvalidConfigf("aether-cni must be chained after a primary plugin (for example bridge or eni-vlan) in a conflist: prevResult is missing")
 	}
-	c := &Config{Raw: n, LogFile: n.LogFile, LogLevel: n.LogLevel}
+	return n, nil
+}
+
+// msField is the duration of the netconf field (milliseconds; def when
+// absent), which must be at most max, and positive unless allowZero.
+func msField(field string, p *int, def, max time.Duration, allowZero bool) (time.Duration, error) {
+	v := intOr(p, int(def/time.Millisecond))
+	if v < 0 || (!allowZero && v == 0) || time.Duration(v)*time.Millisecond > max {
+		lo := 1
+		if allowZero {
+			lo = 0
+		}
+		return 0, cniutil.InvalidConfigf("invalid %s %d: must be %d-%d milliseconds", field, v, lo, max/time.Millisecond)
+	}
+	return time.Duration(v) * time.Millisecond, nil
+}
+
+// parseAgent sets how the agent and the runtime are reached: agent_socket,
+// agent_timeout_ms, cri_timeout_ms, add_attempts and cri_socket.
+func (c *Config) parseAgent(n *NetConf) error {
 	c.AgentSocket = n.AgentSocket
 	if c.AgentSocket == "" {
 		c.AgentSocket = DefaultAgentSocket
 	}
 	if !filepath.IsAbs(c.AgentSocket) {
-		return nil, cniutil.InvalidConfigf("invalid agent_socket %q: must be an absolute path to aether-agent's unix socket", c.AgentSocket)
-	}
-	ms := func(field string, p *int, def, max time.Duration, allowZero bool) (time.Duration, error) {
-		v := intOr(p, int(def/time.Millisecond))
-		if v < 0 || (!allowZero && v == 0) || time.Duration(v)*time.Millisecond > max {
-			lo := 1
-			if allowZero {
-				lo = 0
-			}
-			return 0, cniutil.InvalidConfigf("invalid %s %d: must be %d-%d milliseconds", field, v, lo, max/time.Millisecond)
-		}
-		return time.Duration(v) * time.Millisecond, nil
+		return cniutil.InvalidConfigf("invalid agent_socket %q: must be an absolute path to aether-agent's unix socket", c.AgentSocket)
 	}
 	var err error
-	if c.AgentTimeout, err = ms("agent_timeout_ms", n.AgentTimeoutMs, DefaultAgentTimeout, maxAgentTimeout, false); err != nil {
-		return nil, err
+	if c.AgentTimeout, err = msField("agent_timeout_ms", n.AgentTimeoutMs, DefaultAgentTimeout, maxAgentTimeout, false); err != nil {
+		return err
 	}
-	if c.CRITimeout, err = ms("cri_timeout_ms", n.CRITimeoutMs, DefaultCRITimeout, 5*time.Second, false); err != nil {
-		return nil, err
+	if c.CRITimeout, err = msField("cri_timeout_ms", n.CRITimeoutMs, DefaultCRITimeout, 5*time.Second, false); err != nil {
+		return err
 	}
 	c.AddAttempts = intOr(n.AddAttempts, DefaultAddAttempts)
 	if c.AddAttempts < 1 || c.AddAttempts > maxAddAttempts {
-		return nil, cniutil.InvalidConfigf("invalid add_attempts %d: must be 1-%d", c.AddAttempts, maxAddAttempts)
+		return cniutil.InvalidConfigf("invalid add_attempts %d: must be 1-%d", c.AddAttempts, maxAddAttempts)
 	}
 	c.CRISocket = DefaultCRISocket
 	if n.CRISocket != nil {
 		c.CRISocket = *n.CRISocket
 	}
 	if c.CRISocket != "" && !strings.HasPrefix(c.CRISocket, "unix:///") {
-		return nil, cniutil.InvalidConfigf("invalid cri_socket %q: must be unix:///<absolute path>, or \"\" to disable the CRI PID lookup", c.CRISocket)
+		return cniutil.InvalidConfigf("invalid cri_socket %q: must be unix:///<absolute path>, or \"\" to disable the CRI PID lookup", c.CRISocket)
 	}
+	return nil
+}
+
+// parsePin sets the netns pins: netns_pin_dir (unless pinning is off) and
+// netns_unpin_delay_seconds.
+func (c *Config) parsePin(n *NetConf) error {
 	if !n.NetnsPinDisabled {
 		c.PinDir = n.NetnsPinDir
 		if c.PinDir == "" {
 			c.PinDir = DefaultPinDir
 		}
 		if !filepath.IsAbs(c.PinDir) {
-			return nil, cniutil.InvalidConfigf("invalid netns_pin_dir %q: must be an absolute directory path", c.PinDir)
+			return cniutil.InvalidConfigf("invalid netns_pin_dir %q: must be an absolute directory path", c.PinDir)
 		}
 	}
 	delay := intOr(n.NetnsUnpinDelaySeconds, int(DefaultUnpinDelay/time.Second))
 	if delay < 0 || time.Duration(delay)*time.Second > maxUnpinDelay {
-		return nil, cniutil.InvalidConfigf("invalid netns_unpin_delay_seconds %d: must be 0-%d (0 unpins at DEL)", delay, int(maxUnpinDelay/time.Second))
+		return cniutil.InvalidConfigf("invalid netns_unpin_delay_seconds %d: must be 0-%d (0 unpins at DEL)", delay, int(maxUnpinDelay/time.Second))
 	}
 	c.UnpinDelay = time.Duration(delay) * time.Second
+	return nil
+}
+
+// parseProbeAndCapture sets the readiness probe (its budget and URL, on
+// the capture section's outbound port) and the node-level divert.
+func (c *Config) parseProbeAndCapture(n *NetConf) error {
+	var err error
 	if !n.ReadinessProbeDisabled {
-		if c.ProbeBudget, err = ms("readiness_probe_budget_ms", n.ReadinessProbeBudgetMs, DefaultProbeBudget, maxProbeBudget, false); err != nil {
-			return nil, err
+		if c.ProbeBudget, err = msField("readiness_probe_budget_ms", n.ReadinessProbeBudgetMs, DefaultProbeBudget, maxProbeBudget, false); err != nil {
+			return err
 		}
 	}
 	if c.Capture, err = parseCapture(n.Capture); err != nil {
-		return nil, err
+		return err
 	}
 	out, err := port("capture.outbound_port", intOr(n.Capture.OutboundPort, capture.DefaultOutboundPort))
 	if err != nil {
-		return nil, err
+		return err
 	}
 	path := n.Capture.ReadinessPath
 	if path == "" {
 		path = DefaultReadinessPath
 	}
 	if !strings.HasPrefix(path, "/") {
-		return nil, cniutil.InvalidConfigf("invalid capture.readiness_path %q: must start with /", path)
+		return cniutil.InvalidConfigf("invalid capture.readiness_path %q: must start with /", path)
 	}
 	c.ProbeURL = fmt.Sprintf("http://127.0.0.1:%d%s", out, path)
 	if len(n.Capture.Ports) == 0 {
@@ -297,21 +342,26 @@ func ParseConfig(data []byte, requirePrev bool) (*Config, error) {
 	}
 	c.Capture.OutboundPort = out
 	if err := c.Capture.Normalize().Validate(); err != nil {
-		return nil, cniutil.InvalidConfigf("invalid capture section: %w", err)
+		return cniutil.InvalidConfigf("invalid capture section: %w", err)
 	}
+	return nil
+}
+
+// parseModes checks capture_failure (setting FailOpen) and log_level.
+func (c *Config) parseModes(n *NetConf) error {
 	switch n.CaptureFailure {
 	case "", CaptureFailureFail:
 	case CaptureFailureOpen:
 		c.FailOpen = true
 	default:
-		return nil, cniutil.InvalidConfigf("invalid capture_failure %q: must be %q (the default: the ADD fails when the divert cannot be installed or the proxy never answers the readiness probe) or %q (the pod starts uncaptured and the agent serves it UNHEALTHY)", n.CaptureFailure, CaptureFailureFail, CaptureFailureOpen)
+		return cniutil.InvalidConfigf("invalid capture_failure %q: must be %q (the default: the ADD fails when the divert cannot be installed or the proxy never answers the readiness probe) or %q (the pod starts uncaptured and the agent serves it UNHEALTHY)", n.CaptureFailure, CaptureFailureFail, CaptureFailureOpen)
 	}
 	switch c.LogLevel {
 	case "", "debug", "info", "warn", "error":
 	default:
-		return nil, cniutil.InvalidConfigf("invalid log_level %q: must be debug, info, warn or error", c.LogLevel)
+		return cniutil.InvalidConfigf("invalid log_level %q: must be debug, info, warn or error", c.LogLevel)
 	}
-	return c, nil
+	return nil
 }
 
 func parseCapture(cc CaptureConf) (capture.Config, error) {

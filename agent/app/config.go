@@ -123,6 +123,10 @@ type Config struct {
 	// InboundPolicy is the inbound policy of a pod without a valid
 	// meshcontract.InboundPolicyAnnotation: permissive or strict.
 	InboundPolicy string
+
+	// text is the text of the list and locality flags until Validate
+	// parses it.
+	text flagText
 }
 
 // HBONE reports whether the node's pods have SPIFFE identities (the
@@ -133,10 +137,36 @@ func (c *Config) HBONE() bool { return c.CA != nil || c.ExternalIdentities }
 // one second, and a rotation needs a lifetime it can halve.
 const MinSVIDTTL = 2 * time.Second
 
+// flagText is the text of the flags that ParseFlags turns into a list or
+// a locality: Validate parses it, once, into the Config fields.
+type flagText struct {
+	uids, sysNS, etcdEndpoints, locality string
+}
+
 // ParseFlags parses args (without the program name). It returns
-// flag.ErrHelp after printing usage for --help.
+// flag.ErrHelp after printing usage for --help. It is the flag
+// registration (flagSet), Validate, and the CA's loading.
 func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	c := &Config{}
+	fs := c.flagSet(stderr)
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments %q: aether-agent takes flags only", fs.Args())
+	}
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	if err := c.loadCA(time.Now()); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// flagSet registers the agent's flags, each with its default, into c (and
+// c.text for the lists and the locality), output and usage to stderr.
+func (c *Config) flagSet(stderr io.Writer) *flag.FlagSet {
 	fs := flag.NewFlagSet("aether-agent", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	host, _ := os.Hostname()
@@ -144,7 +174,6 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	if defNode == "" {
 		defNode = host
 	}
-	var uids, sysNS, etcdEndpoints, locality string
 	fs.StringVar(&c.CNISocket, "cni-socket", SocketDir+"/"+meshcontract.CNISocketName, "unix socket serving aether.cni.v1.CNIService (mode 0600; its directory must be 0700)")
 	fs.StringVar(&c.AdminSocket, "admin-socket", SocketDir+"/"+meshcontract.AdminSocketName, "unix socket serving the read-only admin API used by aetherctl (mode 0600); empty disables it")
 	fs.StringVar(&c.StateDir, "state-dir", "/var/lib/aether", "directory of the durable pod store (agent.log, locked by agent.lock)")
@@ -153,8 +182,8 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig for the Kubernetes pod source; empty means in-cluster config")
 	fs.BoolVar(&c.RemoveNotReadyTaint, "remove-not-ready-taint", true, "remove the taint aether.io/agent-not-ready:NoSchedule from this node's Node once the CNI socket serves and the pod source has synced (Kubernetes pod source only; needs patch on nodes)")
 	fs.StringVar(&c.NodeName, "node-name", defNode, "this node's name (default $NODE_NAME, else the hostname)")
-	fs.StringVar(&uids, "allowed-uids", "0", "comma-separated peer uids allowed on the CNI and admin sockets")
-	fs.StringVar(&sysNS, "system-namespaces", strings.Join(pods.DefaultSystemNamespaces, ","), "comma-separated namespaces that are never mesh-managed")
+	fs.StringVar(&c.text.uids, "allowed-uids", "0", "comma-separated peer uids allowed on the CNI and admin sockets")
+	fs.StringVar(&c.text.sysNS, "system-namespaces", strings.Join(pods.DefaultSystemNamespaces, ","), "comma-separated namespaces that are never mesh-managed")
 	fs.StringVar(&c.UDSRoot, meshcontract.UDSCSIRootFlag, meshcontract.DefaultUDSCSIRoot, "root of the "+meshcontract.CSIDriver+" driver's sockets: <root>/<pod uid>/<file>; must equal aether-csi's")
 	fs.StringVar(&c.HTTPAddr, "http-addr", "127.0.0.1:15029", "TCP address of /metrics, /healthz and /readyz; port 0 picks one (logged)")
 	fs.StringVar(&c.MetricsAddr, "metrics-addr", "", "a second TCP address serving /metrics only (for example the node's address, [$(NODE_IP)]:15030, for Prometheus); health stays on --http-addr; empty disables")
@@ -178,7 +207,7 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.StringVar(&c.ClusterDomain, "cluster-domain", "cluster.local", "DNS domain of the cluster's Services: served Service hostnames are <name>.<namespace>.svc.<domain> (kubelet's --cluster-domain)")
 	fs.StringVar(&c.Network, "network", "", "network of the pods' addresses; empty for the default network")
 	fs.StringVar(&c.Registry, "registry", "local", "endpoint registry: local (embedded, this node only), kube (this node's embedded, every other node's mesh-managed pods from the Kubernetes API) or etcd (spans nodes through etcd)")
-	fs.StringVar(&etcdEndpoints, "etcd-endpoints", "", "comma-separated etcd client URLs for --registry=etcd")
+	fs.StringVar(&c.text.etcdEndpoints, "etcd-endpoints", "", "comma-separated etcd client URLs for --registry=etcd")
 	fs.StringVar(&c.EtcdPrefix, "etcd-prefix", "", "etcd key prefix shared by all agents (default /aether/endpoints/)")
 	fs.DurationVar(&c.EtcdLeaseTTL, "etcd-lease-ttl", 10*time.Second, "how long a dead node's endpoints survive in etcd")
 	fs.StringVar(&c.EtcdCAFile, "etcd-ca", "", "CA bundle to verify etcd (TLS)")
@@ -193,20 +222,55 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 	fs.StringVar(&c.WorkloadAPISocket, "workload-api-socket", ProxySocketDir+"/"+meshcontract.WorkloadAPISocketName, "unix socket serving the SPIFFE Workload API (X.509-SVIDs of this node's managed pods) to aether-proxy, mode 0600, --allowed-uids; served only with --ca-cert")
 	fs.BoolVar(&c.ExternalIdentities, "external-identities", false, "the pods' SPIFFE identities come from another provider (SPIRE: aether-proxy -spire-admin-socket): listeners carry each pod's SPIFFE ID and workloads are served tunnel_protocol HBONE without --ca-cert; refused together with --ca-cert")
 	fs.StringVar(&c.InboundPolicy, "inbound-policy", meshcontract.InboundPolicyPermissive, "inbound policy of a pod without a valid "+meshcontract.InboundPolicyAnnotation+" annotation: permissive (plaintext delivered too) or strict (only HBONE; needs aether-cni's capture.inbound_capture); an invalid annotation is served strict")
-	fs.StringVar(&locality, "locality", "", "node locality region/zone/subzone; empty reads the Node's topology labels (Kubernetes source only)")
+	fs.StringVar(&c.text.locality, "locality", "", "node locality region/zone/subzone; empty reads the Node's topology labels (Kubernetes source only)")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: aether-agent [flags]\n\nThe aether node agent: serves aether.cni.v1.CNIService, keeps durable pod records\nand registers mesh-managed pods' endpoints.\n\nFlags:\n")
 		fs.PrintDefaults()
 	}
-	if err := fs.Parse(args); err != nil {
-		return nil, err
-	}
-	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("unexpected arguments %q: aether-agent takes flags only", fs.Args())
-	}
+	return fs
+}
+
+// Validate completes c from the text of its list and locality flags
+// (--allowed-uids, --system-namespaces, --etcd-endpoints and --locality,
+// which flagSet registers; consumed once, so a Config built without flags
+// keeps its fields) and checks every field, in the order the flags were
+// always checked: the first invalid one is named. It reads no file
+// (ParseFlags loads the CA after it).
+func (c *Config) Validate() error {
+	text := c.text
+	c.text = flagText{}
 	if c.GCPercent < 1 {
-		return nil, fmt.Errorf("invalid --gc-percent %d: want at least 1", c.GCPercent)
+		return fmt.Errorf("invalid --gc-percent %d: want at least 1", c.GCPercent)
 	}
+	if err := c.addUIDs(text.uids); err != nil {
+		return err
+	}
+	c.SystemNamespaces = appendList(c.SystemNamespaces, text.sysNS)
+	c.EtcdEndpoints = appendList(c.EtcdEndpoints, text.etcdEndpoints)
+	if err := c.validateRegistry(); err != nil {
+		return err
+	}
+	if err := c.validateServing(); err != nil {
+		return err
+	}
+	if err := c.setLocality(text.locality); err != nil {
+		return err
+	}
+	if c.NodeName == "" {
+		return errors.New("invalid --node-name: empty (set it, $NODE_NAME or a hostname)")
+	}
+	if c.CNISocket == "" || c.StateDir == "" {
+		return errors.New("--cni-socket and --state-dir are required")
+	}
+	if c.LivenessInterval <= 0 || c.PodWait <= 0 {
+		return errors.New("--liveness-interval and --pod-wait must be positive")
+	}
+	return nil
+}
+
+// addUIDs appends the uids of the comma-separated list uids (the text of
+// --allowed-uids) to AllowedUIDs, which must then hold at least one.
+func (c *Config) addUIDs(uids string) error {
 	for _, s := range strings.Split(uids, ",") {
 		s = strings.TrimSpace(s)
 		if s == "" {
@@ -214,78 +278,87 @@ func ParseFlags(args []string, stderr io.Writer) (*Config, error) {
 		}
 		u, err := strconv.ParseUint(s, 10, 32)
 		if err != nil {
-			return nil, fmt.Errorf("invalid --allowed-uids entry %q: want a decimal uid", s)
+			return fmt.Errorf("invalid --allowed-uids entry %q: want a decimal uid", s)
 		}
 		c.AllowedUIDs = append(c.AllowedUIDs, uint32(u))
 	}
 	if len(c.AllowedUIDs) == 0 {
-		return nil, errors.New("invalid --allowed-uids: at least one uid is required")
+		return errors.New("invalid --allowed-uids: at least one uid is required")
 	}
-	for _, s := range strings.Split(sysNS, ",") {
-		if s = strings.TrimSpace(s); s != "" {
-			c.SystemNamespaces = append(c.SystemNamespaces, s)
-		}
-	}
-	for _, e := range strings.Split(etcdEndpoints, ",") {
+	return nil
+}
+
+// appendList appends the non-empty entries of the comma-separated list s
+// to dst.
+func appendList(dst []string, s string) []string {
+	for _, e := range strings.Split(s, ",") {
 		if e = strings.TrimSpace(e); e != "" {
-			c.EtcdEndpoints = append(c.EtcdEndpoints, e)
+			dst = append(dst, e)
 		}
 	}
+	return dst
+}
+
+// validateRegistry checks --registry and what it needs: no
+// --pod-manifests for kube, endpoints and their transport for etcd.
+func (c *Config) validateRegistry() error {
 	switch c.Registry {
 	case "local":
 	case "kube":
 		if c.PodManifests != "" {
-			return nil, errors.New("invalid --registry=kube with --pod-manifests: the kube registry reads other nodes' pods from the Kubernetes API; use --registry=local or etcd on a node without one")
+			return errors.New("invalid --registry=kube with --pod-manifests: the kube registry reads other nodes' pods from the Kubernetes API; use --registry=local or etcd on a node without one")
 		}
 	case "etcd":
 		if len(c.EtcdEndpoints) == 0 {
-			return nil, errors.New("invalid --registry=etcd: --etcd-endpoints is empty; give the etcd client URLs")
+			return errors.New("invalid --registry=etcd: --etcd-endpoints is empty; give the etcd client URLs")
 		}
 		if err := c.etcdOptions().CheckTransport(); err != nil {
 			if errors.Is(err, etcdreg.ErrTLSOverHTTP) {
-				return nil, fmt.Errorf("invalid --etcd-endpoints: %w; --etcd-ca, --etcd-cert and --etcd-key need https:// endpoints, even with --etcd-insecure", err)
+				return fmt.Errorf("invalid --etcd-endpoints: %w; --etcd-ca, --etcd-cert and --etcd-key need https:// endpoints, even with --etcd-insecure", err)
 			}
-			return nil, fmt.Errorf("invalid --etcd-endpoints: %w; pass --etcd-insecure to allow plaintext etcd", err)
+			return fmt.Errorf("invalid --etcd-endpoints: %w; pass --etcd-insecure to allow plaintext etcd", err)
 		}
 	default:
-		return nil, fmt.Errorf("invalid --registry %q: want local, kube or etcd", c.Registry)
+		return fmt.Errorf("invalid --registry %q: want local, kube or etcd", c.Registry)
 	}
+	return nil
+}
+
+// validateServing checks what the served workloads and policies carry:
+// --inbound-policy, --xds-address and its TLS flags, --cluster-id,
+// --root-namespace and --cluster-domain.
+func (c *Config) validateServing() error {
 	if !meshcontract.ValidInboundPolicy(c.InboundPolicy) {
-		return nil, fmt.Errorf("invalid --inbound-policy %q: want %s or %s", c.InboundPolicy, meshcontract.InboundPolicyPermissive, meshcontract.InboundPolicyStrict)
+		return fmt.Errorf("invalid --inbound-policy %q: want %s or %s", c.InboundPolicy, meshcontract.InboundPolicyPermissive, meshcontract.InboundPolicyStrict)
 	}
 	if err := c.checkXDSAddress(); err != nil {
-		return nil, err
+		return err
 	}
 	if (c.XDSSocket != "" || c.XDSAddress != "") && c.ClusterID == "" {
-		return nil, errors.New("invalid --cluster-id: empty; workload uids need the cluster name")
+		return errors.New("invalid --cluster-id: empty; workload uids need the cluster name")
 	}
 	if errs := validation.IsDNS1123Label(c.RootNamespace); len(errs) > 0 {
-		return nil, fmt.Errorf("invalid --root-namespace %q: %s; want a namespace name", c.RootNamespace, strings.Join(errs, "; "))
+		return fmt.Errorf("invalid --root-namespace %q: %s; want a namespace name", c.RootNamespace, strings.Join(errs, "; "))
 	}
 	if errs := validation.IsDNS1123Subdomain(c.ClusterDomain); len(errs) > 0 {
-		return nil, fmt.Errorf("invalid --cluster-domain %q: %s; want a DNS domain such as cluster.local", c.ClusterDomain, strings.Join(errs, "; "))
+		return fmt.Errorf("invalid --cluster-domain %q: %s; want a DNS domain such as cluster.local", c.ClusterDomain, strings.Join(errs, "; "))
 	}
-	if locality != "" {
-		parts := strings.Split(locality, "/")
-		if len(parts) > 3 {
-			return nil, fmt.Errorf("invalid --locality %q: want region[/zone[/subzone]]", locality)
-		}
-		parts = append(parts, "", "")
-		c.Locality = registry.Locality{Region: parts[0], Zone: parts[1], Subzone: parts[2]}
+	return nil
+}
+
+// setLocality sets Locality from locality (the text of --locality,
+// region[/zone[/subzone]]); empty keeps it.
+func (c *Config) setLocality(locality string) error {
+	if locality == "" {
+		return nil
 	}
-	if c.NodeName == "" {
-		return nil, errors.New("invalid --node-name: empty (set it, $NODE_NAME or a hostname)")
+	parts := strings.Split(locality, "/")
+	if len(parts) > 3 {
+		return fmt.Errorf("invalid --locality %q: want region[/zone[/subzone]]", locality)
 	}
-	if c.CNISocket == "" || c.StateDir == "" {
-		return nil, errors.New("--cni-socket and --state-dir are required")
-	}
-	if c.LivenessInterval <= 0 || c.PodWait <= 0 {
-		return nil, errors.New("--liveness-interval and --pod-wait must be positive")
-	}
-	if err := c.loadCA(time.Now()); err != nil {
-		return nil, err
-	}
-	return c, nil
+	parts = append(parts, "", "")
+	c.Locality = registry.Locality{Region: parts[0], Zone: parts[1], Subzone: parts[2]}
+	return nil
 }
 
 // loadCA reads and validates --ca-cert and --ca-key at now. Both empty

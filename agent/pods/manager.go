@@ -357,28 +357,58 @@ func (m *Manager) AddPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 	return res, err
 }
 
+// addPod is AddPod's steps: admit the pod (or ignore or refuse it), build
+// its record, put the record in the pod's entry, persist it (a failure
+// undoes the put) and announce the pod (observe and register it).
 func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.PluginTimings) (cniv1.AddPodResponse_Result, error) {
 	ns, name, key := in.GetNamespace(), in.GetName(), in.GetContainerId()
 	log := m.log.With("namespace", ns, "name", name, "container_id", key)
+	p, res, err := m.admit(ctx, in, log)
+	if p == nil {
+		return res, err
+	}
+	rec := m.newRecord(in, p, timings)
+	e, restore := m.putEntry(key, rec, p)
+	var prepare func(*store.Record)
+	if p, ok := m.cfg.Observer.(Preparer); ok {
+		prepare = p.Prepare
+	}
+	if err := m.persist(ctx, e, prepare); err != nil {
+		restore()
+		log.Error("failed to persist pod record", "error", err.Error())
+		return cniv1.AddPodResponse_RESULT_ERROR, err
+	}
+	m.checkUDS(rec)
+	m.announce(ctx, e, log)
+	return cniv1.AddPodResponse_RESULT_SUCCESS, nil
+}
+
+// admit is AddPod's first step: the source's pod for in, or nil with the
+// result for a pod that is not added: RESULT_IGNORED for a pod in a system
+// namespace, without IPs or not mesh-managed; RESULT_ERROR (and why) for
+// one the source cannot find in time, of another uid or scheduled to
+// another node. It changes nothing, so it has nothing to undo.
+func (m *Manager) admit(ctx context.Context, in *cniv1.CNIPod, log *slog.Logger) (*podsource.Pod, cniv1.AddPodResponse_Result, error) {
+	ns, name := in.GetNamespace(), in.GetName()
 	if m.isSystemNamespace(ns) {
 		log.Debug("pod ignored", "reason", "system_namespace")
-		return cniv1.AddPodResponse_RESULT_IGNORED, nil
+		return nil, cniv1.AddPodResponse_RESULT_IGNORED, nil
 	}
 	if len(in.GetIps()) == 0 {
 		log.Debug("pod ignored", "reason", "no_ips")
-		return cniv1.AddPodResponse_RESULT_IGNORED, nil
+		return nil, cniv1.AddPodResponse_RESULT_IGNORED, nil
 	}
 	lctx, cancel := m.lookupContext(ctx)
 	defer cancel()
 	p, err := m.lookup(lctx, ns, name)
 	if err != nil {
-		return cniv1.AddPodResponse_RESULT_ERROR, err
+		return nil, cniv1.AddPodResponse_RESULT_ERROR, err
 	}
 	// Never take a deleted pod's uid (or its terminating mark) for a new
 	// sandbox of the same name.
 	if p, err = m.samePod(lctx, in.GetUid(), p); err != nil {
 		log.Warn("pod refused: uid mismatch", "error", err.Error())
-		return cniv1.AddPodResponse_RESULT_ERROR, err
+		return nil, cniv1.AddPodResponse_RESULT_ERROR, err
 	}
 	// Only a pod scheduled here: the kube source's GET on a cache miss
 	// answers for any node's pod (the manifests source keeps only this
@@ -386,12 +416,20 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 	if p.NodeName != m.cfg.Node {
 		err := fmt.Errorf("failed to add pod %s/%s: %w: its spec.nodeName is %q, this node is %q", ns, name, ErrPodOtherNode, p.NodeName, m.cfg.Node)
 		log.Warn("pod refused: not scheduled to this node", "node_name", p.NodeName, "node", m.cfg.Node, "uid", p.UID)
-		return cniv1.AddPodResponse_RESULT_ERROR, err
+		return nil, cniv1.AddPodResponse_RESULT_ERROR, err
 	}
 	if p.Labels[ManagedLabel] != "true" {
 		log.Debug("pod ignored", "reason", "not_managed")
-		return cniv1.AddPodResponse_RESULT_IGNORED, nil
+		return nil, cniv1.AddPodResponse_RESULT_IGNORED, nil
 	}
+	return p, cniv1.AddPodResponse_RESULT_SUCCESS, nil
+}
+
+// newRecord is the record of the pod the runtime adds: in, completed with
+// what the source knows of p (labels, annotations, service account, uid,
+// ports, volumes), and the plugin's timings. It changes nothing, so it has
+// nothing to undo.
+func (m *Manager) newRecord(in *cniv1.CNIPod, p *podsource.Pod, timings *cniv1.PluginTimings) *store.Record {
 	pod := proto.Clone(in).(*cniv1.CNIPod)
 	pod.Labels = p.Labels
 	pod.Annotations = p.Annotations
@@ -406,8 +444,21 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 	if timings != nil {
 		rec.LastTimings = proto.Clone(timings).(*cniv1.PluginTimings)
 	}
+	return rec
+}
 
+// putEntry makes rec the record of key's entry (a new one for a first
+// ADD), keeping what a re-ADD must not lose of the record it replaces
+// (when it was added, its uncaptured state, its timings, a terminating
+// mark and the last locality known), and marks the pod terminating as the
+// source or this manager knows it. restore is its undo, for a record that
+// could not be persisted: it takes a new entry out again, or puts the
+// previous record back while rec is still the entry's.
+func (m *Manager) putEntry(key string, rec *store.Record, p *podsource.Pod) (e *entry, restore func()) {
+	pod := rec.Pod
+	ns, name := pod.GetNamespace(), pod.GetName()
 	m.mu.Lock()
+	defer m.mu.Unlock()
 	e, had := m.entries[key]
 	var prev *store.Record
 	if !had {
@@ -435,13 +486,7 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 		rec.Locality = prev.Locality // the last one known
 	}
 	e.rec = rec
-	m.mu.Unlock()
-
-	var prepare func(*store.Record)
-	if p, ok := m.cfg.Observer.(Preparer); ok {
-		prepare = p.Prepare
-	}
-	if err := m.persist(ctx, e, prepare); err != nil {
+	return e, func() {
 		m.mu.Lock()
 		if !had && m.entries[key] == e {
 			delete(m.entries, key)
@@ -449,11 +494,15 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 			e.rec = prev
 		}
 		m.mu.Unlock()
-		log.Error("failed to persist pod record", "error", err.Error())
-		return cniv1.AddPodResponse_RESULT_ERROR, err
 	}
-	m.checkUDS(rec)
+}
 
+// announce is AddPod's last step, after the record is persisted: the
+// observer learns the entry (unless it was removed meanwhile) and the pod
+// is registered (register checks terminating and removed itself; the
+// liveness loop retries a registration that failed). Nothing is undone
+// after it: the ADD has succeeded.
+func (m *Manager) announce(ctx context.Context, e *entry, log *slog.Logger) {
 	m.mu.Lock()
 	if !e.removed {
 		m.observeLocked(e)
@@ -464,7 +513,6 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 	terminating, registered := e.rec.Pod.GetTerminating(), e.registered
 	m.mu.Unlock()
 	log.Info("pod added", "terminating", terminating, "registered", registered)
-	return cniv1.AddPodResponse_RESULT_SUCCESS, nil
 }
 
 // persist writes e's current record; writes of one record are ordered by

@@ -1,4 +1,4 @@
-package enivlan
+package undo
 
 import (
 	"errors"
@@ -13,7 +13,7 @@ func TestUndoStack(t *testing.T) {
 	tests := []struct {
 		name    string
 		failing map[string]bool
-		mark    int // unwindTo(mark) first, then unwind
+		mark    int // UnwindTo(mark) first, then Unwind
 		order   []string
 		msg     string
 	}{
@@ -26,10 +26,10 @@ func TestUndoStack(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			var s undoStack
+			var s Stack
 			var ran []string
 			for _, n := range []string{"a", "b", "c"} {
-				s.push(undo{what: func() string { return "undoing " + n }, logErr: func(*slog.Logger, error) {}, fn: func() error {
+				s.Push(Entry{What: func() string { return "undoing " + n }, LogErr: func(*slog.Logger, error) {}, Fn: func() error {
 					ran = append(ran, n)
 					if tt.failing[n] {
 						return errors.New(n + " broke")
@@ -39,10 +39,10 @@ func TestUndoStack(t *testing.T) {
 			}
 			err := errors.New("cause")
 			if tt.mark > 0 {
-				err = s.unwindTo(tt.mark, err, log)
+				err = s.UnwindTo(tt.mark, err, log)
 			}
-			err = s.unwind(err, log)
-			_ = s.unwind(errors.New("again"), log) // exactly once: nothing left
+			err = s.Unwind(err, log)
+			_ = s.Unwind(errors.New("again"), log) // exactly once: nothing left
 			if !slices.Equal(ran, tt.order) {
 				t.Errorf("ran %v, want %v", ran, tt.order)
 			}
