@@ -12,6 +12,8 @@ import (
 	"path"
 	"path/filepath"
 	"strings"
+
+	"aether.io/node/pkg/meshcontract"
 )
 
 // Defaults of the chained aether-cni entry; they match meshcni's netconf
@@ -55,6 +57,10 @@ type EntryOptions struct {
 	// sources (the node's address: the kubelet's probes) the inbound
 	// redirect leaves alone.
 	InboundPlaintextAllowCIDRs []string
+	// HBONEPort is capture.hbone_port, aether-proxy's -hbone-port: the
+	// port the capture never redirects. 0 or meshcontract.HBONEPort
+	// (15008) leaves the key out (the plugin's default).
+	HBONEPort int
 }
 
 // Entry renders the aether-cni plugin object (one line of JSON, keys in a
@@ -65,6 +71,7 @@ func (o EntryOptions) Entry() ([]byte, error) {
 		RedirectAll                bool     `json:"redirect_all,omitempty"`
 		InboundCapture             bool     `json:"inbound_capture,omitempty"`
 		InboundPlaintextAllowCIDRs []string `json:"inbound_plaintext_allow_cidrs,omitempty"`
+		HBONEPort                  int      `json:"hbone_port,omitempty"`
 	}
 	e := struct {
 		Type         string          `json:"type"`
@@ -112,6 +119,12 @@ func (o EntryOptions) Entry() ([]byte, error) {
 			}
 		}
 	}
+	switch {
+	case o.HBONEPort < 0 || o.HBONEPort > 65535:
+		return nil, fmt.Errorf("invalid HBONE port %d: must be a port number, 1-65535 (aether-proxy's -hbone-port; 0 = %d)", o.HBONEPort, meshcontract.HBONEPort)
+	case o.HBONEPort != meshcontract.HBONEPort:
+		e.Capture.HBONEPort = o.HBONEPort
+	}
 	switch o.CaptureFailure {
 	case "", "fail", "open":
 	default:
@@ -154,6 +167,7 @@ func ParseFlags(args []string, out io.Writer) (*Options, error) {
 	fs.BoolVar(&entry.InboundCapture, "inbound-capture", false, "capture.inbound_capture of the chained aether-cni entry: redirect plaintext inbound TCP to the proxy (needed for a strict inbound policy)")
 	var allow string
 	fs.StringVar(&allow, "inbound-plaintext-allow-cidrs", "", "comma-separated capture.inbound_plaintext_allow_cidrs of the chained aether-cni entry: sources the inbound redirect leaves alone (the node's address, for the kubelet's probes)")
+	fs.IntVar(&entry.HBONEPort, "hbone-port", meshcontract.HBONEPort, "capture.hbone_port of the chained aether-cni entry: the pods' HBONE port, never redirected; must equal aether-proxy's -hbone-port")
 	fs.StringVar(&entry.LogLevel, "plugin-log-level", "", "log_level of the chained aether-cni entry (debug, info, warn, error; empty = plugin default)")
 	fs.StringVar(&pluginConf, "plugin-config", "", "file with the whole aether-cni plugin object (JSON, \"type\": \"aether-cni\"); overrides the entry flags")
 	fs.StringVar(&o.LogLevel, "log-level", "info", "installer log level: debug, info, warn or error")

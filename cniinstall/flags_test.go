@@ -49,6 +49,18 @@ func TestParseFlags(t *testing.T) {
 			`{"type":"aether-cni","agent_socket":"/run/aether/agent/cni.sock","netns_pin_dir":"/run/aether/netns","capture":{"redirect_all":true,"inbound_capture":true,"inbound_plaintext_allow_cidrs":["10.88.0.1","fd00::/64"]},"capabilities":{"io.kubernetes.cri.pod-annotations":true}}`,
 		},
 		{
+			"another HBONE port",
+			[]string{"--hbone-port=15009"},
+			[]string{"aether-cni"},
+			`{"type":"aether-cni","agent_socket":"/run/aether/agent/cni.sock","netns_pin_dir":"/run/aether/netns","capture":{"redirect_all":true,"hbone_port":15009},"capabilities":{"io.kubernetes.cri.pod-annotations":true}}`,
+		},
+		{
+			"Istio's HBONE port is the default, left out",
+			[]string{"--hbone-port=15008"},
+			[]string{"aether-cni"},
+			`{"type":"aether-cni","agent_socket":"/run/aether/agent/cni.sock","netns_pin_dir":"/run/aether/netns","capture":{"redirect_all":true},"capabilities":{"io.kubernetes.cri.pod-annotations":true}}`,
+		},
+		{
 			"plugin config file, compacted",
 			[]string{"--plugin-config=" + conf},
 			[]string{"aether-cni"},

@@ -3,6 +3,7 @@ package deploy_test
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"os"
@@ -23,6 +24,7 @@ import (
 	"k8s.io/client-go/kubernetes/scheme"
 
 	"aether.io/node/deploy/chart"
+	"aether.io/node/meshcni"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden renders in testdata/golden")
@@ -296,6 +298,8 @@ func TestChartRejects(t *testing.T) {
 		{"cni.binDir moved", "cni:\n  binDir: /opt/cni/bin\n", "invalid cni.binDir: moved to hostPaths.cniBinDir"},
 		{"cni.confDir moved", "cni:\n  confDir: /etc/cni/net.d\n", "invalid cni.confDir: moved to hostPaths.cniConfDir"},
 		{"csi.kubeletDir moved", "csi:\n  kubeletDir: /var/lib/kubelet\n", "invalid csi.kubeletDir: moved to hostPaths.kubeletDir"},
+		{"hbone port out of range", "hbonePort: 70000\n", "invalid hbonePort 70000: must be a port number, 1-65535"},
+		{"hbone port on the capture's", "hbonePort: 18008\n", "invalid hbonePort 18008: one of the capture's own ports"},
 		{"metrics port out of range", "metrics:\n  proxyPort: 0\n", "invalid metrics.proxyPort 0: must be a port number, 1-65535"},
 		{"metrics port not a number", "metrics:\n  agentPort: metrics\n", "invalid metrics.agentPort metrics: must be a port number"},
 		{"metrics ports the same", "metrics:\n  agentPort: 15020\n", "invalid metrics.proxyPort 15020: the same port as metrics.agentPort"},
@@ -378,6 +382,37 @@ func TestPortsAndDrain(t *testing.T) {
 			}
 			if g := spec.Template.Spec.TerminationGracePeriodSeconds; g == nil || *g != tt.grace {
 				t.Errorf("grace period %v, want %d", g, tt.grace)
+			}
+		})
+	}
+}
+
+// TestHBONEPort: the chart's hbonePort reaches aether-proxy's -hbone-port
+// and, through the installer, the capture exemption of the aether-cni
+// entry it chains, as aether-cni parses it: one value, every side.
+func TestHBONEPort(t *testing.T) {
+	for _, tt := range []struct {
+		set  string
+		port int
+	}{{"default", 15008}, {"ports", 15009}} {
+		t.Run(tt.set, func(t *testing.T) {
+			r := renderSet(t, valueSets[slices.IndexFunc(valueSets, func(v valueSet) bool { return v.name == tt.set })])
+			if want := fmt.Sprintf("-hbone-port=%d", tt.port); !slices.Contains(container(t, r, "aether-proxy").Args, want) {
+				t.Errorf("proxy args %v lack %s", container(t, r, "aether-proxy").Args, want)
+			}
+			entry := installerOptions(t, r).Config.Entry
+			var m map[string]any
+			if err := json.Unmarshal(entry, &m); err != nil {
+				t.Fatal(err)
+			}
+			m["cniVersion"], m["name"] = "1.0.0", "mesh"
+			b, _ := json.Marshal(m)
+			mc, err := meshcni.ParseConfig(b, false)
+			if err != nil {
+				t.Fatalf("aether-cni rejects the installer's entry %s: %v", entry, err)
+			}
+			if int(mc.Capture.HBONEPort) != tt.port {
+				t.Errorf("aether-cni's capture exempts HBONE port %d (entry %s), want the chart's %d", mc.Capture.HBONEPort, entry, tt.port)
 			}
 		})
 	}

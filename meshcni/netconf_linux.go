@@ -107,6 +107,10 @@ type CaptureConf struct {
 	InboundCapture bool `json:"inbound_capture,omitempty"`
 	// InboundPort is the proxy's transparent inbound listener (18008).
 	InboundPort *int `json:"inbound_port,omitempty"`
+	// HBONEPort is the proxy's HBONE listener in every pod
+	// (meshcontract.HBONEPort, 15008): inbound HBONE is never redirected.
+	// It must equal aether-proxy's -hbone-port.
+	HBONEPort *int `json:"hbone_port,omitempty"`
 	// ExcludeInboundPorts are destination ports the inbound redirect
 	// leaves alone (they reach the app in plaintext whatever the policy).
 	ExcludeInboundPorts []int `json:"exclude_inbound_ports,omitempty"`
@@ -381,6 +385,9 @@ func parseCapture(cc CaptureConf) (capture.Config, error) {
 	}
 	c.InboundCapture = cc.InboundCapture
 	if c.InboundPort, err = port("capture.inbound_port", intOr(cc.InboundPort, capture.DefaultInboundPort)); err != nil {
+		return c, err
+	}
+	if c.HBONEPort, err = port("capture.hbone_port", intOr(cc.HBONEPort, capture.DefaultHBONEPort)); err != nil {
 		return c, err
 	}
 	if c.ExcludeInboundPorts, err = ports("capture.exclude_inbound_ports", cc.ExcludeInboundPorts); err != nil {

@@ -43,6 +43,8 @@ func TestParseConfig(t *testing.T) {
 		{"bad capture_failure", `{"capture_failure":"ignore"}`, false, `invalid capture_failure "ignore": must be "fail"`},
 		{"inbound capture", `{"capture":{"inbound_capture":true,"exclude_inbound_ports":[9090],"inbound_plaintext_allow_cidrs":["192.0.2.10","fd00::/64"]}}`, false, ""},
 		{"bad inbound port", `{"capture":{"inbound_port":0}}`, false, "capture.inbound_port 0"},
+		{"hbone port", `{"capture":{"hbone_port":15009}}`, false, ""},
+		{"bad hbone port", `{"capture":{"hbone_port":70000}}`, false, "capture.hbone_port 70000"},
 		{"inbound port is the capture port", `{"capture":{"inbound_capture":true,"inbound_port":18001}}`, false, "inbound port 18001 must differ"},
 		{"bad excluded inbound port", `{"capture":{"exclude_inbound_ports":[0]}}`, false, "capture.exclude_inbound_ports entry 0"},
 		{"bad allowed source", `{"capture":{"inbound_plaintext_allow_cidrs":["node"]}}`, false, "capture.inbound_plaintext_allow_cidrs entry \"node\""},

@@ -243,6 +243,13 @@ binaries or the API server would reject. */}}
 {{- fail (printf "invalid ports.proxyAdmin %v: the same port as ports.agentHTTP; both listen on the node's 127.0.0.1" .Values.ports.proxyAdmin) -}}
 {{- end -}}
 {{- include "aether-node.validateMetrics" . -}}
+{{- $hb := .Values.hbonePort -}}
+{{- if not (and (or (kindIs "float64" $hb) (kindIs "int" $hb) (kindIs "int64" $hb)) (eq (float64 $hb) (floor $hb)) (ge (float64 $hb) 1.0) (le (float64 $hb) 65535.0)) -}}
+{{- fail (printf "invalid hbonePort %v: must be a port number, 1-65535 (Istio's is 15008)" $hb) -}}
+{{- end -}}
+{{- if has (float64 $hb) (list 18001.0 18008.0 18081.0) -}}
+{{- fail (printf "invalid hbonePort %v: one of the capture's own ports in the pod (18001 capture, 18008 inbound, 18081 outbound and readiness); Istio's is 15008" $hb) -}}
+{{- end -}}
 {{- $grace := .Values.terminationGracePeriodSeconds -}}
 {{- if not (and (or (kindIs "float64" $grace) (kindIs "int" $grace) (kindIs "int64" $grace)) (eq (float64 $grace) (floor $grace)) (ge (float64 $grace) 1.0)) -}}
 {{- fail (printf "invalid terminationGracePeriodSeconds %v: must be a whole number of seconds, at least 1" $grace) -}}
