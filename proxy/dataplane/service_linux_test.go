@@ -2,14 +2,20 @@ package dataplane_test
 
 import (
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
+	"slices"
 	"testing"
 	"time"
 
+	"github.com/spiffe/go-spiffe/v2/spiffeid"
+
 	"aether.io/node/api/istio/workload"
 	"aether.io/node/proxy/dataplane"
+	"aether.io/node/proxy/hbone/hbonetest"
 	"aether.io/node/proxy/peers"
+	"aether.io/node/proxy/proxytest"
 )
 
 // serviceOf is a Service named name with one VIP per family, port 80 to
@@ -159,5 +165,91 @@ func BenchmarkServiceConnect(b *testing.B) {
 		b.Run(mode, func(b *testing.B) {
 			connectLatency(b, func() *net.TCPConn { return podDial(b, e.client, dst) })
 		})
+	}
+}
+
+// BenchmarkServiceRequestLatency: request/response latency on established
+// connections, 1 KiB echoed at 1,000 requests a second, through both
+// proxies over HBONE via a Service (ours: the captured client pod on node
+// A dials a VIP, A's proxy resolves it and tunnels to the server pod on
+// node B, whose proxy delivers to the app) against the same calls direct
+// (peer: an uncaptured pod on node A to the server pod's address, no proxy
+// on the path), alternated in one run; p50/p90/p99 of each. The difference
+// is what the mesh adds per request (Istio publishes +0.17 ms p90 and
+// +0.20 ms p99 for a ztunnel pair).
+func BenchmarkServiceRequestLatency(b *testing.B) {
+	c := proxytest.NewCluster(b,
+		proxytest.NodeSpec{Pods: []string{"client", "direct"}, Captured: []string{"client"}},
+		proxytest.NodeSpec{Pods: []string{"server"}, Captured: []string{"server"}},
+	)
+	client, direct, server := c.Nodes[0].Pods[0], c.Nodes[0].Pods[1], c.Nodes[1].Pods[0]
+	client.SPIFFEID, server.SPIFFEID = podID(client).String(), podID(server).String()
+	ca, err := hbonetest.NewCA(spiffeid.RequireTrustDomainFromString(testTrustDomain))
+	if err != nil {
+		b.Fatal(err)
+	}
+	vip4 := netip.MustParseAddr("10.88.0.201")
+	svc := serviceOf("echo", vip4, netip.MustParseAddr("fd88::201"))
+	fill := func(idx *peers.Index) {
+		idx.Upsert(hboneWorkload(client, true))
+		idx.Upsert(hboneWorkload(server, true))
+		idx.Upsert(hboneWorkload(direct, false))
+	}
+	svcs := peers.NewServices()
+	svcs.UpsertService(svc)
+	svcs.UpsertWorkload(member(hboneWorkload(server, true), svc))
+	startNodeProxyConfig(b, ca, fill, []*proxytest.Pod{client}, client.Specs(b), dataplane.Config{Services: svcs})
+	startNodeProxy(b, ca, fill, []*proxytest.Pod{server}, server.Specs(b))
+	server.Echo(b, 8080)
+	for _, mode := range []string{"peer", "ours", "peer-again", "ours-again"} {
+		from, dst := direct, netip.AddrPortFrom(server.IP4, 8080)
+		if mode == "ours" || mode == "ours-again" {
+			from, dst = client, netip.AddrPortFrom(vip4, 80)
+		}
+		b.Run(mode, func(b *testing.B) {
+			conn := podDial(b, from, dst)
+			defer conn.Close()
+			requestLatency(b, conn, 1024, time.Millisecond)
+		})
+	}
+}
+
+// requestLatency sends size bytes and reads the echo back on c, b.N times,
+// one request every interval (paced from a schedule; a late request goes
+// at once), and reports the p50, p90 and p99 of the round trips.
+func requestLatency(b *testing.B, c *net.TCPConn, size int, interval time.Duration) {
+	req, resp := make([]byte, size), make([]byte, size)
+	for range 10 { // warm: the path, the pool, the proxies' buffers
+		if _, err := c.Write(req); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, resp); err != nil {
+			b.Fatal(err)
+		}
+	}
+	lat := make([]time.Duration, 0, b.N)
+	next := time.Now()
+	b.ResetTimer()
+	for range b.N {
+		next = next.Add(interval)
+		if d := time.Until(next); d > 0 {
+			time.Sleep(d)
+		}
+		start := time.Now()
+		if _, err := c.Write(req); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, resp); err != nil {
+			b.Fatal(err)
+		}
+		lat = append(lat, time.Since(start))
+	}
+	b.StopTimer()
+	slices.Sort(lat)
+	for _, q := range []struct {
+		name string
+		pct  int
+	}{{"p50-ns", 50}, {"p90-ns", 90}, {"p99-ns", 99}} {
+		b.ReportMetric(float64(lat[len(lat)*q.pct/100].Nanoseconds()), q.name)
 	}
 }

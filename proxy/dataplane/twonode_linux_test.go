@@ -84,7 +84,14 @@ func (l *logCount) count(level slog.Level, prefix string) int {
 // startNodeProxy runs a manager with its own peers index (filled by
 // fill), serving the listeners of pods (whose SVIDs it holds), and waits for
 // the pods' readiness.
-func startNodeProxy(t *testing.T, ca *hbonetest.CA, fill func(*peers.Index), pods []*proxytest.Pod, specs []listener.Spec) *nodeProxy {
+func startNodeProxy(t testing.TB, ca *hbonetest.CA, fill func(*peers.Index), pods []*proxytest.Pod, specs []listener.Spec) *nodeProxy {
+	t.Helper()
+	return startNodeProxyConfig(t, ca, fill, pods, specs, dataplane.Config{})
+}
+
+// startNodeProxyConfig is startNodeProxy with cfg's other fields (a
+// Services index, say) for the node's manager.
+func startNodeProxyConfig(t testing.TB, ca *hbonetest.CA, fill func(*peers.Index), pods []*proxytest.Pod, specs []listener.Spec, cfg dataplane.Config) *nodeProxy {
 	t.Helper()
 	certs := hbonetest.NewCerts(ca.Bundle())
 	for _, p := range pods {
@@ -101,7 +108,8 @@ func startNodeProxy(t *testing.T, ca *hbonetest.CA, fill func(*peers.Index), pod
 	idx := peers.NewIndex()
 	fill(idx)
 	var err error
-	n.mgr, err = dataplane.New(dataplane.Config{Certs: certs, ConnectTimeout: 3 * time.Second, ShutdownDrain: time.Second}, idx, n.metrics, slog.New(n.logs))
+	cfg.Certs, cfg.ConnectTimeout, cfg.ShutdownDrain = certs, 3*time.Second, time.Second
+	n.mgr, err = dataplane.New(cfg, idx, n.metrics, slog.New(n.logs))
 	if err != nil {
 		t.Fatal(err)
 	}
