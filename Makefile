@@ -82,7 +82,7 @@ lint: $(GOLANGCI)
 deps:
 	./scripts/install-deps.sh
 
-## test: every test lane (unit, netns, containerd, kube-apiserver, VM); as root
+## test: every test lane (unit, netns, containerd, kube-apiserver, VM, the arm64 binaries under qemu-user); as root
 test: deps
 	@if [ "$$(id -u)" != 0 ]; then echo "make test needs root (network namespaces, mounts, qemu lane)"; exit 1; fi
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...

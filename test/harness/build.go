@@ -113,13 +113,7 @@ func BuildOwn(tb testing.TB, cmds ...string) string {
 	}
 	ownMu.Lock()
 	defer ownMu.Unlock()
-	if ownDir == "" {
-		d, err := os.MkdirTemp("", "aether-bin-")
-		if err != nil {
-			tb.Fatal(err)
-		}
-		ownDir = d
-	}
+	dir := ownDirLocked(tb)
 	var pkgs []string
 	for _, c := range cmds {
 		if _, ok := ownBuilt[c]; !ok {
@@ -127,12 +121,35 @@ func BuildOwn(tb testing.TB, cmds ...string) string {
 		}
 	}
 	if len(pkgs) > 0 {
-		if err := goBuild(ownDir, pkgs...); err != nil {
+		if err := goBuild(dir, pkgs...); err != nil {
 			tb.Fatalf("failed to build %v: %v", cmds, err)
 		}
 		for _, c := range cmds {
-			ownBuilt[c] = filepath.Join(ownDir, c)
+			ownBuilt[c] = filepath.Join(dir, c)
 		}
+	}
+	return dir
+}
+
+// ownDirOf is ownDirLocked taking ownMu.
+func ownDirOf(tb testing.TB) string {
+	tb.Helper()
+	ownMu.Lock()
+	defer ownMu.Unlock()
+	return ownDirLocked(tb)
+}
+
+// ownDirLocked returns the directory of the binaries this process builds
+// (BuildOwn, BuildRelease, BuildReleaseArch), making it on first use; the
+// caller holds ownMu.
+func ownDirLocked(tb testing.TB) string {
+	tb.Helper()
+	if ownDir == "" {
+		d, err := os.MkdirTemp("", "aether-bin-")
+		if err != nil {
+			tb.Fatal(err)
+		}
+		ownDir = d
 	}
 	return ownDir
 }
@@ -179,17 +196,7 @@ func BuildRelease(tb testing.TB, pkg string, tags ...string) string {
 	if p, ok := releaseBuilt[key]; ok {
 		return p
 	}
-	ownMu.Lock()
-	if ownDir == "" {
-		d, err := os.MkdirTemp("", "aether-bin-")
-		if err != nil {
-			ownMu.Unlock()
-			tb.Fatal(err)
-		}
-		ownDir = d
-	}
-	dir := ownDir
-	ownMu.Unlock()
+	dir := ownDirOf(tb)
 	out := filepath.Join(dir, "release", fmt.Sprint(len(releaseBuilt)), name)
 	linked := out + ".linked"
 	args := []string{"build", "-trimpath", "-ldflags", ReleaseLDFLAGS, "-tags", strings.Join(append([]string{ReleaseTags}, tags...), ","), "-o", linked}
@@ -266,17 +273,7 @@ func buildArch(tb testing.TB, goarch, kind string, args func(dir string) []strin
 	if d, ok := archBuilt[key]; ok {
 		return d
 	}
-	ownMu.Lock()
-	if ownDir == "" {
-		d, err := os.MkdirTemp("", "aether-bin-")
-		if err != nil {
-			ownMu.Unlock()
-			tb.Fatal(err)
-		}
-		ownDir = d
-	}
-	dir := filepath.Join(ownDir, fmt.Sprintf("linux_%s-%d", goarch, len(archBuilt)))
-	ownMu.Unlock()
+	dir := filepath.Join(ownDirOf(tb), fmt.Sprintf("linux_%s-%d", goarch, len(archBuilt)))
 	if err := runGoEnv([]string{"GOOS=linux", "GOARCH=" + goarch}, args(dir)...); err != nil {
 		tb.Fatalf("failed to build %v for linux/%s: %v", pkgs, goarch, err)
 	}
