@@ -13,6 +13,8 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 IMAGE ?= localhost/aether-node:$(VERSION)
 # Every image entry and the config carry this time, so one commit gives one digest.
 SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
+# The architectures of the image's index (make image), all built from this tree in one run.
+IMAGE_ARCHS ?= amd64 arm64
 BENCH ?= .
 BENCHTIME ?= 1s
 # BENCHCOUNT rounds of every benchmark (each round runs ours then peer once, so the two
@@ -45,9 +47,15 @@ build:
 build-debug:
 	$(MAKE) build LDFLAGS=
 
-## image: OCI image of the release binaries, no Docker daemon: bin/image/oci (layout) and bin/image/aether-node.tar
-image: build
-	$(GO) run ./tools/image -bin bin -out bin/image -ref $(IMAGE) -version $(VERSION) -created-unix $(SOURCE_DATE_EPOCH)
+## image: multi-architecture OCI image (an index over IMAGE_ARCHS) of the release binaries, built
+## for each architecture into bin/linux_<arch>/, no Docker daemon: bin/image/oci (layout) and
+## bin/image/aether-node.tar
+image:
+	for arch in $(IMAGE_ARCHS); do \
+		CGO_ENABLED=0 GOOS=linux GOARCH=$$arch $(GO) build -trimpath -tags '$(TAGS)' -ldflags '$(LDFLAGS)' -o bin/linux_$$arch/ ./cmd/... || exit 1; \
+	done
+	$(GO) run ./tools/image $(foreach arch,$(IMAGE_ARCHS),-arch-bin $(arch)=bin/linux_$(arch)) \
+		-out bin/image -ref $(IMAGE) -version $(VERSION) -created-unix $(SOURCE_DATE_EPOCH)
 
 ## tools: protoc-gen-go and protoc-gen-go-grpc at the versions go.mod pins
 tools:
@@ -74,7 +82,7 @@ lint: $(GOLANGCI)
 deps:
 	./scripts/install-deps.sh
 
-## test: every test lane (unit, netns, containerd, kube-apiserver, VM); as root
+## test: every test lane (unit, netns, containerd, kube-apiserver, VM, the arm64 binaries under qemu-user); as root
 test: deps
 	@if [ "$$(id -u)" != 0 ]; then echo "make test needs root (network namespaces, mounts, qemu lane)"; exit 1; fi
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...

@@ -29,20 +29,6 @@ func report(b *testing.B, d []time.Duration, prefix string) {
 	b.ReportMetric(float64(d[(len(d)*99)/100].Nanoseconds()), prefix+"p99-ns")
 }
 
-// benchIP is the address the static IPAM delegate hands out in the
-// comparisons (both sides; one pod at a time).
-const benchIP = "10.77.0.60/24"
-
-// staticIPAM is the static IPAM section both sides of a comparison
-// delegate to: benchIP, gateway 10.77.0.1, default route.
-func staticIPAM() map[string]any {
-	return map[string]any{
-		"type":      "static",
-		"addresses": []map[string]any{{"address": benchIP, "gateway": "10.77.0.1"}},
-		"routes":    []map[string]any{{"dst": "0.0.0.0/0"}},
-	}
-}
-
 // BenchmarkEniVlanAdd: CNI ADD through libcni, validation on (eni-vlan with
 // the surrogate link on this kernel, spiderpool-agent lookup, ARP
 // pre-flight) against the reference macvlan on the same master and pod
@@ -50,7 +36,7 @@ func staticIPAM() map[string]any {
 // iterations, untimed.
 func BenchmarkEniVlanAdd(b *testing.B) {
 	b.Run("ours", func(b *testing.B) {
-		e := newEnv(b, "1.1.0", enivlantest.CloudOptions{}, map[string]any{"ipam": staticIPAM()})
+		e := newEnv(b, "1.1.0", enivlantest.CloudOptions{}, map[string]any{"ipam": enivlantest.StaticIPAM()})
 		// The plugin's default level (warn), as deployed and as the exec
 		// benchmarks run it: info would add two log lines per ADD that
 		// the peer does not write. A closer hand-off failure is a warning,
@@ -62,7 +48,7 @@ func BenchmarkEniVlanAdd(b *testing.B) {
 		b.ResetTimer()
 		for i := 0; i < b.N; i++ {
 			p := harness.Pod{ContainerID: harness.ContainerID(), NetNS: n.Path(), Name: "bench", Namespace: "default"}
-			e.cloud.Bind(p, enivlantest.Binding{VLAN: 100, MAC: mac, IPv4: benchIP})
+			e.cloud.Bind(p, enivlantest.Binding{VLAN: 100, MAC: mac, IPv4: enivlantest.BenchIP})
 			start := time.Now()
 			if _, err := e.rt.Add(context.Background(), p); err != nil {
 				b.Fatalf("ADD: %v", err)
@@ -79,7 +65,7 @@ func BenchmarkEniVlanAdd(b *testing.B) {
 	b.Run("peer", func(b *testing.B) {
 		harness.RequireRoot(b)
 		c := enivlantest.NewCloud(b, enivlantest.CloudOptions{})
-		rt := harness.NewRuntime(b, c.Node, []string{harness.ReferencePlugins(b)}, harness.ConfList(b, "peer", "1.1.0", peerConf(c.Master, staticIPAM())))
+		rt := harness.NewRuntime(b, c.Node, []string{harness.ReferencePlugins(b)}, harness.ConfList(b, "peer", "1.1.0", peerConf(c.Master, enivlantest.StaticIPAM())))
 		n := harness.NewNS(b, "pod")
 		var d []time.Duration
 		b.ResetTimer()
@@ -217,7 +203,7 @@ func benchEniVlanExec(b *testing.B, verb harness.Verb, ipam string) {
 	}
 	ipamConf := func(c *enivlantest.Cloud) map[string]any {
 		if ipam == "static" {
-			return staticIPAM()
+			return enivlantest.StaticIPAM()
 		}
 		return c.IPAM
 	}
@@ -232,7 +218,7 @@ func benchEniVlanExec(b *testing.B, verb harness.Verb, ipam string) {
 			p := harness.Pod{ContainerID: harness.ContainerID(), NetNS: netns, Name: "bench", Namespace: "default"}
 			bd := enivlantest.Binding{VLAN: 100, MAC: mac}
 			if ipam == "static" {
-				bd.IPv4 = benchIP
+				bd.IPv4 = enivlantest.BenchIP
 			}
 			c.Bind(p, bd)
 			return p

@@ -16,39 +16,17 @@ import (
 
 	"github.com/containernetworking/cni/pkg/skel"
 	cnins "github.com/containernetworking/plugins/pkg/ns"
-	"google.golang.org/grpc"
 
-	cniv1 "aether.io/node/api/aether/cni/v1"
-	"aether.io/node/api/aether/cni/v1/cniv1grpc"
 	"aether.io/node/meshcni"
 	"aether.io/node/meshcni/capture"
 	"aether.io/node/meshcni/capture/capturetest"
 	"aether.io/node/meshcni/internal/benchutil"
+	"aether.io/node/meshcni/meshcnitest"
 	"aether.io/node/meshcni/pin"
 	"aether.io/node/test/harness"
 )
 
 func TestMain(m *testing.M) { harness.Main(m) }
-
-// minimalAgent answers every CNIService call at once: the benchmark
-// measures the plugin's side, as the peer's HTTP server measures istio-cni's.
-type minimalAgent struct {
-	cniv1grpc.UnimplementedCNIServiceServer
-}
-
-func (minimalAgent) AddPod(context.Context, *cniv1.AddPodRequest) (*cniv1.AddPodResponse, error) {
-	return &cniv1.AddPodResponse{Result: cniv1.AddPodResponse_RESULT_SUCCESS}, nil
-}
-
-func (minimalAgent) RemovePod(context.Context, *cniv1.RemovePodRequest) (*cniv1.RemovePodResponse, error) {
-	return &cniv1.RemovePodResponse{Result: cniv1.RemovePodResponse_RESULT_SUCCESS}, nil
-}
-
-func (minimalAgent) ReportAddResult(context.Context, *cniv1.ReportAddResultRequest) (*cniv1.ReportAddResultResponse, error) {
-	return &cniv1.ReportAddResultResponse{}, nil
-}
-
-const benchPrev = `{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"/x"}],"ips":[{"address":"10.1.0.5/24","interface":0},{"address":"fd10::5/64","interface":0}]}`
 
 // BenchmarkMeshAdd compares one pod ADD of our chained step with an
 // Istio-equivalent one, both in-process against in-process servers on unix
@@ -154,21 +132,6 @@ func BenchmarkMeshAdd(b *testing.B) {
 	})
 }
 
-// serveMinimalAgent serves minimalAgent on a unix socket in dir until the
-// benchmark ends and returns the socket path.
-func serveMinimalAgent(tb testing.TB, dir string) string {
-	sock := filepath.Join(dir, "cni.sock")
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	srv := grpc.NewServer()
-	cniv1grpc.RegisterCNIServiceServer(srv, minimalAgent{})
-	go func() { _ = srv.Serve(l) }()
-	tb.Cleanup(srv.Stop)
-	return sock
-}
-
 // benchMeshExec times one CNI verb of whole plugin processes exec'd through
 // libcni as containerd does, each pod in a fresh netns:
 //
@@ -183,7 +146,7 @@ func serveMinimalAgent(tb testing.TB, dir string) string {
 func benchMeshExec(b *testing.B, verb harness.Verb) {
 	harness.RequireRoot(b)
 	run := func(b *testing.B, bin string, conf map[string]any) {
-		conf["prevResult"] = json.RawMessage(benchPrev)
+		conf["prevResult"] = json.RawMessage(meshcnitest.PrevResult)
 		ex := harness.NewRSSExec()
 		rt := harness.NewRuntimeExec(b, nil, []string{filepath.Dir(bin)}, harness.ConfList(b, "bench", "1.0.0", conf), ex)
 		harness.ExecBench(b, rt, ex, bin, verb, func(netns string) harness.Pod {
@@ -193,7 +156,7 @@ func benchMeshExec(b *testing.B, verb harness.Verb) {
 	b.Run("ours", func(b *testing.B) {
 		dir := b.TempDir()
 		run(b, harness.BuildRelease(b, "./cmd/aether-cni"), map[string]any{
-			"type": "aether-cni", "agent_socket": serveMinimalAgent(b, dir),
+			"type": "aether-cni", "agent_socket": meshcnitest.ServeAgent(b, dir),
 			"netns_pin_dir": filepath.Join(dir, "pins"), "netns_unpin_delay_seconds": 0, "cri_socket": "",
 			"readiness_probe_disabled": true,
 			"capture":                  map[string]any{"redirect_all": true, "exclude_ports": []int{22}},
@@ -218,7 +181,7 @@ func BenchmarkMeshExecDel(b *testing.B) { benchMeshExec(b, harness.VerbDel) }
 // The plugin is meshcni.New's, with a socket closer that counts its starts
 // (capturetest.Closer), ended and reaped after each op.
 func runMeshAdd(b *testing.B, dir string, first, ports []int) {
-	sock := serveMinimalAgent(b, dir)
+	sock := meshcnitest.ServeAgent(b, dir)
 	pinDir := filepath.Join(dir, "pins")
 	stdin := func(ports []int) []byte {
 		in, _ := json.Marshal(map[string]any{
@@ -226,7 +189,7 @@ func runMeshAdd(b *testing.B, dir string, first, ports []int) {
 			"netns_pin_dir": pinDir, "netns_unpin_delay_seconds": 0, "cri_socket": "",
 			"readiness_probe_disabled": true,
 			"capture":                  map[string]any{"redirect_all": true, "exclude_ports": ports},
-			"prevResult":               json.RawMessage(benchPrev),
+			"prevResult":               json.RawMessage(meshcnitest.PrevResult),
 		})
 		return in
 	}

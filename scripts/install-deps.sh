@@ -18,6 +18,10 @@ command -v runc >/dev/null || need+=(runc)
 # (node-exporter and friends). No service starts: the lane runs its own.
 need_norec=()
 command -v promtool >/dev/null || need_norec+=(prometheus)
+# qemu-aarch64-static: test/arm64 runs the arm64 binaries under it, invoked by
+# path, and never needs the machine's binfmt_misc registrations; so without
+# its recommends (binfmt-support registers the emulators there).
+command -v qemu-aarch64-static >/dev/null || need_norec+=(qemu-user-static)
 lists_ok=true
 apt-cache show linux-image-amd64 >/dev/null 2>&1 || lists_ok=false
 if [ ${#need[@]} -eq 0 ] && [ ${#need_norec[@]} -eq 0 ] && $lists_ok; then

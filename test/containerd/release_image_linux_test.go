@@ -7,10 +7,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
 
+	v1 "github.com/google/go-containerregistry/pkg/v1"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"aether.io/node/test/containerd"
@@ -18,11 +20,13 @@ import (
 	"aether.io/node/tools/image/oci"
 )
 
-// TestReleaseImage: the image `make image` writes (tools/image/oci) is
-// imported by `ctr images import` without a registry, the CRI image service
-// (what kubelet asks) knows it under its name and with its config digest,
-// and its binaries run from it: eni-vlan answers CNI VERSION inside a
-// container started by containerd + runc.
+// TestReleaseImage: the multi-architecture image `make image` writes
+// (tools/image/oci: an index over this machine's architecture and the
+// other one, each of its release binaries) is imported by `ctr images
+// import` without a registry, the CRI image service (what kubelet asks)
+// knows it under its name and with the config digest of this machine's
+// image, and its binaries run from it: eni-vlan answers CNI VERSION inside
+// a container started by containerd + runc.
 func TestReleaseImage(t *testing.T) {
 	harness.RequireRoot(t)
 	containerd.Need(t, "containerd", "runc", "ctr")
@@ -30,17 +34,35 @@ func TestReleaseImage(t *testing.T) {
 	bins := oci.Binaries
 	own := harness.BuildOwn(t, bins...)
 
-	const ref = "localhost/aether-node:lane"
-	var files []oci.File
-	for _, n := range bins {
-		files = append(files, oci.File{Path: oci.BinDir + "/" + n, Source: filepath.Join(own, n), Mode: 0o755})
+	other := "arm64"
+	if runtime.GOARCH == other {
+		other = "amd64"
 	}
-	img, err := oci.Build(oci.Spec{Files: files, Created: time.Unix(0, 0)})
+	var pkgs []string
+	for _, n := range bins {
+		pkgs = append(pkgs, "./cmd/"+n)
+	}
+	foreign := harness.BuildReleaseArch(t, other, pkgs...)
+
+	const ref = "localhost/aether-node:lane"
+	image := func(arch, dir string) v1.Image {
+		var files []oci.File
+		for _, n := range bins {
+			files = append(files, oci.File{Path: oci.BinDir + "/" + n, Source: filepath.Join(dir, n), Mode: 0o755})
+		}
+		img, err := oci.Build(oci.Spec{Files: files, Created: time.Unix(0, 0), Architecture: arch})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return img
+	}
+	img := image(runtime.GOARCH, own)
+	idx, err := oci.Index(img, image(other, foreign))
 	if err != nil {
 		t.Fatal(err)
 	}
 	tarPath := filepath.Join(t.TempDir(), "aether-node.tar")
-	if err := oci.WriteTarball(tarPath, img, ref); err != nil {
+	if err := oci.WriteIndexTarball(tarPath, idx, ref); err != nil {
 		t.Fatal(err)
 	}
 	configDigest, err := img.ConfigName()

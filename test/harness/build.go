@@ -113,13 +113,7 @@ func BuildOwn(tb testing.TB, cmds ...string) string {
 	}
 	ownMu.Lock()
 	defer ownMu.Unlock()
-	if ownDir == "" {
-		d, err := os.MkdirTemp("", "aether-bin-")
-		if err != nil {
-			tb.Fatal(err)
-		}
-		ownDir = d
-	}
+	dir := ownDirLocked(tb)
 	var pkgs []string
 	for _, c := range cmds {
 		if _, ok := ownBuilt[c]; !ok {
@@ -127,12 +121,35 @@ func BuildOwn(tb testing.TB, cmds ...string) string {
 		}
 	}
 	if len(pkgs) > 0 {
-		if err := goBuild(ownDir, pkgs...); err != nil {
+		if err := goBuild(dir, pkgs...); err != nil {
 			tb.Fatalf("failed to build %v: %v", cmds, err)
 		}
 		for _, c := range cmds {
-			ownBuilt[c] = filepath.Join(ownDir, c)
+			ownBuilt[c] = filepath.Join(dir, c)
 		}
+	}
+	return dir
+}
+
+// ownDirOf is ownDirLocked taking ownMu.
+func ownDirOf(tb testing.TB) string {
+	tb.Helper()
+	ownMu.Lock()
+	defer ownMu.Unlock()
+	return ownDirLocked(tb)
+}
+
+// ownDirLocked returns the directory of the binaries this process builds
+// (BuildOwn, BuildRelease, BuildReleaseArch), making it on first use; the
+// caller holds ownMu.
+func ownDirLocked(tb testing.TB) string {
+	tb.Helper()
+	if ownDir == "" {
+		d, err := os.MkdirTemp("", "aether-bin-")
+		if err != nil {
+			tb.Fatal(err)
+		}
+		ownDir = d
 	}
 	return ownDir
 }
@@ -179,17 +196,7 @@ func BuildRelease(tb testing.TB, pkg string, tags ...string) string {
 	if p, ok := releaseBuilt[key]; ok {
 		return p
 	}
-	ownMu.Lock()
-	if ownDir == "" {
-		d, err := os.MkdirTemp("", "aether-bin-")
-		if err != nil {
-			ownMu.Unlock()
-			tb.Fatal(err)
-		}
-		ownDir = d
-	}
-	dir := ownDir
-	ownMu.Unlock()
+	dir := ownDirOf(tb)
 	out := filepath.Join(dir, "release", fmt.Sprint(len(releaseBuilt)), name)
 	linked := out + ".linked"
 	args := []string{"build", "-trimpath", "-ldflags", ReleaseLDFLAGS, "-tags", strings.Join(append([]string{ReleaseTags}, tags...), ","), "-o", linked}
@@ -223,14 +230,69 @@ func install(linked, out string) error {
 	return os.Remove(linked)
 }
 
+var (
+	archMu    sync.Mutex
+	archBuilt = map[string]string{}
+)
+
+// BuildReleaseArch builds the Go packages pkgs (paths relative to the
+// module root, for example "./cmd/eni-vlan") for linux/goarch the way `make
+// image` builds each architecture's release binaries (`make build`'s
+// flags: CGO_ENABLED=0, -trimpath, -ldflags ReleaseLDFLAGS, -tags
+// ReleaseTags), in one go build, once per test process, and returns the
+// directory holding them (each named after its package's last element),
+// in the directory BuildOwn uses (removed by CleanupOwn). Go's build cache
+// makes a build of unchanged packages a link.
+func BuildReleaseArch(tb testing.TB, goarch string, pkgs ...string) string {
+	tb.Helper()
+	args := []string{"build", "-trimpath", "-ldflags", ReleaseLDFLAGS, "-tags", ReleaseTags}
+	return buildArch(tb, goarch, "release", func(dir string) []string {
+		return append(append(args, "-o", dir+"/"), pkgs...)
+	}, pkgs...)
+}
+
+// BuildTestArch compiles the tests of the Go package pkg (a path relative
+// to the module root) for linux/goarch (go test -c, CGO_ENABLED=0), once
+// per test process, and returns the test binary's path, in the directory
+// BuildOwn uses.
+func BuildTestArch(tb testing.TB, goarch, pkg string) string {
+	tb.Helper()
+	dir := buildArch(tb, goarch, "test", func(dir string) []string {
+		return []string{"test", "-c", "-o", filepath.Join(dir, filepath.Base(pkg)+".test"), pkg}
+	}, pkg)
+	return filepath.Join(dir, filepath.Base(pkg)+".test")
+}
+
+// buildArch runs the go command args(dir) for linux/goarch into a new
+// directory dir, once per kind, goarch and pkgs, and returns dir.
+func buildArch(tb testing.TB, goarch, kind string, args func(dir string) []string, pkgs ...string) string {
+	tb.Helper()
+	key := kind + "|" + goarch + "|" + strings.Join(pkgs, ",")
+	archMu.Lock()
+	defer archMu.Unlock()
+	if d, ok := archBuilt[key]; ok {
+		return d
+	}
+	dir := filepath.Join(ownDirOf(tb), fmt.Sprintf("linux_%s-%d", goarch, len(archBuilt)))
+	if err := runGoEnv([]string{"GOOS=linux", "GOARCH=" + goarch}, args(dir)...); err != nil {
+		tb.Fatalf("failed to build %v for linux/%s: %v", pkgs, goarch, err)
+	}
+	archBuilt[key] = dir
+	return dir
+}
+
 func goBuild(outDir string, pkgs ...string) error {
 	return runGo(append([]string{"build", "-trimpath", "-o", outDir + "/"}, pkgs...)...)
 }
 
-func runGo(args ...string) error {
+func runGo(args ...string) error { return runGoEnv(nil, args...) }
+
+// runGoEnv runs the go command with args in the module root, cgo off and
+// env added to this process's environment.
+func runGoEnv(env []string, args ...string) error {
 	cmd := exec.Command("go", args...)
 	cmd.Dir = ModuleRoot()
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	cmd.Env = append(append(os.Environ(), "CGO_ENABLED=0"), env...)
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		return fmt.Errorf("go %s: %w\n%s", strings.Join(args, " "), err, out)

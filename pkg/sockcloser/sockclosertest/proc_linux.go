@@ -130,13 +130,36 @@ func CheckCloser(tb testing.TB, pid int, name string, ids []string) {
 	if env, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid)); err != nil || len(env) != 0 {
 		tb.Errorf("closer environment = %q, %v; want empty", env, err)
 	}
-	if cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err != nil || string(cmd) != name+"\x00" {
-		tb.Errorf("closer command line = %q, %v; want %s", cmd, err, name)
-	}
-	if exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", pid)); err != nil || !strings.Contains(exe, "memfd:"+name) {
-		tb.Errorf("closer executable = %q, %v; want the memfd %s", exe, err, name)
+	if emu := os.Getenv(EmulatorEnv); emu != "" {
+		checkEmulated(tb, pid, name, emu)
+	} else {
+		if cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err != nil || string(cmd) != name+"\x00" {
+			tb.Errorf("closer command line = %q, %v; want %s", cmd, err, name)
+		}
+		if exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", pid)); err != nil || !strings.Contains(exe, "memfd:"+name) {
+			tb.Errorf("closer executable = %q, %v; want the memfd %s", exe, err, name)
+		}
 	}
 	if sid, err := unix.Getsid(pid); err != nil || sid != pid {
 		tb.Errorf("closer session = %d, %v; want its own (%d)", sid, err, pid)
+	}
+}
+
+// checkEmulated makes tb fail unless process pid is the user-mode emulator
+// emu (EmulatorEnv) running the memfd named name: the kernel started the
+// emulator for the closer's executable (binfmt_misc), so the process's
+// executable and command line are the emulator's, and the closer's image
+// is a mapping of the memfd.
+func checkEmulated(tb testing.TB, pid int, name, emu string) {
+	tb.Helper()
+	if exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", pid)); err != nil || exe != emu {
+		tb.Errorf("emulated closer executable = %q, %v; want %s", exe, err, emu)
+	}
+	if cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err != nil || !strings.HasPrefix(string(cmd), emu+"\x00") {
+		tb.Errorf("emulated closer command line = %q, %v; want %s and the closer's path", cmd, err, emu)
+	}
+	maps, err := os.ReadFile(fmt.Sprintf("/proc/%d/maps", pid))
+	if err != nil || !strings.Contains(string(maps), "/memfd:"+name+" ") {
+		tb.Errorf("emulated closer maps no memfd %s (%v):\n%s", name, err, maps)
 	}
 }

@@ -2,7 +2,8 @@
 // binaries, without a Docker daemon or a base image, and writes it in the two
 // forms the standard tools take: an OCI image layout directory (`crane push`,
 // `skopeo copy oci:`) and a tarball (`ctr images import`, `crane push`,
-// `docker load`).
+// `docker load`); one image per architecture, or an image index over them
+// (Index: the multi-architecture image `make image` writes).
 //
 // The image is reproducible: the same binaries and the same Spec give the
 // same digest. Every tar entry has the Spec's timestamp, uid/gid 0 and no
@@ -186,11 +187,71 @@ func layerBytes(spec Spec) ([]byte, error) {
 	return buf.Bytes(), nil
 }
 
+// Index assembles the multi-architecture image: an OCI image index with one
+// entry per image, each carrying its config's platform, ordered by
+// architecture (so the same images give the same digest in any order).
+// Every image must be of another platform.
+func Index(imgs ...v1.Image) (v1.ImageIndex, error) {
+	if len(imgs) == 0 {
+		return nil, errors.New("failed to build image index: no images given")
+	}
+	type entry struct {
+		img      v1.Image
+		platform v1.Platform
+	}
+	entries := make([]entry, 0, len(imgs))
+	for _, img := range imgs {
+		cfg, err := img.ConfigFile()
+		if err != nil {
+			return nil, fmt.Errorf("failed to read image config: %w", err)
+		}
+		pl := v1.Platform{OS: cfg.OS, Architecture: cfg.Architecture}
+		for _, e := range entries {
+			if e.platform.Equals(pl) {
+				return nil, fmt.Errorf("failed to build image index: two images for %s/%s", pl.OS, pl.Architecture)
+			}
+		}
+		entries = append(entries, entry{img: img, platform: pl})
+	}
+	slices.SortFunc(entries, func(a, b entry) int {
+		return strings.Compare(a.platform.OS+"/"+a.platform.Architecture, b.platform.OS+"/"+b.platform.Architecture)
+	})
+	adds := make([]mutate.IndexAddendum, len(entries))
+	for i, e := range entries {
+		pl := e.platform
+		adds[i] = mutate.IndexAddendum{Add: e.img, Descriptor: v1.Descriptor{MediaType: types.OCIManifestSchema1, Platform: &pl}}
+	}
+	idx := mutate.IndexMediaType(empty.Index, types.OCIImageIndex)
+	return mutate.AppendManifests(idx, adds...), nil
+}
+
 // WriteLayout writes img as an OCI image layout in dir (which must not
 // exist or be empty), its index entry annotated with ref so that both
 // `ctr images import` (io.containerd.image.name) and OCI tools
 // (org.opencontainers.image.ref.name) know its name.
 func WriteLayout(dir string, img v1.Image, ref string) error {
+	cfg, err := img.ConfigFile()
+	if err != nil {
+		return fmt.Errorf("failed to read image config: %w", err)
+	}
+	return writeLayout(dir, ref, func(p layout.Path, opts ...layout.Option) error {
+		return p.AppendImage(img, append(opts, layout.WithPlatform(v1.Platform{OS: cfg.OS, Architecture: cfg.Architecture}))...)
+	})
+}
+
+// WriteIndexLayout is WriteLayout for a multi-architecture image (Index):
+// the layout's one entry is the image index, named ref; `ctr images
+// import` unpacks the machine's platform of it, `crane push` pushes them
+// all.
+func WriteIndexLayout(dir string, idx v1.ImageIndex, ref string) error {
+	return writeLayout(dir, ref, func(p layout.Path, opts ...layout.Option) error {
+		return p.AppendIndex(idx, opts...)
+	})
+}
+
+// writeLayout makes an empty OCI image layout in dir and adds its one entry
+// with add, annotated with ref's names.
+func writeLayout(dir, ref string, add func(p layout.Path, opts ...layout.Option) error) error {
 	tag, err := name.NewTag(ref, name.WeakValidation)
 	if err != nil {
 		return fmt.Errorf("failed to parse image reference %q: %w", ref, err)
@@ -202,16 +263,10 @@ func WriteLayout(dir string, img v1.Image, ref string) error {
 	if err != nil {
 		return fmt.Errorf("failed to create image layout %q: %w", dir, err)
 	}
-	cfg, err := img.ConfigFile()
-	if err != nil {
-		return fmt.Errorf("failed to read image config: %w", err)
-	}
-	err = p.AppendImage(img,
-		layout.WithPlatform(v1.Platform{OS: cfg.OS, Architecture: cfg.Architecture}),
-		layout.WithAnnotations(map[string]string{
-			"io.containerd.image.name":          tag.Name(),
-			"org.opencontainers.image.ref.name": tag.TagStr(),
-		}))
+	err = add(p, layout.WithAnnotations(map[string]string{
+		"io.containerd.image.name":          tag.Name(),
+		"org.opencontainers.image.ref.name": tag.TagStr(),
+	}))
 	if err != nil {
 		return fmt.Errorf("failed to write image to layout %q: %w", dir, err)
 	}
@@ -221,20 +276,49 @@ func WriteLayout(dir string, img v1.Image, ref string) error {
 // WriteTarball writes img as an OCI image layout packed in one tar file (an
 // "oci-archive": what `ctr images import` and `skopeo copy oci-archive:`
 // read), named ref like WriteLayout, with sorted entries and fixed
-// timestamps, through a temporary file renamed into place. The image keeps
-// the digest it has in the layout and in a registry.
-func WriteTarball(file string, img v1.Image, ref string) (err error) {
-	stage, err := os.MkdirTemp(filepath.Dir(file), ".oci-stage-")
+// timestamps (the config's creation time), through a temporary file
+// renamed into place. The image keeps the digest it has in the layout and
+// in a registry.
+func WriteTarball(file string, img v1.Image, ref string) error {
+	cfg, err := img.ConfigFile()
 	if err != nil {
-		return fmt.Errorf("failed to stage image tarball %q: %w", file, err)
+		return fmt.Errorf("failed to read image config: %w", err)
 	}
-	defer func() { _ = os.RemoveAll(stage) }()
-	if err := WriteLayout(stage, img, ref); err != nil {
-		return err
+	return writeTarball(file, cfg.Created.Time, func(dir string) error { return WriteLayout(dir, img, ref) })
+}
+
+// WriteIndexTarball is WriteTarball for a multi-architecture image (Index),
+// laid out as WriteIndexLayout does; its timestamps are the first image's
+// creation time.
+func WriteIndexTarball(file string, idx v1.ImageIndex, ref string) error {
+	m, err := idx.IndexManifest()
+	if err != nil {
+		return fmt.Errorf("failed to read image index: %w", err)
+	}
+	if len(m.Manifests) == 0 {
+		return errors.New("failed to write image tarball: the index is empty")
+	}
+	img, err := idx.Image(m.Manifests[0].Digest)
+	if err != nil {
+		return fmt.Errorf("failed to read image %s of the index: %w", m.Manifests[0].Digest, err)
 	}
 	cfg, err := img.ConfigFile()
 	if err != nil {
 		return fmt.Errorf("failed to read image config: %w", err)
+	}
+	return writeTarball(file, cfg.Created.Time, func(dir string) error { return WriteIndexLayout(dir, idx, ref) })
+}
+
+// writeTarball stages a layout with stage and packs it into file with
+// mtime on every entry.
+func writeTarball(file string, mtime time.Time, stage func(dir string) error) (err error) {
+	dir, err := os.MkdirTemp(filepath.Dir(file), ".oci-stage-")
+	if err != nil {
+		return fmt.Errorf("failed to stage image tarball %q: %w", file, err)
+	}
+	defer func() { _ = os.RemoveAll(dir) }()
+	if err := stage(dir); err != nil {
+		return err
 	}
 	tmp, err := os.CreateTemp(filepath.Dir(file), ".oci-archive-")
 	if err != nil {
@@ -246,7 +330,7 @@ func WriteTarball(file string, img v1.Image, ref string) (err error) {
 			_ = os.Remove(tmp.Name())
 		}
 	}()
-	if err := tarDir(tmp, stage, cfg.Created.Time); err != nil {
+	if err := tarDir(tmp, dir, mtime); err != nil {
 		return fmt.Errorf("failed to write image tarball %q: %w", file, err)
 	}
 	if err := tmp.Sync(); err != nil {

@@ -12,7 +12,9 @@ import (
 	"testing"
 	"time"
 
+	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/layout"
+	"github.com/google/go-containerregistry/pkg/v1/types"
 	"github.com/google/go-containerregistry/pkg/v1/validate"
 
 	"aether.io/node/tools/image/oci"
@@ -163,6 +165,93 @@ func TestLayout(t *testing.T) {
 	}
 	if err := oci.WriteLayout(dir, img, "localhost/aether-node:v1.2.3"); err == nil || !strings.Contains(err.Error(), "not empty") {
 		t.Fatalf("second write into a non-empty layout: %v, want a 'not empty' error", err)
+	}
+}
+
+// TestIndex: the multi-architecture image is an OCI image index with one
+// entry per architecture, in a fixed order, each naming its platform; it is
+// laid out and packed under its name with one digest however its images
+// are given, and two images of one platform are refused.
+func TestIndex(t *testing.T) {
+	fs := files(t)
+	imgs := map[string]v1.Image{}
+	for _, arch := range []string{"amd64", "arm64"} {
+		img, err := oci.Build(oci.Spec{Files: fs, Created: created, Architecture: arch})
+		if err != nil {
+			t.Fatal(err)
+		}
+		imgs[arch] = img
+	}
+	idx, err := oci.Index(imgs["arm64"], imgs["amd64"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := validate.Index(idx); err != nil {
+		t.Fatalf("invalid index: %v", err)
+	}
+	m, err := idx.IndexManifest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.MediaType != types.OCIImageIndex || len(m.Manifests) != 2 {
+		t.Fatalf("index %s with %d manifests, want an OCI image index of 2", m.MediaType, len(m.Manifests))
+	}
+	for i, arch := range []string{"amd64", "arm64"} {
+		d := m.Manifests[i]
+		want, _ := imgs[arch].Digest()
+		if d.Digest != want || d.MediaType != types.OCIManifestSchema1 || d.Platform == nil || d.Platform.OS != "linux" || d.Platform.Architecture != arch {
+			t.Errorf("entry %d = %+v, want the %s image (%s)", i, d, arch, want)
+		}
+	}
+	digest, _ := idx.Digest()
+	other, err := oci.Index(imgs["amd64"], imgs["arm64"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d, _ := other.Digest(); d != digest {
+		t.Errorf("index digest %s depends on the order of its images (%s)", d, digest)
+	}
+
+	dir := filepath.Join(t.TempDir(), "oci")
+	if err := oci.WriteIndexLayout(dir, idx, "localhost/aether-node:v1.2.3"); err != nil {
+		t.Fatal(err)
+	}
+	top, err := layout.ImageIndexFromPath(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tm, err := top.IndexManifest()
+	if err != nil || len(tm.Manifests) != 1 {
+		t.Fatalf("layout index: %v, %v; want one entry", tm, err)
+	}
+	if e := tm.Manifests[0]; e.Digest != digest || e.MediaType != types.OCIImageIndex ||
+		e.Annotations["io.containerd.image.name"] != "localhost/aether-node:v1.2.3" || e.Annotations["org.opencontainers.image.ref.name"] != "v1.2.3" {
+		t.Fatalf("layout entry = %+v, want the index %s named localhost/aether-node:v1.2.3", e, digest)
+	}
+	var tarballs [][]byte
+	for range 2 {
+		p := filepath.Join(t.TempDir(), "aether-node.tar")
+		if err := oci.WriteIndexTarball(p, idx, "localhost/aether-node:v1.2.3"); err != nil {
+			t.Fatal(err)
+		}
+		if d := untarDigest(t, p); d != digest.String() {
+			t.Fatalf("tarball reads back as %s, built %s", d, digest)
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tarballs = append(tarballs, b)
+	}
+	if !bytes.Equal(tarballs[0], tarballs[1]) {
+		t.Error("tarballs of the same index differ")
+	}
+
+	if _, err := oci.Index(imgs["amd64"], imgs["amd64"]); err == nil || !strings.Contains(err.Error(), "two images for linux/amd64") {
+		t.Errorf("index of two amd64 images: %v, want a 'two images for linux/amd64' error", err)
+	}
+	if _, err := oci.Index(); err == nil || !strings.Contains(err.Error(), "no images") {
+		t.Errorf("index of nothing: %v, want a 'no images' error", err)
 	}
 }
 
