@@ -21,8 +21,11 @@ BENCHTIME ?= 1s
 # alternate in time, which go test -count does not: it repeats ours, then peer); the table
 # takes each metric's median.
 BENCHCOUNT ?= 1
+# BENCHPKGS: the packages `make bench` runs; the default, every package, also runs
+# test/interop/istio's module (Istio's pkg/hbone), a narrower list does not.
+BENCHPKGS ?= ./...
 
-.PHONY: all build build-debug image test test-interop bench demo generate lint tools deps clean
+.PHONY: all build build-debug image test test-interop bench bench-readme demo generate lint tools deps clean
 
 # LDFLAGS for `build`: release binaries carry no symbol table or DWARF.
 # `make build-debug` (or `make build LDFLAGS=`) keeps them for dlv and pprof.
@@ -94,15 +97,25 @@ test: deps
 test-interop:
 	cd test/interop/istio && $(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...
 
-## bench: every comparison benchmark, one table (bench/out/results.json)
+## bench: every comparison benchmark, one table (bench/out/results.json, and the run's date,
+## machine and load in bench/out/run.json)
 bench: deps
 	@mkdir -p bench/out
 	@: > bench/out/raw.txt
 	for round in $$(seq $(BENCHCOUNT)); do \
-		$(GO) test -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -timeout 60m ./... | tee -a bench/out/raw.txt; \
-		(cd test/interop/istio && $(GO) test -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -timeout 60m ./...) | tee -a bench/out/raw.txt; \
+		echo "aether-bench round=$$round time=$$(date -u +%FT%TZ) load=$$(cut -d' ' -f1 /proc/loadavg)" | tee -a bench/out/raw.txt; \
+		$(GO) test -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -timeout 60m $(BENCHPKGS) | tee -a bench/out/raw.txt; \
+		$(if $(filter ./...,$(BENCHPKGS)),(cd test/interop/istio && $(GO) test -run '^$$' -bench '$(BENCH)' -benchtime $(BENCHTIME) -timeout 60m ./...) | tee -a bench/out/raw.txt;) \
 	done
-	$(GO) run ./tools/benchreport -in bench/out/raw.txt -goals bench/goals -out bench/out
+	echo "aether-bench end time=$$(date -u +%FT%TZ) load=$$(cut -d' ' -f1 /proc/loadavg)" | tee -a bench/out/raw.txt
+	$(GO) run ./tools/benchreport -in bench/out/raw.txt -goals bench/goals -out bench/out \
+		-commit '$(VERSION)' -bench '$(BENCH)' -benchtime $(BENCHTIME) -rounds $(BENCHCOUNT) -pkgs '$(BENCHPKGS)'
+
+## bench-readme: the README's performance table (between its benchreport marker lines) from the
+## last `make bench` (bench/out/results.json and run.json); not part of `generate`, whose CI check
+## has no bench/out
+bench-readme:
+	$(GO) run ./tools/benchreport -readme README.md -goals bench/goals -out bench/out
 
 ## demo: the whole-node demo
 demo: deps build

@@ -22,6 +22,8 @@ type Result struct {
 	Name    string
 	Metrics map[string]float64
 	Runs    int
+	// Samples are each metric's values in the order of the runs.
+	Samples map[string][]float64
 }
 
 var procSuffix = regexp.MustCompile(`-\d+$`)
@@ -61,9 +63,9 @@ func Parse(r io.Reader) (map[string]Result, error) {
 	}
 	out := make(map[string]Result, len(samples))
 	for name, ms := range samples {
-		res := Result{Name: name, Metrics: make(map[string]float64, len(ms)), Runs: runs[name]}
+		res := Result{Name: name, Metrics: make(map[string]float64, len(ms)), Runs: runs[name], Samples: ms}
 		for unit, vs := range ms {
-			res.Metrics[unit] = median(vs)
+			res.Metrics[unit] = median(slices.Clone(vs))
 		}
 		out[name] = res
 	}
@@ -86,8 +88,22 @@ type Goal struct {
 	Metric   string   `json:"metric"`
 	MaxRatio *float64 `json:"max_ratio,omitempty"`
 	MinRatio *float64 `json:"min_ratio,omitempty"`
-	// Note explains the goal (for example what the peer is).
+	// Peer names the sub-benchmark ours is judged against ("peer" when
+	// empty), for a comparison whose named floor is another sub-benchmark
+	// of the same run (for example "floor").
+	Peer string `json:"peer,omitempty"`
+	// Note says in a sentence or two what runs on each side and why that peer.
 	Note string `json:"note,omitempty"`
+	// Area is the goals file the goal comes from, without ".json".
+	Area string `json:"-"`
+}
+
+// against is the sub-benchmark g judges ours against.
+func (g Goal) against() string {
+	if g.Peer == "" {
+		return "peer"
+	}
+	return g.Peer
 }
 
 // LoadGoals reads every *.json in dir: objects mapping a comparison name
@@ -111,6 +127,7 @@ func LoadGoals(dir string) (map[string]Goal, error) {
 			if v.Metric == "" || (v.MaxRatio == nil && v.MinRatio == nil) {
 				return nil, fmt.Errorf("goal %q in %q needs a metric and max_ratio or min_ratio", k, f)
 			}
+			v.Area = strings.TrimSuffix(filepath.Base(f), ".json")
 			goals[k] = v
 		}
 	}
@@ -119,18 +136,27 @@ func LoadGoals(dir string) (map[string]Goal, error) {
 
 // Row is one line of the table.
 type Row struct {
-	Name    string  `json:"name"`
-	Metric  string  `json:"metric"`
+	Name   string `json:"name"`
+	Metric string `json:"metric"`
+	// Against is the sub-benchmark in the peer column: "peer", or the one
+	// a goal names (Goal.Peer).
+	Against string  `json:"against"`
 	Ours    float64 `json:"ours"`
 	Peer    float64 `json:"peer"`
 	Ratio   float64 `json:"ratio"`
-	Goal    string  `json:"goal,omitempty"`
-	Verdict string  `json:"verdict"`
+	// RatioMin and RatioMax are the least and greatest ratio of one run
+	// of ours to the same run of the peer, when both ran more than once
+	// and as often (make bench BENCHCOUNT=N: one pair per round).
+	RatioMin float64 `json:"ratio_min,omitempty"`
+	RatioMax float64 `json:"ratio_max,omitempty"`
+	Goal     string  `json:"goal,omitempty"`
+	Verdict  string  `json:"verdict"`
 	// Runs is how many runs of ours the values are the median of.
 	Runs int `json:"runs"`
 }
 
-// Rows pairs every "<name>/ours" with "<name>/peer" and emits one row per
+// Rows pairs every "<name>/ours" with "<name>/peer" (and, when its goal
+// names another sub-benchmark, with that one too) and emits one row per
 // metric both report ("ns/op", "B/op" and "allocs/op" only when no custom
 // metric exists). Benchmarks without a peer are listed with peer 0.
 func Rows(results map[string]Result, goals map[string]Goal) []Row {
@@ -140,35 +166,68 @@ func Rows(results map[string]Result, goals map[string]Goal) []Row {
 		if !ok {
 			continue
 		}
-		peer, hasPeer := results[base+"/peer"]
 		goal, hasGoal := findGoal(goals, base)
-		for _, metric := range metrics(ours) {
-			r := Row{Name: base, Metric: metric, Ours: ours.Metrics[metric], Verdict: "info", Runs: ours.Runs}
-			if hasPeer {
-				p, ok := peer.Metrics[metric]
-				if !ok {
-					continue
-				}
-				r.Peer = p
-				if p != 0 {
-					r.Ratio = r.Ours / p
-				}
-			} else {
-				r.Verdict = "no peer"
+		against := []string{"peer"}
+		if hasGoal && goal.against() != "peer" {
+			if _, ok := results[base+"/"+goal.against()]; ok {
+				against = append(against, goal.against())
 			}
-			if hasGoal && goal.Metric == metric && hasPeer {
-				r.Goal, r.Verdict = judge(goal, r.Ratio)
+		}
+		for _, a := range against {
+			peer, hasPeer := results[base+"/"+a]
+			for _, metric := range metrics(ours) {
+				r := Row{Name: base, Metric: metric, Against: a, Ours: ours.Metrics[metric], Verdict: "info", Runs: ours.Runs}
+				if hasPeer {
+					p, ok := peer.Metrics[metric]
+					if !ok {
+						continue
+					}
+					r.Peer = p
+					if p != 0 {
+						r.Ratio = r.Ours / p
+					}
+					r.RatioMin, r.RatioMax = ratioRange(ours.Samples[metric], peer.Samples[metric])
+				} else {
+					r.Verdict = "no peer"
+				}
+				if hasGoal && goal.Metric == metric && goal.against() == a && hasPeer {
+					r.Goal, r.Verdict = judge(goal, r.Ratio)
+				}
+				rows = append(rows, r)
 			}
-			rows = append(rows, r)
 		}
 	}
 	slices.SortFunc(rows, func(a, b Row) int {
 		if c := strings.Compare(a.Name, b.Name); c != 0 {
 			return c
 		}
+		if c := strings.Compare(a.Against, b.Against); c != 0 {
+			return c
+		}
 		return strings.Compare(a.Metric, b.Metric)
 	})
 	return rows
+}
+
+// ratioRange is the least and greatest ours[i]/peer[i] when both sides
+// have more than one sample and the same number; else 0, 0.
+func ratioRange(ours, peer []float64) (lo, hi float64) {
+	if len(ours) < 2 || len(ours) != len(peer) {
+		return 0, 0
+	}
+	for i := range ours {
+		if peer[i] == 0 {
+			return 0, 0
+		}
+		r := ours[i] / peer[i]
+		if i == 0 || r < lo {
+			lo = r
+		}
+		if i == 0 || r > hi {
+			hi = r
+		}
+	}
+	return lo, hi
 }
 
 func metrics(r Result) []string {
@@ -189,35 +248,37 @@ func metrics(r Result) []string {
 }
 
 func findGoal(goals map[string]Goal, base string) (Goal, bool) {
-	if g, ok := goals[base]; ok {
-		return g, true
-	}
-	best := ""
-	for k := range goals {
-		if strings.HasPrefix(base, k+"/") && len(k) > len(best) {
-			best = k
-		}
-	}
-	g, ok := goals[best]
-	return g, ok && best != ""
+	k, ok := goalKey(goals, base)
+	return goals[k], ok
 }
 
 func judge(g Goal, ratio float64) (goal, verdict string) {
 	verdict = "pass"
 	var parts []string
 	if g.MaxRatio != nil {
-		parts = append(parts, fmt.Sprintf("≤ %.2f×", *g.MaxRatio))
+		parts = append(parts, "≤ "+bound(*g.MaxRatio)+"×")
 		if ratio > *g.MaxRatio {
 			verdict = "MISS"
 		}
 	}
 	if g.MinRatio != nil {
-		parts = append(parts, fmt.Sprintf("≥ %.2f×", *g.MinRatio))
+		parts = append(parts, "≥ "+bound(*g.MinRatio)+"×")
 		if ratio < *g.MinRatio {
 			verdict = "MISS"
 		}
 	}
 	return strings.Join(parts, " and "), verdict
+}
+
+// bound is a goal's ratio with at least two decimals and as many as it has
+// (1.00, 0.95, 1.025).
+func bound(v float64) string {
+	s := strconv.FormatFloat(v, 'f', -1, 64)
+	i := strings.IndexByte(s, '.')
+	if i < 0 {
+		return s + ".00"
+	}
+	return s + strings.Repeat("0", max(0, 2-(len(s)-i-1)))
 }
 
 // PrintTable writes rows as an aligned text table.
@@ -226,7 +287,11 @@ func PrintTable(w io.Writer, rows []Row) error {
 	var b strings.Builder
 	b.WriteString("NAME\tMETRIC\tOURS\tPEER\tRATIO\tGOAL\tVERDICT\tRUNS\n")
 	for _, r := range rows {
-		fmt.Fprintf(&b, "%s\t%s\t%s\t%s\t%.3f\t%s\t%s\t%d\n", r.Name, r.Metric, num(r.Ours), num(r.Peer), r.Ratio, r.Goal, r.Verdict, r.Runs)
+		name := r.Name
+		if r.Against != "" && r.Against != "peer" {
+			name += " (vs " + r.Against + ")"
+		}
+		fmt.Fprintf(&b, "%s\t%s\t%s\t%s\t%.3f\t%s\t%s\t%d\n", name, r.Metric, num(r.Ours), num(r.Peer), r.Ratio, r.Goal, r.Verdict, r.Runs)
 	}
 	if _, err := io.WriteString(tw, b.String()); err != nil {
 		return err
