@@ -43,13 +43,23 @@ type agent struct {
 	listeners *cachev3.LinearCache
 	workloads *cachev3.LinearCache
 	policies  *cachev3.LinearCache
+	// stop ends the server (its streams too), as an agent that dies;
+	// later calls do nothing.
+	stop func()
 }
 
 func startAgent(t *testing.T) *agent {
 	t.Helper()
+	return startAgentAt(t, filepath.Join(t.TempDir(), "xds.sock"))
+}
+
+// startAgentAt is startAgent serving socket (an agent restarted on the
+// socket of one that stopped: fresh caches, the resources yet to add).
+func startAgentAt(t *testing.T, socket string) *agent {
+	t.Helper()
 	a := &agent{
 		requests:  make(chan *discovery.DeltaDiscoveryRequest, 256),
-		socket:    filepath.Join(t.TempDir(), "xds.sock"),
+		socket:    socket,
 		listeners: cachev3.NewLinearCache(resource.ListenerType),
 		workloads: cachev3.NewLinearCache(resource.AddressType),
 		policies:  cachev3.NewLinearCache(resource.AuthorizationType),
@@ -75,7 +85,8 @@ func startAgent(t *testing.T) *agent {
 		t.Fatal(err)
 	}
 	go func() { _ = g.Serve(ln) }()
-	t.Cleanup(func() { cancel(); g.Stop() })
+	a.stop = sync.OnceFunc(func() { cancel(); g.Stop() })
+	t.Cleanup(a.stop)
 	return a
 }
 
