@@ -7,6 +7,12 @@ import (
 	"sync"
 )
 
+// sockBuf is the read size of copies from a socket (the upstream → client
+// direction of the server, and Copy into a Stream): a read fills up to this
+// much, sent as frames of up to the peer's SETTINGS_MAX_FRAME_SIZE
+// (DefaultDialerMaxFrameSize for our Dialer).
+const sockBuf = 256 << 10
+
 // SocketConn is implemented by a DeliverFunc's connection that wraps a
 // socket only to observe what moves through it (the data plane counts the
 // bytes and stamps activity). The server then reads and writes Socket() (a

@@ -8,12 +8,6 @@ import (
 	"syscall"
 )
 
-// sockBuf is the read size of copies from a socket (the upstream → client
-// direction of the server, and Copy into a Stream): a read fills up to this
-// much, sent as frames of up to the peer's SETTINGS_MAX_FRAME_SIZE
-// (DefaultDialerMaxFrameSize for our Dialer).
-const sockBuf = 256 << 10
-
 var sockBufs = sync.Pool{New: func() any { b := make([]byte, frameHeaderLen+sockBuf); return &b }}
 
 // copyFromSocket reads as readChunks does when src is a *net.TCPConn or

@@ -26,4 +26,4 @@ func tryWrite(syscall.RawConn, []byte) (int, error) { return 0, nil }
 // buffer (through Read off Linux).
 func readSocket(c net.Conn) (*[]byte, int, error) { return readConn(c) }
 
-var sockBufs = sync.Pool{New: func() any { b := make([]byte, frameHeaderLen+256<<10); return &b }}
+var sockBufs = sync.Pool{New: func() any { b := make([]byte, frameHeaderLen+sockBuf); return &b }}
