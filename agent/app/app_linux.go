@@ -106,7 +106,7 @@ type agent struct {
 
 func newAgent(c *Config, log *slog.Logger) *agent {
 	a := &agent{c: c, log: log, metrics: telemetry.NewMetrics(), lc: lifecycle.New(log, c.ShutdownTimeout), synced: make(chan struct{})}
-	a.nodeRes = newNodeXDS(c, log)
+	a.nodeRes = newNodeXDS(c, log, a.metrics.Services())
 	a.nodeRes.listeners.invalidPolicy = a.metrics.InboundPolicyInvalid
 	if c.CA != nil {
 		a.svids = identity.NewStore(c.CA, c.SVIDTTL, time.Now)

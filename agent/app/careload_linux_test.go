@@ -13,6 +13,7 @@ import (
 
 	"aether.io/node/agent/identity"
 	"aether.io/node/agent/identity/identitytest"
+	"aether.io/node/agent/services"
 	"aether.io/node/agent/telemetry"
 	cniv1 "aether.io/node/api/aether/cni/v1"
 )
@@ -115,7 +116,7 @@ func TestExternalIdentities(t *testing.T) {
 	}{{"external", true, true}, {"none", false, false}} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := &Config{TrustDomain: "cluster.local", XDSSocket: "/x.sock", ExternalIdentities: tc.external}
-			n := newNodeXDS(c, slog.New(slog.DiscardHandler))
+			n := newNodeXDS(c, slog.New(slog.DiscardHandler), services.Metrics{})
 			if n.accounts != nil {
 				t.Error("SVIDs would be minted without the embedded CA")
 			}

@@ -10,6 +10,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"aether.io/node/agent/policy"
+	"aether.io/node/agent/services"
 )
 
 // TestSnapshotRestores: the Services and policies an agent served come
@@ -20,7 +21,7 @@ func TestSnapshotRestores(t *testing.T) {
 	newTestAgent := func() *agent {
 		c := &Config{XDSSocket: "unused", ClusterID: "Kubernetes", ClusterDomain: "cluster.local", RootNamespace: "istio-system", StateDir: dir}
 		log := slog.New(slog.DiscardHandler)
-		return &agent{c: c, nodeRes: newNodeXDS(c, log), log: log}
+		return &agent{c: c, nodeRes: newNodeXDS(c, log, services.Metrics{}), log: log}
 	}
 	a := newTestAgent()
 	a.nodeRes.services.UpsertService(&corev1.Service{

@@ -316,7 +316,7 @@ func (n *nodeXDS) RecordRemoved(key string) {
 	}
 }
 
-func newNodeXDS(c *Config, log *slog.Logger) *nodeXDS {
+func newNodeXDS(c *Config, log *slog.Logger, met services.Metrics) *nodeXDS {
 	n := &nodeXDS{listeners: newListenerSync(listener.Ports{}, c.UDSRoot, log.With("component", "lds"))}
 	n.listeners.defaultPolicy = c.InboundPolicy
 	if c.CA != nil {
@@ -338,7 +338,7 @@ func newNodeXDS(c *Config, log *slog.Logger) *nodeXDS {
 		// upserted: the policy model answers for both (Services from the
 		// Service model) and learns every workload's labels at build.
 		n.services = services.New(services.Config{ClusterID: c.ClusterID, ClusterDomain: c.ClusterDomain, Network: c.Network},
-			idx, log.With("component", "services"))
+			idx, met, log.With("component", "services"))
 		n.policies = policy.New(c.RootNamespace, idx, n.services, log.With("component", "policy"))
 		n.workloads.cfg.ObserveLabels = n.policies.ObserveLabels
 	}

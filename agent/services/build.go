@@ -15,6 +15,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 
+	"k8s.io/utils/ptr"
+
 	workloadpb "aether.io/node/api/istio/workload"
 )
 
@@ -163,28 +165,66 @@ type Endpoint struct {
 	Ports []*workloadpb.Port
 }
 
+// Reasons an endpoint's port is left unresolved (Unresolved.Reason, the
+// reason label of aether_agent_service_unresolved_target_ports_total).
+const (
+	// ReasonNotDeclared: the EndpointSlice gives no port of the Service
+	// port's name (the EndpointSlice controller leaves out a named
+	// targetPort the pod declares no container port for), or one without a
+	// number.
+	ReasonNotDeclared = "not_declared"
+	// ReasonInvalid: the EndpointSlice gives a port number outside 1-65535.
+	ReasonInvalid = "invalid"
+)
+
+// UnresolvedReasons are every Unresolved.Reason value.
+var UnresolvedReasons = []string{ReasonNotDeclared, ReasonInvalid}
+
+// Unresolved is a Service port with a named targetPort that an
+// EndpointSlice resolves to no usable port: its endpoints are not served
+// for that port (they keep the Service's other ports).
+type Unresolved struct {
+	// ServicePort is the Service's port, TargetPort its targetPort's name.
+	ServicePort uint32
+	TargetPort  string
+	// Reason is ReasonNotDeclared or ReasonInvalid.
+	Reason string
+}
+
 // SliceEndpoints returns the pod endpoints of an EndpointSlice of svc:
 // only endpoints whose targetRef is a Pod (others have no workload); each
 // with the Service's ports it serves, matched by port name, the target
 // port being the slice's (resolved per endpoint by the EndpointSlice
-// controller, so a named targetPort is resolved per pod).
-func SliceEndpoints(svc *corev1.Service, es *discoveryv1.EndpointSlice) []Endpoint {
+// controller, so a named targetPort is resolved per pod). A slice port
+// without a number in 1-65535 is never served as a target port: a numeric
+// targetPort then falls back to the Service's number (as the consumers
+// do), and a named one is unresolved: the second result lists those, and
+// the endpoints are served without that port.
+func SliceEndpoints(svc *corev1.Service, es *discoveryv1.EndpointSlice) ([]Endpoint, []Unresolved) {
 	if es.AddressType == discoveryv1.AddressTypeFQDN {
-		return nil
+		return nil, nil
 	}
 	var ports []*workloadpb.Port
-	for _, sp := range es.Ports {
-		if sp.Port == nil || (sp.Protocol != nil && *sp.Protocol != corev1.ProtocolTCP) {
-			continue
+	var unresolved []Unresolved
+	for _, p := range svc.Spec.Ports {
+		if p.Protocol != "" && p.Protocol != corev1.ProtocolTCP {
+			continue // the mesh carries TCP only
 		}
-		name := ""
-		if sp.Name != nil {
-			name = *sp.Name
-		}
-		for _, p := range svc.Spec.Ports {
-			if p.Name == name && (p.Protocol == "" || p.Protocol == corev1.ProtocolTCP) {
-				ports = append(ports, &workloadpb.Port{ServicePort: uint32(p.Port), TargetPort: uint32(*sp.Port)})
+		reason := ReasonNotDeclared
+		for _, sp := range es.Ports {
+			if ptr.Deref(sp.Name, "") != p.Name || (sp.Protocol != nil && *sp.Protocol != corev1.ProtocolTCP) || sp.Port == nil {
+				continue
 			}
+			if n := *sp.Port; n < 1 || n > 65535 {
+				reason = ReasonInvalid
+				continue
+			}
+			ports = append(ports, &workloadpb.Port{ServicePort: uint32(p.Port), TargetPort: uint32(*sp.Port)})
+			reason = ""
+			break
+		}
+		if reason != "" && p.TargetPort.StrVal != "" {
+			unresolved = append(unresolved, Unresolved{ServicePort: uint32(p.Port), TargetPort: p.TargetPort.StrVal, Reason: reason})
 		}
 	}
 	slices.SortFunc(ports, func(a, b *workloadpb.Port) int { return int(a.ServicePort) - int(b.ServicePort) })
@@ -211,5 +251,8 @@ func SliceEndpoints(svc *corev1.Service, es *discoveryv1.EndpointSlice) []Endpoi
 		}
 		out = append(out, ep)
 	}
-	return out
+	if len(out) == 0 {
+		unresolved = nil // no endpoint is left without the port
+	}
+	return out, unresolved
 }

@@ -57,7 +57,7 @@ func TestDirDerivesSlices(t *testing.T) {
 		t.Fatal(err)
 	}
 	x := workload.NewIndex()
-	m := New(testCfg, x, nil)
+	m := New(testCfg, x, Metrics{}, nil)
 	d := manifests.NewDir(dir, 0, nil, m)
 	d.Scan()
 	if served(t, x, webHost).GetService() == nil {

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"sync"
 
+	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -18,8 +19,17 @@ import (
 // Informers feed a Model from the Kubernetes API: every Service and every
 // EndpointSlice of the cluster (list and watch, nothing else), each
 // trimmed to what the model reads before it is cached.
+//
+// Updates are coalesced: the handlers only record each object's last
+// state in a pending batch and wake one worker, which hands the whole
+// batch to the model (Model.Apply: each Service recomputed once). What
+// arrives while the model applies a batch goes into the next one, so a
+// storm of updates to one Service costs about one recompute per
+// recompute's duration instead of one per update, and the last state
+// always wins (a later update overwrites the pending one; none is
+// dropped). No timer: a lone change is applied at once.
 type Informers struct {
-	model    *Model
+	q        *coalescer
 	services cache.SharedIndexInformer
 	slices   cache.SharedIndexInformer
 	log      *slog.Logger
@@ -34,7 +44,7 @@ func NewInformers(client kubernetes.Interface, m *Model, log *slog.Logger) (*Inf
 	svcs := client.CoreV1().Services(metav1.NamespaceAll)
 	ess := client.DiscoveryV1().EndpointSlices(metav1.NamespaceAll)
 	i := &Informers{
-		model: m, log: log,
+		q: newCoalescer(m, m.met.Updates), log: log,
 		services: cache.NewSharedIndexInformer(&cache.ListWatch{
 			ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 				return svcs.List(ctx, o)
@@ -87,11 +97,11 @@ func (i *Informers) onService(o any, deleted bool) {
 	if !ok {
 		return
 	}
+	k := key(svc.Namespace, svc.Name)
 	if deleted {
-		i.model.DeleteService(svc.Namespace, svc.Name)
-		return
+		svc = nil
 	}
-	i.model.UpsertService(svc)
+	i.q.record(func(b Batch) { b.Services[k] = svc })
 }
 
 func (i *Informers) onSlice(o any, deleted bool) {
@@ -99,40 +109,122 @@ func (i *Informers) onSlice(o any, deleted bool) {
 	if !ok {
 		return
 	}
+	k := key(es.Namespace, es.Name)
 	if deleted {
-		i.model.DeleteSlice(es.Namespace, es.Name)
-		return
+		es = nil
 	}
-	i.model.UpsertSlice(es)
+	i.q.record(func(b Batch) { b.Slices[k] = es })
+}
+
+// replace makes the model hold exactly the caches' content: what a
+// snapshot restored before the API answered and the API no longer has
+// goes.
+func (i *Informers) replace(m applier) {
+	var svcs []*corev1.Service
+	for _, o := range i.services.GetStore().List() {
+		if s, ok := o.(*corev1.Service); ok {
+			svcs = append(svcs, s)
+		}
+	}
+	var ess []*discoveryv1.EndpointSlice
+	for _, o := range i.slices.GetStore().List() {
+		if es, ok := o.(*discoveryv1.EndpointSlice); ok {
+			ess = append(ess, es)
+		}
+	}
+	m.Replace(svcs, ess)
+	i.log.Info("services synced", "services", len(svcs), "endpointslices", len(ess))
 }
 
 // HasSynced reports whether both informers delivered their first listing.
 func (i *Informers) HasSynced() bool { return i.services.HasSynced() && i.slices.HasSynced() }
 
-// Run runs the informers until ctx ends.
+// Run runs the informers and the worker applying their updates until ctx
+// ends.
 func (i *Informers) Run(ctx context.Context) {
+	synced := make(chan struct{})
 	var wg sync.WaitGroup
+	wg.Go(func() { i.q.run(ctx, synced, i.replace) })
 	wg.Go(func() { i.services.RunWithContext(ctx) })
 	wg.Go(func() { i.slices.RunWithContext(ctx) })
 	if cache.WaitForCacheSync(ctx.Done(), i.HasSynced) {
-		// What a snapshot restored before the API answered and the API no
-		// longer has goes now.
-		var svcs []*corev1.Service
-		for _, o := range i.services.GetStore().List() {
-			if s, ok := o.(*corev1.Service); ok {
-				svcs = append(svcs, s)
-			}
-		}
-		var ess []*discoveryv1.EndpointSlice
-		for _, o := range i.slices.GetStore().List() {
-			if es, ok := o.(*discoveryv1.EndpointSlice); ok {
-				ess = append(ess, es)
-			}
-		}
-		i.model.Replace(svcs, ess)
-		i.log.Info("services synced", "services", len(svcs), "endpointslices", len(ess))
+		close(synced)
 	}
 	wg.Wait()
+}
+
+// applier is what the coalescer feeds: the Model.
+type applier interface {
+	Apply(Batch)
+	Replace([]*corev1.Service, []*discoveryv1.EndpointSlice)
+}
+
+// coalescer merges the informers' updates into batches for one worker
+// (see Informers).
+type coalescer struct {
+	model   applier
+	updates prometheus.Counter // nil: not counted
+
+	mu      sync.Mutex
+	pending Batch
+	wake    chan struct{} // one token: the pending batch may not be empty
+}
+
+func newCoalescer(m applier, updates prometheus.Counter) *coalescer {
+	return &coalescer{model: m, updates: updates, pending: newBatch(), wake: make(chan struct{}, 1)}
+}
+
+func newBatch() Batch {
+	return Batch{Services: map[string]*corev1.Service{}, Slices: map[string]*discoveryv1.EndpointSlice{}}
+}
+
+// record sets an object's last state in the pending batch and wakes the
+// worker.
+func (q *coalescer) record(set func(Batch)) {
+	if q.updates != nil {
+		q.updates.Inc()
+	}
+	q.mu.Lock()
+	set(q.pending)
+	q.mu.Unlock()
+	select {
+	case q.wake <- struct{}{}:
+	default: // already woken: the worker takes this change with the others
+	}
+}
+
+// take returns the pending batch and starts a new one.
+func (q *coalescer) take() Batch {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	b := q.pending
+	q.pending = newBatch()
+	return b
+}
+
+// run is the one goroutine that writes the model, until ctx ends: it
+// applies the pending batch whenever there is one, and once synced is
+// closed, replace (the caches' whole content; nil: nothing).
+func (q *coalescer) run(ctx context.Context, synced <-chan struct{}, replace func(applier)) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-synced:
+			synced = nil
+			// The caches hold everything recorded so far (an informer
+			// updates its cache before it calls the handlers), and what
+			// comes later is recorded again.
+			q.take()
+			if replace != nil {
+				replace(q.model)
+			}
+		case <-q.wake:
+			if b := q.take(); b.Len() > 0 {
+				q.model.Apply(b)
+			}
+		}
+	}
 }
 
 // TrimService keeps what BuildService reads.

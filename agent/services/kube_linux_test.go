@@ -58,7 +58,7 @@ func TestInformers(t *testing.T) {
 	ctx := context.Background()
 	cl.Namespace(t, "shop")
 	x := workload.NewIndex()
-	m := services.New(services.Config{ClusterID: "Kubernetes", ClusterDomain: "cluster.local"}, x, nil)
+	m := services.New(services.Config{ClusterID: "Kubernetes", ClusterDomain: "cluster.local"}, x, services.Metrics{}, nil)
 	inf, err := services.NewInformers(cl.Client, m, nil)
 	if err != nil {
 		t.Fatal(err)

@@ -10,6 +10,7 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 
@@ -21,34 +22,62 @@ import (
 // and EndpointSlices it is given (by an informer, or by a directory of
 // manifests). It is the index's workload.Membership.
 //
-// Every change recomputes the one Service it concerns: its
-// istio.workload.Service, the services map of each endpoint workload it
-// gains or loses, and the workloads known only from its EndpointSlices.
-// Locks: the model's state is read by the index (Services, with the
-// index locked), so the model never calls the index while holding it;
-// changes are serialised by their own lock, held while they are applied.
+// Changes come in batches (Apply; Upsert* and Delete* are batches of
+// one): each Service a batch concerns is recomputed once, however many of
+// its EndpointSlices changed: its istio.workload.Service, the services map
+// of each endpoint workload it gains or loses, and the workloads known
+// only from its EndpointSlices. Locks: the model's state is read by the
+// index (Services, with the index locked), so the model never calls the
+// index while holding it; batches are serialised by their own lock, held
+// while they are applied.
 type Model struct {
 	cfg  Config
 	idx  *workload.Index
 	svcs *workload.Writer // Services, into the Address view
 	eps  *workload.Writer // workloads known only from an EndpointSlice
+	met  Metrics
 	log  *slog.Logger
 
-	apply sync.Mutex    // one change computed and applied at a time
-	gen   atomic.Uint64 // bumped by every change (Generation)
+	apply sync.Mutex    // one batch computed and applied at a time
+	gen   atomic.Uint64 // bumped by every batch that changes something (Generation)
 
 	mu       sync.RWMutex
 	services map[string]*corev1.Service            // "ns/name"
 	slices   map[string]*discoveryv1.EndpointSlice // "ns/slice name"
 	bySvc    map[string]map[string]struct{}        // service key → its slices' keys
 	served   map[string]string                     // service key → served ServiceName
-	memberOf map[string]map[string]Endpoint        // workload uid → service key → the endpoint
+	memberOf map[string]memberships                // workload uid → its Services' endpoints
 	members  map[string]map[string]struct{}
 	// sliceEPs are the pod endpoints each slice names, by uid (read with
 	// its Service's ports); sliceSvc the Service they were read for.
 	sliceEPs map[string]map[string]Endpoint
-	sliceSvc map[string]string                          // service key → its member uids
+	sliceSvc map[string]string                          // slice key → the service key it was read for
 	view     map[string]map[string]*workloadpb.PortList // uid → ServiceName → ports; replaced, never modified
+	// unresolved are, per slice (read for sliceSvc), its Service's named
+	// target ports it resolves to no port; only slices that have some.
+	unresolved map[string]map[unresolvedKey]string // → reason
+}
+
+// unresolvedKey is a Service port and the name of its targetPort.
+type unresolvedKey struct {
+	port   uint32
+	target string
+}
+
+// Metrics are the model's counters, registered by the agent
+// (agent/telemetry); a nil field is not counted.
+type Metrics struct {
+	// UnresolvedTargetPorts counts, by reason (UnresolvedReasons), the
+	// endpoint ports not served because the endpoint's EndpointSlice
+	// resolves a Service port's named targetPort to no port: once per
+	// endpoint, Service port and target name when it becomes unresolved.
+	UnresolvedTargetPorts *prometheus.CounterVec
+	// Recomputes counts Service recomputes: one per Service per batch.
+	Recomputes prometheus.Counter
+	// Updates counts the Service and EndpointSlice events the informers
+	// delivered (added, updated, deleted): against Recomputes, how much
+	// a storm was merged.
+	Updates prometheus.Counter
 }
 
 var _ workload.Membership = (*Model)(nil)
@@ -57,16 +86,18 @@ var _ workload.Membership = (*Model)(nil)
 const LabelServiceName = discoveryv1.LabelServiceName
 
 // New returns a model writing into idx (which must have an Address view:
-// workload.NewIndex) and sets itself as idx's Membership.
-func New(cfg Config, idx *workload.Index, log *slog.Logger) *Model {
+// workload.NewIndex) and sets itself as idx's Membership; met's counters
+// may be nil.
+func New(cfg Config, idx *workload.Index, met Metrics, log *slog.Logger) *Model {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
 	m := &Model{
-		cfg: cfg, idx: idx, svcs: idx.Addresses().Writer(workload.ServiceSource), eps: idx.Writer(workload.EndpointSource), log: log,
+		cfg: cfg, idx: idx, svcs: idx.Addresses().Writer(workload.ServiceSource), eps: idx.Writer(workload.EndpointSource), met: met, log: log,
 		services: map[string]*corev1.Service{}, slices: map[string]*discoveryv1.EndpointSlice{},
 		bySvc: map[string]map[string]struct{}{}, served: map[string]string{},
-		memberOf: map[string]map[string]Endpoint{}, members: map[string]map[string]struct{}{}, sliceEPs: map[string]map[string]Endpoint{}, sliceSvc: map[string]string{}, view: map[string]map[string]*workloadpb.PortList{},
+		memberOf: map[string]memberships{}, members: map[string]map[string]struct{}{}, sliceEPs: map[string]map[string]Endpoint{}, sliceSvc: map[string]string{}, view: map[string]map[string]*workloadpb.PortList{},
+		unresolved: map[string]map[unresolvedKey]string{},
 	}
 	idx.SetMembership(m)
 	return m
@@ -90,96 +121,174 @@ func key(namespace, name string) string { return namespace + "/" + name }
 
 // UpsertService sets a Service.
 func (m *Model) UpsertService(svc *corev1.Service) {
-	m.change(key(svc.Namespace, svc.Name), "", func() { m.services[key(svc.Namespace, svc.Name)] = svc })
+	m.Apply(Batch{Services: map[string]*corev1.Service{key(svc.Namespace, svc.Name): svc}})
 }
 
 // DeleteService removes a Service (its EndpointSlices stay until they are
 // deleted, as in the API).
 func (m *Model) DeleteService(namespace, name string) {
-	m.change(key(namespace, name), "", func() { delete(m.services, key(namespace, name)) })
+	m.Apply(Batch{Services: map[string]*corev1.Service{key(namespace, name): nil}})
 }
 
 // UpsertSlice sets an EndpointSlice; its Service is its
 // kubernetes.io/service-name label.
 func (m *Model) UpsertSlice(es *discoveryv1.EndpointSlice) {
-	k := key(es.Namespace, es.Name)
-	m.mu.RLock()
-	old := m.slices[k]
-	m.mu.RUnlock()
-	if old != nil && old.Labels[LabelServiceName] != es.Labels[LabelServiceName] {
-		m.DeleteSlice(es.Namespace, es.Name) // it moved to another Service
-	}
-	svc := es.Labels[LabelServiceName]
-	if svc == "" {
-		return // not a Service's slice
-	}
-	sk := key(es.Namespace, svc)
-	m.change(sk, k, func() {
-		m.slices[k] = es
-		if m.bySvc[sk] == nil {
-			m.bySvc[sk] = map[string]struct{}{}
-		}
-		m.bySvc[sk][k] = struct{}{}
-	})
+	m.Apply(Batch{Slices: map[string]*discoveryv1.EndpointSlice{key(es.Namespace, es.Name): es}})
 }
 
 // DeleteSlice removes an EndpointSlice.
 func (m *Model) DeleteSlice(namespace, name string) {
-	k := key(namespace, name)
-	m.mu.RLock()
-	es := m.slices[k]
-	m.mu.RUnlock()
-	if es == nil {
-		return
-	}
-	sk := key(namespace, es.Labels[LabelServiceName])
-	m.change(sk, k, func() {
-		delete(m.slices, k)
-		delete(m.bySvc[sk], k)
-		if len(m.bySvc[sk]) == 0 {
-			delete(m.bySvc, sk)
-		}
-	})
+	m.Apply(Batch{Slices: map[string]*discoveryv1.EndpointSlice{key(namespace, name): nil}})
 }
 
+// Batch is a set of changes the model applies together (Apply): the last
+// state of each Service and EndpointSlice it names, by "namespace/name",
+// nil for one deleted. Each Service the batch concerns is recomputed once,
+// however many of its slices changed. Objects are shared, not copied: do
+// not modify them.
+type Batch struct {
+	Services map[string]*corev1.Service
+	Slices   map[string]*discoveryv1.EndpointSlice
+}
+
+// Len is the number of objects the batch names.
+func (b Batch) Len() int { return len(b.Services) + len(b.Slices) }
+
+// Apply applies a batch: it sets (or deletes) each object, then
+// recomputes each Service whose object or EndpointSlices changed, once.
+// An object the model already holds (the same pointer, as an informer's
+// relist hands back) changes nothing.
+func (m *Model) Apply(b Batch) { m.applyBatch(b, false) }
+
 // Replace makes the model hold exactly these Services and EndpointSlices
-// (a directory rescan, an informer's relist): what is gone is deleted,
-// what changed is set.
+// (a directory rescan, an informer's relist), in one batch: what is gone
+// is deleted, what changed is set.
 func (m *Model) Replace(svcs []*corev1.Service, ess []*discoveryv1.EndpointSlice) {
-	keepSvc := map[string]bool{}
+	b := Batch{Services: make(map[string]*corev1.Service, len(svcs)), Slices: make(map[string]*discoveryv1.EndpointSlice, len(ess))}
 	for _, s := range svcs {
-		keepSvc[key(s.Namespace, s.Name)] = true
-	}
-	keepES := map[string]bool{}
-	for _, es := range ess {
-		keepES[key(es.Namespace, es.Name)] = true
-	}
-	m.mu.RLock()
-	var goneSvc []*corev1.Service
-	var goneES []*discoveryv1.EndpointSlice
-	for k, s := range m.services {
-		if !keepSvc[k] {
-			goneSvc = append(goneSvc, s)
-		}
-	}
-	for k, es := range m.slices {
-		if !keepES[k] {
-			goneES = append(goneES, es)
-		}
-	}
-	m.mu.RUnlock()
-	for _, es := range goneES {
-		m.DeleteSlice(es.Namespace, es.Name)
-	}
-	for _, s := range goneSvc {
-		m.DeleteService(s.Namespace, s.Name)
-	}
-	for _, s := range svcs {
-		m.UpsertService(s)
+		b.Services[key(s.Namespace, s.Name)] = s
 	}
 	for _, es := range ess {
-		m.UpsertSlice(es)
+		b.Slices[key(es.Namespace, es.Name)] = es
 	}
+	m.applyBatch(b, true)
+}
+
+// dirt is what a batch changed of one Service: the Service itself (or a
+// slice moved away from it: full), and which of its slices.
+type dirt struct {
+	full   bool
+	slices map[string]struct{}
+}
+
+type dirtSet map[string]*dirt
+
+func (d dirtSet) mark(sk, slice string) {
+	e := d[sk]
+	if e == nil {
+		e = &dirt{slices: map[string]struct{}{}}
+		d[sk] = e
+	}
+	if slice == "" {
+		e.full = true
+	} else {
+		e.slices[slice] = struct{}{}
+	}
+}
+
+// applyBatch applies b (replace: and deletes what b does not name), then
+// recomputes each Service it changed, one at a time (the index may read
+// the model between two).
+func (m *Model) applyBatch(b Batch, replace bool) {
+	m.apply.Lock()
+	defer m.apply.Unlock()
+	dirty := dirtSet{}
+	m.mu.Lock()
+	if replace {
+		for k := range m.services {
+			if _, ok := b.Services[k]; !ok {
+				m.editServiceLocked(k, nil, dirty)
+			}
+		}
+		for k := range m.slices {
+			if _, ok := b.Slices[k]; !ok {
+				m.editSliceLocked(k, nil, dirty)
+			}
+		}
+	}
+	for k, svc := range b.Services {
+		m.editServiceLocked(k, svc, dirty)
+	}
+	for k, es := range b.Slices {
+		m.editSliceLocked(k, es, dirty)
+	}
+	m.mu.Unlock()
+	if len(dirty) == 0 {
+		return
+	}
+	m.gen.Add(1)
+	for _, sk := range slices.Sorted(maps.Keys(dirty)) {
+		m.mu.Lock()
+		a := m.recomputeLocked(sk, dirty[sk])
+		m.mu.Unlock()
+		m.applyActions(sk, a)
+		if m.met.Recomputes != nil {
+			m.met.Recomputes.Inc()
+		}
+	}
+}
+
+// editServiceLocked sets (nil: deletes) the Service k.
+func (m *Model) editServiceLocked(k string, svc *corev1.Service, dirty dirtSet) {
+	cur, had := m.services[k]
+	switch {
+	case svc == nil && !had, svc != nil && cur == svc:
+		return
+	case svc == nil:
+		delete(m.services, k)
+	default:
+		m.services[k] = svc
+	}
+	dirty.mark(k, "")
+}
+
+// editSliceLocked sets (nil: deletes) the EndpointSlice k. A slice
+// without the kubernetes.io/service-name label is not kept; one whose
+// label changed leaves its previous Service, which is recomputed in full.
+func (m *Model) editSliceLocked(k string, es *discoveryv1.EndpointSlice, dirty dirtSet) {
+	old := m.slices[k]
+	if old != nil && old == es {
+		return
+	}
+	sk := ""
+	if es != nil && es.Labels[LabelServiceName] != "" {
+		sk = key(es.Namespace, es.Labels[LabelServiceName])
+	}
+	if old != nil {
+		osk := key(old.Namespace, old.Labels[LabelServiceName])
+		if osk != sk {
+			delete(m.slices, k)
+			delete(m.bySvc[osk], k)
+			if len(m.bySvc[osk]) == 0 {
+				delete(m.bySvc, osk)
+			}
+			dirty.mark(osk, k)
+			if sk != "" {
+				// It moved: the other Service may read it first and
+				// replace what the model knew of its endpoints.
+				dirty.mark(osk, "")
+			}
+		}
+	}
+	if sk == "" {
+		return // deleted, or not a Service's slice
+	}
+	m.slices[k] = es
+	if m.bySvc[sk] == nil {
+		m.bySvc[sk] = map[string]struct{}{}
+	}
+	m.bySvc[sk][k] = struct{}{}
+	dirty.mark(sk, k)
 }
 
 // actions are what one change does to the index, computed under m.mu and
@@ -190,22 +299,22 @@ type actions struct {
 	stubs   map[string]*workloadpb.Workload
 	unstub  []string
 	refresh []string
+	// unresolved are the endpoint ports newly left unresolved, to count
+	// and log.
+	unresolved []newlyUnresolved
 }
 
-// change applies edit to the model's state and recomputes Service sk
-// (changed: the one EndpointSlice edit touched, "" for the Service).
-func (m *Model) change(sk, changed string, edit func()) {
-	m.apply.Lock()
-	defer m.apply.Unlock()
-	m.mu.Lock()
-	edit()
-	a := m.recomputeLocked(sk, changed)
-	m.mu.Unlock()
-	m.applyActions(sk, a)
-	m.gen.Add(1)
+// newlyUnresolved is one Service port of one slice that some endpoints
+// newly miss.
+type newlyUnresolved struct {
+	Unresolved
+	slice     string
+	endpoints int
+	example   string // one of the endpoints, namespace/name
 }
 
-// Generation grows with every change: a snapshot writer compares it.
+// Generation grows with every batch that changes an object: a snapshot
+// writer compares it.
 func (m *Model) Generation() uint64 { return m.gen.Load() }
 
 // Snapshot returns every Service and EndpointSlice the model holds (the
@@ -224,12 +333,12 @@ func (m *Model) Snapshot() ([]*corev1.Service, []*discoveryv1.EndpointSlice) {
 	return svcs, ess
 }
 
-// recomputeLocked rebuilds Service sk's resource and memberships. changed
-// names the one EndpointSlice that changed ("" for a change of the
-// Service itself): only that slice is read again and only the endpoints
-// it had or has are compared, so one slice update of a Service of
-// thousands of endpoints costs the slice, not the Service.
-func (m *Model) recomputeLocked(sk, changed string) actions {
+// recomputeLocked rebuilds Service sk's resource and memberships. d
+// names the EndpointSlices that changed: only those are read again and
+// only the endpoints they had or have are compared, so one slice update
+// of a Service of thousands of endpoints costs the slice, not the
+// Service. A change of the Service itself (d.full) reads every slice.
+func (m *Model) recomputeLocked(sk string, d *dirt) actions {
 	var a actions
 	svc := m.services[sk]
 	var built *workloadpb.Service
@@ -251,49 +360,50 @@ func (m *Model) recomputeLocked(sk, changed string) actions {
 	} else {
 		m.served[sk] = name
 	}
-	full := changed == "" || name != servedBefore
+	full := d.full || name != servedBefore
 
 	// The endpoints each slice names (by uid), read again for the changed
-	// slice only (all of them on a Service change).
+	// slices only (all of them on a Service change).
 	candidates := map[string]struct{}{}
-	reread := []string{changed}
+	reread := d.slices
 	if full {
-		reread = slices.Collect(maps.Keys(m.bySvc[sk]))
+		reread = maps.Clone(d.slices)
+		for esk := range m.bySvc[sk] {
+			reread[esk] = struct{}{}
+		}
 		for uid := range m.members[sk] {
 			candidates[uid] = struct{}{}
 		}
 	}
-	for _, esk := range reread {
+	for _, esk := range slices.Sorted(maps.Keys(reread)) {
 		for uid := range m.sliceEPs[esk] {
 			candidates[uid] = struct{}{}
 		}
+		_, mine := m.bySvc[sk][esk]
 		es := m.slices[esk]
-		if es == nil || svc == nil {
-			delete(m.sliceEPs, esk)
+		if !mine || es == nil || svc == nil {
+			// Deleted, moved to another Service (which may have read it
+			// already), or its Service is gone.
+			if owner, ok := m.sliceSvc[esk]; !ok || owner == sk {
+				delete(m.sliceEPs, esk)
+				delete(m.unresolved, esk)
+				delete(m.sliceSvc, esk)
+				if mine && es != nil {
+					m.sliceSvc[esk] = sk
+				}
+			}
 			continue
 		}
-		eps := map[string]Endpoint{}
-		for _, ep := range SliceEndpoints(svc, es) {
+		read, unresolved := SliceEndpoints(svc, es)
+		eps := make(map[string]Endpoint, len(read))
+		for _, ep := range read {
 			uid := workload.UID(m.cfg.ClusterID, ep.Namespace, ep.Name)
 			eps[uid] = ep
 			candidates[uid] = struct{}{}
 		}
+		a.unresolved = append(a.unresolved, m.noteUnresolvedLocked(sk, esk, eps, unresolved)...)
 		m.sliceEPs[esk] = eps
-	}
-	if full {
-		// Slices of other Services (or none) no longer count for sk.
-		for esk := range m.sliceEPs {
-			if _, ok := m.bySvc[sk][esk]; !ok && m.sliceSvc[esk] == sk {
-				delete(m.sliceEPs, esk)
-			}
-		}
-	}
-	for _, esk := range reread {
-		if m.slices[esk] != nil {
-			m.sliceSvc[esk] = sk
-		} else {
-			delete(m.sliceSvc, esk)
-		}
+		m.sliceSvc[esk] = sk
 	}
 
 	affected := map[string]struct{}{}
@@ -303,23 +413,21 @@ func (m *Model) recomputeLocked(sk, changed string) actions {
 	svcSlices := slices.Sorted(maps.Keys(m.bySvc[sk]))
 	for uid := range candidates {
 		ep, ok := m.memberEndpointLocked(svcSlices, svc, built != nil, uid)
-		old, had := m.memberOf[uid][sk]
+		old, had := m.memberOf[uid].get(sk)
 		switch {
 		case !ok && had:
-			delete(m.memberOf[uid], sk)
-			if len(m.memberOf[uid]) == 0 {
+			if rest := m.memberOf[uid].without(sk); len(rest) > 0 {
+				m.memberOf[uid] = rest
+			} else {
 				delete(m.memberOf, uid)
 			}
 			delete(m.members[sk], uid)
 			affected[uid] = struct{}{}
 		case ok:
-			if m.memberOf[uid] == nil {
-				m.memberOf[uid] = map[string]Endpoint{}
-			}
 			if !had || !sameEndpoint(old, ep) || full {
 				affected[uid] = struct{}{}
 			}
-			m.memberOf[uid][sk] = ep
+			m.memberOf[uid] = m.memberOf[uid].with(sk, ep)
 			m.members[sk][uid] = struct{}{}
 		}
 	}
@@ -338,6 +446,61 @@ func (m *Model) recomputeLocked(sk, changed string) actions {
 	}
 	slices.Sort(a.refresh)
 	return a
+}
+
+// noteUnresolvedLocked records the target ports slice esk (read for sk,
+// its endpoints eps) leaves unresolved and returns those some endpoints
+// newly miss: an endpoint that already missed the port in this slice's
+// previous reading is not counted again, so a storm of updates of an
+// unchanged problem counts and logs it once.
+func (m *Model) noteUnresolvedLocked(sk, esk string, eps map[string]Endpoint, now []Unresolved) []newlyUnresolved {
+	var before map[unresolvedKey]string
+	var had map[string]Endpoint
+	if m.sliceSvc[esk] == sk {
+		before, had = m.unresolved[esk], m.sliceEPs[esk]
+	}
+	if len(now) == 0 {
+		delete(m.unresolved, esk)
+		return nil
+	}
+	cur := make(map[unresolvedKey]string, len(now))
+	var out []newlyUnresolved
+	for _, u := range now {
+		k := unresolvedKey{port: u.ServicePort, target: u.TargetPort}
+		cur[k] = u.Reason
+		n := newlyUnresolved{Unresolved: u, slice: esk}
+		for _, uid := range slices.Sorted(maps.Keys(eps)) {
+			if _, was := had[uid]; was && before[k] == u.Reason {
+				continue
+			}
+			if n.endpoints == 0 {
+				n.example = eps[uid].Namespace + "/" + eps[uid].Name
+			}
+			n.endpoints++
+		}
+		if n.endpoints > 0 {
+			out = append(out, n)
+		}
+	}
+	m.unresolved[esk] = cur
+	return out
+}
+
+// reportUnresolved counts and logs (one line per Service port, slice and
+// reason) the endpoint ports a recompute of sk newly left unresolved.
+func (m *Model) reportUnresolved(sk string, us []newlyUnresolved) {
+	for _, u := range us {
+		if m.met.UnresolvedTargetPorts != nil {
+			m.met.UnresolvedTargetPorts.WithLabelValues(u.Reason).Add(float64(u.endpoints))
+		}
+		why := "the EndpointSlice gives no port of that name: the pods declare no container port named so"
+		if u.Reason == ReasonInvalid {
+			why = "the EndpointSlice gives a port number outside 1-65535"
+		}
+		m.log.Warn("service port not served on some endpoints: its named targetPort is unresolved",
+			"service", sk, "port", u.ServicePort, "target_port", u.TargetPort, "reason", u.Reason, "detail", why,
+			"endpointslice", u.slice, "endpoints", u.endpoints, "example", u.example)
+	}
 }
 
 // memberEndpointLocked is uid's endpoint of a Service, merged over the
@@ -373,9 +536,9 @@ func (m *Model) rebuildViewLocked(uid string) {
 		return
 	}
 	v := make(map[string]*workloadpb.PortList, len(svcs))
-	for sk, ep := range svcs {
-		if name := m.served[sk]; name != "" {
-			v[name] = &workloadpb.PortList{Ports: ep.Ports}
+	for _, ms := range svcs {
+		if name := m.served[ms.svc]; name != "" {
+			v[name] = &workloadpb.PortList{Ports: ms.ep.Ports}
 		}
 	}
 	m.view[uid] = v
@@ -386,9 +549,8 @@ func (m *Model) rebuildViewLocked(uid string) {
 // have yet): built from the first of its Services' endpoints that has
 // addresses, with tunnel NONE; nil when none has an address.
 func (m *Model) stubLocked(uid string) *workloadpb.Workload {
-	svcs := m.memberOf[uid]
-	for _, sk := range slices.Sorted(maps.Keys(svcs)) {
-		ep := svcs[sk]
+	for _, ms := range m.memberOf[uid] {
+		ep := ms.ep
 		if len(ep.Addresses) == 0 {
 			continue
 		}
@@ -413,6 +575,7 @@ func (m *Model) stubLocked(uid string) *workloadpb.Workload {
 
 // applyActions writes a change to the index; m.apply is held.
 func (m *Model) applyActions(sk string, a actions) {
+	m.reportUnresolved(sk, a.unresolved)
 	if a.remove[1] != "" {
 		m.svcs.RemoveService(a.remove[0], a.remove[1])
 	}
@@ -458,6 +621,47 @@ func mergeAddrs(a, b []netip.Addr) []netip.Addr {
 	return out
 }
 
+// memberships are a workload's endpoints of its Services, sorted by
+// service key: a pod is in one Service or a few, and a slice of them is a
+// tenth of a small map's size (a map of one entry allocates a group of
+// eight: ~1 KB per endpoint at 100,000 endpoints).
+type memberships []membership
+
+type membership struct {
+	svc string // service key
+	ep  Endpoint
+}
+
+func (ms memberships) find(sk string) (int, bool) {
+	return slices.BinarySearchFunc(ms, sk, func(m membership, sk string) int { return strings.Compare(m.svc, sk) })
+}
+
+// get returns the endpoint of Service sk.
+func (ms memberships) get(sk string) (Endpoint, bool) {
+	if i, ok := ms.find(sk); ok {
+		return ms[i].ep, true
+	}
+	return Endpoint{}, false
+}
+
+// with sets the endpoint of Service sk (in place when it has one).
+func (ms memberships) with(sk string, ep Endpoint) memberships {
+	i, ok := ms.find(sk)
+	if ok {
+		ms[i].ep = ep
+		return ms
+	}
+	return slices.Insert(ms, i, membership{svc: sk, ep: ep})
+}
+
+// without drops Service sk.
+func (ms memberships) without(sk string) memberships {
+	if i, ok := ms.find(sk); ok {
+		return slices.Delete(ms, i, i+1)
+	}
+	return ms
+}
+
 // sameEndpoint reports whether a membership entry is unchanged.
 func sameEndpoint(a, b Endpoint) bool {
 	return a.Namespace == b.Namespace && a.Name == b.Name && a.Node == b.Node && a.Ready == b.Ready &&
@@ -473,6 +677,6 @@ func sameEndpoint(a, b Endpoint) bool {
 func (m *Model) MemberOf(uid, namespace, name string) bool {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
-	_, ok := m.memberOf[uid][key(namespace, name)]
+	_, ok := m.memberOf[uid].get(key(namespace, name))
 	return ok
 }

@@ -1,8 +1,13 @@
 package services
 
 import (
+	"context"
 	"fmt"
+	"log/slog"
 	"net/netip"
+	"slices"
+	"strings"
+	"sync"
 	"testing"
 
 	"google.golang.org/protobuf/proto"
@@ -90,7 +95,7 @@ func ports(t *testing.T, w *workloadpb.Workload) map[uint32]uint32 {
 // added), the others from the slice with tunnel NONE.
 func TestModelClusterIP(t *testing.T) {
 	x := workload.NewIndex()
-	m := New(testCfg, x, nil)
+	m := New(testCfg, x, Metrics{}, nil)
 	mesh := registry.Endpoint{Key: "sandbox-a", Namespace: "shop", Name: "web-a", Node: "n1", Healthy: true, IPs: []netip.Addr{netip.MustParseAddr("10.0.0.1")}}
 	w, err := workload.Build(workload.Config{ClusterID: "Kubernetes", TrustDomain: "cluster.local", HBONE: true}, mesh)
 	if err != nil {
@@ -196,7 +201,7 @@ func TestBuildServiceKinds(t *testing.T) {
 // members (the proxy may choose them: ALLOW_ALL).
 func TestPublishNotReadyAddresses(t *testing.T) {
 	x := workload.NewIndex()
-	m := New(testCfg, x, nil)
+	m := New(testCfg, x, Metrics{}, nil)
 	svc := webService()
 	svc.Spec.PublishNotReadyAddresses = true
 	m.UpsertService(svc)
@@ -212,7 +217,7 @@ func TestPublishNotReadyAddresses(t *testing.T) {
 // iteration: the cost of one EndpointSlice update, index writes included.
 func BenchmarkSliceUpdate5000(b *testing.B) {
 	x := workload.NewIndex()
-	m := New(testCfg, x, nil)
+	m := New(testCfg, x, Metrics{}, nil)
 	m.UpsertService(webService())
 	mk := func(n int, readyAt int) *discoveryv1.EndpointSlice {
 		var eps []sliceEP
@@ -233,5 +238,124 @@ func BenchmarkSliceUpdate5000(b *testing.B) {
 	for b.Loop() {
 		m.UpsertSlice(mk(7, i%100))
 		i++
+	}
+}
+
+// records is a slog handler keeping every record.
+type records struct {
+	mu   sync.Mutex
+	recs []slog.Record
+}
+
+func (r *records) Enabled(context.Context, slog.Level) bool { return true }
+func (r *records) Handle(_ context.Context, rec slog.Record) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.recs = append(r.recs, rec)
+	return nil
+}
+func (r *records) WithAttrs([]slog.Attr) slog.Handler { return r }
+func (r *records) WithGroup(string) slog.Handler      { return r }
+
+// take returns the records so far, each as "message k=v ...", and forgets
+// them.
+func (r *records) take() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []string
+	for _, rec := range r.recs {
+		s := rec.Message
+		rec.Attrs(func(a slog.Attr) bool {
+			s += " " + a.String()
+			return true
+		})
+		out = append(out, s)
+	}
+	r.recs = nil
+	return out
+}
+
+// TestUnresolvedTargetPort: endpoints whose EndpointSlice gives no port
+// for a Service port's named targetPort (the pods declare none, so the
+// controller left it out), or a number outside 1-65535, are served
+// without that port (the Service's target port is 0 for a named one, so a
+// client skips them for it) and keep the others; each such endpoint port
+// is counted once, by reason, and logged once per change, not again for
+// an update that leaves the problem as it was.
+func TestUnresolvedTargetPort(t *testing.T) {
+	x := workload.NewIndex()
+	met := testMetrics()
+	logs := &records{}
+	m := New(testCfg, x, met, slog.New(logs))
+	m.UpsertService(webService())
+	m.UpsertSlice(slice("web-1", 8080, sliceEP{pod: "web-a", ip: "10.0.0.1", node: "n1"}))
+	missing := func(eps ...sliceEP) *discoveryv1.EndpointSlice {
+		es := slice("web-2", 1, eps...)
+		es.Ports = es.Ports[1:] // metrics only: no port named http
+		return es
+	}
+	m.UpsertSlice(missing(sliceEP{pod: "web-b", ip: "10.0.0.2", node: "n1"}, sliceEP{pod: "web-c", ip: "10.0.0.3", node: "n1"}))
+	invalid := slice("web-3", 1, sliceEP{pod: "web-d", ip: "10.0.0.4", node: "n1"})
+	invalid.Ports[0].Port = ptr.To[int32](-8080)
+	m.UpsertSlice(invalid)
+
+	if got := ports(t, served(t, x, uid("web-a")).GetWorkload()); got[80] != 8080 || got[9090] != 9091 {
+		t.Errorf("resolved endpoint ports %v", got)
+	}
+	for _, pod := range []string{"web-b", "web-c", "web-d"} {
+		got := ports(t, served(t, x, uid(pod)).GetWorkload())
+		if _, ok := got[80]; ok || got[9090] != 9091 || len(got) != 1 {
+			t.Errorf("%s ports %v: want 9090->9091 only (80 unresolved, not served)", pod, got)
+		}
+	}
+	count := func(reason string) float64 { return value(t, met.UnresolvedTargetPorts.WithLabelValues(reason)) }
+	if nd, inv := count(ReasonNotDeclared), count(ReasonInvalid); nd != 2 || inv != 1 {
+		t.Errorf("counted not_declared %v, invalid %v; want 2, 1", nd, inv)
+	}
+	got := logs.take()
+	want := []string{
+		`service port not served on some endpoints: its named targetPort is unresolved service=shop/web port=80 target_port=http reason=not_declared detail=the EndpointSlice gives no port of that name: the pods declare no container port named so endpointslice=shop/web-2 endpoints=2 example=shop/web-b`,
+		`service port not served on some endpoints: its named targetPort is unresolved service=shop/web port=80 target_port=http reason=invalid detail=the EndpointSlice gives a port number outside 1-65535 endpointslice=shop/web-3 endpoints=1 example=shop/web-d`,
+	}
+	if !slices.Equal(got, want) {
+		t.Errorf("logged\n%s\nwant\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+
+	// The same problem again (an update storm, a Service change): neither
+	// counted nor logged again.
+	for range 5 {
+		m.UpsertSlice(missing(sliceEP{pod: "web-b", ip: "10.0.0.2", node: "n1"}, sliceEP{pod: "web-c", ip: "10.0.0.3", node: "n1", ready: ptr.To(false)}))
+	}
+	m.UpsertService(webService())
+	if nd := count(ReasonNotDeclared); nd != 2 || len(logs.take()) != 0 {
+		t.Errorf("an unchanged problem was counted (%v) or logged again", nd)
+	}
+	// A new endpoint in that slice: it alone.
+	m.UpsertSlice(missing(sliceEP{pod: "web-b", ip: "10.0.0.2", node: "n1"}, sliceEP{pod: "web-c", ip: "10.0.0.3", node: "n1"}, sliceEP{pod: "web-e", ip: "10.0.0.5", node: "n1"}))
+	if nd, l := count(ReasonNotDeclared), logs.take(); nd != 3 || len(l) != 1 || !strings.Contains(l[0], "endpoints=1 example=shop/web-e") {
+		t.Errorf("a new endpoint missing the port: counted %v, logged %q", nd, l)
+	}
+	// The pods declare the port now: served; broken again: counted again.
+	m.UpsertSlice(slice("web-2", 8082, sliceEP{pod: "web-b", ip: "10.0.0.2", node: "n1"}))
+	if got := ports(t, served(t, x, uid("web-b")).GetWorkload()); got[80] != 8082 {
+		t.Errorf("after the fix web-b ports %v, want 80->8082", got)
+	}
+	m.UpsertSlice(missing(sliceEP{pod: "web-b", ip: "10.0.0.2", node: "n1"}))
+	if nd := count(ReasonNotDeclared); nd != 4 || len(logs.take()) != 1 {
+		t.Errorf("broken again: counted %v", nd)
+	}
+	// A numeric targetPort with a garbage slice port: the Service's number
+	// is the target (a consumer's fallback), never the garbage; not counted.
+	numeric := webService()
+	numeric.Spec.Ports[0].TargetPort = intstr.FromInt32(8080)
+	m.UpsertService(numeric)
+	if got := ports(t, served(t, x, uid("web-d")).GetWorkload()); got[80] != 0 {
+		t.Errorf("numeric targetPort, invalid slice port: web-d ports %v, want no 80 entry (the Service's 8080 applies)", got)
+	}
+	if inv := count(ReasonInvalid); inv != 1 {
+		t.Errorf("invalid counted %v for a numeric targetPort", inv)
+	}
+	if svc := served(t, x, webHost).GetService(); svc.GetPorts()[0].GetTargetPort() != 8080 {
+		t.Errorf("service ports %v", svc.GetPorts())
 	}
 }

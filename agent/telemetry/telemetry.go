@@ -6,6 +6,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
+	"aether.io/node/agent/services"
 	"aether.io/node/agent/uds"
 )
 
@@ -78,6 +79,16 @@ type Metrics struct {
 	// InboundPolicyInvalid counts pod listener builds whose inbound policy
 	// annotation was invalid (the pod is served strict).
 	InboundPolicyInvalid prometheus.Counter
+	// ServiceUnresolvedTargetPorts counts endpoint ports the Service model
+	// does not serve because their EndpointSlice resolves the Service
+	// port's named targetPort to no port, by reason
+	// (services.UnresolvedReasons).
+	ServiceUnresolvedTargetPorts *prometheus.CounterVec
+	// ServiceRecomputes counts the Service model's recomputes of a Service.
+	ServiceRecomputes prometheus.Counter
+	// ServiceUpdates counts the Service and EndpointSlice events the
+	// informers delivered to the Service model.
+	ServiceUpdates prometheus.Counter
 	// CNIAddDuration observes each CNI ADD's phases as aether-cni reports
 	// them (ReportAddResult's PluginTimings), by phase (CNIPhases).
 	CNIAddDuration *prometheus.HistogramVec
@@ -156,6 +167,18 @@ func NewMetrics() *Metrics {
 			Name: "aether_agent_inbound_policy_invalid_total",
 			Help: "Pod listener builds whose aether.io/inbound-policy annotation is neither permissive nor strict: the pod is served strict.",
 		}),
+		ServiceUnresolvedTargetPorts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "aether_agent_service_unresolved_target_ports_total",
+			Help: "Endpoint ports not served because the endpoint's EndpointSlice resolves the Service port's named targetPort to no port, counted once per endpoint and Service port when it becomes so (the Service, port and an example pod are in the agent's log line): not_declared (no port of that name: the pod declares no such container port), invalid (a number outside 1-65535). The only label is that reason: a per-Service label would grow with the cluster.",
+		}, []string{"reason"}),
+		ServiceRecomputes: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "aether_agent_service_recomputes_total",
+			Help: "Recomputes of one Service by the Service model: one per Service per batch of Service and EndpointSlice updates (updates arriving while a batch is applied are merged into the next).",
+		}),
+		ServiceUpdates: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "aether_agent_service_updates_total",
+			Help: "Service and EndpointSlice events (added, updated, deleted) the informers delivered to the Service model; against aether_agent_service_recomputes_total, how much a storm was merged.",
+		}),
 		CNIAddDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "aether_cni_add_duration_seconds",
 			Help:    "CNI ADDs of mesh-managed pods as aether-cni timed them (ReportAddResult), by phase: total (the plugin's start to its report), pre_call (netconf, PID lookup, netns pin), readiness_probe (the proxy's capture listener in the pod netns), capture_divert (nftables and policy routing).",
@@ -165,6 +188,7 @@ func NewMetrics() *Metrics {
 	m.Registry.MustRegister(m.Operations, m.Quarantined, m.PeerRejected, m.WorkloadAPITokenRejected, m.UDSRefusals, m.PodLookupRetry, m.Pods,
 		m.PendingDeregistrations, m.RegistryGhostsDeleted, m.RegistryReregistered,
 		m.SVIDs, m.SVIDRotations, m.SVIDMintFailures, m.CAReloads, m.CAReloadFailures, m.InboundPolicyInvalid, m.CNIAddDuration,
+		m.ServiceUnresolvedTargetPorts, m.ServiceRecomputes, m.ServiceUpdates,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for _, op := range []string{OpAddPod, OpRemovePod, OpReadinessProbe, OpCaptureDivert} {
 		for _, r := range []string{ResultSuccess, ResultError} {
@@ -184,5 +208,13 @@ func NewMetrics() *Metrics {
 	for _, r := range uds.Reasons {
 		m.UDSRefusals.WithLabelValues(r)
 	}
+	for _, r := range services.UnresolvedReasons {
+		m.ServiceUnresolvedTargetPorts.WithLabelValues(r)
+	}
 	return m
+}
+
+// Services returns the Service model's counters (services.New).
+func (m *Metrics) Services() services.Metrics {
+	return services.Metrics{UnresolvedTargetPorts: m.ServiceUnresolvedTargetPorts, Recomputes: m.ServiceRecomputes, Updates: m.ServiceUpdates}
 }

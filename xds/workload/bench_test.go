@@ -197,8 +197,8 @@ func benchWorkloads(b *testing.B, n int) []*workloadpb.Workload {
 }
 
 // benchClient is a raw delta ADS client: it ACKs every response, tracks the
-// versions it holds and reports what it received; it never decodes the
-// workloads, so client cost is the same for both servers.
+// versions it holds and reports what it received; it decodes the resources
+// only when asked to (decode), so client cost is the same for both servers.
 type benchClient struct {
 	conn   *grpc.ClientConn
 	stream discovery.AggregatedDiscoveryService_DeltaAggregatedResourcesClient
@@ -209,6 +209,11 @@ type benchClient struct {
 	versions *adsclient.Versions
 	// events receives, per response, its resource count and wire size.
 	events chan benchEvent
+	// typeURL is what the stream subscribes to; decode makes the client
+	// unmarshal every resource as an istio.workload.Address (what a
+	// proxy must do before it can use one) before it reports the response.
+	typeURL string
+	decode  bool
 }
 
 type benchEvent struct {
@@ -244,13 +249,19 @@ func openBench(b *testing.B, conn *grpc.ClientConn, initial *adsclient.Versions)
 // the versions instead of initial (in map order, as a client that keeps a
 // map sends them); the client still keeps its versions in initial.
 func openBenchTracking(b *testing.B, conn *grpc.ClientConn, initial *adsclient.Versions, asMap map[string]string, track bool) *benchClient {
+	return openBenchType(b, conn, resource.WorkloadType, false, initial, asMap, track)
+}
+
+// openBenchType is openBenchTracking for a stream of typeURL; decode
+// makes the client decode every resource as an Address.
+func openBenchType(b *testing.B, conn *grpc.ClientConn, typeURL string, decode bool, initial *adsclient.Versions, asMap map[string]string, track bool) *benchClient {
 	b.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	s, err := discovery.NewAggregatedDiscoveryServiceClient(conn).DeltaAggregatedResources(ctx)
 	if err != nil {
 		b.Fatal(err)
 	}
-	c := &benchClient{conn: conn, stream: s, cancel: cancel, done: make(chan struct{}), events: make(chan benchEvent, 1024)}
+	c := &benchClient{conn: conn, stream: s, cancel: cancel, done: make(chan struct{}), events: make(chan benchEvent, 1024), typeURL: typeURL, decode: decode}
 	if track {
 		c.versions = initial
 		if c.versions == nil {
@@ -258,7 +269,7 @@ func openBenchTracking(b *testing.B, conn *grpc.ClientConn, initial *adsclient.V
 		}
 	}
 	first := &discovery.DeltaDiscoveryRequest{
-		Node: &core.Node{Id: "bench"}, TypeUrl: resource.WorkloadType, ResourceNamesSubscribe: []string{"*"},
+		Node: &core.Node{Id: "bench"}, TypeUrl: typeURL, ResourceNamesSubscribe: []string{"*"},
 	}
 	var req any = first
 	if asMap != nil {
@@ -285,6 +296,15 @@ func (c *benchClient) loop() {
 			c.events <- benchEvent{err: err}
 			return
 		}
+		if c.decode {
+			for _, r := range resp.GetResources() {
+				var a workloadpb.Address
+				if err := proto.Unmarshal(r.GetResource().GetValue(), &a); err != nil {
+					c.events <- benchEvent{err: fmt.Errorf("failed to decode address %q: %w", r.GetName(), err)}
+					return
+				}
+			}
+		}
 		at := time.Now()
 		if c.versions != nil {
 			for _, r := range resp.GetResources() {
@@ -294,7 +314,7 @@ func (c *benchClient) loop() {
 				c.versions.Delete(n)
 			}
 		}
-		if err := c.stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: resource.WorkloadType, ResponseNonce: resp.GetNonce()}); err != nil {
+		if err := c.stream.Send(&discovery.DeltaDiscoveryRequest{TypeUrl: c.typeURL, ResponseNonce: resp.GetNonce()}); err != nil {
 			c.events <- benchEvent{err: err}
 			return
 		}
@@ -445,6 +465,25 @@ func heapInUse() uint64 {
 	return m.HeapInuse
 }
 
+// heldWithClients opens k wildcard streams of typeURL to sock whose clients
+// keep nothing, waits until each holds n resources, and returns the heap
+// in use then above before; the streams are closed before it returns.
+func heldWithClients(b *testing.B, before uint64, sock, typeURL string, k, n int) float64 {
+	b.Helper()
+	var cs []*benchClient
+	for range k {
+		c := openBenchType(b, dialBench(b, sock), typeURL, false, nil, nil, false)
+		c.waitResources(b, n)
+		cs = append(cs, c)
+	}
+	used := float64(heapInUse()) - float64(before)
+	for _, c := range cs {
+		c.close()
+		_ = c.conn.Close()
+	}
+	return used
+}
+
 // BenchmarkWDSMemory: live heap of a server holding N workloads with K
 // synced clients (the in-process clients keep nothing of what they receive,
 // so the difference is the server's state plus gRPC buffers).
@@ -460,19 +499,7 @@ func BenchmarkWDSMemory(b *testing.B) {
 						s := newBenchServer(b, kind)
 						s.set(ws)
 						ws = nil //nolint:ineffassign,wastedassign // drop the input so the GC reclaims it before the heap is measured
-						var cs []*benchClient
-						for range k {
-							conn := dialBench(b, s.socket())
-							c := openBenchTracking(b, conn, nil, nil, false)
-							c.waitResources(b, n)
-							cs = append(cs, c)
-						}
-						used := float64(heapInUse()) - float64(before)
-						peak = max(peak, used)
-						for _, c := range cs {
-							c.close()
-							_ = c.conn.Close()
-						}
+						peak = max(peak, heldWithClients(b, before, s.socket(), resource.WorkloadType, k, n))
 						runtime.KeepAlive(s)
 					}
 					b.ReportMetric(peak, "heap-B")
