@@ -28,19 +28,7 @@ func TestAgentRestartInvisible(t *testing.T) {
 	ag.addPod(t, client)
 	ag.addPod(t, server)
 	logs := &lockedBuffer{}
-	p, err := proxy.New(proxy.Config{XDSTarget: "unix://" + ag.socket, NodeID: "node-1"}, slog.New(slog.NewTextHandler(logs, nil)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- p.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("proxy.Run: %v", err)
-		}
-	})
+	p := runProxyLog(t, proxy.Config{XDSTarget: "unix://" + ag.socket, NodeID: "node-1"}, slog.New(slog.NewTextHandler(logs, nil)))
 	wctx, wcancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer wcancel()
 	served := func() bool { return client.ReadyCode(wctx) == 200 && p.Peers.Len() == 2 }

@@ -158,26 +158,14 @@ func TestRunMetricsAddress(t *testing.T) {
 	}
 	addr := ln.Addr().String()
 	_ = ln.Close()
-	p, err := proxy.New(proxy.Config{XDSTarget: "unix://" + ag.socket, NodeID: "node-1", AdminAddress: "127.0.0.1:0", MetricsAddress: addr},
-		slog.New(slog.DiscardHandler))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- p.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run after a clean stop = %v", err)
-		}
-	})
+	runProxyLog(t, proxy.Config{XDSTarget: "unix://" + ag.socket, NodeID: "node-1", AdminAddress: "127.0.0.1:0", MetricsAddress: addr}, slog.New(slog.DiscardHandler))
+	deadline := time.Now().Add(20 * time.Second)
 	get := func(path string) (int, string) {
 		t.Helper()
 		for {
 			resp, err := http.Get("http://" + addr + path)
 			if err != nil {
-				if ctx.Err() == nil && strings.Contains(err.Error(), "refused") {
+				if time.Now().Before(deadline) && strings.Contains(err.Error(), "refused") {
 					time.Sleep(10 * time.Millisecond) // not listening yet
 					continue
 				}

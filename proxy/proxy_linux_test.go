@@ -126,7 +126,13 @@ func (a *agent) removePod(t *testing.T, p *proxytest.Pod) {
 // runProxy runs a proxy until the test ends; Run must end without error.
 func runProxy(t *testing.T, cfg proxy.Config) *proxy.Proxy {
 	t.Helper()
-	p, err := proxy.New(cfg, slog.New(slog.NewTextHandler(os.Stderr, nil)))
+	return runProxyLog(t, cfg, slog.New(slog.NewTextHandler(os.Stderr, nil)))
+}
+
+// runProxyLog is runProxy logging to log.
+func runProxyLog(t *testing.T, cfg proxy.Config, log *slog.Logger) *proxy.Proxy {
+	t.Helper()
+	p, err := proxy.New(cfg, log)
 	if err != nil {
 		t.Fatal(err)
 	}
