@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
-	"encoding/binary"
 	"errors"
 	"io"
 	"net"
@@ -333,7 +332,7 @@ func runDialerScript(t *testing.T, certs hbone.Certs, serverTLS *tls.Config, in 
 		in = in[min(n, len(in)):]
 		return a
 	}
-	stream := func(s byte) uint32 { return 2*uint32(s&7) + 1 }
+	ops := frameOps{write: write, fr: wfr}
 	for okw && len(in) > 0 {
 		op := in[0] % numDops
 		in = in[1:]
@@ -352,40 +351,21 @@ func runDialerScript(t *testing.T, certs hbone.Certs, serverTLS *tls.Config, in 
 			okw = write(func() {
 				var hb bytes.Buffer
 				_ = hpack.NewEncoder(&hb).WriteField(hpack.HeaderField{Name: ":status", Value: status})
-				_ = wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: stream(a[0]), BlockFragment: hb.Bytes(), EndStream: a[0]&0x80 != 0, EndHeaders: true})
+				_ = wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: opStream(a[0]), BlockFragment: hb.Bytes(), EndStream: a[0]&0x80 != 0, EndHeaders: true})
 			})
 		case dopData:
-			a := arg(2)
-			p := make([]byte, int(a[1])*64)
-			for len(p) > 0 && okw {
-				n := min(len(p), 16<<10)
-				end := a[0]&0x80 != 0 && n == len(p)
-				okw = write(func() { _ = wfr.WriteData(stream(a[0]), end, p[:n]) })
-				p = p[n:]
-			}
-			if a[1] == 0 && okw {
-				okw = write(func() { _ = wfr.WriteData(stream(a[0]), a[0]&0x80 != 0, nil) })
-			}
+			okw = ops.data(arg(2))
 		case dopPing:
 			okw = write(func() { _ = wfr.WritePing(false, [8]byte{7}) })
 		case dopSettings:
-			a := arg(5)
-			okw = write(func() {
-				_ = wfr.WriteSettings(http2.Setting{ID: http2.SettingID(a[0]), Val: binary.BigEndian.Uint32(a[1:])})
-			})
+			okw = ops.settings(arg(5))
 		case dopWindow:
-			a := arg(5)
-			id := stream(a[0])
-			if a[0]&0x80 != 0 {
-				id = 0
-			}
-			okw = write(func() { _ = wfr.WriteWindowUpdate(id, binary.BigEndian.Uint32(a[1:])&(1<<31-1)) })
+			okw = ops.window(arg(5))
 		case dopReset:
-			a := arg(1)[0]
-			okw = write(func() { _ = wfr.WriteRSTStream(stream(a), http2.ErrCode(a>>4)) })
+			okw = ops.reset(arg(1)[0])
 		case dopGoAway:
 			a := arg(1)[0]
-			okw = write(func() { _ = wfr.WriteGoAway(stream(a), http2.ErrCode(a>>4), nil) })
+			okw = write(func() { _ = wfr.WriteGoAway(opStream(a), http2.ErrCode(a>>4), nil) })
 		case dopStall:
 			stalled.Store(true)
 		case dopResume:

@@ -366,7 +366,7 @@ func runTLSScript(t *testing.T, certs hbone.Certs, clientTLS *tls.Config, in []b
 		in = in[min(n, len(in)):]
 		return a
 	}
-	stream := func(s byte) uint32 { return 2*uint32(s&7) + 1 }
+	ops := frameOps{write: write, fr: wfr}
 	for ok && len(in) > 0 {
 		op := in[0] % numOps
 		in = in[1:]
@@ -387,34 +387,15 @@ func runTLSScript(t *testing.T, certs hbone.Certs, clientTLS *tls.Config, in []b
 				_ = wfr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: hb.Bytes(), EndStream: a&0x80 != 0, EndHeaders: true})
 			})
 		case opData:
-			a := arg(2)
-			p := make([]byte, int(a[1])*64)
-			for len(p) > 0 && ok {
-				n := min(len(p), 16<<10)
-				end := a[0]&0x80 != 0 && n == len(p)
-				ok = write(func() { _ = wfr.WriteData(stream(a[0]), end, p[:n]) })
-				p = p[n:]
-			}
-			if a[1] == 0 && ok {
-				ok = write(func() { _ = wfr.WriteData(stream(a[0]), a[0]&0x80 != 0, nil) })
-			}
+			ok = ops.data(arg(2))
 		case opPing:
 			ok = write(func() { _ = wfr.WritePing(false, [8]byte{byte(next)}) })
 		case opSettings:
-			a := arg(5)
-			ok = write(func() {
-				_ = wfr.WriteSettings(http2.Setting{ID: http2.SettingID(a[0]), Val: binary.BigEndian.Uint32(a[1:])})
-			})
+			ok = ops.settings(arg(5))
 		case opWindow:
-			a := arg(5)
-			id := stream(a[0])
-			if a[0]&0x80 != 0 {
-				id = 0
-			}
-			ok = write(func() { _ = wfr.WriteWindowUpdate(id, binary.BigEndian.Uint32(a[1:])&(1<<31-1)) })
+			ok = ops.window(arg(5))
 		case opReset:
-			a := arg(1)[0]
-			ok = write(func() { _ = wfr.WriteRSTStream(stream(a), http2.ErrCode(a>>4)) })
+			ok = ops.reset(arg(1)[0])
 		case opStall:
 			stalled.Store(true)
 		case opResume:
@@ -517,4 +498,53 @@ func (r *tlsRun) deliver(_ context.Context, _ spiffeid.ID, target netip.AddrPort
 		<-r.stopApps
 	}()
 	return up, nil
+}
+
+// frameOps writes the frames both TLS fuzzers' scripts share, each through
+// write (one TLS write of what the framer call wrote); each returns false
+// once a write failed. Stream bytes s name stream 2*(s&7)+1.
+type frameOps struct {
+	write func(func()) bool
+	fr    *http2.Framer
+}
+
+func opStream(s byte) uint32 { return 2*uint32(s&7) + 1 }
+
+// data: a[1]*64 bytes of DATA on stream a[0] in frames of up to 16 KiB,
+// END_STREAM on the last if a[0]&0x80 (an empty frame when a[1] is 0).
+func (o frameOps) data(a []byte) bool {
+	p := make([]byte, int(a[1])*64)
+	ok := true
+	for len(p) > 0 && ok {
+		n := min(len(p), 16<<10)
+		end := a[0]&0x80 != 0 && n == len(p)
+		ok = o.write(func() { _ = o.fr.WriteData(opStream(a[0]), end, p[:n]) })
+		p = p[n:]
+	}
+	if a[1] == 0 && ok {
+		ok = o.write(func() { _ = o.fr.WriteData(opStream(a[0]), a[0]&0x80 != 0, nil) })
+	}
+	return ok
+}
+
+// settings: one SETTINGS entry, id a[0], value a[1:5].
+func (o frameOps) settings(a []byte) bool {
+	return o.write(func() {
+		_ = o.fr.WriteSettings(http2.Setting{ID: http2.SettingID(a[0]), Val: binary.BigEndian.Uint32(a[1:])})
+	})
+}
+
+// window: WINDOW_UPDATE of a[1:5] on stream a[0], or on the connection if
+// a[0]&0x80.
+func (o frameOps) window(a []byte) bool {
+	id := opStream(a[0])
+	if a[0]&0x80 != 0 {
+		id = 0
+	}
+	return o.write(func() { _ = o.fr.WriteWindowUpdate(id, binary.BigEndian.Uint32(a[1:])&(1<<31-1)) })
+}
+
+// reset: RST_STREAM on stream a, code a>>4.
+func (o frameOps) reset(a byte) bool {
+	return o.write(func() { _ = o.fr.WriteRSTStream(opStream(a), http2.ErrCode(a>>4)) })
 }
