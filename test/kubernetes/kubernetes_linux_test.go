@@ -34,7 +34,7 @@ func TestMain(m *testing.M) { harness.Main(m) }
 func TestKubernetes(t *testing.T) {
 	start := time.Now()
 	n := startNode(t)
-	buildImage(t, n, "v1", "v2")
+	buildImage(t, []*node{n}, "v1", "v2")
 	n.runtime.ImportBinary(t, "./test/kubernetes/echo", echoImage)
 	in := installAetherNode(t, n, "v1")
 

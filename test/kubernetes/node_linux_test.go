@@ -77,15 +77,17 @@ type node struct {
 	// kubelet (nsenter into its mount namespace); view is the prefix under
 	// which the test sees that namespace's files (/proc/<pid>/root). Both
 	// are empty for a node in the machine's mount namespace.
-	wrap []string
-	view string
-	ns   *harness.NS
+	wrap    []string
+	view    string
+	ns      *harness.NS
 	cluster *kubetest.Cluster
 	runtime *containerd.Runtime
 	kubelet *kubetest.Proc
-	bins    string
-	base    string // short per-lane dir: kubelet, host paths of the DaemonSet
-	cniBin  string
+	// kubeProxy runs in the two-node lane only.
+	kubeProxy *kubetest.Proc
+	bins      string
+	base      string // short per-lane dir: kubelet, host paths of the DaemonSet
+	cniBin    string
 	// kubeletRoot is kubelet's --root-dir (the chart's hostPaths.kubeletDir).
 	kubeletRoot string
 	conflist    string // the primary conflist containerd reads

@@ -2,8 +2,12 @@ package kubernetes_test
 
 import (
 	"bufio"
+	"context"
+	"encoding/json"
 	"fmt"
+	"maps"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -13,6 +17,8 @@ import (
 	"time"
 
 	"github.com/vishvananda/netlink"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 
 	"aether.io/node/test/containerd"
 	"aether.io/node/test/harness"
@@ -221,12 +227,178 @@ func startLaneNode(t *testing.T, tn *twoNodes, n *node) {
 	t.Cleanup(n.kubelet.Stop)
 }
 
+// kubeProxyArgs are kube-proxy's flags besides the per-node ones:
+// nftables mode (no iptables on these machines), and no conntrack setting
+// written (the limit is global to the machine; the timeouts 0 leave the
+// node netns' own values).
+var kubeProxyArgs = []string{
+	"--proxy-mode=nftables", "--cluster-cidr=" + clusterCIDR,
+	"--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0",
+	"--conntrack-udp-timeout=0", "--conntrack-udp-timeout-stream=0", "--v=1",
+}
+
+// startKubeProxy runs kube-proxy in every node's netns and waits until
+// each reports healthy (its first sync done) and the kubernetes Service's
+// VIP answers from every node (node B's reaches the apiserver over the
+// fabric). The host's conntrack settings must not change.
+func startKubeProxy(t *testing.T, tn *twoNodes) {
+	t.Helper()
+	before := hostSettings(t)
+	for _, n := range tn.nodes {
+		health := kubetest.FreePort(t)
+		dir := filepath.Join(n.base, "kube-proxy")
+		mkdir(t, dir)
+		args := append([]string{filepath.Join(n.bins, kubetest.KubeProxy),
+			"--kubeconfig=" + n.kubeconfig, "--hostname-override=" + n.name, "--bind-address=" + n.ip,
+			fmt.Sprintf("--healthz-bind-address=127.0.0.1:%d", health),
+			fmt.Sprintf("--metrics-bind-address=127.0.0.1:%d", kubetest.FreePort(t))}, kubeProxyArgs...)
+		n.kubeProxy = tn.cluster.RunIn(t, n.ns, dir, args...)
+		t.Cleanup(n.kubeProxy.Stop)
+		hc := nodeHTTP(n)
+		kubetest.WaitFor(t, "kube-proxy on "+n.name+" healthy", 60*time.Second, n.kubeProxy, func() bool {
+			resp, err := hc.Get(fmt.Sprintf("http://127.0.0.1:%d/healthz", health))
+			if err != nil {
+				return false
+			}
+			resp.Body.Close()
+			return resp.StatusCode == http.StatusOK
+		})
+	}
+	svc, err := tn.cluster.Client.CoreV1().Services("default").Get(context.Background(), "kubernetes", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	vip := net.JoinHostPort(svc.Spec.ClusterIP, "443")
+	for _, n := range tn.nodes {
+		kubetest.WaitFor(t, "the kubernetes Service "+vip+" from "+n.name, 30*time.Second, n.kubeProxy, func() bool {
+			c, err := nodeDial(n, vip)
+			if err == nil {
+				c.Close()
+			}
+			return err == nil
+		})
+	}
+	if after := hostSettings(t); !maps.Equal(before, after) {
+		t.Errorf("kube-proxy changed the host's conntrack settings: %v -> %v", before, after)
+	}
+}
+
+// hostSettings reads the host's optional (conntrack) kernel settings.
+func hostSettings(t *testing.T) map[string]string {
+	t.Helper()
+	got := map[string]string{}
+	for _, k := range kernelSettings {
+		if !optionalKernelSetting(k) {
+			continue
+		}
+		if b, err := os.ReadFile(filepath.Join("/proc/sys", k)); err == nil {
+			got[k] = strings.TrimSpace(string(b))
+		}
+	}
+	return got
+}
+
+// nodeDial opens a TCP connection to addr from n's netns.
+func nodeDial(n *node, addr string) (net.Conn, error) {
+	var c net.Conn
+	err := n.ns.Do(func() error {
+		var err error
+		c, err = (&net.Dialer{Timeout: 3 * time.Second}).Dial("tcp", addr)
+		return err
+	})
+	return c, err
+}
+
+// nodeHTTP is an HTTP client dialing from n's netns.
+func nodeHTTP(n *node) *http.Client {
+	return &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{
+		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			var c net.Conn
+			err := n.ns.Do(func() error {
+				var err error
+				c, err = (&net.Dialer{}).DialContext(ctx, network, addr)
+				return err
+			})
+			return c, err
+		},
+	}}
+}
+
+// installTwoNodes renders the chart with its defaults (registry.mode kube
+// among them) except the image, the host paths, identities (the embedded
+// CA, so managed pods speak HBONE), Istio's CRDs and inbound capture (so
+// plaintext reaching a managed backend meets its PeerAuthentication), and
+// creates its objects unchanged: the pods reach the API server through the
+// kubernetes Service, which kube-proxy serves on each node.
+func installTwoNodes(t *testing.T, tn *twoNodes, tag string) []runtime.Object {
+	t.Helper()
+	values := filepath.Join(t.TempDir(), "values.yaml")
+	if err := os.WriteFile(values, []byte(fmt.Sprintf(`image:
+  repository: %s
+  tag: %s
+  pullPolicy: Never
+hostPaths:
+  runDir: %s
+  stateDir: %s
+  cniBinDir: %s
+  cniConfDir: %s
+  kubeletDir: %s
+logLevel: debug
+cni:
+  inboundCapture: true
+identity:
+  enabled: true
+  generateCA: true
+policy:
+  installCRDs: auto
+`, imageRepo, tag, tn.hostPath("run/aether"), tn.hostPath("var/lib/aether"), tn.hostPath("cni-bin"),
+		tn.hostPath("cni-conf"), tn.hostPath("kubelet"))), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return createChart(t, tn.cluster, values, nil)
+}
+
+// waitInstalled waits until the DaemonSet runs on both nodes, each agent
+// removed its Node's not-ready taint and each installer chained aether-cni
+// after bridge in its node's conflist.
+func waitInstalled(t *testing.T, tn *twoNodes) {
+	t.Helper()
+	waitDaemonSetPods(t, tn.cluster, tn.nodes[1].kubelet, int32(len(tn.nodes)), 180*time.Second)
+	for _, n := range tn.nodes {
+		var b []byte
+		kubetest.WaitFor(t, "aether-cni chained and the taint removed on "+n.name, 30*time.Second, n.kubelet, func() bool {
+			no, err := tn.cluster.Client.CoreV1().Nodes().Get(context.Background(), n.name, metav1.GetOptions{})
+			if err != nil || hasTaint(no.Spec.Taints, notReadyTaint) {
+				return false
+			}
+			b, _ = os.ReadFile(n.view + n.conflist)
+			var cl struct {
+				Plugins []map[string]any `json:"plugins"`
+			}
+			return json.Unmarshal(b, &cl) == nil && len(cl.Plugins) == 2 && cl.Plugins[0]["type"] == "bridge" && cl.Plugins[1]["type"] == "aether-cni"
+		})
+	}
+}
+
 // TestKubernetesTwoNodes runs aether-node on a real two-node Kubernetes
 // with kube-proxy and the chart's default registry, and walks the
 // cross-node Service scenarios (see doc.go).
 func TestKubernetesTwoNodes(t *testing.T) {
 	start := time.Now()
 	tn := startTwoNodes(t)
-	_ = tn
+	startKubeProxy(t, tn)
+	t.Logf("kube-proxy serving on both nodes %s after the start", time.Since(start).Round(time.Millisecond))
+	buildImage(t, tn.nodes, "v1")
+	for _, n := range tn.nodes {
+		n.runtime.ImportBinary(t, "./test/kubernetes/echo", echoImage)
+	}
+	installTwoNodes(t, tn, "v1")
+	if !t.Run("DaemonSetReady", func(t *testing.T) {
+		ready := time.Now()
+		waitInstalled(t, tn)
+		t.Logf("DaemonSet Ready, chained and untainted on both nodes %s after the install", time.Since(ready).Round(time.Millisecond))
+	}) {
+		return // later scenarios build on this one
+	}
 	t.Logf("lane took %s", time.Since(start).Round(time.Millisecond))
 }
