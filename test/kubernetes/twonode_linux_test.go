@@ -400,5 +400,19 @@ func TestKubernetesTwoNodes(t *testing.T) {
 	}) {
 		return // later scenarios build on this one
 	}
+	apps := deployTwoNodeApps(t, tn)
+	for _, sc := range []struct {
+		name string
+		run  func(*testing.T, *twoNodes, *laneApps)
+	}{
+		{"CrossNodeService", testCrossNodeService},
+		{"PodIPHBONE", testPodIPHBONE},
+	} {
+		scStart := time.Now()
+		if !t.Run(sc.name, func(t *testing.T) { sc.run(t, tn, apps) }) {
+			return // later scenarios build on this one
+		}
+		t.Logf("%s took %s", sc.name, time.Since(scStart).Round(time.Millisecond))
+	}
 	t.Logf("lane took %s", time.Since(start).Round(time.Millisecond))
 }

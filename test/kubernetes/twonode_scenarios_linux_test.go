@@ -1,0 +1,120 @@
+package kubernetes_test
+
+import (
+	"net"
+	"strconv"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"aether.io/node/pkg/meshcontract"
+)
+
+// hbonePort is the port of every managed pod's HBONE listener.
+var hbonePort = uint16(meshcontract.HBONEPort)
+
+// untilAnswered connects to addr from the client until every name in want
+// answered (60 s bound; failures before the first answer are the push
+// still on its way, after it they fail the test) and returns how many
+// connections each name answered.
+func untilAnswered(t *testing.T, apps *laneApps, addr string, want []string) map[string]int {
+	t.Helper()
+	got := map[string]int{}
+	answered := false
+	start := time.Now()
+	for {
+		name, err := who(apps.clientNS, addr)
+		switch {
+		case err == nil:
+			answered = true
+			got[name]++
+		case answered:
+			t.Fatalf("client -> %s failed after it had answered: %v (answers %v)", addr, err, got)
+		case time.Since(start) > 60*time.Second:
+			t.Fatalf("client -> %s: %v", addr, err)
+		default:
+			time.Sleep(200 * time.Millisecond)
+			continue
+		}
+		all := true
+		for _, w := range want {
+			all = all && got[w] > 0
+		}
+		if all {
+			return got
+		}
+		if time.Since(start) > 60*time.Second {
+			t.Fatalf("client -> %s: answers %v after %s, want every one of %v", addr, got, time.Since(start).Round(time.Millisecond), want)
+		}
+	}
+}
+
+// testCrossNodeService: the client on node A reaches the backend Service,
+// answered by the backends on both nodes; each backend's proxy counts a
+// mutual-TLS inbound connection from the client's verified principal; the
+// fabric carried only TLS to :15008 for it.
+func testCrossNodeService(t *testing.T, tn *twoNodes, apps *laneApps) {
+	capture := startCapture(t, tn.fabric, laneNodes[0].fabricLink)
+	backends := runningPodsIn(t, tn.cluster, tn.nodes[0].kubelet, serverNamespace, "backend", 2, 10*time.Second)
+	start := time.Now()
+	got := untilAnswered(t, apps, apps.backendVIP, podNames(backends))
+	t.Logf("client -> Service backend (%s): answers %v, both nodes within %s", apps.backendVIP, got, time.Since(start).Round(time.Millisecond))
+	conns, _, err := onlyTLSTo(capture.Stop(), hbonePort, []byte(laneLine[:len(laneLine)-1]))
+	if err != nil {
+		t.Fatalf("the fabric carried more than TLS to :%d: %v", hbonePort, err)
+	}
+	if conns == 0 {
+		t.Fatalf("no connection to :%d crossed the fabric, though the backend on %s answered", hbonePort, tn.nodes[1].name)
+	}
+	t.Logf("fabric capture: %d connection(s), every byte in TLS records to or from :%d", conns, hbonePort)
+	for _, n := range tn.nodes {
+		m := tn.proxyMetrics(t, n)
+		line := metricLine(m, "istio_tcp_connections_opened_total", `reporter="destination"`, `connection_security_policy="mutual_tls"`,
+			`source_principal="`+clientPrincipal+`"`, `destination_workload="backend"`)
+		if line == "" {
+			t.Fatalf("%s's proxy counted no mutual-TLS connection from %s to backend:\n%s", n.name, clientPrincipal, m)
+		}
+		t.Logf("%s: %s", n.name, line)
+	}
+	if line := metricLine(tn.proxyMetrics(t, tn.nodes[0]), "aether_outbound_connections_total", `path="service_hbone"`); line == "" {
+		t.Fatal("the client's proxy counted no service_hbone connection")
+	}
+}
+
+// testPodIPHBONE: the client dials the backend pod on node B by its pod
+// IP; with the default registry node A's proxy knows that pod, so the
+// connection is HBONE (only TLS to :15008 on the fabric), verified by node
+// B's proxy.
+func testPodIPHBONE(t *testing.T, tn *twoNodes, apps *laneApps) {
+	var remote corev1.Pod
+	for _, p := range runningPodsIn(t, tn.cluster, tn.nodes[0].kubelet, serverNamespace, "backend", 2, 10*time.Second) {
+		if p.Spec.NodeName == tn.nodes[1].name {
+			remote = p
+		}
+	}
+	b := tn.nodes[1]
+	label := []string{`reporter="destination"`, `connection_security_policy="mutual_tls"`, `source_principal="` + clientPrincipal + `"`, `destination_workload="backend"`}
+	before := metricValue(tn.proxyMetrics(t, b), "istio_tcp_connections_opened_total", label...)
+	beforeOut := metricValue(tn.proxyMetrics(t, tn.nodes[0]), "aether_outbound_connections_total", `path="hbone"`)
+	capture := startCapture(t, tn.fabric, laneNodes[0].fabricLink)
+	addr := net.JoinHostPort(remote.Status.PodIP, strconv.Itoa(echoPort))
+	name, err := who(apps.clientNS, addr)
+	if err != nil || name != remote.Name {
+		t.Fatalf("client -> %s (%s on %s): answered %q, %v", addr, remote.Name, b.name, name, err)
+	}
+	// The proxies may reuse the HBONE connection of the Service scenario
+	// (no new handshake): data segments, all to or from :15008, none in
+	// the clear.
+	conns, data, err := onlyTLSTo(capture.Stop(), hbonePort, []byte(laneLine[:len(laneLine)-1]))
+	if err != nil || data == 0 {
+		t.Fatalf("pod-IP traffic across the fabric: %d data segment(s) to or from :%d, %v", data, hbonePort, err)
+	}
+	if after := metricValue(tn.proxyMetrics(t, b), "istio_tcp_connections_opened_total", label...); after < before+1 {
+		t.Fatalf("%s's proxy counted %v -> %v mutual-TLS connections from %s, want one more", b.name, before, after, clientPrincipal)
+	}
+	if after := metricValue(tn.proxyMetrics(t, tn.nodes[0]), "aether_outbound_connections_total", `path="hbone"`); after < beforeOut+1 {
+		t.Fatalf("the client's proxy counted %v -> %v hbone connections, want one more", beforeOut, after)
+	}
+	t.Logf("client -> %s on %s by pod IP: HBONE, %d data segment(s) on the fabric (%d new connection(s)), all to or from :%d, none in the clear", remote.Name, b.name, data, conns, hbonePort)
+}
