@@ -407,6 +407,8 @@ func TestKubernetesTwoNodes(t *testing.T) {
 	}{
 		{"CrossNodeService", testCrossNodeService},
 		{"PodIPHBONE", testPodIPHBONE},
+		{"UnmanagedBackends", testUnmanagedBackends},
+		{"NoEndpoints", testNoEndpoints},
 	} {
 		scStart := time.Now()
 		if !t.Run(sc.name, func(t *testing.T) { sc.run(t, tn, apps) }) {

@@ -1,8 +1,11 @@
 package kubernetes_test
 
 import (
+	"errors"
 	"net"
+	"slices"
 	"strconv"
+	"syscall"
 	"testing"
 	"time"
 
@@ -117,4 +120,67 @@ func testPodIPHBONE(t *testing.T, tn *twoNodes, apps *laneApps) {
 		t.Fatalf("the client's proxy counted %v -> %v hbone connections, want one more", beforeOut, after)
 	}
 	t.Logf("client -> %s on %s by pod IP: HBONE, %d data segment(s) on the fabric (%d new connection(s)), all to or from :%d, none in the clear", remote.Name, b.name, data, conns, hbonePort)
+}
+
+// testUnmanagedBackends: a Service whose only endpoint is an unmanaged pod
+// (on node B) answers in plaintext (the client's proxy counts
+// service_plaintext; the fabric carries the application's bytes to the
+// pod's own port).
+func testUnmanagedBackends(t *testing.T, tn *twoNodes, apps *laneApps) {
+	plain := runningPodsIn(t, tn.cluster, tn.nodes[0].kubelet, appNamespace, "plainsrv", 1, 10*time.Second)[0]
+	before := metricValue(tn.proxyMetrics(t, tn.nodes[0]), "aether_outbound_connections_total", `path="service_plaintext"`)
+	capture := startCapture(t, tn.fabric, laneNodes[0].fabricLink)
+	untilAnswered(t, apps, apps.plainVIP, []string{plain.Name})
+	segs := capture.Stop()
+	if after := metricValue(tn.proxyMetrics(t, tn.nodes[0]), "aether_outbound_connections_total", `path="service_plaintext"`); after < before+1 {
+		t.Fatalf("the client's proxy counted %v -> %v service_plaintext connections, want more", before, after)
+	}
+	dst := net.JoinHostPort(plain.Status.PodIP, strconv.Itoa(echoPort))
+	clear := slices.ContainsFunc(segs, func(s segment) bool {
+		return s.dst.String() == dst && string(s.payload) == laneLine
+	})
+	if !clear {
+		t.Fatalf("no plaintext segment to %s on the fabric (%d pod segments captured)", dst, len(segs))
+	}
+	t.Logf("client -> Service plainsrv (%s): answered by %s in plaintext to %s", apps.plainVIP, plain.Name, dst)
+}
+
+// testNoEndpoints: a Service with no endpoint is refused at once (a reset
+// by the client's proxy, counted as service_no_endpoint), never left to
+// time out.
+func testNoEndpoints(t *testing.T, tn *twoNodes, apps *laneApps) {
+	metric := func() float64 {
+		return metricValue(tn.proxyMetrics(t, tn.nodes[0]), "aether_outbound_connections_total", `path="service_no_endpoint"`)
+	}
+	before := metric()
+	start := time.Now()
+	var (
+		err  error
+		took time.Duration
+	)
+	// The Service's push may still be on its way (then the VIP is no
+	// workload and the connection passes through to nothing): retry until
+	// the proxy counts the refusal.
+	for {
+		t0 := time.Now()
+		_, err = who(apps.clientNS, apps.emptyVIP)
+		took = time.Since(t0)
+		if err == nil {
+			t.Fatalf("client -> Service empty (%s) answered", apps.emptyVIP)
+		}
+		if metric() > before {
+			break
+		}
+		if time.Since(start) > 30*time.Second {
+			t.Fatalf("client -> Service empty (%s): %v, but no service_no_endpoint counted", apps.emptyVIP, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if !errors.Is(err, syscall.ECONNRESET) && !errors.Is(err, syscall.ECONNREFUSED) && !errors.Is(err, syscall.EPIPE) {
+		t.Fatalf("client -> Service empty: %v, want a reset or a refusal", err)
+	}
+	if took >= 3*time.Second {
+		t.Fatalf("client -> Service empty took %s to fail, want at once (the dial timeout is 3 s)", took)
+	}
+	t.Logf("client -> Service empty (%s) refused in %s: %v", apps.emptyVIP, took.Round(time.Microsecond), err)
 }
