@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -15,6 +17,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
+
+	workloadclient "aether.io/node/xds/workload/client"
 )
 
 const (
@@ -185,6 +189,73 @@ func who(nsPath, addr string) (string, error) {
 		return "", fmt.Errorf("echo from %s = %q, %v; want %q", addr, got, err, laneLine)
 	}
 	return strings.TrimSpace(name), nil
+}
+
+// probe is one connection of a probe loop.
+type probe struct {
+	at   time.Time
+	name string
+	err  error
+}
+
+// probeLoop connects to addr from nsPath every interval until the
+// returned function is called, which returns every probe.
+func probeLoop(t *testing.T, nsPath, addr string, interval time.Duration) func() []probe {
+	t.Helper()
+	var (
+		mu     sync.Mutex
+		probes []probe
+		stop   = make(chan struct{})
+		done   = make(chan struct{})
+	)
+	go func() {
+		defer close(done)
+		tick := time.NewTicker(interval)
+		defer tick.Stop()
+		for {
+			at := time.Now()
+			name, err := who(nsPath, addr)
+			mu.Lock()
+			probes = append(probes, probe{at, name, err})
+			mu.Unlock()
+			select {
+			case <-stop:
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	var once sync.Once
+	end := func() []probe {
+		once.Do(func() { close(stop); <-done })
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(probes)
+	}
+	t.Cleanup(func() { end() })
+	return end
+}
+
+// serviceEndpoints are the serving endpoints (pod names, without the
+// namespace aetherctl prefixes) node n's proxy
+// was pushed for Service ns/name (aetherctl services on n's xds socket).
+func (tn *twoNodes) serviceEndpoints(t *testing.T, n *node, ns, name string) []string {
+	t.Helper()
+	var rows []workloadclient.ServiceRow
+	aetherctlJSON(t, &rows, "services", "--xds-socket", n.view+filepath.Join(tn.hostPath("run/aether"), "proxy", "xds.sock"))
+	var eps []string
+	for _, r := range rows {
+		if r.Name != ns+"/"+name+"."+ns+".svc.cluster.local" {
+			continue
+		}
+		for _, e := range r.Endpoints {
+			if e.Serving {
+				eps = append(eps, strings.TrimPrefix(e.Name, ns+"/"))
+			}
+		}
+	}
+	slices.Sort(eps)
+	return eps
 }
 
 // podNames are the sorted names of pods.

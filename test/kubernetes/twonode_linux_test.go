@@ -409,6 +409,8 @@ func TestKubernetesTwoNodes(t *testing.T) {
 		{"PodIPHBONE", testPodIPHBONE},
 		{"UnmanagedBackends", testUnmanagedBackends},
 		{"NoEndpoints", testNoEndpoints},
+		{"TerminatingBackend", testTerminatingBackend},
+		{"Scale", testScale},
 	} {
 		scStart := time.Now()
 		if !t.Run(sc.name, func(t *testing.T) { sc.run(t, tn, apps) }) {

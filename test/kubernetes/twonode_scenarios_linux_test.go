@@ -1,15 +1,18 @@
 package kubernetes_test
 
 import (
+	"context"
 	"errors"
 	"net"
 	"slices"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"aether.io/node/pkg/meshcontract"
 )
@@ -183,4 +186,137 @@ func testNoEndpoints(t *testing.T, tn *twoNodes, apps *laneApps) {
 		t.Fatalf("client -> Service empty took %s to fail, want at once (the dial timeout is 3 s)", took)
 	}
 	t.Logf("client -> Service empty (%s) refused in %s: %v", apps.emptyVIP, took.Round(time.Microsecond), err)
+}
+
+// testTerminatingBackend: a deleted backend keeps answering (it lingers
+// after SIGTERM), but once the push marked it terminating no new
+// connection reaches it, while a steady loop never fails.
+func testTerminatingBackend(t *testing.T, tn *twoNodes, apps *laneApps) {
+	ctx := context.Background()
+	backends := runningPodsIn(t, tn.cluster, tn.nodes[0].kubelet, serverNamespace, "backend", 2, 10*time.Second)
+	victim := backends[0]
+	if eps := tn.serviceEndpoints(t, tn.nodes[0], serverNamespace, "backend"); !slices.Equal(eps, podNames(backends)) {
+		t.Fatalf("before the delete the client's proxy lists %v, want %v", eps, podNames(backends))
+	}
+	loop := probeLoop(t, apps.clientNS, apps.backendVIP, 50*time.Millisecond)
+	if err := tn.cluster.Client.CoreV1().Pods(serverNamespace).Delete(ctx, victim.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	deleted := time.Now()
+	var pushed time.Time
+	for {
+		if !slices.Contains(tn.serviceEndpoints(t, tn.nodes[0], serverNamespace, "backend"), victim.Name) {
+			pushed = time.Now()
+			break
+		}
+		if time.Since(deleted) > 30*time.Second {
+			t.Fatalf("the client's proxy still lists %s as a serving endpoint 30 s after its deletion", victim.Name)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	time.Sleep(3 * time.Second)
+	probes := loop()
+	p, err := tn.cluster.Client.CoreV1().Pods(serverNamespace).Get(ctx, victim.Name, metav1.GetOptions{})
+	if err != nil || p.DeletionTimestamp == nil || p.Status.Phase != corev1.PodRunning {
+		t.Fatalf("%s is not a running, terminating pod at the end of the window (%v): the check proves nothing", victim.Name, err)
+	}
+	var after, failed int
+	for _, pr := range probes {
+		switch {
+		case pr.at.After(pushed) && pr.err != nil:
+			t.Errorf("connection at +%s after the push failed: %v", pr.at.Sub(pushed).Round(time.Millisecond), pr.err)
+		case pr.at.After(pushed) && pr.name == victim.Name:
+			t.Errorf("connection at +%s after the push reached the terminating %s", pr.at.Sub(pushed).Round(time.Millisecond), victim.Name)
+		case pr.err != nil:
+			// Between the delete and the push the client may still choose
+			// the victim, whose own node deregistered it at once.
+			failed++
+			t.Logf("connection at +%s after the delete, before the push, failed: %v", pr.at.Sub(deleted).Round(time.Millisecond), pr.err)
+		}
+		if pr.at.After(pushed) {
+			after++
+		}
+	}
+	if failed > 0 {
+		for _, n := range tn.nodes {
+			m := tn.proxyMetrics(t, n)
+			for _, l := range strings.Split(m, "\n") {
+				if strings.HasPrefix(l, "aether_outbound_connections_total{") || strings.HasPrefix(l, "aether_inbound_refusals_total{") || strings.HasPrefix(l, "aether_policy_denials_total{") {
+					t.Logf("%s: %s", n.name, l)
+				}
+			}
+		}
+	}
+	if after < 10 {
+		t.Fatalf("only %d connections after the push: the check proves nothing", after)
+	}
+	t.Logf("%s deleted: out of the client's endpoints after %s; %d connections, %d after the push (none to it, none failed), %d failed before the push",
+		victim.Name, pushed.Sub(deleted).Round(time.Millisecond), len(probes), after, failed)
+}
+
+// testScale: the backend Deployment scaled 2 -> 4 -> 1 under a steady
+// connection loop: after each step's push (the client's proxy lists
+// exactly the running backends), every connection succeeds and reaches
+// only those backends.
+func testScale(t *testing.T, tn *twoNodes, apps *laneApps) {
+	ctx := context.Background()
+	runningPodsIn(t, tn.cluster, tn.nodes[0].kubelet, serverNamespace, "backend", 2, 60*time.Second)
+	loop := probeLoop(t, apps.clientNS, apps.backendVIP, 50*time.Millisecond)
+	type window struct {
+		from, to time.Time
+		want     []string
+	}
+	var windows []window
+	for _, replicas := range []int32{4, 1} {
+		stepStart := time.Now()
+		sc, err := tn.cluster.Client.AppsV1().Deployments(serverNamespace).GetScale(ctx, "backend", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		sc.Spec.Replicas = replicas
+		if _, err := tn.cluster.Client.AppsV1().Deployments(serverNamespace).UpdateScale(ctx, "backend", sc, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		want := podNames(runningPodsIn(t, tn.cluster, tn.nodes[0].kubelet, serverNamespace, "backend", int(replicas), 120*time.Second))
+		for !slices.Equal(tn.serviceEndpoints(t, tn.nodes[0], serverNamespace, "backend"), want) {
+			if time.Since(stepStart) > 60*time.Second {
+				t.Fatalf("scaled to %d: the client's proxy lists %v, want %v", replicas, tn.serviceEndpoints(t, tn.nodes[0], serverNamespace, "backend"), want)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		pushed := time.Now()
+		t.Logf("scaled to %d: pushed %s after the scale (%v)", replicas, pushed.Sub(stepStart).Round(time.Millisecond), want)
+		time.Sleep(3 * time.Second)
+		windows = append(windows, window{pushed, time.Now(), want})
+	}
+	probes := loop()
+	failedAll := 0
+	for _, pr := range probes {
+		if pr.err != nil {
+			failedAll++
+		}
+	}
+	for _, w := range windows {
+		var n int
+		seen := map[string]int{}
+		for _, pr := range probes {
+			if pr.at.Before(w.from) || pr.at.After(w.to) {
+				continue
+			}
+			n++
+			if pr.err != nil {
+				t.Errorf("with %d backends, connection at %s failed after the push: %v", len(w.want), pr.at.Format(time.StampMilli), pr.err)
+				continue
+			}
+			seen[pr.name]++
+			if !slices.Contains(w.want, pr.name) {
+				t.Errorf("with %d backends, a connection after the push reached %s, not one of %v", len(w.want), pr.name, w.want)
+			}
+		}
+		if n < 10 {
+			t.Fatalf("only %d connections in the window after the push to %d backends", n, len(w.want))
+		}
+		t.Logf("%d backends: %d connections after the push, answers %v", len(w.want), n, seen)
+	}
+	t.Logf("whole loop: %d connections, %d failed (in and out of the windows after the pushes)", len(probes), failedAll)
 }
