@@ -63,16 +63,18 @@ func startCapture(t *testing.T, fabric *harness.NS, link string) *fabricCapture 
 		defer close(c.done)
 		buf := make([]byte, 1<<16)
 		for {
-			select {
-			case <-c.stop:
-				return
-			default:
-			}
+			// Stop ends the loop only once the socket is drained (a receive
+			// timed out): the frames of the last connection are kept.
 			n, _, err := unix.Recvfrom(c.fd, buf, 0)
-			if err != nil {
-				if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR) {
+			if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR) {
+				select {
+				case <-c.stop:
+					return
+				default:
 					continue
 				}
+			}
+			if err != nil {
 				return
 			}
 			if s, ok := parseSegment(buf[:n]); ok && (pods.Contains(s.src.Addr().AsSlice()) || pods.Contains(s.dst.Addr().AsSlice())) {
@@ -86,7 +88,8 @@ func startCapture(t *testing.T, fabric *harness.NS, link string) *fabricCapture 
 	return c
 }
 
-// Stop ends the capture and returns the segments seen.
+// Stop ends the capture (after reading every frame already received) and
+// returns the segments seen.
 func (c *fabricCapture) Stop() []segment {
 	select {
 	case <-c.stop:
