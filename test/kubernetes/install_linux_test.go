@@ -94,17 +94,7 @@ func installAetherNode(t *testing.T, n *node, tag string) *install {
 	mkdir(t, in.runDir, in.state)
 	sharedMount(t, in.runDir)
 	values := filepath.Join(t.TempDir(), "values.yaml")
-	if err := os.WriteFile(values, []byte(fmt.Sprintf(`image:
-  repository: %s
-  tag: %s
-  pullPolicy: Never
-hostPaths:
-  runDir: %s
-  stateDir: %s
-  cniBinDir: %s
-  cniConfDir: %s
-  kubeletDir: %s
-cni:
+	if err := os.WriteFile(values, []byte(laneValues(tag, in.runDir, in.state, n.cniBin, n.runtime.ConfDir(), n.kubeletRoot)+`cni:
   pluginLogLevel: debug
   # Plaintext inbound reaches the managed pods' proxies, so policy and
   # PeerAuthentication decide it too (the AuthorizationPolicy scenario).
@@ -131,7 +121,7 @@ metrics:
     enabled: true
   dashboard:
     enabled: true
-`, imageRepo, tag, in.runDir, in.state, n.cniBin, n.runtime.ConfDir(), n.kubeletRoot)), 0o600); err != nil {
+`), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	in.objects = createChart(t, n.cluster, values, func(ds *appsv1.DaemonSet) { adaptDaemonSet(t, n, ds) })
@@ -214,6 +204,22 @@ func createChart(t *testing.T, c *kubetest.Cluster, values string, adapt func(*a
 		}
 	}
 	return objects
+}
+
+// laneValues are the values every lane sets: the image under tag (never
+// pulled) and the chart's host paths.
+func laneValues(tag, runDir, stateDir, cniBin, cniConf, kubeletDir string) string {
+	return fmt.Sprintf(`image:
+  repository: %s
+  tag: %s
+  pullPolicy: Never
+hostPaths:
+  runDir: %s
+  stateDir: %s
+  cniBinDir: %s
+  cniConfDir: %s
+  kubeletDir: %s
+`, imageRepo, tag, runDir, stateDir, cniBin, cniConf, kubeletDir)
 }
 
 // laneCodecs decode the render: client-go's kinds plus the

@@ -185,8 +185,12 @@ func who(nsPath, addr string) (string, error) {
 	if _, err := io.WriteString(c, laneLine); err != nil {
 		return "", fmt.Errorf("failed to write to %s: %w", addr, err)
 	}
-	if got, err := rd.ReadString('\n'); err != nil || got != laneLine {
-		return "", fmt.Errorf("echo from %s = %q, %v; want %q", addr, got, err, laneLine)
+	got, err := rd.ReadString('\n')
+	if err != nil {
+		return "", fmt.Errorf("no echo from %s: %w", addr, err)
+	}
+	if got != laneLine {
+		return "", fmt.Errorf("echo from %s = %q, want %q", addr, got, laneLine)
 	}
 	return strings.TrimSpace(name), nil
 }

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -142,7 +143,7 @@ func fabricLink(t *testing.T, tn *twoNodes, n *node, link string) {
 	harness.Enslave(t, tn.fabric, link, fabricBridge)
 	harness.AddAddr(t, n.ns, "eth0", n.ip+"/24")
 	n.ns.MustDo(t, func() error {
-		l, err := netlink.LinkByName("eth0")
+		l, err := netlinksafe.LinkByName("eth0")
 		if err != nil {
 			return err
 		}
@@ -248,10 +249,12 @@ func startKubeProxy(t *testing.T, tn *twoNodes) {
 		health := kubetest.FreePort(t)
 		dir := filepath.Join(n.base, "kube-proxy")
 		mkdir(t, dir)
-		args := append([]string{filepath.Join(n.bins, kubetest.KubeProxy),
+		args := append([]string{
+			filepath.Join(n.bins, kubetest.KubeProxy),
 			"--kubeconfig=" + n.kubeconfig, "--hostname-override=" + n.name, "--bind-address=" + n.ip,
 			fmt.Sprintf("--healthz-bind-address=127.0.0.1:%d", health),
-			fmt.Sprintf("--metrics-bind-address=127.0.0.1:%d", kubetest.FreePort(t))}, kubeProxyArgs...)
+			fmt.Sprintf("--metrics-bind-address=127.0.0.1:%d", kubetest.FreePort(t)),
+		}, kubeProxyArgs...)
 		n.kubeProxy = tn.cluster.RunIn(t, n.ns, dir, args...)
 		t.Cleanup(n.kubeProxy.Stop)
 		hc := nodeHTTP(n)
@@ -333,17 +336,8 @@ func nodeHTTP(n *node) *http.Client {
 func installTwoNodes(t *testing.T, tn *twoNodes, tag string) []runtime.Object {
 	t.Helper()
 	values := filepath.Join(t.TempDir(), "values.yaml")
-	if err := os.WriteFile(values, []byte(fmt.Sprintf(`image:
-  repository: %s
-  tag: %s
-  pullPolicy: Never
-hostPaths:
-  runDir: %s
-  stateDir: %s
-  cniBinDir: %s
-  cniConfDir: %s
-  kubeletDir: %s
-logLevel: debug
+	if err := os.WriteFile(values, []byte(laneValues(tag, tn.hostPath("run/aether"), tn.hostPath("var/lib/aether"), tn.hostPath("cni-bin"),
+		tn.hostPath("cni-conf"), tn.hostPath("kubelet"))+`logLevel: debug
 cni:
   inboundCapture: true
 identity:
@@ -351,8 +345,7 @@ identity:
   generateCA: true
 policy:
   installCRDs: auto
-`, imageRepo, tag, tn.hostPath("run/aether"), tn.hostPath("var/lib/aether"), tn.hostPath("cni-bin"),
-		tn.hostPath("cni-conf"), tn.hostPath("kubelet"))), 0o600); err != nil {
+`), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	return createChart(t, tn.cluster, values, nil)
