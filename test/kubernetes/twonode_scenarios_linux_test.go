@@ -250,8 +250,8 @@ func testTerminatingBackend(t *testing.T, tn *twoNodes, apps *laneApps) {
 	if after < 10 {
 		t.Fatalf("only %d connections after the push: the check proves nothing", after)
 	}
-	t.Logf("%s deleted: out of the client's endpoints after %s; %d connections, %d after the push (none to it, none failed), %d failed before the push",
-		victim.Name, pushed.Sub(deleted).Round(time.Millisecond), len(probes), after, failed)
+	t.Logf("%s (on %s) deleted: out of the client's endpoints after %s; %d connections, %d after the push (none to it, none failed), %d failed before the push",
+		victim.Name, victim.Spec.NodeName, pushed.Sub(deleted).Round(time.Millisecond), len(probes), after, failed)
 }
 
 // testScale: the backend Deployment scaled 2 -> 4 -> 1 under a steady
