@@ -12,6 +12,9 @@ command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 command -v xz >/dev/null || need+=(xz-utils)
 command -v containerd >/dev/null || need+=(containerd)
 command -v runc >/dev/null || need+=(runc)
+# nsenter + unshare: node B's mount namespace in the two-node Kubernetes lane
+# (util-linux is essential in Debian; checked for minimal images).
+command -v nsenter >/dev/null && command -v unshare >/dev/null || need+=(util-linux)
 [ -x /usr/bin/time ] || need+=(time)
 # prometheus + promtool: the chart's scrape configuration and dashboard
 # queries (deploy tests, the Kubernetes lane); without its recommends

@@ -72,12 +72,18 @@ type Runtime struct {
 	// Conn is the gRPC connection behind CRI.
 	Conn *grpc.ClientConn
 
-	cmd  *exec.Cmd
-	done chan error
+	cmd     *exec.Cmd
+	done    chan error
+	confDir string
 }
 
-// ConfDir is the CNI conf dir containerd reads.
-func (r *Runtime) ConfDir() string { return filepath.Join(r.Base, "cni", "conf") }
+// ConfDir is the CNI conf dir containerd reads (as containerd sees it).
+func (r *Runtime) ConfDir() string {
+	if r.confDir != "" {
+		return r.confDir
+	}
+	return filepath.Join(r.Base, "cni", "conf")
+}
 
 // RuncRoot is runc's root for containerd's k8s.io namespace.
 func (r *Runtime) RuncRoot() string { return filepath.Join(r.Base, "runc", "k8s.io") }
@@ -88,11 +94,32 @@ func (r *Runtime) RuncRoot() string { return filepath.Join(r.Base, "runc", "k8s.
 // removed in tb.Cleanup, also after a crash.
 func Start(tb testing.TB, node *harness.NS, cniBin string, conf func(criSock string) string) *Runtime {
 	tb.Helper()
+	return StartWith(tb, node, cniBin, conf, Options{})
+}
+
+// Options tune StartWith for a node that has its own mount namespace (a
+// second node of a lane on the same machine).
+type Options struct {
+	// Wrap prefixes containerd's command line (such as nsenter into the
+	// node's mount namespace).
+	Wrap []string
+	// ConfDir is the CNI conf dir as containerd sees it; empty means
+	// cni/conf in its directory.
+	ConfDir string
+	// View is the prefix under which the test sees containerd's view of
+	// the file system (such as /proc/<pid>/root); it is joined before
+	// ConfDir when the test writes the conflist.
+	View string
+}
+
+// StartWith is Start with options.
+func StartWith(tb testing.TB, node *harness.NS, cniBin string, conf func(criSock string) string, o Options) *Runtime {
+	tb.Helper()
 	base, err := os.MkdirTemp("", "aet-ctd-")
 	if err != nil {
 		tb.Fatal(err)
 	}
-	r := &Runtime{Base: base, Sock: filepath.Join(base, "containerd.sock"), CgroupParent: "/aet-ctd-" + RandHex(4)}
+	r := &Runtime{Base: base, Sock: filepath.Join(base, "containerd.sock"), CgroupParent: "/aet-ctd-" + RandHex(4), confDir: o.ConfDir}
 	// Registered first, so it runs last: after containerd stopped.
 	tb.Cleanup(func() { r.cleanupHost(tb) })
 	for _, d := range []string{"cni/conf", "root", "state", "runc"} {
@@ -100,7 +127,10 @@ func Start(tb testing.TB, node *harness.NS, cniBin string, conf func(criSock str
 			tb.Fatal(err)
 		}
 	}
-	if err := os.WriteFile(filepath.Join(r.ConfDir(), "10-mesh.conflist"), []byte(conf(r.Sock)), 0o600); err != nil {
+	if err := os.MkdirAll(o.View+r.ConfDir(), 0o700); err != nil {
+		tb.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(o.View+r.ConfDir(), "10-mesh.conflist"), []byte(conf(r.Sock)), 0o600); err != nil {
 		tb.Fatal(err)
 	}
 	config := fmt.Sprintf(`version = 2
@@ -138,7 +168,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 		tb.Fatal(err)
 	}
 	tb.Cleanup(func() { logf.Close() })
-	cmd := exec.Command("containerd", "--config", cfgPath)
+	args := append(append([]string{}, o.Wrap...), "containerd", "--config", cfgPath)
+	cmd := exec.Command(args[0], args[1:]...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	// containerd (and the CNI plugins it runs, and its shims) live in the
 	// node netns: the bridge never touches the machine's own network.

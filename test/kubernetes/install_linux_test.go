@@ -62,8 +62,8 @@ func (in *install) proxySocketDir() string { return filepath.Join(in.runDir, "pr
 
 // buildImage builds the release binaries and the image `make image` writes
 // (tools/image), and imports it into containerd's k8s.io namespace under
-// every tag given.
-func buildImage(t *testing.T, n *node, tags ...string) {
+// every tag given, on every node given.
+func buildImage(t *testing.T, nodes []*node, tags ...string) {
 	t.Helper()
 	own := harness.BuildOwn(t, oci.Binaries...)
 	out := t.TempDir()
@@ -73,7 +73,9 @@ func buildImage(t *testing.T, n *node, tags ...string) {
 		if b, err := cmd.CombinedOutput(); err != nil {
 			t.Fatalf("failed to build the image with tools/image: %v\n%s", err, b)
 		}
-		n.runtime.Import(t, filepath.Join(out, "aether-node.tar"))
+		for _, n := range nodes {
+			n.runtime.Import(t, filepath.Join(out, "aether-node.tar"))
+		}
 	}
 }
 
@@ -92,17 +94,7 @@ func installAetherNode(t *testing.T, n *node, tag string) *install {
 	mkdir(t, in.runDir, in.state)
 	sharedMount(t, in.runDir)
 	values := filepath.Join(t.TempDir(), "values.yaml")
-	if err := os.WriteFile(values, []byte(fmt.Sprintf(`image:
-  repository: %s
-  tag: %s
-  pullPolicy: Never
-hostPaths:
-  runDir: %s
-  stateDir: %s
-  cniBinDir: %s
-  cniConfDir: %s
-  kubeletDir: %s
-cni:
+	if err := os.WriteFile(values, []byte(laneValues(tag, in.runDir, in.state, n.cniBin, n.runtime.ConfDir(), n.kubeletRoot)+`cni:
   pluginLogLevel: debug
   # Plaintext inbound reaches the managed pods' proxies, so policy and
   # PeerAuthentication decide it too (the AuthorizationPolicy scenario).
@@ -129,15 +121,24 @@ metrics:
     enabled: true
   dashboard:
     enabled: true
-`, imageRepo, tag, in.runDir, in.state, n.cniBin, n.runtime.ConfDir(), n.kubeletRoot)), 0o600); err != nil {
+`), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	in.objects = createChart(t, n.cluster, values, func(ds *appsv1.DaemonSet) { adaptDaemonSet(t, n, ds) })
+	return in
+}
+
+// createChart renders the chart with the values file, lets adapt change
+// the DaemonSet (nil: unchanged) and creates the objects in a new
+// aether-system namespace; it returns them, the namespace first.
+func createChart(t *testing.T, c *kubetest.Cluster, values string, adapt func(*appsv1.DaemonSet)) []runtime.Object {
+	t.Helper()
 	ctx := context.Background()
 	raw, err := chart.Render(ctx, values)
 	if err != nil {
 		t.Fatalf("failed to render the chart: %v", err)
 	}
-	in.objects = append(in.objects, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: chart.Namespace}})
+	objects := []runtime.Object{&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: chart.Namespace}}}
 	r := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(raw)))
 	for {
 		doc, err := r.Read()
@@ -154,13 +155,13 @@ metrics:
 		if err != nil {
 			t.Fatalf("failed to decode the rendered chart: %v\n%s", err, doc)
 		}
-		if ds, ok := obj.(*appsv1.DaemonSet); ok {
-			adaptDaemonSet(t, n, ds)
+		if ds, ok := obj.(*appsv1.DaemonSet); ok && adapt != nil {
+			adapt(ds)
 		}
-		in.objects = append(in.objects, obj)
+		objects = append(objects, obj)
 	}
-	cs := n.cluster.Client
-	for _, obj := range in.objects {
+	cs := c.Client
+	for _, obj := range objects {
 		var err error
 		switch o := obj.(type) {
 		case *corev1.Namespace:
@@ -192,7 +193,7 @@ metrics:
 		case *apiextensionsv1.CustomResourceDefinition:
 			// Istio's security CRDs (kept on uninstall, as helm keeps them).
 			var ext apiextensionsclient.Interface
-			if ext, err = apiextensionsclient.NewForConfig(n.cluster.Config); err == nil {
+			if ext, err = apiextensionsclient.NewForConfig(c.Config); err == nil {
 				_, err = ext.ApiextensionsV1().CustomResourceDefinitions().Create(ctx, o, metav1.CreateOptions{})
 			}
 		default:
@@ -202,7 +203,23 @@ metrics:
 			t.Fatalf("failed to create %T: %v", obj, err)
 		}
 	}
-	return in
+	return objects
+}
+
+// laneValues are the values every lane sets: the image under tag (never
+// pulled) and the chart's host paths.
+func laneValues(tag, runDir, stateDir, cniBin, cniConf, kubeletDir string) string {
+	return fmt.Sprintf(`image:
+  repository: %s
+  tag: %s
+  pullPolicy: Never
+hostPaths:
+  runDir: %s
+  stateDir: %s
+  cniBinDir: %s
+  cniConfDir: %s
+  kubeletDir: %s
+`, imageRepo, tag, runDir, stateDir, cniBin, cniConf, kubeletDir)
 }
 
 // laneCodecs decode the render: client-go's kinds plus the
@@ -260,16 +277,23 @@ func sharedMount(tb testing.TB, dir string) {
 // updated and ready.
 func waitDaemonSetReady(t *testing.T, n *node, d time.Duration) *appsv1.DaemonSet {
 	t.Helper()
+	return waitDaemonSetPods(t, n.cluster, n.kubelet, 1, d)
+}
+
+// waitDaemonSetPods waits until want pods of the DaemonSet are updated and
+// ready (failing early when p exits).
+func waitDaemonSetPods(t *testing.T, c *kubetest.Cluster, p *kubetest.Proc, want int32, d time.Duration) *appsv1.DaemonSet {
+	t.Helper()
 	var ds *appsv1.DaemonSet
-	kubetest.WaitFor(t, "DaemonSet "+daemonSetName+" ready", d, n.kubelet, func() bool {
+	kubetest.WaitFor(t, "DaemonSet "+daemonSetName+" ready", d, p, func() bool {
 		var err error
-		ds, err = n.cluster.Client.AppsV1().DaemonSets(chart.Namespace).Get(context.Background(), daemonSetName, metav1.GetOptions{})
+		ds, err = c.Client.AppsV1().DaemonSets(chart.Namespace).Get(context.Background(), daemonSetName, metav1.GetOptions{})
 		if err != nil {
 			return false
 		}
 		s := ds.Status
-		return s.ObservedGeneration == ds.Generation && s.DesiredNumberScheduled == 1 &&
-			s.NumberReady == 1 && s.UpdatedNumberScheduled == 1 && s.NumberAvailable == 1
+		return s.ObservedGeneration == ds.Generation && s.DesiredNumberScheduled == want &&
+			s.NumberReady == want && s.UpdatedNumberScheduled == want && s.NumberAvailable == want
 	})
 	return ds
 }

@@ -22,6 +22,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/rest"
 	"sigs.k8s.io/yaml"
 
 	"aether.io/node/test/harness"
@@ -34,7 +35,7 @@ func TestMain(m *testing.M) { harness.Main(m) }
 func TestKubernetes(t *testing.T) {
 	start := time.Now()
 	n := startNode(t)
-	buildImage(t, n, "v1", "v2")
+	buildImage(t, []*node{n}, "v1", "v2")
 	n.runtime.ImportBinary(t, "./test/kubernetes/echo", echoImage)
 	in := installAetherNode(t, n, "v1")
 
@@ -480,7 +481,13 @@ func hasTaint(taints []corev1.Taint, key string) bool {
 // chart installed, and returns its deletion.
 func applyIstio(t *testing.T, n *node, resource, doc string) func() {
 	t.Helper()
-	dyn, err := dynamic.NewForConfig(n.cluster.Config)
+	return applyIstioIn(t, n.cluster.Config, appNamespace, resource, doc)
+}
+
+// applyIstioIn is applyIstio in namespace ns of the cluster at cfg.
+func applyIstioIn(t *testing.T, cfg *rest.Config, ns, resource, doc string) func() {
+	t.Helper()
+	dyn, err := dynamic.NewForConfig(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -488,7 +495,7 @@ func applyIstio(t *testing.T, n *node, resource, doc string) func() {
 	if err := yaml.Unmarshal([]byte(doc), &obj.Object); err != nil {
 		t.Fatal(err)
 	}
-	r := dyn.Resource(schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: resource}).Namespace(appNamespace)
+	r := dyn.Resource(schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: resource}).Namespace(ns)
 	if _, err := r.Create(context.Background(), &obj, metav1.CreateOptions{}); err != nil {
 		t.Fatalf("failed to create %s %s (is the chart's CRD installed?): %v", resource, obj.GetName(), err)
 	}

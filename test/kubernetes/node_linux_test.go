@@ -55,18 +55,39 @@ var kernelSettings = []string{
 	"kernel/keys/root_maxkeys",
 	"kernel/keys/root_maxbytes",
 	"net/ipv4/ip_forward",
+	// kube-proxy's conntrack settings (two-node lane): its flags ask for
+	// none, and these prove it; the limit is global to the machine.
+	"net/netfilter/nf_conntrack_max",
+	"net/netfilter/nf_conntrack_tcp_timeout_established",
+	"net/netfilter/nf_conntrack_tcp_timeout_close_wait",
 }
+
+// optionalKernelSetting reports whether k exists only with a module loaded.
+func optionalKernelSetting(k string) bool { return strings.HasPrefix(k, "net/netfilter/") }
 
 // node is one Kubernetes node: control plane, containerd and kubelet, all
 // in one network namespace (the node's "host network").
 type node struct {
+	// name and ip are the Node's name and address (kubelet's
+	// --hostname-override and --node-ip).
+	name, ip string
+	// kubeconfig is what this node's kubelet (and kube-proxy) use.
+	kubeconfig string
+	// wrap prefixes the command lines of this node's containerd and
+	// kubelet (nsenter into its mount namespace); view is the prefix under
+	// which the test sees that namespace's files (/proc/<pid>/root). Both
+	// are empty for a node in the machine's mount namespace.
+	wrap    []string
+	view    string
 	ns      *harness.NS
 	cluster *kubetest.Cluster
 	runtime *containerd.Runtime
 	kubelet *kubetest.Proc
-	bins    string
-	base    string // short per-lane dir: kubelet, host paths of the DaemonSet
-	cniBin  string
+	// kubeProxy runs in the two-node lane only.
+	kubeProxy *kubetest.Proc
+	bins      string
+	base      string // short per-lane dir: kubelet, host paths of the DaemonSet
+	cniBin    string
 	// kubeletRoot is kubelet's --root-dir (the chart's hostPaths.kubeletDir).
 	kubeletRoot string
 	conflist    string // the primary conflist containerd reads
@@ -100,6 +121,9 @@ func recordKernelSettings(tb testing.TB) {
 	before := map[string]string{}
 	for _, k := range kernelSettings {
 		b, err := os.ReadFile(filepath.Join("/proc/sys", k))
+		if errors.Is(err, fs.ErrNotExist) && optionalKernelSetting(k) {
+			continue // nf_conntrack not loaded: nothing to restore
+		}
 		if err != nil {
 			tb.Fatalf("failed to read kernel setting %q: %v", k, err)
 		}
@@ -164,7 +188,7 @@ func startNode(t *testing.T) *node {
 	containerd.Need(t, "containerd", "runc", "ctr")
 	recordKernelSettings(t)
 	start := time.Now()
-	n := &node{}
+	n := &node{name: nodeName, ip: nodeIP}
 
 	base, err := os.MkdirTemp("", "aet-k8s-")
 	if err != nil {
@@ -212,20 +236,8 @@ func startNode(t *testing.T) *node {
 		APIServerArgs: []string{"--advertise-address=" + nodeIP},
 		Binaries:      []string{kubetest.ControllerManager, kubetest.Scheduler, kubetest.Kubelet},
 	})
-	c := n.cluster
-	port := func() string { return strconv.Itoa(kubetest.FreePort(t)) }
-	cmDir := filepath.Join(base, "controller-manager")
-	mkdir(t, cmDir)
-	c.Run(t, cmDir, filepath.Join(n.bins, kubetest.ControllerManager),
-		"--kubeconfig="+c.Kubeconfig, "--authentication-kubeconfig="+c.Kubeconfig, "--authorization-kubeconfig="+c.Kubeconfig,
-		"--bind-address=127.0.0.1", "--secure-port="+port(), "--leader-elect=false",
-		"--service-account-private-key-file="+filepath.Join(c.Dir, "sa.key"),
-		"--root-ca-file="+filepath.Join(c.Dir, "certs", "apiserver.crt"),
-		"--use-service-account-credentials=false", "--controllers=*",
-		"--cert-dir="+filepath.Join(cmDir, "certs"), "--flex-volume-plugin-dir="+filepath.Join(cmDir, "flex"))
-	c.Run(t, base, filepath.Join(n.bins, kubetest.Scheduler),
-		"--kubeconfig="+c.Kubeconfig, "--authentication-kubeconfig="+c.Kubeconfig, "--authorization-kubeconfig="+c.Kubeconfig,
-		"--bind-address=127.0.0.1", "--secure-port="+port(), "--leader-elect=false")
+	startControllers(t, n.cluster, n.bins, base)
+	n.kubeconfig = n.cluster.Kubeconfig
 
 	// CNI: bridge + host-local as the primary network, loopback for the
 	// runtime; the installer adds aether-cni to this directory.
@@ -239,19 +251,7 @@ func startNode(t *testing.T) *node {
 	}
 	containerd.GoBuild(t, n.cniBin+"/", "github.com/containernetworking/plugins/plugins/main/loopback")
 	n.subnet = fmt.Sprintf("10.%d.%d.0/24", 200+int(containerd.RandHex(1)[0])%50, int(containerd.RandHex(1)[1])%250)
-	ipamDir := filepath.Join(base, "ipam")
-	n.runtime = containerd.Start(t, n.ns, n.cniBin, func(string) string {
-		b, _ := json.MarshalIndent(map[string]any{
-			"cniVersion": "1.0.0", "name": "lane",
-			"plugins": []map[string]any{
-				{"type": "bridge", "bridge": "aetk8s0", "isGateway": true, "ipMasq": false, "ipam": map[string]any{
-					"type": "host-local", "ranges": [][]map[string]string{{{"subnet": n.subnet}}},
-					"routes": []map[string]string{{"dst": "0.0.0.0/0"}}, "dataDir": ipamDir,
-				}},
-			},
-		}, "", "  ")
-		return string(b) + "\n"
-	})
+	n.runtime = containerd.Start(t, n.ns, n.cniBin, bridgeConflist(n.subnet, filepath.Join(base, "ipam")))
 	n.runtime.ImportPause(t)
 	n.conflist = filepath.Join(n.runtime.ConfDir(), "10-mesh.conflist")
 	if n.original, err = os.ReadFile(n.conflist); err != nil {
@@ -266,6 +266,42 @@ func startNode(t *testing.T) *node {
 	waitNodeReady(t, n)
 	t.Logf("node Ready %s after the control plane started", time.Since(start).Round(time.Millisecond))
 	return n
+}
+
+// startControllers runs kube-controller-manager and kube-scheduler next to
+// the cluster's apiserver, with base holding their files.
+func startControllers(t *testing.T, c *kubetest.Cluster, bins, base string) {
+	t.Helper()
+	port := func() string { return strconv.Itoa(kubetest.FreePort(t)) }
+	cmDir := filepath.Join(base, "controller-manager")
+	mkdir(t, cmDir)
+	c.Run(t, cmDir, filepath.Join(bins, kubetest.ControllerManager),
+		"--kubeconfig="+c.Kubeconfig, "--authentication-kubeconfig="+c.Kubeconfig, "--authorization-kubeconfig="+c.Kubeconfig,
+		"--bind-address=127.0.0.1", "--secure-port="+port(), "--leader-elect=false",
+		"--service-account-private-key-file="+filepath.Join(c.Dir, "sa.key"),
+		"--root-ca-file="+filepath.Join(c.Dir, "certs", "apiserver.crt"),
+		"--use-service-account-credentials=false", "--controllers=*",
+		"--cert-dir="+filepath.Join(cmDir, "certs"), "--flex-volume-plugin-dir="+filepath.Join(cmDir, "flex"))
+	c.Run(t, base, filepath.Join(bins, kubetest.Scheduler),
+		"--kubeconfig="+c.Kubeconfig, "--authentication-kubeconfig="+c.Kubeconfig, "--authorization-kubeconfig="+c.Kubeconfig,
+		"--bind-address=127.0.0.1", "--secure-port="+port(), "--leader-elect=false")
+}
+
+// bridgeConflist is the primary network: bridge + host-local on subnet,
+// the allocations in ipamDir.
+func bridgeConflist(subnet, ipamDir string) func(string) string {
+	return func(string) string {
+		b, _ := json.MarshalIndent(map[string]any{
+			"cniVersion": "1.0.0", "name": "lane",
+			"plugins": []map[string]any{
+				{"type": "bridge", "bridge": "aetk8s0", "isGateway": true, "ipMasq": false, "ipam": map[string]any{
+					"type": "host-local", "ranges": [][]map[string]string{{{"subnet": subnet}}},
+					"routes": []map[string]string{{"dst": "0.0.0.0/0"}}, "dataDir": ipamDir,
+				}},
+			},
+		}, "", "  ")
+		return string(b) + "\n"
+	}
 }
 
 func mkdir(tb testing.TB, dirs ...string) {
@@ -297,7 +333,9 @@ func startKubelet(t *testing.T, n *node) *kubetest.Proc {
 		}
 	}
 	dir := filepath.Join(n.base, "kubelet")
-	n.kubeletRoot = filepath.Join(dir, "root")
+	if n.kubeletRoot == "" {
+		n.kubeletRoot = filepath.Join(dir, "root")
+	}
 	manifests := filepath.Join(dir, "manifests")
 	mkdir(t, manifests)
 	cfg := fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
@@ -338,17 +376,18 @@ registerWithTaints:
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	return n.cluster.Run(t, dir, filepath.Join(n.bins, kubetest.Kubelet),
-		"--config="+cfgPath, "--kubeconfig="+n.cluster.Kubeconfig,
+	args := append(append([]string{}, n.wrap...), filepath.Join(n.bins, kubetest.Kubelet),
+		"--config="+cfgPath, "--kubeconfig="+n.kubeconfig,
 		"--root-dir="+n.kubeletRoot, "--cert-dir="+filepath.Join(dir, "certs"),
-		"--hostname-override="+nodeName, "--node-ip="+nodeIP, "--v=1",
+		"--hostname-override="+n.name, "--node-ip="+n.ip, "--v=1",
 		"--node-labels="+corev1.LabelTopologyRegion+"="+nodeRegion+","+corev1.LabelTopologyZone+"="+nodeZone+",topology.istio.io/subzone="+nodeSubzone)
+	return n.cluster.RunIn(t, n.ns, dir, args...)
 }
 
 func waitNodeReady(t *testing.T, n *node) {
 	t.Helper()
-	kubetest.WaitFor(t, "Node "+nodeName+" Ready", 120*time.Second, n.kubelet, func() bool {
-		no, err := n.cluster.Client.CoreV1().Nodes().Get(context.Background(), nodeName, metav1.GetOptions{})
+	kubetest.WaitFor(t, "Node "+n.name+" Ready", 120*time.Second, n.kubelet, func() bool {
+		no, err := n.cluster.Client.CoreV1().Nodes().Get(context.Background(), n.name, metav1.GetOptions{})
 		if err != nil {
 			return false
 		}

@@ -47,21 +47,28 @@ const (
 // (label aether.io/managed=true on its pods) or not.
 func deployEcho(t *testing.T, n *node, name string, managed bool) {
 	t.Helper()
+	d := echoDeployment(appNamespace, name, managed, 1)
+	if _, err := n.cluster.Client.AppsV1().Deployments(appNamespace).Create(context.Background(), d, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("failed to create deployment %s/%s: %v", appNamespace, name, err)
+	}
+}
+
+// echoDeployment is a Deployment of the echo server in namespace ns.
+func echoDeployment(ns, name string, managed bool, replicas int32) *appsv1.Deployment {
 	podLabels := map[string]string{"app": name}
 	if managed {
 		podLabels["aether.io/managed"] = "true"
 	}
-	one := int32(1)
-	zero := int64(1)
-	d := &appsv1.Deployment{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: appNamespace},
+	grace := int64(1)
+	return &appsv1.Deployment{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
 		Spec: appsv1.DeploymentSpec{
-			Replicas: &one,
+			Replicas: &replicas,
 			Selector: &metav1.LabelSelector{MatchLabels: map[string]string{"app": name}},
 			Template: corev1.PodTemplateSpec{
 				ObjectMeta: metav1.ObjectMeta{Labels: podLabels},
 				Spec: corev1.PodSpec{
-					TerminationGracePeriodSeconds: &zero,
+					TerminationGracePeriodSeconds: &grace,
 					Containers: []corev1.Container{{
 						Name: "echo", Image: echoImage, ImagePullPolicy: corev1.PullNever,
 						Ports: []corev1.ContainerPort{{ContainerPort: echoPort}},
@@ -70,19 +77,23 @@ func deployEcho(t *testing.T, n *node, name string, managed bool) {
 			},
 		},
 	}
-	if _, err := n.cluster.Client.AppsV1().Deployments(appNamespace).Create(context.Background(), d, metav1.CreateOptions{}); err != nil {
-		t.Fatalf("failed to create deployment %s/%s: %v", appNamespace, name, err)
-	}
 }
 
 // runningPods waits until the Deployment name has want Running pods with
 // an IP and returns them.
 func runningPods(t *testing.T, n *node, name string, want int, d time.Duration) []corev1.Pod {
 	t.Helper()
+	return runningPodsIn(t, n.cluster, n.kubelet, appNamespace, name, want, d)
+}
+
+// runningPodsIn is runningPods for namespace ns of cluster c (failing
+// early when p exits).
+func runningPodsIn(t *testing.T, c *kubetest.Cluster, p *kubetest.Proc, ns, name string, want int, d time.Duration) []corev1.Pod {
+	t.Helper()
 	var pods []corev1.Pod
 	sel := labels.SelectorFromSet(map[string]string{"app": name}).String()
-	kubetest.WaitFor(t, fmt.Sprintf("%d running pod(s) of %s", want, name), d, n.kubelet, func() bool {
-		l, err := n.cluster.Client.CoreV1().Pods(appNamespace).List(context.Background(), metav1.ListOptions{LabelSelector: sel})
+	kubetest.WaitFor(t, fmt.Sprintf("%d running pod(s) of %s", want, name), d, p, func() bool {
+		l, err := c.Client.CoreV1().Pods(ns).List(context.Background(), metav1.ListOptions{LabelSelector: sel})
 		if err != nil {
 			return false
 		}
@@ -281,13 +292,20 @@ func metricLine(metrics, metric string, lbls ...string) string {
 // createNamespace creates the lane's application namespace.
 func createNamespace(t *testing.T, n *node) {
 	t.Helper()
-	_, err := n.cluster.Client.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: appNamespace}}, metav1.CreateOptions{})
+	createNamespaceIn(t, n.cluster, n.kubelet, appNamespace)
+}
+
+// createNamespaceIn creates namespace ns and waits for its default
+// ServiceAccount (failing early when p exits).
+func createNamespaceIn(t *testing.T, c *kubetest.Cluster, p *kubetest.Proc, ns string) {
+	t.Helper()
+	_, err := c.Client.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
 	if err != nil && !apierrors.IsAlreadyExists(err) {
 		t.Fatal(err)
 	}
 	// The controller-manager creates the default ServiceAccount.
-	kubetest.WaitFor(t, "ServiceAccount "+appNamespace+"/default", 30*time.Second, n.kubelet, func() bool {
-		_, err := n.cluster.Client.CoreV1().ServiceAccounts(appNamespace).Get(context.Background(), "default", metav1.GetOptions{})
+	kubetest.WaitFor(t, "ServiceAccount "+ns+"/default", 30*time.Second, p, func() bool {
+		_, err := c.Client.CoreV1().ServiceAccounts(ns).Get(context.Background(), "default", metav1.GetOptions{})
 		return err == nil
 	})
 }

@@ -48,6 +48,7 @@ const (
 	ControllerManager = "kube-controller-manager"
 	Scheduler         = "kube-scheduler"
 	Kubelet           = "kubelet"
+	KubeProxy         = "kube-proxy"
 )
 
 // BinDir returns the cache directory holding etcd, kube-apiserver and the
@@ -76,10 +77,10 @@ func BinDir(tb testing.TB, extra ...string) string {
 	for _, name := range extra {
 		switch name {
 		case Etcd, APIServer:
-		case ControllerManager, Scheduler, Kubelet:
+		case ControllerManager, Scheduler, Kubelet, KubeProxy:
 			builds = append(builds, struct{ name, pkg, ldflags string }{name, "k8s.io/kubernetes/cmd/" + name, k8s})
 		default:
-			tb.Fatalf("unknown binary %q: BinDir builds %s, %s, %s, %s and %s", name, Etcd, APIServer, ControllerManager, Scheduler, Kubelet)
+			tb.Fatalf("unknown binary %q: BinDir builds %s, %s, %s, %s, %s and %s", name, Etcd, APIServer, ControllerManager, Scheduler, Kubelet, KubeProxy)
 		}
 	}
 	for _, b := range builds {
@@ -358,6 +359,16 @@ func (c *Cluster) Dial(ctx context.Context, network, addr string) (net.Conn, err
 func (c *Cluster) Run(tb testing.TB, dir string, args ...string) *Proc {
 	tb.Helper()
 	p := start(tb, c.ns, filepath.Base(args[0]), args, dir)
+	c.add(p)
+	return p
+}
+
+// RunIn is Run in the network namespace ns instead of the cluster's: a
+// process of another node (its kubelet, its kube-proxy) that Cluster.Stop
+// stops like the others.
+func (c *Cluster) RunIn(tb testing.TB, ns *harness.NS, dir string, args ...string) *Proc {
+	tb.Helper()
+	p := start(tb, ns, filepath.Base(args[0]), args, dir)
 	c.add(p)
 	return p
 }
