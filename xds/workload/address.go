@@ -152,6 +152,9 @@ func (x *Index) Refresh(uids []string) (int, error) {
 	for _, uid := range uids {
 		for _, key := range x.claims[uid] {
 			e := x.keys[key]
+			if e.res == nil {
+				continue // a lazy claim not served: bound when it is
+			}
 			var w workloadpb.Workload
 			if err := proto.Unmarshal(e.res.Body, &w); err != nil {
 				errs = append(errs, fmt.Errorf("failed to decode served workload %q: %w", uid, err))

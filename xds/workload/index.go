@@ -158,9 +158,13 @@ type Index struct {
 
 // keyEntry is what one endpoint key holds: its source, the uid it claims
 // and its resource; seq orders the claimants of a uid (newest served).
+// A lazy claim (Writer.UpsertLazy) holds no resource while another claim
+// of its uid is served: build makes its workload when it is to be served.
 type keyEntry struct {
 	source string
+	name   string
 	res    *Resource
+	build  func() *workloadpb.Workload
 	seq    uint64
 }
 
@@ -253,28 +257,73 @@ func (x *Index) upsertResource(source, key string, r *Resource) (bool, error) {
 }
 
 func (x *Index) upsertResourceLocked(source, key string, r *Resource, now time.Time) (bool, error) {
+	return x.claimLocked(source, key, &keyEntry{source: source, name: r.Name, res: r}, now)
+}
+
+// claimLocked sets key's entry to ne (of source) and serves it unless a
+// claim of higher rank holds its name; x.mu is held.
+func (x *Index) claimLocked(source, key string, ne *keyEntry, now time.Time) (bool, error) {
 	changed := false
 	e, ok := x.keys[key]
 	switch {
 	case ok && e.source != source:
 		return false, fmt.Errorf("failed to upsert endpoint %q as %q: %w (%q)", key, source, ErrNotOwner, e.source)
-	case ok && e.res.Name != r.Name:
+	case ok && e.name != ne.name:
 		// The endpoint was renamed (should not happen for pods): drop its claim on the old name.
-		changed = x.unclaimLocked(e.res.Name, key, now)
+		changed = x.unclaimLocked(e.name, key, now)
 	}
 	x.seq++
-	ne := &keyEntry{source: source, res: r, seq: x.seq}
+	ne.seq = x.seq
 	x.keys[key] = ne
 	// Every key of x.keys claims its resource's name, and only that one:
 	// a key already held under this name is in its claims (no scan of
 	// them, which grows with the sandboxes of one pod).
-	if !ok || e.res.Name != r.Name {
-		x.claims[r.Name] = append(x.claims[r.Name], key)
+	if !ok || e.name != ne.name {
+		x.claims[ne.name] = append(x.claims[ne.name], key)
 	}
-	if cur, served := x.nameKey[r.Name]; served && cur != key && x.keys[cur].rank() > ne.rank() {
+	if cur, served := x.nameKey[ne.name]; served && cur != key && x.keys[cur].rank() > ne.rank() {
 		return changed, nil // a Service endpoint known only from its EndpointSlice yields to the pod's record
 	}
-	return x.serveLocked(r.Name, key, r, now) || changed, nil
+	r, err := x.resourceLocked(ne)
+	if err != nil {
+		return changed, err
+	}
+	return x.serveLocked(ne.name, key, r, now) || changed, nil
+}
+
+// UpsertLazy is Upsert of the workload build returns, for a claim that is
+// often outranked (EndpointSource: a pod's record usually holds its uid):
+// while another claim of the uid is served, nothing is marshalled or kept
+// but build, which makes the workload when this claim is to be served.
+// build must return the same workload every time and is called with the
+// index locked (it must not call the index); the workload is validated
+// here, at once.
+func (w *Writer) UpsertLazy(key string, build func() *workloadpb.Workload) (bool, error) {
+	wl := build()
+	if err := Validate(wl); err != nil {
+		return false, err
+	}
+	w.x.mu.Lock()
+	defer w.x.mu.Unlock()
+	return w.x.claimLocked(w.source, key, &keyEntry{source: w.source, name: wl.GetUid(), build: build}, time.Now())
+}
+
+// resourceLocked returns e's resource, marshalling a lazy claim's
+// workload (with its membership) first; x.mu is held.
+func (x *Index) resourceLocked(e *keyEntry) (*Resource, error) {
+	if e.res != nil {
+		return e.res, nil
+	}
+	w := e.build()
+	if x.members != nil {
+		x.bindLocked(w)
+	}
+	r, err := NewResource(w)
+	if err != nil {
+		return nil, err
+	}
+	e.res = r
+	return r, nil
 }
 
 // EndpointSource is the source of workloads known only as a Service's
@@ -295,6 +344,11 @@ func (e *keyEntry) rank() int {
 // serveLocked makes r (of key) the served resource of name; an unchanged
 // version is not pushed. It reports whether anything changed.
 func (x *Index) serveLocked(name, key string, r *Resource, now time.Time) bool {
+	if cur, ok := x.nameKey[name]; ok && cur != key {
+		if e := x.keys[cur]; e != nil && e.build != nil {
+			e.res = nil // a lazy claim no longer served keeps its build only
+		}
+	}
 	x.nameKey[name] = key
 	return x.putLocked(name, r, now)
 }
@@ -344,7 +398,7 @@ func (x *Index) remove(source, key string) bool {
 		return false
 	}
 	delete(x.keys, key)
-	return x.unclaimLocked(e.res.Name, key, now)
+	return x.unclaimLocked(e.name, key, now)
 }
 
 // unclaimLocked drops key's claim on name. If key was served, the newest
@@ -368,7 +422,14 @@ func (x *Index) unclaimLocked(name, key string, now time.Time) bool {
 			next, best = k, e
 		}
 	}
-	return x.serveLocked(name, next, best.res, now)
+	r, err := x.resourceLocked(best)
+	if err != nil {
+		// Validated when it was put, so only a marshal failure: serve
+		// none rather than a claim that is no longer one.
+		x.deleteLocked(name, now)
+		return true
+	}
+	return x.serveLocked(name, next, r, now)
 }
 
 // Keys returns the endpoint keys this source holds.
