@@ -69,8 +69,8 @@ func TestAddressesMirrorWorkloads(t *testing.T) {
 		if &ad.Body[len(ad.Body)-1] != &w.Body[len(w.Body)-1] {
 			t.Errorf("address of %s holds a copy of the workload's bytes, want the same bytes", name)
 		}
-		if ad.Any.GetTypeUrl() != resource.AddressType || ad.Delta.GetResource().GetTypeUrl() != resource.AddressType {
-			t.Errorf("address of %s typed %q", name, ad.Any.GetTypeUrl())
+		if ad.Any().GetTypeUrl() != resource.AddressType || ad.Delta().GetResource().GetTypeUrl() != resource.AddressType {
+			t.Errorf("address of %s typed %q", name, ad.Any().GetTypeUrl())
 		}
 	}
 	svcs := a.Writer(ServiceSource)
@@ -483,7 +483,7 @@ func TestAuthorizationView(t *testing.T) {
 		t.Error("a policy without a name was accepted")
 	}
 	r := x.Authorizations().Get("shop/web-allow")
-	if r == nil || r.Any.GetTypeUrl() != resource.AuthorizationType || x.Addresses().Get("shop/web-allow") != nil {
+	if r == nil || r.Any().GetTypeUrl() != resource.AuthorizationType || x.Addresses().Get("shop/web-allow") != nil {
 		t.Fatalf("policy served as %v", r)
 	}
 	x.Remove(endpointN(0).Key)

@@ -8,6 +8,7 @@ import (
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 
 	// Registers the default "proto" codec the fallback uses.
 	_ "google.golang.org/grpc/encoding/proto"
@@ -33,10 +34,21 @@ import (
 // preEncoded is a response whose wire form is already laid out: parts
 // (a marshalled head, then each resource's shared bytes) concatenated are
 // the encoding of Message. The server sends it with SendMsg; this codec
-// writes the parts, any other codec marshals the embedded Message.
+// writes the parts, any other codec marshals the embedded Message, which
+// build makes on first use when it is nil (so a server with this codec
+// never builds the typed response nor keeps an Any per resource).
 type preEncoded struct {
 	proto.Message
+	build func() proto.Message
 	parts [][]byte
+}
+
+// ProtoReflect is the embedded Message's, built first if need be.
+func (e *preEncoded) ProtoReflect() protoreflect.Message {
+	if e.Message == nil {
+		e.Message = e.build()
+	}
+	return e.Message.ProtoReflect()
 }
 
 type xdsCodec struct{ fallback encoding.CodecV2 }

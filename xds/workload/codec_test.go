@@ -84,8 +84,8 @@ func TestPreEncodedResourceMatchesProto(t *testing.T) {
 		if err := proto.Unmarshal(slices.Concat(r.appendDelta(nil)...), &resp); err != nil {
 			t.Fatal(err)
 		}
-		if len(resp.GetResources()) != 1 || !proto.Equal(resp.GetResources()[0], r.Delta) {
-			t.Fatalf("delta wire decodes to %v, want %v", resp.GetResources(), r.Delta)
+		if len(resp.GetResources()) != 1 || !proto.Equal(resp.GetResources()[0], r.Delta()) {
+			t.Fatalf("delta wire decodes to %v, want %v", resp.GetResources(), r.Delta())
 		}
 		var sotw discovery.DiscoveryResponse
 		if err := proto.Unmarshal(slices.Concat(r.appendSotW(nil)...), &sotw); err != nil {

@@ -42,10 +42,19 @@ type Resource struct {
 	// tail is Body (one allocation): the Address view serves the same
 	// bytes, never a copy.
 	address []byte
-	// Any wraps Body for SotW responses.
-	Any *anypb.Any
-	// Delta is the resource entry of a delta response.
-	Delta *discovery.Resource
+	// typeURL is the type the resource is served as.
+	typeURL string
+}
+
+// Any returns Body wrapped for a SotW response. It is built at each call
+// (the server's codec sends the pre-encoded parts, so only a server
+// without it marshals typed responses), so nothing is kept for it.
+func (r *Resource) Any() *anypb.Any { return &anypb.Any{TypeUrl: r.typeURL, Value: r.Body} }
+
+// Delta returns the resource entry of a delta response, built at each
+// call as Any.
+func (r *Resource) Delta() *discovery.Resource {
+	return &discovery.Resource{Name: r.Name, Version: r.Version, Resource: r.Any()}
 }
 
 // appendDelta appends r's delta-response field, as parts.
@@ -98,7 +107,6 @@ func newResource(typeURL, name string, body []byte) *Resource {
 	hash := xxhash.Sum64(body)
 	version := strconv.FormatUint(hash, 16)
 	pre, suf, sotwAt := encodeFrame(typeURL, name, version, len(body))
-	a := &anypb.Any{TypeUrl: typeURL, Value: body}
 	return &Resource{
 		Name:    name,
 		Version: version,
@@ -106,8 +114,7 @@ func newResource(typeURL, name string, body []byte) *Resource {
 		pre:     pre,
 		suf:     suf,
 		sotwAt:  sotwAt,
-		Any:     a,
-		Delta:   &discovery.Resource{Name: name, Version: version, Resource: a},
+		typeURL: typeURL,
 		hash:    hash,
 	}
 }
