@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
@@ -34,10 +35,10 @@ type Resource struct {
 	// Body is the deterministic wire encoding of the resource (the Any's
 	// value).
 	Body []byte
-	// pre and suf frame Body as a field of a delta response; pre[sotwAt:]
-	// and Body are a field of a SotW response (encodeFrame).
-	pre, suf []byte
-	sotwAt   int
+	// frame is laid out at the first send (framed): a resource of a view
+	// no stream subscribes to (the Workload view where every client
+	// takes Addresses) never holds one.
+	frame atomic.Pointer[frame]
 	// address is, for a workload, its Address{workload} encoding, whose
 	// tail is Body (one allocation): the Address view serves the same
 	// bytes, never a copy.
@@ -57,12 +58,38 @@ func (r *Resource) Delta() *discovery.Resource {
 	return &discovery.Resource{Name: r.Name, Version: r.Version, Resource: r.Any()}
 }
 
+// frame is the bytes around a resource's Body: pre and suf frame it as a
+// field of a delta response; pre[sotwAt:] and Body are a field of a SotW
+// response (encodeFrame).
+type frame struct {
+	pre, suf []byte
+	sotwAt   int
+}
+
+// framed returns r's frame, laying it out once, at r's first send (when
+// several streams race, one layout wins and the others are dropped).
+func (r *Resource) framed() *frame {
+	if f := r.frame.Load(); f != nil {
+		return f
+	}
+	f := &frame{}
+	f.pre, f.suf, f.sotwAt = encodeFrame(r.typeURL, r.Name, r.Version, len(r.Body))
+	if r.frame.CompareAndSwap(nil, f) {
+		return f
+	}
+	return r.frame.Load()
+}
+
 // appendDelta appends r's delta-response field, as parts.
-func (r *Resource) appendDelta(parts [][]byte) [][]byte { return append(parts, r.pre, r.Body, r.suf) }
+func (r *Resource) appendDelta(parts [][]byte) [][]byte {
+	f := r.framed()
+	return append(parts, f.pre, r.Body, f.suf)
+}
 
 // appendSotW appends r's SotW-response field, as parts.
 func (r *Resource) appendSotW(parts [][]byte) [][]byte {
-	return append(parts, r.pre[r.sotwAt:], r.Body)
+	f := r.framed()
+	return append(parts, f.pre[f.sotwAt:], r.Body)
 }
 
 // slotted is a served name's entry in Index.byName: its slot in
@@ -101,19 +128,15 @@ func NewResource(w *workloadpb.Workload) (*Resource, error) {
 	return r, nil
 }
 
-// newResource frames the resource name of typeURL whose value is body
-// (kept, not copied).
+// newResource is the resource name of typeURL whose value is body (kept,
+// not copied), framed at its first send.
 func newResource(typeURL, name string, body []byte) *Resource {
 	hash := xxhash.Sum64(body)
 	version := strconv.FormatUint(hash, 16)
-	pre, suf, sotwAt := encodeFrame(typeURL, name, version, len(body))
 	return &Resource{
 		Name:    name,
 		Version: version,
 		Body:    body,
-		pre:     pre,
-		suf:     suf,
-		sotwAt:  sotwAt,
 		typeURL: typeURL,
 		hash:    hash,
 	}
