@@ -42,7 +42,7 @@ func (x *Index) TypeURL() string { return x.typeURL }
 // mirror serves the workload resource r as an Address under name: its
 // Address encoding, the same bytes as the workload's (NewResource).
 func (x *Index) mirror(name string, r *Resource) {
-	body := r.address
+	body := r.addressBytes()
 	if body == nil { // a resource not made by NewResource: wrap a copy
 		body = protowire.AppendTag(nil, fieldAddressWorkload, protowire.BytesType)
 		body = protowire.AppendBytes(body, r.Body)

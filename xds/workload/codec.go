@@ -255,15 +255,15 @@ func mapEntry(entry []byte) (k, v []byte, err error) {
 //	suf:     [3] name }
 //
 // pre[sotwAt:] followed by the value is the Any field of a SotW
-// DiscoveryResponse.resources (same field number, 2). pre and suf share
-// one small allocation.
-func encodeFrame(typeURL, name, version string, valueLen int) (pre, suf []byte, sotwAt int) {
+// DiscoveryResponse.resources (same field number, 2). It returns pre and
+// suf as one slice b (pre is b[:preLen]).
+func encodeFrame(typeURL, name, version string, valueLen int) (b []byte, preLen, sotwAt int) {
 	anyLen := protowire.SizeTag(fieldAnyTypeURL) + protowire.SizeBytes(len(typeURL)) +
 		protowire.SizeTag(fieldAnyValue) + protowire.SizeBytes(valueLen)
 	resLen := protowire.SizeTag(fieldResourceVersion) + protowire.SizeBytes(len(version)) +
 		protowire.SizeTag(fieldResourceResource) + protowire.SizeBytes(anyLen) +
 		protowire.SizeTag(fieldResourceName) + protowire.SizeBytes(len(name))
-	b := make([]byte, 0, protowire.SizeTag(fieldRespResources)+protowire.SizeBytes(resLen)-valueLen)
+	b = make([]byte, 0, protowire.SizeTag(fieldRespResources)+protowire.SizeBytes(resLen)-valueLen)
 	b = protowire.AppendTag(b, fieldRespResources, protowire.BytesType)
 	b = protowire.AppendVarint(b, uint64(resLen))
 	b = protowire.AppendTag(b, fieldResourceVersion, protowire.BytesType)
@@ -275,8 +275,8 @@ func encodeFrame(typeURL, name, version string, valueLen int) (pre, suf []byte, 
 	b = protowire.AppendString(b, typeURL)
 	b = protowire.AppendTag(b, fieldAnyValue, protowire.BytesType)
 	b = protowire.AppendVarint(b, uint64(valueLen))
-	preLen := len(b)
+	preLen = len(b)
 	b = protowire.AppendTag(b, fieldResourceName, protowire.BytesType)
 	b = protowire.AppendString(b, name)
-	return b[:preLen:preLen], b[preLen:], sotwAt
+	return b, preLen, sotwAt
 }

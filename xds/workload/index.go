@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/cespare/xxhash/v2"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -39,18 +40,48 @@ type Resource struct {
 	// no stream subscribes to (the Workload view where every client
 	// takes Addresses) never holds one.
 	frame atomic.Pointer[frame]
-	// address is, for a workload, its Address{workload} encoding, whose
-	// tail is Body (one allocation): the Address view serves the same
-	// bytes, never a copy.
-	address []byte
-	// typeURL is the type the resource is served as.
-	typeURL string
+	// addressHdr is, for a workload made by NewResource, the length of
+	// the Address{workload} header laid out just before Body in Body's
+	// allocation (addressBytes): the Address view serves the same bytes,
+	// never a copy. Zero otherwise.
+	addressHdr uint8
+	// typ is the type the resource is served as (typeURLs).
+	typ uint8
+}
+
+// typeURLs are the types a Resource is served as, by Resource.typ.
+var typeURLs = [...]string{resource.WorkloadType, resource.AddressType, resource.AuthorizationType}
+
+// typeIndex is typeURL's index in typeURLs; the index serves no other type.
+func typeIndex(typeURL string) uint8 {
+	for i, t := range typeURLs {
+		if t == typeURL {
+			return uint8(i)
+		}
+	}
+	panic("xds/workload: no resource type " + typeURL)
+}
+
+// typeURL is the type the resource is served as.
+func (r *Resource) typeURL() string { return typeURLs[r.typ] }
+
+// addressBytes returns a workload's Address{workload} encoding: its
+// header, laid out by NewResource just before Body in the same
+// allocation, then Body; nil for a resource NewResource did not make.
+func (r *Resource) addressBytes() []byte {
+	if r.addressHdr == 0 || len(r.Body) == 0 {
+		return nil
+	}
+	// The header is in Body's own allocation (NewResource): stepping back
+	// over it stays inside that object.
+	start := unsafe.Add(unsafe.Pointer(unsafe.SliceData(r.Body)), -int(r.addressHdr))
+	return unsafe.Slice((*byte)(start), int(r.addressHdr)+len(r.Body))
 }
 
 // Any returns Body wrapped for a SotW response. It is built at each call
 // (the server's codec sends the pre-encoded parts, so only a server
 // without it marshals typed responses), so nothing is kept for it.
-func (r *Resource) Any() *anypb.Any { return &anypb.Any{TypeUrl: r.typeURL, Value: r.Body} }
+func (r *Resource) Any() *anypb.Any { return &anypb.Any{TypeUrl: r.typeURL(), Value: r.Body} }
 
 // Delta returns the resource entry of a delta response, built at each
 // call as Any.
@@ -58,12 +89,13 @@ func (r *Resource) Delta() *discovery.Resource {
 	return &discovery.Resource{Name: r.Name, Version: r.Version, Resource: r.Any()}
 }
 
-// frame is the bytes around a resource's Body: pre and suf frame it as a
-// field of a delta response; pre[sotwAt:] and Body are a field of a SotW
-// response (encodeFrame).
+// frame is the bytes around a resource's Body, pre then suf in one
+// slice: pre (b[:preLen]) and suf (b[preLen:]) frame it as a field of a
+// delta response; pre[sotwAt:] and Body are a field of a SotW response
+// (encodeFrame).
 type frame struct {
-	pre, suf []byte
-	sotwAt   int
+	b              []byte
+	preLen, sotwAt int32
 }
 
 // framed returns r's frame, laying it out once, at r's first send (when
@@ -72,8 +104,8 @@ func (r *Resource) framed() *frame {
 	if f := r.frame.Load(); f != nil {
 		return f
 	}
-	f := &frame{}
-	f.pre, f.suf, f.sotwAt = encodeFrame(r.typeURL, r.Name, r.Version, len(r.Body))
+	b, preLen, sotwAt := encodeFrame(r.typeURL(), r.Name, r.Version, len(r.Body))
+	f := &frame{b: b, preLen: int32(preLen), sotwAt: int32(sotwAt)}
 	if r.frame.CompareAndSwap(nil, f) {
 		return f
 	}
@@ -83,13 +115,13 @@ func (r *Resource) framed() *frame {
 // appendDelta appends r's delta-response field, as parts.
 func (r *Resource) appendDelta(parts [][]byte) [][]byte {
 	f := r.framed()
-	return append(parts, f.pre, r.Body, f.suf)
+	return append(parts, f.b[:f.preLen:f.preLen], r.Body, f.b[f.preLen:])
 }
 
 // appendSotW appends r's SotW-response field, as parts.
 func (r *Resource) appendSotW(parts [][]byte) [][]byte {
 	f := r.framed()
-	return append(parts, f.pre[f.sotwAt:], r.Body)
+	return append(parts, f.b[f.sotwAt:f.preLen:f.preLen], r.Body)
 }
 
 // slotted is a served name's entry in Index.byName: its slot in
@@ -124,7 +156,7 @@ func NewResource(w *workloadpb.Workload) (*Resource, error) {
 		return nil, fmt.Errorf("failed to marshal workload %q: %d bytes, sized %d", w.GetUid(), len(buf)-hdr, size)
 	}
 	r := newResource(resource.WorkloadType, w.GetUid(), buf[hdr:])
-	r.address = buf
+	r.addressHdr = uint8(hdr) // a tag and a varint: at most 11 bytes
 	return r, nil
 }
 
@@ -137,7 +169,7 @@ func newResource(typeURL, name string, body []byte) *Resource {
 		Name:    name,
 		Version: version,
 		Body:    body,
-		typeURL: typeURL,
+		typ:     typeIndex(typeURL),
 		hash:    hash,
 	}
 }
