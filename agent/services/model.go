@@ -51,8 +51,7 @@ type Model struct {
 	// sliceEPs are the pod endpoints each slice names, by uid (read with
 	// its Service's ports); sliceSvc the Service they were read for.
 	sliceEPs map[string]map[string]Endpoint
-	sliceSvc map[string]string                          // slice key → the service key it was read for
-	view     map[string]map[string]*workloadpb.PortList // uid → ServiceName → ports; replaced, never modified
+	sliceSvc map[string]string // slice key → the service key it was read for
 	// unresolved are, per slice (read for sliceSvc), its Service's named
 	// target ports it resolves to no port; only slices that have some.
 	unresolved map[string]map[unresolvedKey]string // → reason
@@ -96,18 +95,30 @@ func New(cfg Config, idx *workload.Index, met Metrics, log *slog.Logger) *Model 
 		cfg: cfg, idx: idx, svcs: idx.Addresses().Writer(workload.ServiceSource), eps: idx.Writer(workload.EndpointSource), met: met, log: log,
 		services: map[string]*corev1.Service{}, slices: map[string]*discoveryv1.EndpointSlice{},
 		bySvc: map[string]map[string]struct{}{}, served: map[string]string{},
-		memberOf: map[string]memberships{}, members: map[string]map[string]struct{}{}, sliceEPs: map[string]map[string]Endpoint{}, sliceSvc: map[string]string{}, view: map[string]map[string]*workloadpb.PortList{},
+		memberOf: map[string]memberships{}, members: map[string]map[string]struct{}{}, sliceEPs: map[string]map[string]Endpoint{}, sliceSvc: map[string]string{},
 		unresolved: map[string]map[unresolvedKey]string{},
 	}
 	idx.SetMembership(m)
 	return m
 }
 
-// Services implements workload.Membership.
+// Services implements workload.Membership: uid's services map, built from
+// its memberships at each call (the index asks once per marshal and keeps
+// only the bytes, so no map is kept per workload).
 func (m *Model) Services(uid string) map[string]*workloadpb.PortList {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
-	return m.view[uid]
+	svcs := m.memberOf[uid]
+	if len(svcs) == 0 {
+		return nil
+	}
+	v := make(map[string]*workloadpb.PortList, len(svcs))
+	for _, ms := range svcs {
+		if name := m.served[ms.svc]; name != "" {
+			v[name] = &workloadpb.PortList{Ports: ms.ep.Ports}
+		}
+	}
+	return v
 }
 
 // Len returns the number of Services known (served or not).
@@ -295,8 +306,8 @@ func (m *Model) editSliceLocked(k string, es *discoveryv1.EndpointSlice, dirty d
 // applied without it.
 type actions struct {
 	upsert  *workloadpb.Service
-	remove  [2]string // namespace, hostname of a Service no longer served
-	stubs   map[string]*workloadpb.Workload
+	remove  [2]string           // namespace, hostname of a Service no longer served
+	stubs   map[string]Endpoint // uid → the endpoint its stub is built from
 	unstub  []string
 	refresh []string
 	// unresolved are the endpoint ports newly left unresolved, to count
@@ -434,12 +445,11 @@ func (m *Model) recomputeLocked(sk string, d *dirt) actions {
 	if len(m.members[sk]) == 0 {
 		delete(m.members, sk)
 	}
-	a.stubs = map[string]*workloadpb.Workload{}
+	a.stubs = map[string]Endpoint{}
 	for uid := range affected {
-		m.rebuildViewLocked(uid)
 		a.refresh = append(a.refresh, uid)
-		if stub := m.stubLocked(uid); stub != nil {
-			a.stubs[uid] = stub
+		if ep, ok := m.stubLocked(uid); ok {
+			a.stubs[uid] = ep
 		} else {
 			a.unstub = append(a.unstub, uid)
 		}
@@ -528,49 +538,39 @@ func (m *Model) memberEndpointLocked(svcSlices []string, svc *corev1.Service, se
 	return out, found
 }
 
-// rebuildViewLocked replaces uid's services map from memberOf.
-func (m *Model) rebuildViewLocked(uid string) {
-	svcs := m.memberOf[uid]
-	if len(svcs) == 0 {
-		delete(m.view, uid)
-		return
-	}
-	v := make(map[string]*workloadpb.PortList, len(svcs))
-	for _, ms := range svcs {
-		if name := m.served[ms.svc]; name != "" {
-			v[name] = &workloadpb.PortList{Ports: ms.ep.Ports}
+// stubLocked is the endpoint the workload served for uid when only
+// EndpointSlices know it (a pod outside the mesh, or one whose record
+// this agent does not have yet) is built from (stub): the first of its
+// Services' endpoints that has addresses; false when none has one.
+func (m *Model) stubLocked(uid string) (Endpoint, bool) {
+	for _, ms := range m.memberOf[uid] {
+		if len(ms.ep.Addresses) > 0 {
+			return ms.ep, true
 		}
 	}
-	m.view[uid] = v
+	return Endpoint{}, false
 }
 
-// stubLocked is the workload served for uid when only EndpointSlices know
-// it (a pod outside the mesh, or one whose record this agent does not
-// have yet): built from the first of its Services' endpoints that has
-// addresses, with tunnel NONE; nil when none has an address.
-func (m *Model) stubLocked(uid string) *workloadpb.Workload {
-	for _, ms := range m.memberOf[uid] {
-		ep := ms.ep
-		if len(ep.Addresses) == 0 {
-			continue
-		}
-		w := &workloadpb.Workload{
-			Uid: uid, Name: ep.Name, Namespace: ep.Namespace, Node: ep.Node,
-			Network: m.cfg.Network, ClusterId: m.cfg.ClusterID,
-			WorkloadType: workloadpb.WorkloadType_POD, WorkloadName: ep.Name,
-			CanonicalName: ep.Name, CanonicalRevision: "latest",
-			TunnelProtocol: workloadpb.TunnelProtocol_NONE,
-			Status:         workloadpb.WorkloadStatus_UNHEALTHY,
-		}
-		if ep.Ready {
-			w.Status = workloadpb.WorkloadStatus_HEALTHY
-		}
-		for _, a := range ep.Addresses {
-			w.Addresses = append(w.Addresses, a.AsSlice())
-		}
-		return w
+// stub is the workload served for uid when only EndpointSlices know it,
+// built from its endpoint ep, with tunnel NONE. The index builds it only
+// when it is to be served (Writer.UpsertLazy): while the pod's record
+// holds the uid, the stub costs its endpoint, not a marshalled resource.
+func (m *Model) stub(uid string, ep Endpoint) *workloadpb.Workload {
+	w := &workloadpb.Workload{
+		Uid: uid, Name: ep.Name, Namespace: ep.Namespace, Node: ep.Node,
+		Network: m.cfg.Network, ClusterId: m.cfg.ClusterID,
+		WorkloadType: workloadpb.WorkloadType_POD, WorkloadName: ep.Name,
+		CanonicalName: ep.Name, CanonicalRevision: "latest",
+		TunnelProtocol: workloadpb.TunnelProtocol_NONE,
+		Status:         workloadpb.WorkloadStatus_UNHEALTHY,
 	}
-	return nil
+	if ep.Ready {
+		w.Status = workloadpb.WorkloadStatus_HEALTHY
+	}
+	for _, a := range ep.Addresses {
+		w.Addresses = append(w.Addresses, a.AsSlice())
+	}
+	return w
 }
 
 // applyActions writes a change to the index; m.apply is held.
@@ -585,7 +585,8 @@ func (m *Model) applyActions(sk string, a actions) {
 		}
 	}
 	for _, uid := range slices.Sorted(maps.Keys(a.stubs)) {
-		if _, err := m.eps.Upsert(stubKey(uid), a.stubs[uid]); err != nil {
+		ep := a.stubs[uid]
+		if _, err := m.eps.UpsertLazy(stubKey(uid), func() *workloadpb.Workload { return m.stub(uid, ep) }); err != nil {
 			m.log.Error("failed to serve service endpoint", "service", sk, "workload", uid, "error", err.Error())
 		}
 	}

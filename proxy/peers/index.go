@@ -52,13 +52,33 @@ type Peer struct {
 // lookups take a read lock only.
 type Index struct {
 	mu     sync.RWMutex
-	byAddr map[string]Peer     // string(raw 4 or 16 bytes) -> peer
-	byUID  map[string][][]byte // uid -> the addresses it was indexed under
+	byAddr map[string]*indexed // string(raw 4 or 16 bytes) -> its workload
+	byUID  map[string]*indexed // uid -> its workload
+	// strs holds the strings many workloads repeat once each.
+	strs strs
+}
+
+// indexed is one workload: its peer (repeated strings held in strs) and
+// the addresses it is indexed under, each a length byte (4 or 16) and
+// the raw bytes, one after the other: byAddr's keys are substrings of it
+// (one allocation per workload, none per address).
+type indexed struct {
+	peer  Peer
+	addrs string
+}
+
+// eachAddr calls fn with each address key of e.addrs.
+func (e *indexed) eachAddr(fn func(string)) {
+	for a := e.addrs; len(a) > 0; {
+		n := int(a[0])
+		fn(a[1 : 1+n])
+		a = a[1+n:]
+	}
 }
 
 // NewIndex returns an empty index.
 func NewIndex() *Index {
-	return &Index{byAddr: map[string]Peer{}, byUID: map[string][][]byte{}}
+	return &Index{byAddr: map[string]*indexed{}, byUID: map[string]*indexed{}, strs: strs{}}
 }
 
 func peerOf(w *workload.Workload) Peer {
@@ -91,31 +111,55 @@ func identityOf(w *workload.Workload) string {
 }
 
 func (x *Index) removeLocked(uid string) {
-	for _, a := range x.byUID[uid] {
-		if x.byAddr[string(a)].UID == uid {
-			delete(x.byAddr, string(a))
-		}
+	e := x.byUID[uid]
+	if e == nil {
+		return
 	}
+	e.eachAddr(func(a string) {
+		if x.byAddr[a] == e {
+			delete(x.byAddr, a)
+		}
+	})
 	delete(x.byUID, uid)
+	for _, s := range e.peer.shared() {
+		x.strs.drop(*s)
+	}
+	if e.peer.Workload != e.peer.Name {
+		x.strs.drop(e.peer.Workload)
+	}
+}
+
+// shared are the fields of p many workloads repeat (held in strs); the
+// workload name too unless it is the pod's own name (a bare pod, a
+// StatefulSet's), which it then shares.
+func (p *Peer) shared() [5]*string {
+	return [5]*string{&p.Namespace, &p.CanonicalName, &p.CanonicalRevision, &p.Cluster, &p.Identity}
 }
 
 // Upsert indexes w under each of its addresses, replacing what its uid had.
 // Addresses that are not 4 or 16 bytes are skipped.
 func (x *Index) Upsert(w *workload.Workload) {
-	p := peerOf(w)
+	e := &indexed{peer: peerOf(w)}
+	var addrs []byte
+	for _, a := range w.GetAddresses() {
+		if len(a) == 4 || len(a) == 16 {
+			addrs = append(append(addrs, byte(len(a))), a...)
+		}
+	}
+	e.addrs = string(addrs)
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	x.removeLocked(p.UID)
-	var kept [][]byte
-	for _, a := range w.GetAddresses() {
-		if len(a) != 4 && len(a) != 16 {
-			continue
-		}
-		k := append([]byte(nil), a...)
-		x.byAddr[string(k)] = p
-		kept = append(kept, k)
+	for _, s := range e.peer.shared() {
+		*s = x.strs.hold(*s)
 	}
-	x.byUID[p.UID] = kept
+	if p := &e.peer; p.Workload == p.Name {
+		p.Workload = p.Name
+	} else {
+		p.Workload = x.strs.hold(p.Workload)
+	}
+	x.removeLocked(e.peer.UID)
+	e.eachAddr(func(a string) { x.byAddr[a] = e })
+	x.byUID[e.peer.UID] = e
 }
 
 // Remove drops the workload named uid.
@@ -138,9 +182,12 @@ func (x *Index) Lookup(addr netip.Addr) (Peer, bool) {
 		k = string(b[:])
 	}
 	x.mu.RLock()
-	p, ok := x.byAddr[k]
+	e := x.byAddr[k]
 	x.mu.RUnlock()
-	return p, ok
+	if e == nil {
+		return Peer{}, false
+	}
+	return e.peer, true
 }
 
 // Len is the number of indexed workloads.

@@ -25,11 +25,15 @@ type Services struct {
 	// members holds every workload that names at least one Service, or
 	// whose locality a source lookup needs.
 	members map[string]*member
-	// byAddr maps a workload address (As16) to its uid, for the source's
+	// byAddr maps a workload address (As16) to its member, for the source's
 	// locality.
-	byAddr map[[16]byte]string
+	byAddr map[[16]byte]*member
 	// interned maps every locality string seen (per scope) to its id.
 	interned map[string]uint32
+	// strs and sets hold the members' repeated strings and services maps
+	// once each.
+	strs strs
+	sets sets
 	// skipped counts endpoint ports dropped at build time because neither
 	// the endpoint nor the Service names a target port.
 	skipped atomic.Uint64
@@ -45,14 +49,16 @@ type vipKey struct {
 type locality [7]uint32
 
 type member struct {
-	uid       string
-	addrs     []netip.Addr
-	healthy   bool
-	hbone     bool
-	identity  string
-	locality  locality
-	namespace string
-	services  map[string]*workload.PortList
+	uid      string
+	addrs    []netip.Addr
+	healthy  bool
+	hbone    bool
+	identity string
+	locality locality
+	// services is the workload's services map, shared with every member
+	// of the same map (nil: none).
+	services map[string]*workload.PortList
+	set      *svcSet
 }
 
 // Endpoint is one chosen backend of a Service.
@@ -67,8 +73,19 @@ type Endpoint struct {
 	// Identity is the endpoint's SPIFFE ID ("" when unknown).
 	Identity string
 	// Healthy is false only under the ALLOW_ALL health policy.
-	Healthy  bool
-	locality locality
+	Healthy bool
+}
+
+// target is one endpoint of a snapshot: its member (immutable once
+// indexed) and the pod address and target port; Choose makes the
+// Endpoint of the one it picks.
+type target struct {
+	m    *member
+	addr netip.AddrPort
+}
+
+func (t *target) endpoint() Endpoint {
+	return Endpoint{UID: t.m.uid, Addr: t.addr, HBONE: t.m.hbone, Identity: t.m.identity, Healthy: t.m.healthy}
 }
 
 // ServiceRef names a Service a connection was balanced through.
@@ -128,14 +145,15 @@ type service struct {
 
 // snapshot holds a Service's usable endpoints per service port and family.
 type snapshot struct {
-	v4, v6 map[uint16][]Endpoint
+	v4, v6 map[uint16][]target
 }
 
 // NewServices returns an empty table.
 func NewServices() *Services {
 	return &Services{
 		byVIP: map[vipKey]*service{}, byName: map[string]*service{},
-		members: map[string]*member{}, byAddr: map[[16]byte]string{}, interned: map[string]uint32{},
+		members: map[string]*member{}, byAddr: map[[16]byte]*member{}, interned: map[string]uint32{},
+		strs: strs{}, sets: sets{},
 	}
 }
 
@@ -221,6 +239,11 @@ func (x *Services) UpsertWorkload(w *workload.Workload) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	m.locality = x.internLocked(w)
+	m.identity = x.strs.hold(m.identity)
+	m.set = x.sets.hold(w.GetServices())
+	if m.set != nil {
+		m.services = m.set.m
+	}
 	old := x.members[m.uid]
 	touched := map[string]struct{}{}
 	if old != nil {
@@ -228,7 +251,7 @@ func (x *Services) UpsertWorkload(w *workload.Workload) {
 	}
 	x.members[m.uid] = m
 	for _, a := range m.addrs {
-		x.byAddr[a.As16()] = m.uid
+		x.byAddr[a.As16()] = m
 	}
 	for key := range m.services {
 		x.serviceLocked(key).members[m.uid] = struct{}{}
@@ -252,7 +275,7 @@ func (x *Services) RemoveWorkload(uid string) {
 
 func (x *Services) dropMemberLocked(m *member, touched map[string]struct{}) {
 	for _, a := range m.addrs {
-		if x.byAddr[a.As16()] == m.uid {
+		if x.byAddr[a.As16()] == m {
 			delete(x.byAddr, a.As16())
 		}
 	}
@@ -263,6 +286,8 @@ func (x *Services) dropMemberLocked(m *member, touched map[string]struct{}) {
 		}
 	}
 	delete(x.members, m.uid)
+	x.strs.drop(m.identity)
+	x.sets.drop(m.set)
 }
 
 func (x *Services) rebuildTouchedLocked(touched map[string]struct{}) {
@@ -303,8 +328,7 @@ func (x *Services) internLocked(w *workload.Workload) locality {
 func memberOf(w *workload.Workload) *member {
 	m := &member{
 		uid: w.GetUid(), healthy: w.GetStatus() == workload.WorkloadStatus_HEALTHY,
-		hbone: w.GetTunnelProtocol() == workload.TunnelProtocol_HBONE, namespace: w.GetNamespace(),
-		services: w.GetServices(),
+		hbone: w.GetTunnelProtocol() == workload.TunnelProtocol_HBONE,
 	}
 	for _, b := range w.GetAddresses() {
 		if a, ok := netip.AddrFromSlice(b); ok && (len(b) == 4 || len(b) == 16) {
@@ -321,7 +345,7 @@ func memberOf(w *workload.Workload) *member {
 // Service's numeric target port; with neither, the endpoint is skipped for
 // that port and counted.
 func (x *Services) rebuildLocked(s *service) {
-	snap := &snapshot{v4: map[uint16][]Endpoint{}, v6: map[uint16][]Endpoint{}}
+	snap := &snapshot{v4: map[uint16][]target{}, v6: map[uint16][]target{}}
 	for uid := range s.members {
 		m := x.members[uid]
 		if m == nil || (!m.healthy && !s.allowAll) {
@@ -329,28 +353,28 @@ func (x *Services) rebuildLocked(s *service) {
 		}
 		own := m.services[s.key].GetPorts()
 		for _, sp := range s.ports {
-			target := sp.GetTargetPort()
+			tp := sp.GetTargetPort()
 			for _, p := range own {
 				if p.GetServicePort() == sp.GetServicePort() && p.GetTargetPort() != 0 {
-					target = p.GetTargetPort()
+					tp = p.GetTargetPort()
 					break
 				}
 			}
-			if target == 0 || target > 65535 || sp.GetServicePort() > 65535 {
+			if tp == 0 || tp > 65535 || sp.GetServicePort() > 65535 {
 				x.skipped.Add(1)
 				continue
 			}
 			for _, a := range firstPerFamily(m.addrs) {
-				e := Endpoint{
-					UID: m.uid, Addr: netip.AddrPortFrom(a, uint16(target)), HBONE: m.hbone,
-					Identity: m.identity, Healthy: m.healthy, locality: m.locality,
+				e := target{m: m, addr: netip.AddrPortFrom(a, uint16(tp))}
+				port, fam := uint16(sp.GetServicePort()), snap.v4
+				if a.Is6() {
+					fam = snap.v6
 				}
-				port := uint16(sp.GetServicePort())
-				if a.Is4() {
-					snap.v4[port] = append(snap.v4[port], e)
-				} else {
-					snap.v6[port] = append(snap.v6[port], e)
+				if fam[port] == nil {
+					// Sized for every member: one allocation, no growth.
+					fam[port] = make([]target, 0, len(s.members))
 				}
+				fam[port] = append(fam[port], e)
 			}
 		}
 	}
@@ -387,7 +411,7 @@ func (x *Services) Choose(src netip.Addr, dst netip.AddrPort, exclude netip.Addr
 	s := x.byVIP[vipKey{addr: a.As16(), port: dst.Port()}]
 	var srcLoc *locality
 	if s != nil && len(s.prefs) > 0 {
-		if m := x.members[x.byAddr[src.Unmap().As16()]]; m != nil {
+		if m := x.byAddr[src.Unmap().As16()]; m != nil {
 			srcLoc = &m.locality
 		}
 	}
@@ -411,10 +435,10 @@ func (x *Services) Choose(src netip.Addr, dst netip.AddrPort, exclude netip.Addr
 }
 
 // rank counts the leading scopes of prefs on which e matches src.
-func rank(e *Endpoint, prefs []workload.LoadBalancing_Scope, src *locality) int {
+func rank(e *target, prefs []workload.LoadBalancing_Scope, src *locality) int {
 	n := 0
 	for _, p := range prefs {
-		if p > 0 && int(p) < len(src) && e.locality[p] != src[p] {
+		if p > 0 && int(p) < len(src) && e.m.locality[p] != src[p] {
 			break
 		}
 		n++
@@ -425,7 +449,7 @@ func rank(e *Endpoint, prefs []workload.LoadBalancing_Scope, src *locality) int 
 // pick chooses uniformly among the best-ranked endpoints, skipping exclude
 // while another candidate exists. At most three passes over eps, no
 // allocation.
-func pick(eps []Endpoint, prefs []workload.LoadBalancing_Scope, strict bool, src *locality, exclude netip.AddrPort) (Endpoint, bool) {
+func pick(eps []target, prefs []workload.LoadBalancing_Scope, strict bool, src *locality, exclude netip.AddrPort) (Endpoint, bool) {
 	if len(eps) == 0 {
 		return Endpoint{}, false
 	}
@@ -450,16 +474,16 @@ func pick(eps []Endpoint, prefs []workload.LoadBalancing_Scope, strict bool, src
 
 // pickAmong chooses uniformly among the endpoints of rank best (every
 // endpoint when src is nil), avoiding exclude unless it is the only one.
-func pickAmong(eps []Endpoint, prefs []workload.LoadBalancing_Scope, src *locality, best int, exclude netip.AddrPort) (Endpoint, bool) {
+func pickAmong(eps []target, prefs []workload.LoadBalancing_Scope, src *locality, best int, exclude netip.AddrPort) (Endpoint, bool) {
 	if src == nil && !exclude.IsValid() {
-		return eps[rand.IntN(len(eps))], true
+		return eps[rand.IntN(len(eps))].endpoint(), true
 	}
-	eligible := func(e *Endpoint) bool { return src == nil || rank(e, prefs, src) == best }
+	eligible := func(e *target) bool { return src == nil || rank(e, prefs, src) == best }
 	n, nx := 0, 0
 	for i := range eps {
 		if eligible(&eps[i]) {
 			n++
-			if eps[i].Addr == exclude {
+			if eps[i].addr == exclude {
 				nx++
 			}
 		}
@@ -473,11 +497,11 @@ func pickAmong(eps []Endpoint, prefs []workload.LoadBalancing_Scope, src *locali
 	}
 	k := rand.IntN(n)
 	for i := range eps {
-		if !eligible(&eps[i]) || (skip && eps[i].Addr == exclude) {
+		if !eligible(&eps[i]) || (skip && eps[i].addr == exclude) {
 			continue
 		}
 		if k == 0 {
-			return eps[i], true
+			return eps[i].endpoint(), true
 		}
 		k--
 	}
@@ -513,7 +537,7 @@ func (x *Services) Len() int {
 func (x *Services) ServiceOf(dst netip.AddrPort) (ServiceRef, bool) {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	m := x.members[x.byAddr[dst.Addr().Unmap().As16()]]
+	m := x.byAddr[dst.Addr().Unmap().As16()]
 	if m == nil {
 		return ServiceRef{}, false
 	}

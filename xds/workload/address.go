@@ -42,7 +42,7 @@ func (x *Index) TypeURL() string { return x.typeURL }
 // mirror serves the workload resource r as an Address under name: its
 // Address encoding, the same bytes as the workload's (NewResource).
 func (x *Index) mirror(name string, r *Resource) {
-	body := r.address
+	body := r.addressBytes()
 	if body == nil { // a resource not made by NewResource: wrap a copy
 		body = protowire.AppendTag(nil, fieldAddressWorkload, protowire.BytesType)
 		body = protowire.AppendBytes(body, r.Body)
@@ -152,6 +152,9 @@ func (x *Index) Refresh(uids []string) (int, error) {
 	for _, uid := range uids {
 		for _, key := range x.claims[uid] {
 			e := x.keys[key]
+			if e.res == nil {
+				continue // a lazy claim not served: bound when it is
+			}
 			var w workloadpb.Workload
 			if err := proto.Unmarshal(e.res.Body, &w); err != nil {
 				errs = append(errs, fmt.Errorf("failed to decode served workload %q: %w", uid, err))

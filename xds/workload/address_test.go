@@ -69,8 +69,8 @@ func TestAddressesMirrorWorkloads(t *testing.T) {
 		if &ad.Body[len(ad.Body)-1] != &w.Body[len(w.Body)-1] {
 			t.Errorf("address of %s holds a copy of the workload's bytes, want the same bytes", name)
 		}
-		if ad.Any.GetTypeUrl() != resource.AddressType || ad.Delta.GetResource().GetTypeUrl() != resource.AddressType {
-			t.Errorf("address of %s typed %q", name, ad.Any.GetTypeUrl())
+		if ad.Any().GetTypeUrl() != resource.AddressType || ad.Delta().GetResource().GetTypeUrl() != resource.AddressType {
+			t.Errorf("address of %s typed %q", name, ad.Any().GetTypeUrl())
 		}
 	}
 	svcs := a.Writer(ServiceSource)
@@ -356,6 +356,63 @@ func TestEndpointSourceYields(t *testing.T) {
 	}
 }
 
+// TestLazyClaimBuiltWhenServed: a lazy claim (Writer.UpsertLazy) is
+// validated at once but holds no resource while the pod's record holds
+// its uid (a Refresh does not build it either); once the record goes it
+// is built and served with the membership of that moment, and when the
+// record comes back it drops its resource again.
+func TestLazyClaimBuiltWhenServed(t *testing.T) {
+	x := NewIndex()
+	ep := endpointN(0)
+	real, err := Build(testConfig, ep)
+	if err != nil {
+		t.Fatal(err)
+	}
+	uid := real.GetUid()
+	m := &fakeMembers{m: map[string]map[string]*workloadpb.PortList{}}
+	x.SetMembership(m)
+	eps, local := x.Writer(EndpointSource), x.Writer("local")
+	if _, err := eps.UpsertLazy("ep/bad", func() *workloadpb.Workload { return &workloadpb.Workload{Uid: "bad"} }); err == nil {
+		t.Fatal("a lazy claim without an address was accepted")
+	}
+	if _, err := local.Upsert(ep.Key, real); err != nil {
+		t.Fatal(err)
+	}
+	builds := 0
+	build := func() *workloadpb.Workload {
+		builds++
+		return &workloadpb.Workload{Uid: uid, Name: real.GetName(), Namespace: "shop", Node: "stub", Addresses: real.GetAddresses()}
+	}
+	if changed, err := eps.UpsertLazy("ep/"+uid, build); err != nil || changed {
+		t.Fatalf("UpsertLazy under a record = %v, %v; want no change", changed, err)
+	}
+	web := map[string]*workloadpb.PortList{"shop/web.shop.svc.cluster.local": {Ports: []*workloadpb.Port{{ServicePort: 80, TargetPort: 8080}}}}
+	m.set(uid, web)
+	if _, err := x.Refresh([]string{uid}); err != nil {
+		t.Fatal(err)
+	}
+	if builds != 1 || x.keys["ep/"+uid].res != nil {
+		t.Fatalf("outranked lazy claim: %d builds, resource %v; want 1 (validation), none", builds, x.keys["ep/"+uid].res)
+	}
+	local.Remove(ep.Key)
+	var w workloadpb.Workload
+	if err := proto.Unmarshal(x.Get(uid).Body, &w); err != nil {
+		t.Fatal(err)
+	}
+	if w.GetNode() != "stub" || len(w.GetServices()) != 1 || builds != 2 {
+		t.Fatalf("after the record went: served %v after %d builds; want the stub with its services, 2 builds", &w, builds)
+	}
+	if a := decodeAddress(t, x.Addresses().Get(uid).Body).GetWorkload(); a.GetNode() != "stub" {
+		t.Fatalf("address view serves %v, want the stub", a)
+	}
+	if _, err := local.Upsert(ep.Key, real); err != nil {
+		t.Fatal(err)
+	}
+	if x.keys["ep/"+uid].res != nil || servicesOf(t, x, uid) == nil {
+		t.Fatal("the record is back but the lazy claim kept its resource (or the record lost its services)")
+	}
+}
+
 // BenchmarkIndexMemory reports the heap per workload of an index without
 // and with its Address view (which shares the workloads' bytes).
 func BenchmarkIndexMemory(b *testing.B) {
@@ -426,7 +483,7 @@ func TestAuthorizationView(t *testing.T) {
 		t.Error("a policy without a name was accepted")
 	}
 	r := x.Authorizations().Get("shop/web-allow")
-	if r == nil || r.Any.GetTypeUrl() != resource.AuthorizationType || x.Addresses().Get("shop/web-allow") != nil {
+	if r == nil || r.Any().GetTypeUrl() != resource.AuthorizationType || x.Addresses().Get("shop/web-allow") != nil {
 		t.Fatalf("policy served as %v", r)
 	}
 	x.Remove(endpointN(0).Key)

@@ -8,6 +8,7 @@ import (
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 
 	// Registers the default "proto" codec the fallback uses.
 	_ "google.golang.org/grpc/encoding/proto"
@@ -33,10 +34,21 @@ import (
 // preEncoded is a response whose wire form is already laid out: parts
 // (a marshalled head, then each resource's shared bytes) concatenated are
 // the encoding of Message. The server sends it with SendMsg; this codec
-// writes the parts, any other codec marshals the embedded Message.
+// writes the parts, any other codec marshals the embedded Message, which
+// build makes on first use when it is nil (so a server with this codec
+// never builds the typed response nor keeps an Any per resource).
 type preEncoded struct {
 	proto.Message
+	build func() proto.Message
 	parts [][]byte
+}
+
+// ProtoReflect is the embedded Message's, built first if need be.
+func (e *preEncoded) ProtoReflect() protoreflect.Message {
+	if e.Message == nil {
+		e.Message = e.build()
+	}
+	return e.Message.ProtoReflect()
 }
 
 type xdsCodec struct{ fallback encoding.CodecV2 }
@@ -243,15 +255,15 @@ func mapEntry(entry []byte) (k, v []byte, err error) {
 //	suf:     [3] name }
 //
 // pre[sotwAt:] followed by the value is the Any field of a SotW
-// DiscoveryResponse.resources (same field number, 2). pre and suf share
-// one small allocation.
-func encodeFrame(typeURL, name, version string, valueLen int) (pre, suf []byte, sotwAt int) {
+// DiscoveryResponse.resources (same field number, 2). It returns pre and
+// suf as one slice b (pre is b[:preLen]).
+func encodeFrame(typeURL, name, version string, valueLen int) (b []byte, preLen, sotwAt int) {
 	anyLen := protowire.SizeTag(fieldAnyTypeURL) + protowire.SizeBytes(len(typeURL)) +
 		protowire.SizeTag(fieldAnyValue) + protowire.SizeBytes(valueLen)
 	resLen := protowire.SizeTag(fieldResourceVersion) + protowire.SizeBytes(len(version)) +
 		protowire.SizeTag(fieldResourceResource) + protowire.SizeBytes(anyLen) +
 		protowire.SizeTag(fieldResourceName) + protowire.SizeBytes(len(name))
-	b := make([]byte, 0, protowire.SizeTag(fieldRespResources)+protowire.SizeBytes(resLen)-valueLen)
+	b = make([]byte, 0, protowire.SizeTag(fieldRespResources)+protowire.SizeBytes(resLen)-valueLen)
 	b = protowire.AppendTag(b, fieldRespResources, protowire.BytesType)
 	b = protowire.AppendVarint(b, uint64(resLen))
 	b = protowire.AppendTag(b, fieldResourceVersion, protowire.BytesType)
@@ -263,8 +275,8 @@ func encodeFrame(typeURL, name, version string, valueLen int) (pre, suf []byte, 
 	b = protowire.AppendString(b, typeURL)
 	b = protowire.AppendTag(b, fieldAnyValue, protowire.BytesType)
 	b = protowire.AppendVarint(b, uint64(valueLen))
-	preLen := len(b)
+	preLen = len(b)
 	b = protowire.AppendTag(b, fieldResourceName, protowire.BytesType)
 	b = protowire.AppendString(b, name)
-	return b[:preLen:preLen], b[preLen:], sotwAt
+	return b, preLen, sotwAt
 }

@@ -84,8 +84,8 @@ func TestPreEncodedResourceMatchesProto(t *testing.T) {
 		if err := proto.Unmarshal(slices.Concat(r.appendDelta(nil)...), &resp); err != nil {
 			t.Fatal(err)
 		}
-		if len(resp.GetResources()) != 1 || !proto.Equal(resp.GetResources()[0], r.Delta) {
-			t.Fatalf("delta wire decodes to %v, want %v", resp.GetResources(), r.Delta)
+		if len(resp.GetResources()) != 1 || !proto.Equal(resp.GetResources()[0], r.Delta()) {
+			t.Fatalf("delta wire decodes to %v, want %v", resp.GetResources(), r.Delta())
 		}
 		var sotw discovery.DiscoveryResponse
 		if err := proto.Unmarshal(slices.Concat(r.appendSotW(nil)...), &sotw); err != nil {
@@ -144,5 +144,47 @@ func TestParseVersion(t *testing.T) {
 		if got != tc.want || ok != tc.ok {
 			t.Errorf("parseVersion(%q) = %x, %v; want %x, %v", tc.in, got, ok, tc.want, tc.ok)
 		}
+	}
+}
+
+// TestTypedResponseOnlyForOtherCodecs: our codec sends a preEncoded
+// response as its parts and never builds its typed message; any other
+// codec (the stock proto codec) builds it once and marshals it, to the
+// same message; a resource's frame is laid out at its first send only.
+func TestTypedResponseOnlyForOtherCodecs(t *testing.T) {
+	x := NewIndex()
+	fill(t, x, 1)
+	r := x.Get(UID("Kubernetes", "shop", endpointN(0).Name))
+	if r.frame.Load() != nil {
+		t.Fatal("a resource never sent holds a frame")
+	}
+	parts := r.appendDelta(nil)
+	if r.frame.Load() == nil {
+		t.Fatal("a sent resource keeps no frame")
+	}
+	head := &discovery.DeltaDiscoveryResponse{Nonce: "1", TypeUrl: resource.WorkloadType}
+	hb, _ := proto.Marshal(head)
+	builds := 0
+	typed := func() proto.Message {
+		builds++
+		return &discovery.DeltaDiscoveryResponse{Nonce: "1", TypeUrl: resource.WorkloadType, Resources: []*discovery.Resource{r.Delta()}}
+	}
+	ours, err := newCodec().Marshal(&preEncoded{build: typed, parts: append([][]byte{hb}, parts...)})
+	if err != nil || builds != 0 {
+		t.Fatalf("our codec: %v, %d typed builds; want none", err, builds)
+	}
+	stock, err := encoding.GetCodecV2("proto").Marshal(&preEncoded{build: typed, parts: [][]byte{[]byte("unused")}})
+	if err != nil || builds != 1 {
+		t.Fatalf("stock codec: %v, %d typed builds; want 1", err, builds)
+	}
+	var a, b discovery.DeltaDiscoveryResponse
+	if err := proto.Unmarshal(ours.Materialize(), &a); err != nil {
+		t.Fatal(err)
+	}
+	if err := proto.Unmarshal(stock.Materialize(), &b); err != nil {
+		t.Fatal(err)
+	}
+	if !proto.Equal(&a, &b) || len(a.GetResources()) != 1 {
+		t.Errorf("our parts decode to %v, the stock codec's typed response to %v", &a, &b)
 	}
 }

@@ -6,7 +6,9 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/cespare/xxhash/v2"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -34,26 +36,92 @@ type Resource struct {
 	// Body is the deterministic wire encoding of the resource (the Any's
 	// value).
 	Body []byte
-	// pre and suf frame Body as a field of a delta response; pre[sotwAt:]
-	// and Body are a field of a SotW response (encodeFrame).
-	pre, suf []byte
-	sotwAt   int
-	// address is, for a workload, its Address{workload} encoding, whose
-	// tail is Body (one allocation): the Address view serves the same
-	// bytes, never a copy.
-	address []byte
-	// Any wraps Body for SotW responses.
-	Any *anypb.Any
-	// Delta is the resource entry of a delta response.
-	Delta *discovery.Resource
+	// frame is laid out at the first send (framed): a resource of a view
+	// no stream subscribes to (the Workload view where every client
+	// takes Addresses) never holds one.
+	frame atomic.Pointer[frame]
+	// addressHdr is, for a workload made by NewResource, the length of
+	// the Address{workload} header laid out just before Body in Body's
+	// allocation (addressBytes): the Address view serves the same bytes,
+	// never a copy. Zero otherwise.
+	addressHdr uint8
+	// typ is the type the resource is served as (typeURLs).
+	typ uint8
+}
+
+// typeURLs are the types a Resource is served as, by Resource.typ.
+var typeURLs = [...]string{resource.WorkloadType, resource.AddressType, resource.AuthorizationType}
+
+// typeIndex is typeURL's index in typeURLs; the index serves no other type.
+func typeIndex(typeURL string) uint8 {
+	for i, t := range typeURLs {
+		if t == typeURL {
+			return uint8(i)
+		}
+	}
+	panic("xds/workload: no resource type " + typeURL)
+}
+
+// typeURL is the type the resource is served as.
+func (r *Resource) typeURL() string { return typeURLs[r.typ] }
+
+// addressBytes returns a workload's Address{workload} encoding: its
+// header, laid out by NewResource just before Body in the same
+// allocation, then Body; nil for a resource NewResource did not make.
+func (r *Resource) addressBytes() []byte {
+	if r.addressHdr == 0 || len(r.Body) == 0 {
+		return nil
+	}
+	// The header is in Body's own allocation (NewResource): stepping back
+	// over it stays inside that object.
+	start := unsafe.Add(unsafe.Pointer(unsafe.SliceData(r.Body)), -int(r.addressHdr))
+	return unsafe.Slice((*byte)(start), int(r.addressHdr)+len(r.Body))
+}
+
+// Any returns Body wrapped for a SotW response. It is built at each call
+// (the server's codec sends the pre-encoded parts, so only a server
+// without it marshals typed responses), so nothing is kept for it.
+func (r *Resource) Any() *anypb.Any { return &anypb.Any{TypeUrl: r.typeURL(), Value: r.Body} }
+
+// Delta returns the resource entry of a delta response, built at each
+// call as Any.
+func (r *Resource) Delta() *discovery.Resource {
+	return &discovery.Resource{Name: r.Name, Version: r.Version, Resource: r.Any()}
+}
+
+// frame is the bytes around a resource's Body, pre then suf in one
+// slice: pre (b[:preLen]) and suf (b[preLen:]) frame it as a field of a
+// delta response; pre[sotwAt:] and Body are a field of a SotW response
+// (encodeFrame).
+type frame struct {
+	b              []byte
+	preLen, sotwAt int32
+}
+
+// framed returns r's frame, laying it out once, at r's first send (when
+// several streams race, one layout wins and the others are dropped).
+func (r *Resource) framed() *frame {
+	if f := r.frame.Load(); f != nil {
+		return f
+	}
+	b, preLen, sotwAt := encodeFrame(r.typeURL(), r.Name, r.Version, len(r.Body))
+	f := &frame{b: b, preLen: int32(preLen), sotwAt: int32(sotwAt)}
+	if r.frame.CompareAndSwap(nil, f) {
+		return f
+	}
+	return r.frame.Load()
 }
 
 // appendDelta appends r's delta-response field, as parts.
-func (r *Resource) appendDelta(parts [][]byte) [][]byte { return append(parts, r.pre, r.Body, r.suf) }
+func (r *Resource) appendDelta(parts [][]byte) [][]byte {
+	f := r.framed()
+	return append(parts, f.b[:f.preLen:f.preLen], r.Body, f.b[f.preLen:])
+}
 
 // appendSotW appends r's SotW-response field, as parts.
 func (r *Resource) appendSotW(parts [][]byte) [][]byte {
-	return append(parts, r.pre[r.sotwAt:], r.Body)
+	f := r.framed()
+	return append(parts, f.b[f.sotwAt:f.preLen:f.preLen], r.Body)
 }
 
 // slotted is a served name's entry in Index.byName: its slot in
@@ -88,26 +156,20 @@ func NewResource(w *workloadpb.Workload) (*Resource, error) {
 		return nil, fmt.Errorf("failed to marshal workload %q: %d bytes, sized %d", w.GetUid(), len(buf)-hdr, size)
 	}
 	r := newResource(resource.WorkloadType, w.GetUid(), buf[hdr:])
-	r.address = buf
+	r.addressHdr = uint8(hdr) // a tag and a varint: at most 11 bytes
 	return r, nil
 }
 
-// newResource frames the resource name of typeURL whose value is body
-// (kept, not copied).
+// newResource is the resource name of typeURL whose value is body (kept,
+// not copied), framed at its first send.
 func newResource(typeURL, name string, body []byte) *Resource {
 	hash := xxhash.Sum64(body)
 	version := strconv.FormatUint(hash, 16)
-	pre, suf, sotwAt := encodeFrame(typeURL, name, version, len(body))
-	a := &anypb.Any{TypeUrl: typeURL, Value: body}
 	return &Resource{
 		Name:    name,
 		Version: version,
 		Body:    body,
-		pre:     pre,
-		suf:     suf,
-		sotwAt:  sotwAt,
-		Any:     a,
-		Delta:   &discovery.Resource{Name: name, Version: version, Resource: a},
+		typ:     typeIndex(typeURL),
 		hash:    hash,
 	}
 }
@@ -158,9 +220,13 @@ type Index struct {
 
 // keyEntry is what one endpoint key holds: its source, the uid it claims
 // and its resource; seq orders the claimants of a uid (newest served).
+// A lazy claim (Writer.UpsertLazy) holds no resource while another claim
+// of its uid is served: build makes its workload when it is to be served.
 type keyEntry struct {
 	source string
+	name   string
 	res    *Resource
+	build  func() *workloadpb.Workload
 	seq    uint64
 }
 
@@ -253,28 +319,73 @@ func (x *Index) upsertResource(source, key string, r *Resource) (bool, error) {
 }
 
 func (x *Index) upsertResourceLocked(source, key string, r *Resource, now time.Time) (bool, error) {
+	return x.claimLocked(source, key, &keyEntry{source: source, name: r.Name, res: r}, now)
+}
+
+// claimLocked sets key's entry to ne (of source) and serves it unless a
+// claim of higher rank holds its name; x.mu is held.
+func (x *Index) claimLocked(source, key string, ne *keyEntry, now time.Time) (bool, error) {
 	changed := false
 	e, ok := x.keys[key]
 	switch {
 	case ok && e.source != source:
 		return false, fmt.Errorf("failed to upsert endpoint %q as %q: %w (%q)", key, source, ErrNotOwner, e.source)
-	case ok && e.res.Name != r.Name:
+	case ok && e.name != ne.name:
 		// The endpoint was renamed (should not happen for pods): drop its claim on the old name.
-		changed = x.unclaimLocked(e.res.Name, key, now)
+		changed = x.unclaimLocked(e.name, key, now)
 	}
 	x.seq++
-	ne := &keyEntry{source: source, res: r, seq: x.seq}
+	ne.seq = x.seq
 	x.keys[key] = ne
 	// Every key of x.keys claims its resource's name, and only that one:
 	// a key already held under this name is in its claims (no scan of
 	// them, which grows with the sandboxes of one pod).
-	if !ok || e.res.Name != r.Name {
-		x.claims[r.Name] = append(x.claims[r.Name], key)
+	if !ok || e.name != ne.name {
+		x.claims[ne.name] = append(x.claims[ne.name], key)
 	}
-	if cur, served := x.nameKey[r.Name]; served && cur != key && x.keys[cur].rank() > ne.rank() {
+	if cur, served := x.nameKey[ne.name]; served && cur != key && x.keys[cur].rank() > ne.rank() {
 		return changed, nil // a Service endpoint known only from its EndpointSlice yields to the pod's record
 	}
-	return x.serveLocked(r.Name, key, r, now) || changed, nil
+	r, err := x.resourceLocked(ne)
+	if err != nil {
+		return changed, err
+	}
+	return x.serveLocked(ne.name, key, r, now) || changed, nil
+}
+
+// UpsertLazy is Upsert of the workload build returns, for a claim that is
+// often outranked (EndpointSource: a pod's record usually holds its uid):
+// while another claim of the uid is served, nothing is marshalled or kept
+// but build, which makes the workload when this claim is to be served.
+// build must return the same workload every time and is called with the
+// index locked (it must not call the index); the workload is validated
+// here, at once.
+func (w *Writer) UpsertLazy(key string, build func() *workloadpb.Workload) (bool, error) {
+	wl := build()
+	if err := Validate(wl); err != nil {
+		return false, err
+	}
+	w.x.mu.Lock()
+	defer w.x.mu.Unlock()
+	return w.x.claimLocked(w.source, key, &keyEntry{source: w.source, name: wl.GetUid(), build: build}, time.Now())
+}
+
+// resourceLocked returns e's resource, marshalling a lazy claim's
+// workload (with its membership) first; x.mu is held.
+func (x *Index) resourceLocked(e *keyEntry) (*Resource, error) {
+	if e.res != nil {
+		return e.res, nil
+	}
+	w := e.build()
+	if x.members != nil {
+		x.bindLocked(w)
+	}
+	r, err := NewResource(w)
+	if err != nil {
+		return nil, err
+	}
+	e.res = r
+	return r, nil
 }
 
 // EndpointSource is the source of workloads known only as a Service's
@@ -295,6 +406,11 @@ func (e *keyEntry) rank() int {
 // serveLocked makes r (of key) the served resource of name; an unchanged
 // version is not pushed. It reports whether anything changed.
 func (x *Index) serveLocked(name, key string, r *Resource, now time.Time) bool {
+	if cur, ok := x.nameKey[name]; ok && cur != key {
+		if e := x.keys[cur]; e != nil && e.build != nil {
+			e.res = nil // a lazy claim no longer served keeps its build only
+		}
+	}
 	x.nameKey[name] = key
 	return x.putLocked(name, r, now)
 }
@@ -344,7 +460,7 @@ func (x *Index) remove(source, key string) bool {
 		return false
 	}
 	delete(x.keys, key)
-	return x.unclaimLocked(e.res.Name, key, now)
+	return x.unclaimLocked(e.name, key, now)
 }
 
 // unclaimLocked drops key's claim on name. If key was served, the newest
@@ -368,7 +484,14 @@ func (x *Index) unclaimLocked(name, key string, now time.Time) bool {
 			next, best = k, e
 		}
 	}
-	return x.serveLocked(name, next, best.res, now)
+	r, err := x.resourceLocked(best)
+	if err != nil {
+		// Validated when it was put, so only a marshal failure: serve
+		// none rather than a claim that is no longer one.
+		x.deleteLocked(name, now)
+		return true
+	}
+	return x.serveLocked(name, next, r, now)
 }
 
 // Keys returns the endpoint keys this source holds.

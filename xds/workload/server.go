@@ -336,15 +336,21 @@ func (st *deltaStream) flush(t *deltaType, added []string, addedWildcard bool, k
 		SystemVersionInfo: strconv.FormatUint(d.Revision, 10), TypeUrl: t.cache.TypeURL(),
 		Nonce: strconv.FormatUint(st.nonce, 10), RemovedResources: d.Removed,
 	}
-	resp := &discovery.DeltaDiscoveryResponse{
-		SystemVersionInfo: head.SystemVersionInfo, TypeUrl: head.TypeUrl, Nonce: head.Nonce, RemovedResources: d.Removed,
-		Resources: make([]*discovery.Resource, len(d.Resources)),
+	typed := func() proto.Message {
+		resp := &discovery.DeltaDiscoveryResponse{
+			SystemVersionInfo: head.SystemVersionInfo, TypeUrl: head.TypeUrl, Nonce: head.Nonce, RemovedResources: d.Removed,
+			Resources: make([]*discovery.Resource, len(d.Resources)),
+		}
+		for i, r := range d.Resources {
+			resp.Resources[i] = r.Delta()
+		}
+		return resp
 	}
 	parts := make([][]byte, 0, 3*len(d.Resources))
-	for i, r := range d.Resources {
-		resp.Resources[i], parts = r.Delta, r.appendDelta(parts)
+	for _, r := range d.Resources {
+		parts = r.appendDelta(parts)
 	}
-	if err := sendEncoded(st.stream, resp, head, parts); err != nil {
+	if err := sendEncoded(st.stream, typed, head, parts); err != nil {
 		return err
 	}
 	st.s.m.pushed(protoDelta, len(d.Resources)+len(d.Removed), since)
@@ -441,15 +447,21 @@ func (st *sotwStream) changed(t *sotwType) error {
 		VersionInfo: strconv.FormatUint(state.Revision, 10),
 		Nonce:       t.nonce,
 	}
-	resp := &discovery.DiscoveryResponse{
-		TypeUrl: head.TypeUrl, VersionInfo: head.VersionInfo, Nonce: head.Nonce,
-		Resources: make([]*anypb.Any, len(state.Resources)),
+	typed := func() proto.Message {
+		resp := &discovery.DiscoveryResponse{
+			TypeUrl: head.TypeUrl, VersionInfo: head.VersionInfo, Nonce: head.Nonce,
+			Resources: make([]*anypb.Any, len(state.Resources)),
+		}
+		for i, r := range state.Resources {
+			resp.Resources[i] = r.Any()
+		}
+		return resp
 	}
 	parts := make([][]byte, 0, 2*len(state.Resources))
-	for i, r := range state.Resources {
-		resp.Resources[i], parts = r.Any, r.appendSotW(parts)
+	for _, r := range state.Resources {
+		parts = r.appendSotW(parts)
 	}
-	if err := sendEncoded(st.stream, resp, head, parts); err != nil {
+	if err := sendEncoded(st.stream, typed, head, parts); err != nil {
 		return err
 	}
 	st.s.m.pushed(protoSotW, len(state.Resources), t.since)
@@ -457,13 +469,13 @@ func (st *sotwStream) changed(t *sotwType) error {
 	return nil
 }
 
-// sendEncoded sends msg as a preEncoded wrapper: the server codec writes it
-// as head (marshalled here, small) followed by the pre-encoded resource
-// parts; any other codec marshals msg itself.
-func sendEncoded(stream grpc.ServerStream, msg, head proto.Message, parts [][]byte) error {
+// sendEncoded sends the response typed builds as a preEncoded wrapper: the
+// server codec writes it as head (marshalled here, small) followed by the
+// pre-encoded resource parts; any other codec marshals what typed builds.
+func sendEncoded(stream grpc.ServerStream, typed func() proto.Message, head proto.Message, parts [][]byte) error {
 	hb, err := proto.Marshal(head)
 	if err != nil {
 		return fmt.Errorf("failed to marshal xds response head: %w", err)
 	}
-	return stream.SendMsg(&preEncoded{Message: msg, parts: append([][]byte{hb}, parts...)})
+	return stream.SendMsg(&preEncoded{build: typed, parts: append([][]byte{hb}, parts...)})
 }
