@@ -8,7 +8,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-	"unsafe"
 
 	"github.com/cespare/xxhash/v2"
 	discovery "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
@@ -40,11 +39,11 @@ type Resource struct {
 	// no stream subscribes to (the Workload view where every client
 	// takes Addresses) never holds one.
 	frame atomic.Pointer[frame]
-	// addressHdr is, for a workload made by NewResource, the length of
-	// the Address{workload} header laid out just before Body in Body's
-	// allocation (addressBytes): the Address view serves the same bytes,
-	// never a copy. Zero otherwise.
-	addressHdr uint8
+	// address is, for a workload made by NewResource, its
+	// Address{workload} encoding: a header, then Body, in one allocation
+	// (Body is its tail), so the Address view serves the same bytes, never
+	// a copy. Nil otherwise.
+	address []byte
 	// typ is the type the resource is served as (typeURLs).
 	typ uint8
 }
@@ -65,18 +64,9 @@ func typeIndex(typeURL string) uint8 {
 // typeURL is the type the resource is served as.
 func (r *Resource) typeURL() string { return typeURLs[r.typ] }
 
-// addressBytes returns a workload's Address{workload} encoding: its
-// header, laid out by NewResource just before Body in the same
-// allocation, then Body; nil for a resource NewResource did not make.
-func (r *Resource) addressBytes() []byte {
-	if r.addressHdr == 0 || len(r.Body) == 0 {
-		return nil
-	}
-	// The header is in Body's own allocation (NewResource): stepping back
-	// over it stays inside that object.
-	start := unsafe.Add(unsafe.Pointer(unsafe.SliceData(r.Body)), -int(r.addressHdr))
-	return unsafe.Slice((*byte)(start), int(r.addressHdr)+len(r.Body))
-}
+// addressBytes returns a workload's Address{workload} encoding (header
+// then Body, one allocation); nil for a resource NewResource did not make.
+func (r *Resource) addressBytes() []byte { return r.address }
 
 // Any returns Body wrapped for a SotW response. It is built at each call
 // (the server's codec sends the pre-encoded parts, so only a server
@@ -156,7 +146,7 @@ func NewResource(w *workloadpb.Workload) (*Resource, error) {
 		return nil, fmt.Errorf("failed to marshal workload %q: %d bytes, sized %d", w.GetUid(), len(buf)-hdr, size)
 	}
 	r := newResource(resource.WorkloadType, w.GetUid(), buf[hdr:])
-	r.addressHdr = uint8(hdr) // a tag and a varint: at most 11 bytes
+	r.address = buf
 	return r, nil
 }
 
