@@ -91,10 +91,14 @@ func TestFlowsLive(t *testing.T) {
 	srv := server.Serve(t, 8080)
 	server.Serve(t, 8081)
 
-	// Each connection has four events but the refused one, three: the
-	// source side's open and close, the destination side's open and close,
-	// or its refusal only.
-	byPod := startFlows(ctx, sock, "-o", "json", "--pod", "default/client", "--count", "7")
+	// Each connection has four events but the refused one: the source
+	// side's open and close, the destination side's open and close, or its
+	// refusal only. The source side of the refused connection reports
+	// either an open and a close or, when the destination's reset reaches
+	// its socket before its connect returns (a loaded machine), a refused
+	// connect alone: --pod runs until it has the source close.
+	byPodCtx, byPodStop := context.WithCancel(ctx)
+	byPod := startFlows(byPodCtx, sock, "-o", "json", "--pod", "default/client")
 	denied := startFlows(ctx, sock, "-o", "json", "--denied", "--count", "1")
 	dest := startFlows(ctx, sock, "--reporter", "destination", "--count", "3")
 	noneCtx, noneStop := context.WithCancel(ctx)
@@ -126,17 +130,32 @@ func TestFlowsLive(t *testing.T) {
 		c.Close()
 	}
 
-	for _, r := range []*flowsRun{byPod, denied, dest} {
+	for _, r := range []*flowsRun{denied, dest} {
 		<-r.done
 		if r.err != nil {
 			t.Errorf("aetherctl flows: %v", r.err)
 		}
 	}
+	// The three destination events are out (dest is done); the source
+	// close of the refused connection is the last the source side sends.
+	refusedSourceClosed := `"type":"closed"`
+	if err := proxytest.WaitFor(ctx, func() bool {
+		for l := range strings.SplitSeq(byPod.out.String(), "\n") {
+			if strings.Contains(l, refusedSourceClosed) && strings.Contains(l, `"reporter":"source"`) && strings.Contains(l, `"dst_addr":"`+refused.String()+`"`) {
+				return true
+			}
+		}
+		return false
+	}); err != nil {
+		t.Fatalf("--pod default/client never got the refused connection's source close:\n%s", byPod.out.String())
+	}
+	byPodStop()
 	noneStop()
+	<-byPod.done
 	<-none.done
 
 	// --pod: every event of both connections, the client at the source.
-	opened, closed := 0, 0
+	opened, closed, connectFailed := 0, 0, 0
 	for _, m := range byPod.events(t) {
 		if m.Event == nil || m.SrcPod != "client" || m.SrcNamespace != "default" || m.DstPod != "server" || m.SrcWorkload != "client" {
 			t.Errorf("--pod default/client got %+v %+v", m, m.Event)
@@ -150,10 +169,14 @@ func TestFlowsLive(t *testing.T) {
 			if m.Reporter == flowapi.ReporterSource && m.DstAddr == allowed.String() && (m.BytesToDst != 5 || m.Reason != "client_closed" || m.Path != "plaintext") {
 				t.Errorf("the answered connection's source close: %+v", m.Event)
 			}
+			if m.Reporter == flowapi.ReporterSource && m.DstAddr == refused.String() && m.Reason == "connect_failed" {
+				connectFailed++
+			}
 		}
 	}
-	if opened != 3 || closed != 4 {
-		t.Errorf("--pod default/client: %d opened and %d closed, want 3 and 4:\n%s", opened, closed, byPod.out.String())
+	if opened+connectFailed != 3 || closed != 4 {
+		t.Errorf("--pod default/client: %d opened (%d refused connects) and %d closed, want 3 (less the refused connects) and 4:\n%s",
+			opened, connectFailed, closed, byPod.out.String())
 	}
 	// --denied: the destination side's refusal, naming its policy.
 	if got := denied.events(t); len(got) != 1 || got[0].Type != flowapi.TypeClosed || got[0].Reporter != flowapi.ReporterDestination ||
