@@ -188,6 +188,9 @@ func BenchmarkPreflight(b *testing.B) {
 //     (ARP pre-flight against the fabric), spiderpool-agent lookup over a
 //     unix socket;
 //   - peer: the reference macvlan on the same master.
+//
+// Each side has a cloud of its own; harness.ExecBench runs their ops
+// interleaved, one of each in turn.
 func benchEniVlanExec(b *testing.B, verb harness.Verb, ipam string) {
 	harness.RequireRoot(b)
 	plugins := func(b *testing.B, pkgs ...string) (string, []string) {
@@ -208,31 +211,31 @@ func benchEniVlanExec(b *testing.B, verb harness.Verb, ipam string) {
 		return c.IPAM
 	}
 	ipamPkg := harness.ReferencePluginsModule + "/plugins/ipam/" + ipam
-	b.Run("ours", func(b *testing.B) {
-		bin, dirs := plugins(b, "./cmd/eni-vlan", ipamPkg)
+	side := func(main string, conf func(c *enivlantest.Cloud) map[string]any, pod func(c *enivlantest.Cloud, netns string) harness.Pod) harness.ExecSide {
+		bin, dirs := plugins(b, main, ipamPkg)
 		c := enivlantest.NewCloud(b, enivlantest.CloudOptions{})
 		ex := harness.NewRSSExec()
-		rt := harness.NewRuntimeExec(b, c.Node, dirs, harness.ConfList(b, c.Network, "1.1.0", c.PluginConf(map[string]any{"ipam": ipamConf(c)})), ex)
-		mac := randomMAC()
-		harness.ExecBench(b, rt, ex, bin, verb, func(netns string) harness.Pod {
-			p := harness.Pod{ContainerID: harness.ContainerID(), NetNS: netns, Name: "bench", Namespace: "default"}
-			bd := enivlantest.Binding{VLAN: 100, MAC: mac}
-			if ipam == "static" {
-				bd.IPv4 = enivlantest.BenchIP
-			}
-			c.Bind(p, bd)
-			return p
-		})
+		rt := harness.NewRuntimeExec(b, c.Node, dirs, harness.ConfList(b, c.Network, "1.1.0", conf(c)), ex)
+		return harness.ExecSide{RT: rt, Ex: ex, Bin: bin, Pod: func(netns string) harness.Pod { return pod(c, netns) }}
+	}
+	mac := randomMAC()
+	ours := side("./cmd/eni-vlan", func(c *enivlantest.Cloud) map[string]any {
+		return c.PluginConf(map[string]any{"ipam": ipamConf(c)})
+	}, func(c *enivlantest.Cloud, netns string) harness.Pod {
+		p := harness.Pod{ContainerID: harness.ContainerID(), NetNS: netns, Name: "bench", Namespace: "default"}
+		bd := enivlantest.Binding{VLAN: 100, MAC: mac}
+		if ipam == "static" {
+			bd.IPv4 = enivlantest.BenchIP
+		}
+		c.Bind(p, bd)
+		return p
 	})
-	b.Run("peer", func(b *testing.B) {
-		bin, dirs := plugins(b, harness.ReferencePluginsModule+"/plugins/main/macvlan", ipamPkg)
-		c := enivlantest.NewCloud(b, enivlantest.CloudOptions{})
-		ex := harness.NewRSSExec()
-		rt := harness.NewRuntimeExec(b, c.Node, dirs, harness.ConfList(b, c.Network, "1.1.0", peerConf(c.Master, ipamConf(c))), ex)
-		harness.ExecBench(b, rt, ex, bin, verb, func(netns string) harness.Pod {
-			return harness.Pod{ContainerID: harness.ContainerID(), NetNS: netns, Name: "bench", Namespace: "default"}
-		})
+	peer := side(harness.ReferencePluginsModule+"/plugins/main/macvlan", func(c *enivlantest.Cloud) map[string]any {
+		return peerConf(c.Master, ipamConf(c))
+	}, func(_ *enivlantest.Cloud, netns string) harness.Pod {
+		return harness.Pod{ContainerID: harness.ContainerID(), NetNS: netns, Name: "bench", Namespace: "default"}
 	})
+	harness.ExecBench(b, verb, ours, peer)
 }
 
 // peerConf is the reference macvlan plugin object on master with ipam.

@@ -142,29 +142,27 @@ func BenchmarkMeshAdd(b *testing.B) {
 //     (testdata/floor-cni, built the same way) that prints prevResult.
 //
 // Both are the only plugin of their conflist, with the primary plugin's
-// result inlined as prevResult.
+// result inlined as prevResult; harness.ExecBench runs their ops
+// interleaved, one of each in turn.
 func benchMeshExec(b *testing.B, verb harness.Verb) {
 	harness.RequireRoot(b)
-	run := func(b *testing.B, bin string, conf map[string]any) {
+	side := func(bin string, conf map[string]any) harness.ExecSide {
 		conf["prevResult"] = json.RawMessage(meshcnitest.PrevResult)
 		ex := harness.NewRSSExec()
 		rt := harness.NewRuntimeExec(b, nil, []string{filepath.Dir(bin)}, harness.ConfList(b, "bench", "1.0.0", conf), ex)
-		harness.ExecBench(b, rt, ex, bin, verb, func(netns string) harness.Pod {
+		return harness.ExecSide{RT: rt, Ex: ex, Bin: bin, Pod: func(netns string) harness.Pod {
 			return harness.Pod{ContainerID: harness.ContainerID(), NetNS: netns, Name: "p", Namespace: "bench", UID: "u"}
-		})
+		}}
 	}
-	b.Run("ours", func(b *testing.B) {
-		dir := b.TempDir()
-		run(b, harness.BuildRelease(b, "./cmd/aether-cni"), map[string]any{
-			"type": "aether-cni", "agent_socket": meshcnitest.ServeAgent(b, dir),
-			"netns_pin_dir": filepath.Join(dir, "pins"), "netns_unpin_delay_seconds": 0, "cri_socket": "",
-			"readiness_probe_disabled": true,
-			"capture":                  map[string]any{"redirect_all": true, "exclude_ports": []int{22}},
-		})
+	dir := b.TempDir()
+	ours := side(harness.BuildRelease(b, "./cmd/aether-cni"), map[string]any{
+		"type": "aether-cni", "agent_socket": meshcnitest.ServeAgent(b, dir),
+		"netns_pin_dir": filepath.Join(dir, "pins"), "netns_unpin_delay_seconds": 0, "cri_socket": "",
+		"readiness_probe_disabled": true,
+		"capture":                  map[string]any{"redirect_all": true, "exclude_ports": []int{22}},
 	})
-	b.Run("peer", func(b *testing.B) {
-		run(b, harness.BuildRelease(b, "./meshcni/testdata/floor-cni"), map[string]any{"type": "floor-cni"})
-	})
+	peer := side(harness.BuildRelease(b, "./meshcni/testdata/floor-cni"), map[string]any{"type": "floor-cni"})
+	harness.ExecBench(b, verb, ours, peer)
 }
 
 // BenchmarkMeshExecAdd: aether-cni's whole-process ADD vs the exec floor of

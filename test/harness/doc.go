@@ -5,7 +5,8 @@
 // reference plugins from containernetworking/plugins at the version pinned in
 // go.mod, builds of this module's own binaries (also stripped, as `make
 // build` builds the release ones), whole-process CNI benchmarks (ExecBench:
-// the plugins' latency, CPU time and peak RSS), and a leak check that fails
+// the plugins' latency, CPU time and peak RSS, ours and a peer interleaved
+// per operation), and a leak check that fails
 // the test binary when a namespace, link or mount made by a test is left.
 //
 // Everything a test creates is released in t.Cleanup, also when the test
