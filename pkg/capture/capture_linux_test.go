@@ -19,8 +19,8 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
-	"aether.io/node/meshcni/capture"
-	"aether.io/node/meshcni/capture/capturetest"
+	"aether.io/node/pkg/capture"
+	"aether.io/node/pkg/capture/capturetest"
 	"aether.io/node/test/harness"
 )
 
@@ -140,7 +140,7 @@ func TestGoldenRuleset(t *testing.T) {
 			}
 			want, err := os.ReadFile(path)
 			if err != nil {
-				t.Fatalf("missing golden (run go test ./meshcni/capture -update): %v", err)
+				t.Fatalf("missing golden (run go test ./pkg/capture -update): %v", err)
 			}
 			if got != string(want) {
 				t.Fatalf("ruleset for %s differs from %s:\n--- got\n%s--- want\n%s", name, path, got, want)
