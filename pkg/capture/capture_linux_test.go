@@ -118,6 +118,9 @@ var goldenConfigs = map[string]capture.Config{
 		RouteTable: 200, RulePriority: 1000,
 	},
 	"inbound-default": {Ports: []uint16{capture.DefaultOutboundPort}, InboundCapture: true},
+	// A divert put into a running pod (live enrolment).
+	"live-redirect-all": {RedirectAll: true, SpareEstablished: true},
+	"live-inbound":      {Ports: []uint16{80, 8080}, InboundCapture: true, SpareEstablished: true},
 	"inbound-excluded": {
 		RedirectAll: true, InboundCapture: true, InboundPort: 19008,
 		ExcludeInboundPorts: []uint16{9090, 22, 22},
@@ -159,6 +162,9 @@ func TestValidate(t *testing.T) {
 		{"all", capture.Config{RedirectAll: true}, true},
 		{"nothing captured", capture.Config{}, false},
 		{"same marks", capture.Config{RedirectAll: true, BypassMark: 5, DivertMark: 5}, false},
+		{"live", capture.Config{RedirectAll: true, SpareEstablished: true}, true},
+		{"live, captured mark = divert mark", capture.Config{RedirectAll: true, SpareEstablished: true, CapturedMark: capture.DefaultDivertMark}, false},
+		{"captured mark unused without SpareEstablished", capture.Config{RedirectAll: true, CapturedMark: capture.DefaultDivertMark}, true},
 	} {
 		err := tc.cfg.Normalize().Validate()
 		if (err == nil) != tc.ok {
