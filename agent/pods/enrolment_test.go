@@ -52,18 +52,49 @@ func TestNamespaceLabelFlipsTheDecision(t *testing.T) {
 		nsLabels  []map[string]string // one ADD (a new sandbox) per entry
 		want      []enrolment.Via     // "" = RESULT_IGNORED
 	}{
-		{"namespace label on, off, on", enrolment.Rules{}, "shop", nil,
-			[]map[string]string{nil, managed, nil, managed}, []enrolment.Via{"", enrolment.ViaNamespaceLabel, "", enrolment.ViaNamespaceLabel}},
-		{"pod opts out", enrolment.Rules{}, "shop", map[string]string{ManagedLabel: "false"},
-			[]map[string]string{managed, nil}, []enrolment.Via{"", ""}},
-		{"pod label whatever the namespace", enrolment.Rules{}, "shop", managed,
-			[]map[string]string{nil, managed}, []enrolment.Via{enrolment.ViaPodLabel, enrolment.ViaPodLabel}},
-		{"ambient label, alias off", enrolment.Rules{}, "shop", nil,
-			[]map[string]string{ambient}, []enrolment.Via{""}},
-		{"ambient label, alias on", enrolment.Rules{AmbientAlias: true}, "shop", nil,
-			[]map[string]string{ambient, nil}, []enrolment.Via{enrolment.ViaNamespaceAmbient, ""}},
-		{"system namespace", enrolment.Rules{SystemNamespaces: enrolment.DefaultSystemNamespaces}, "kube-system", nil,
-			[]map[string]string{managed}, []enrolment.Via{""}},
+		{
+			"namespace label on, off, on",
+			enrolment.Rules{},
+			"shop", nil,
+			[]map[string]string{nil, managed, nil, managed},
+			[]enrolment.Via{"", enrolment.ViaNamespaceLabel, "", enrolment.ViaNamespaceLabel},
+		},
+		{
+			"pod opts out",
+			enrolment.Rules{},
+			"shop",
+			map[string]string{ManagedLabel: "false"},
+			[]map[string]string{managed, nil},
+			[]enrolment.Via{"", ""},
+		},
+		{
+			"pod label whatever the namespace",
+			enrolment.Rules{},
+			"shop", managed,
+			[]map[string]string{nil, managed},
+			[]enrolment.Via{enrolment.ViaPodLabel, enrolment.ViaPodLabel},
+		},
+		{
+			"ambient label, alias off",
+			enrolment.Rules{},
+			"shop", nil,
+			[]map[string]string{ambient},
+			[]enrolment.Via{""},
+		},
+		{
+			"ambient label, alias on",
+			enrolment.Rules{AmbientAlias: true},
+			"shop", nil,
+			[]map[string]string{ambient, nil},
+			[]enrolment.Via{enrolment.ViaNamespaceAmbient, ""},
+		},
+		{
+			"system namespace",
+			enrolment.Rules{SystemNamespaces: enrolment.DefaultSystemNamespaces},
+			"kube-system", nil,
+			[]map[string]string{managed},
+			[]enrolment.Via{""},
+		},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			st, err := store.Open(t.TempDir(), store.Options{NoSync: true})

@@ -1,6 +1,6 @@
 // Package capture builds, installs and verifies the transparent-capture divert
-// that aether-cni puts in a mesh-managed pod's network namespace at CNI ADD,
-// and aether-agent into a running one (live enrolment): one nftables
+// that aether-cni puts in a mesh-managed pod's network namespace at CNI ADD
+// (and, with SpareEstablished, one for a pod that is already running): one nftables
 // table of family inet (IPv4 and IPv6) plus policy routing (an fwmark ip rule
 // and a route table holding a local default route on lo), for IPv4 and IPv6.
 //
