@@ -287,16 +287,17 @@ func (b *ruleBuilder) ctDirection(dir byte, name string) *ruleBuilder {
 		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{dir}})
 }
 
-func (b *ruleBuilder) ctMarkEq(mark uint32) *ruleBuilder {
-	return b.add(fmt.Sprintf("ct mark 0x%08x", mark),
-		&expr.Ct{Key: expr.CtKeyMARK, Register: 1},
-		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: u32(mark)})
-}
+func (b *ruleBuilder) ctMarkEq(mark uint32) *ruleBuilder { return b.ctMark(expr.CmpOpEq, "", mark) }
 
 func (b *ruleBuilder) ctMarkNeq(mark uint32) *ruleBuilder {
-	return b.add(fmt.Sprintf("ct mark != 0x%08x", mark),
+	return b.ctMark(expr.CmpOpNeq, "!= ", mark)
+}
+
+// ctMark compares the conntrack mark with mark (op, rendered as opText).
+func (b *ruleBuilder) ctMark(op expr.CmpOp, opText string, mark uint32) *ruleBuilder {
+	return b.add(fmt.Sprintf("ct mark %s0x%08x", opText, mark),
 		&expr.Ct{Key: expr.CtKeyMARK, Register: 1},
-		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: u32(mark)})
+		&expr.Cmp{Op: op, Register: 1, Data: u32(mark)})
 }
 
 // spareEstablished are the rules that return from the chain for a packet
