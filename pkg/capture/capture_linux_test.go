@@ -390,6 +390,33 @@ func TestGoldenMatchesKernel(t *testing.T) {
 	}
 }
 
+// nsSnapshot is the namespace's ip rules, routes of every table and
+// nftables ruleset.
+func nsSnapshot(t *testing.T, pod *harness.NS) string {
+	t.Helper()
+	var b strings.Builder
+	cmds := [][]string{
+		{"ip", "-4", "rule"},
+		{"ip", "-6", "rule"},
+		{"ip", "-4", "route", "show", "table", "all"},
+		{"ip", "-6", "route", "show", "table", "all"},
+		{"nft", "list", "ruleset"},
+	}
+	for _, args := range cmds {
+		var out []byte
+		pod.MustDo(t, func() error {
+			var err error
+			out, err = exec.Command(args[0], args[1:]...).CombinedOutput()
+			if err != nil {
+				return fmt.Errorf("%v: %w: %s", args, err, out)
+			}
+			return nil
+		})
+		fmt.Fprintf(&b, "## %s\n%s", strings.Join(args, " "), out)
+	}
+	return b.String()
+}
+
 // TestRemoveLeavesNothing: Remove takes out the table, the fwmark rules
 // and the local routes of both families (the namespace is as before the
 // install), also after an install that left only the routing behind, and
@@ -398,30 +425,7 @@ func TestRemoveLeavesNothing(t *testing.T) {
 	pod, _ := topology(t)
 	inst := capture.Installer{}
 	rs := capture.Build(goldenConfigs["redirect-all-excluded"])
-	snapshot := func() string {
-		t.Helper()
-		var b strings.Builder
-		cmds := [][]string{
-			{"ip", "-4", "rule"},
-			{"ip", "-6", "rule"},
-			{"ip", "-4", "route", "show", "table", "all"},
-			{"ip", "-6", "route", "show", "table", "all"},
-			{"nft", "list", "ruleset"},
-		}
-		for _, args := range cmds {
-			var out []byte
-			pod.MustDo(t, func() error {
-				var err error
-				out, err = exec.Command(args[0], args[1:]...).CombinedOutput()
-				if err != nil {
-					return fmt.Errorf("%v: %w: %s", args, err, out)
-				}
-				return nil
-			})
-			fmt.Fprintf(&b, "## %s\n%s", strings.Join(args, " "), out)
-		}
-		return b.String()
-	}
+	snapshot := func() string { return nsSnapshot(t, pod) }
 	before := snapshot()
 	if err := inst.Install(pod.Path(), rs); err != nil {
 		t.Fatal(err)

@@ -3,11 +3,16 @@ package capture_test
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"net/netip"
+	"os"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"aether.io/node/pkg/capture"
 	"aether.io/node/pkg/capture/capturetest"
@@ -145,5 +150,74 @@ func TestLiveInstallSparesEstablished(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestLiveToggle: a pod's live divert installed and removed many times in
+// a row (a label toggled quickly), sometimes installed twice, with a
+// connection open from before the first install: each install verifies,
+// the old connection keeps working all along, and after the last removal
+// the namespace is as it was (no rule, route or table left).
+func TestLiveToggle(t *testing.T) {
+	pod, remote := topology(t)
+	echoServer(t, remote, "tcp4", "10.77.0.1:80")
+	var c net.Conn
+	pod.MustDo(t, func() error {
+		var err error
+		c, err = net.Dial("tcp4", "10.77.0.1:80")
+		return err
+	})
+	t.Cleanup(func() { _ = c.Close() })
+	r := bufio.NewReader(c)
+	if err := roundTrip(c, r, "before"); err != nil {
+		t.Fatal(err)
+	}
+	before := nsSnapshot(t, pod)
+	inst := capture.Installer{}
+	rs := capture.Build(capture.Config{RedirectAll: true, InboundCapture: true, SpareEstablished: true})
+	for i := range 20 {
+		for range 1 + i%2 { // every other round installs twice: the same as once
+			if err := inst.Install(pod.Path(), rs); err != nil {
+				t.Fatalf("round %d: install: %v", i, err)
+			}
+		}
+		if err := inst.Verify(pod.Path(), rs); err != nil {
+			t.Fatalf("round %d: verify: %v", i, err)
+		}
+		if err := roundTrip(c, r, fmt.Sprintf("installed-%d", i)); err != nil {
+			t.Fatalf("round %d: the old connection with the divert in: %v", i, err)
+		}
+		if err := inst.Remove(pod.Path(), rs.Config); err != nil {
+			t.Fatalf("round %d: remove: %v", i, err)
+		}
+		if err := roundTrip(c, r, fmt.Sprintf("removed-%d", i)); err != nil {
+			t.Fatalf("round %d: the old connection with the divert out: %v", i, err)
+		}
+	}
+	if after := nsSnapshot(t, pod); after != before {
+		t.Fatalf("toggling left state behind:\n--- before\n%s\n--- after\n%s", before, after)
+	}
+}
+
+// TestLiveNetnsGone: a pod whose network namespace is gone (the pod ended
+// while it was being enrolled) gets an error that says so, for install
+// and removal alike, so the caller can tell it from a failed install.
+func TestLiveNetnsGone(t *testing.T) {
+	pod := harness.NewNS(t, "gone")
+	path := pod.Path()
+	// Gone as a pod's netns goes: its mount and path (the harness's
+	// cleanup closes the handle).
+	if err := unix.Unmount(path, unix.MNT_DETACH); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	rs := capture.Build(capture.Config{RedirectAll: true, SpareEstablished: true})
+	if err := (capture.Installer{}).Install(path, rs); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("Install into a removed netns = %v, want an error wrapping fs.ErrNotExist", err)
+	}
+	if err := (capture.Installer{}).Remove(path, rs.Config); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("Remove from a removed netns = %v, want an error wrapping fs.ErrNotExist", err)
 	}
 }
