@@ -69,6 +69,7 @@ func RunPod(ctx context.Context, args []string, stdout io.Writer) error {
 			{"Declared ports:", declaredPorts(p)},
 			{"Volumes:", strings.Join(p.Volumes, ", ")},
 			{"Added:", p.AddedAt.Format(time.RFC3339)},
+			{"Enrolled:", enrolledBy(p)},
 		}
 		if p.SPIFFEID != "" {
 			// After the service account it names (identity on only).

@@ -55,7 +55,7 @@ func TestRunPod(t *testing.T) {
 	pod := adminapi.Pod{
 		Namespace: "shop", Name: "web-1", ContainerID: "cid-new", UID: "uid-1", IPs: []string{"10.1.0.5"},
 		NetworkNS: "/run/aether/netns/cid-new", ServiceAccount: "web", Owner: "ReplicaSet/web-5d4b8c", Managed: true, Registered: true, Healthy: true,
-		AddedAt: at, LastDel: del, LastTimings: map[string]string{
+		AddedAt: at, EnrolledVia: "namespace_label", LastDel: del, LastTimings: map[string]string{
 			"started": "2026-11-30T09:59:59.9Z", "pre_call": "2ms", "capture_divert": "1ms", "total": "9ms",
 		},
 	}

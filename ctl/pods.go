@@ -6,12 +6,14 @@ import (
 	"fmt"
 	"io"
 	"strings"
+	"time"
 
 	"aether.io/node/pkg/adminapi"
 )
 
 // RunPods is `aetherctl pods`: every record the agent stores, with its
-// state (managed, terminating, registered, uncaptured, UDS socket).
+// state (managed, which label enrolled it and since when, terminating,
+// registered, uncaptured, UDS socket).
 // Flags: --admin-socket, -o table|json.
 func RunPods(ctx context.Context, args []string, stdout io.Writer) error {
 	f, pos, err := parseAdminFlags("aetherctl pods", args, stdout, nil)
@@ -30,13 +32,25 @@ func RunPods(ctx context.Context, args []string, stdout io.Writer) error {
 		enc.SetIndent("", "  ")
 		return enc.Encode(pods)
 	}
-	rows := [][]string{{"NAMESPACE", "NAME", "CONTAINER", "MANAGED", "TERMINATING", "REGISTERED", "UNCAPTURED", "IPS", "UDS"}}
+	rows := [][]string{{"NAMESPACE", "NAME", "CONTAINER", "MANAGED", "ENROLLED", "SINCE", "TERMINATING", "REGISTERED", "UNCAPTURED", "IPS", "UDS"}}
 	for _, p := range pods {
 		rows = append(rows, []string{
-			p.Namespace, p.Name, shortID(p.ContainerID), yesNo(p.Managed), yesNo(p.Terminating),
-			yesNo(p.Registered), yesNo(p.Uncaptured), strings.Join(p.IPs, ","), udsColumn(p),
+			p.Namespace, p.Name, shortID(p.ContainerID), yesNo(p.Managed), enrolledBy(p), p.AddedAt.UTC().Format(time.RFC3339),
+			yesNo(p.Terminating), yesNo(p.Registered), yesNo(p.Uncaptured), strings.Join(p.IPs, ","), udsColumn(p),
 		})
 	}
 	writeTable(stdout, rows)
 	return nil
+}
+
+// enrolledBy says which label enrolled p and when: at its CNI ADD (the
+// agent decides there); "-" from an agent that does not say.
+func enrolledBy(p adminapi.Pod) string {
+	via := map[string]string{
+		"pod_label": "pod label", "namespace_label": "namespace label", "namespace_ambient": "namespace ambient label",
+	}[p.EnrolledVia]
+	if via == "" {
+		return dash(p.EnrolledVia)
+	}
+	return via + ", at ADD"
 }

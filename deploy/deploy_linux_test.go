@@ -128,7 +128,8 @@ func TestValuesReachTheBinaries(t *testing.T) {
 	t.Run("default", func(t *testing.T) {
 		r := renderSet(t, valueSets[0])
 		cfg := agentConfig(t, r)
-		if cfg.Registry != "kube" || cfg.ClusterID != "Kubernetes" || cfg.TrustDomain != "cluster.local" || cfg.LogLevel != "info" || !cfg.RemoveNotReadyTaint {
+		if cfg.Registry != "kube" || cfg.ClusterID != "Kubernetes" || cfg.TrustDomain != "cluster.local" || cfg.LogLevel != "info" || !cfg.RemoveNotReadyTaint ||
+			cfg.AmbientNamespaces {
 			t.Errorf("agent config %+v: want the chart's defaults", cfg)
 		}
 		o := installerOptions(t, r)
@@ -158,6 +159,9 @@ func TestValuesReachTheBinaries(t *testing.T) {
 		}
 		if !slices.Contains(cfg.SystemNamespaces, "monitoring") {
 			t.Errorf("system namespaces %q lack monitoring", cfg.SystemNamespaces)
+		}
+		if !cfg.AmbientNamespaces {
+			t.Error("enrolment.ambientNamespaces: true did not reach the agent's --ambient-namespaces")
 		}
 		// Every TLS file is an item of the Secret volume, mounted read-only
 		// in the agent, from the key the values name.

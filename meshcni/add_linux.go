@@ -7,8 +7,8 @@ import (
 	"github.com/containernetworking/cni/pkg/skel"
 
 	"aether.io/node/meshcni/agentclient"
-	"aether.io/node/meshcni/capture"
 	"aether.io/node/meshcni/podpid"
+	"aether.io/node/pkg/capture"
 	"aether.io/node/pkg/cniutil"
 	"aether.io/node/pkg/undo"
 )

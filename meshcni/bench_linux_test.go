@@ -18,11 +18,10 @@ import (
 	cnins "github.com/containernetworking/plugins/pkg/ns"
 
 	"aether.io/node/meshcni"
-	"aether.io/node/meshcni/capture"
-	"aether.io/node/meshcni/capture/capturetest"
-	"aether.io/node/meshcni/internal/benchutil"
 	"aether.io/node/meshcni/meshcnitest"
 	"aether.io/node/meshcni/pin"
+	"aether.io/node/pkg/capture"
+	"aether.io/node/pkg/capture/capturetest"
 	"aether.io/node/test/harness"
 )
 
@@ -79,7 +78,7 @@ func BenchmarkMeshAdd(b *testing.B) {
 			defer ns.Close()
 			err = ns.Do(func(cnins.NetNS) error {
 				cmd := exec.Command("nft", "-f", "-")
-				cmd.Stdin = strings.NewReader(benchutil.IstioInPodRuleset)
+				cmd.Stdin = strings.NewReader(capturetest.IstioInPodRuleset)
 				var stderr bytes.Buffer
 				cmd.Stderr = &stderr
 				if err := cmd.Run(); err != nil {
@@ -93,7 +92,7 @@ func BenchmarkMeshAdd(b *testing.B) {
 		})}
 		go hsrv.Serve(l)
 		defer hsrv.Close()
-		var lat benchutil.Latencies
+		var lat capturetest.Latencies
 		b.ResetTimer()
 		for i := range b.N {
 			b.StopTimer()
@@ -198,7 +197,7 @@ func runMeshAdd(b *testing.B, dir string, first, ports []int) {
 		p.Capture = capture.Installer{Closer: cl}
 		return p, cl
 	}
-	var lat benchutil.Latencies
+	var lat capturetest.Latencies
 	b.ResetTimer()
 	for i := range b.N {
 		// One op; its netns and pin go whatever happens (b.Fatal runs

@@ -18,7 +18,7 @@ import (
 	"github.com/containernetworking/cni/pkg/version"
 
 	"aether.io/node/meshcni/agentclient"
-	"aether.io/node/meshcni/capture"
+	"aether.io/node/pkg/capture"
 	"aether.io/node/pkg/cniutil"
 )
 

@@ -25,7 +25,7 @@ import (
 	cniv1 "aether.io/node/api/aether/cni/v1"
 	"aether.io/node/api/aether/cni/v1/cniv1grpc"
 	"aether.io/node/meshcni/agentclient"
-	"aether.io/node/meshcni/capture"
+	"aether.io/node/pkg/capture"
 	"aether.io/node/pkg/cniutil"
 )
 

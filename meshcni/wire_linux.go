@@ -5,10 +5,10 @@ import (
 	"time"
 
 	"aether.io/node/meshcni/agentclient"
-	"aether.io/node/meshcni/capture"
 	"aether.io/node/meshcni/pin"
 	"aether.io/node/meshcni/podpid"
-	"aether.io/node/meshcni/readiness"
+	"aether.io/node/pkg/capture"
+	"aether.io/node/pkg/readiness"
 	"aether.io/node/pkg/sockcloser"
 )
 

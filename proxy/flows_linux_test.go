@@ -12,8 +12,8 @@ import (
 
 	"aether.io/node/api/istio/security"
 	"aether.io/node/ctl"
-	"aether.io/node/meshcni/capture"
 	"aether.io/node/pkg/authz"
+	"aether.io/node/pkg/capture"
 	"aether.io/node/pkg/flowapi"
 	"aether.io/node/proxy"
 	"aether.io/node/proxy/proxytest"

@@ -164,7 +164,7 @@ func metrics(t *testing.T, addr net.Addr) string {
 
 // TestEndToEnd: listeners and workloads arrive over delta ADS from
 // go-control-plane's server; the proxy binds both pods' listeners in their
-// netns; both pods have the divert installed by meshcni/capture; the client connects to the
+// netns; both pods have the divert installed by pkg/capture; the client connects to the
 // server pod's IP over IPv4 and IPv6; the connection is captured and proxied
 // (the server sees the bytes) and /metrics names both workloads; removing
 // the client's listeners drains it.

@@ -24,6 +24,7 @@ import (
 
 	adminhandler "aether.io/node/agent/adminapi/handler"
 	"aether.io/node/agent/cniserver"
+	"aether.io/node/agent/enrolment"
 	"aether.io/node/agent/identity"
 	"aether.io/node/agent/nodegate"
 	"aether.io/node/agent/pods"
@@ -220,7 +221,7 @@ func (a *agent) startPods(ctx context.Context) error {
 		}
 	}
 	a.mgr = pods.New(pods.Config{
-		Node: c.NodeName, Locality: locality, LocalityUnknown: a.localityUnknown, SystemNamespaces: c.SystemNamespaces,
+		Node: c.NodeName, Locality: locality, LocalityUnknown: a.localityUnknown, Enrolment: enrolment.Rules{SystemNamespaces: c.SystemNamespaces, AmbientAlias: c.AmbientNamespaces},
 		UDSRoot: c.UDSRoot, PodWait: c.PodWait, Observer: a.nodeRes,
 	}, a.st, livenessView(a.reg, c.LivenessInterval), a.src, nil, a.metrics, log.With("component", "pods"))
 	_, err := a.mgr.Replay(ctx)

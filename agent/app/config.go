@@ -16,8 +16,8 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"k8s.io/apimachinery/pkg/util/validation"
 
+	"aether.io/node/agent/enrolment"
 	"aether.io/node/agent/identity"
-	"aether.io/node/agent/pods"
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/pkg/tlsfiles"
 	"aether.io/node/registry"
@@ -51,8 +51,11 @@ type Config struct {
 	NodeName         string
 	AllowedUIDs      []uint32
 	SystemNamespaces []string
-	UDSRoot          string
-	HTTPAddr         string
+	// AmbientNamespaces makes istio.io/dataplane-mode: ambient on a
+	// namespace enrol its pods as aether.io/managed: "true" does.
+	AmbientNamespaces bool
+	UDSRoot           string
+	HTTPAddr          string
 	// MetricsAddr, when set, serves /metrics (only) on a second address,
 	// such as the node's, for a Prometheus outside the node; health stays
 	// on HTTPAddr.
@@ -183,7 +186,8 @@ func (c *Config) flagSet(stderr io.Writer) *flag.FlagSet {
 	fs.BoolVar(&c.RemoveNotReadyTaint, "remove-not-ready-taint", true, "remove the taint aether.io/agent-not-ready:NoSchedule from this node's Node once the CNI socket serves and the pod source has synced (Kubernetes pod source only; needs patch on nodes)")
 	fs.StringVar(&c.NodeName, "node-name", defNode, "this node's name (default $NODE_NAME, else the hostname)")
 	fs.StringVar(&c.text.uids, "allowed-uids", "0", "comma-separated peer uids allowed on the CNI and admin sockets")
-	fs.StringVar(&c.text.sysNS, "system-namespaces", strings.Join(pods.DefaultSystemNamespaces, ","), "comma-separated namespaces that are never mesh-managed")
+	fs.StringVar(&c.text.sysNS, "system-namespaces", strings.Join(enrolment.DefaultSystemNamespaces, ","), "comma-separated namespaces that are never mesh-managed, whatever the labels of their pods or their own")
+	fs.BoolVar(&c.AmbientNamespaces, "ambient-namespaces", false, "a namespace labelled istio.io/dataplane-mode=ambient enrols its pods as aether.io/managed=true does (Istio ambient's namespace label as an alias)")
 	fs.StringVar(&c.UDSRoot, meshcontract.UDSCSIRootFlag, meshcontract.DefaultUDSCSIRoot, "root of the "+meshcontract.CSIDriver+" driver's sockets: <root>/<pod uid>/<file>; must equal aether-csi's")
 	fs.StringVar(&c.HTTPAddr, "http-addr", "127.0.0.1:15029", "TCP address of /metrics, /healthz and /readyz; port 0 picks one (logged)")
 	fs.StringVar(&c.MetricsAddr, "metrics-addr", "", "a second TCP address serving /metrics only (for example the node's address, [$(NODE_IP)]:15030, for Prometheus); health stays on --http-addr; empty disables")

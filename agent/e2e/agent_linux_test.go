@@ -137,7 +137,7 @@ func TestManifestSourceAddGetReportRemove(t *testing.T) {
 	if err := ctl.RunPods(ctxT(t, 10*time.Second), []string{"--admin-socket", a.admin}, &out); err != nil {
 		t.Fatalf("aetherctl pods: %v", err)
 	}
-	want := regexp.MustCompile(`(?m)^shop\s+web-1\s+cid-web-1\s+yes\s+no\s+yes\s+yes\s+10\.1\.0\.5,fd00::5\s+refused:not_csi$`)
+	want := regexp.MustCompile(`(?m)^shop\s+web-1\s+cid-web-1\s+yes\s+pod label, at ADD\s+\d{4}-\d\d-\d\dT\S+Z\s+no\s+yes\s+yes\s+10\.1\.0\.5,fd00::5\s+refused:not_csi$`)
 	if !want.MatchString(out.String()) {
 		t.Fatalf("aetherctl pods:\n%s", out.String())
 	}
@@ -145,7 +145,7 @@ func TestManifestSourceAddGetReportRemove(t *testing.T) {
 	if err := ctl.RunPod(ctxT(t, 10*time.Second), []string{"--admin-socket", a.admin, "shop/web-1"}, &out); err != nil {
 		t.Fatalf("aetherctl pod: %v", err)
 	}
-	for _, w := range []string{`Uncaptured:\s+yes \(nft: no such table\)`, `Last total:\s+9ms`, `UDS socket:\s+refused:not_csi`, `UID:\s+uid-web-1`, `Terminating:\s+no`} {
+	for _, w := range []string{`Uncaptured:\s+yes \(nft: no such table\)`, `Last total:\s+9ms`, `UDS socket:\s+refused:not_csi`, `UID:\s+uid-web-1`, `Terminating:\s+no`, `Enrolled:\s+pod label, at ADD`} {
 		if !regexp.MustCompile(w).MatchString(out.String()) {
 			t.Fatalf("aetherctl pod lacks %q:\n%s", w, out.String())
 		}

@@ -221,6 +221,7 @@ func TestNodeGate(t *testing.T) {
 		Rules: []rbacv1.PolicyRule{
 			{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get"}},
 			{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get", "patch"}},
+			{APIGroups: []string{""}, Resources: []string{"namespaces"}, Verbs: []string{"list", "watch"}},
 		},
 	}
 	if _, err := rbac.ClusterRoles().Create(ctx, role, metav1.CreateOptions{}); err != nil {
@@ -343,4 +344,72 @@ func TestKubernetesPodOtherNodeRefused(t *testing.T) {
 	if l := a.logs.find("pod refused: not scheduled to this node"); l == nil {
 		t.Error("no log line for the refused pod")
 	}
+}
+
+// TestKubernetesNamespaceEnrolment runs the agent against a real
+// kube-apiserver: a pod without a label of its own is ignored at ADD until
+// its namespace is labelled aether.io/managed=true, then enrolled; a pod
+// labelled
+// aether.io/managed=false in that namespace stays out; the label removed,
+// a new sandbox of the pod is ignored again.
+func TestKubernetesNamespaceEnrolment(t *testing.T) {
+	cl := startKube(t)
+	ctx := context.Background()
+	pods := cl.Client.CoreV1().Pods("shop")
+	plain := kubePod("plain", false, "node-a")
+	delete(plain.Labels, "aether.io/managed") // no label of its own
+	if _, err := pods.Create(ctx, plain, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pods.Create(ctx, kubePod("out", false, "node-a"), metav1.CreateOptions{}); err != nil { // aether.io/managed: "false"
+		t.Fatal(err)
+	}
+	a := startAgent(t, newAgentDirs(t), "--kubeconfig", cl.Kubeconfig)
+	a.waitReady(t)
+	c := a.client(t)
+	sandbox := 0
+	add := func(name string) cniv1.AddPodResponse_Result {
+		t.Helper()
+		sandbox++
+		cid := fmt.Sprintf("cid-ns-%s-%d", name, sandbox)
+		resp, err := c.AddPod(ctxT(t, 10*time.Second), &cniv1.AddPodRequest{Pod: cniPod("shop", name, cid, fmt.Sprintf("10.3.0.%d", sandbox))})
+		if err != nil {
+			t.Fatalf("AddPod %s: %v", name, err)
+		}
+		if resp.GetResult() == cniv1.AddPodResponse_RESULT_SUCCESS {
+			if _, err := c.RemovePod(ctxT(t, 5*time.Second), &cniv1.RemovePodRequest{ContainerId: cid, Namespace: "shop", Name: name}); err != nil {
+				t.Fatalf("RemovePod %s: %v", cid, err)
+			}
+		}
+		return resp.GetResult()
+	}
+	label := func(v *string) {
+		t.Helper()
+		ns, err := cl.Client.CoreV1().Namespaces().Get(ctx, "shop", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v == nil {
+			delete(ns.Labels, "aether.io/managed")
+		} else {
+			if ns.Labels == nil {
+				ns.Labels = map[string]string{}
+			}
+			ns.Labels["aether.io/managed"] = *v
+		}
+		if _, err := cl.Client.CoreV1().Namespaces().Update(ctx, ns, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if r := add("plain"); r != cniv1.AddPodResponse_RESULT_IGNORED {
+		t.Fatalf("AddPod plain in an unlabelled namespace = %v, want RESULT_IGNORED", r)
+	}
+	on := "true"
+	label(&on)
+	eventually(t, "plain enrolled by its namespace's label", func() bool { return add("plain") == cniv1.AddPodResponse_RESULT_SUCCESS })
+	if r := add("out"); r != cniv1.AddPodResponse_RESULT_IGNORED {
+		t.Fatalf("AddPod of a pod labelled false in an enrolled namespace = %v, want RESULT_IGNORED", r)
+	}
+	label(nil)
+	eventually(t, "plain ignored again once the label is gone", func() bool { return add("plain") == cniv1.AddPodResponse_RESULT_IGNORED })
 }

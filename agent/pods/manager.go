@@ -32,6 +32,7 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
+	"aether.io/node/agent/enrolment"
 	"aether.io/node/agent/podsource"
 	"aether.io/node/agent/store"
 	"aether.io/node/agent/telemetry"
@@ -40,11 +41,9 @@ import (
 	"aether.io/node/registry"
 )
 
-// ManagedLabel marks a mesh-managed pod when its value is "true".
-const ManagedLabel = "aether.io/managed"
-
-// DefaultSystemNamespaces are never mesh-managed.
-var DefaultSystemNamespaces = []string{"kube-system", "kube-public", "kube-node-lease", "aether-system"}
+// ManagedLabel marks a mesh-managed pod, or a namespace whose pods are,
+// when its value is "true" (agent/enrolment has the rules).
+const ManagedLabel = enrolment.ManagedLabel
 
 // ErrPodUnavailable means the pod source did not know the pod within the
 // request's deadline (the plugin maps it to CNI code 11, try again later).
@@ -72,8 +71,9 @@ type Config struct {
 	// with the API server down): each endpoint then carries the locality
 	// stored with its record (store.Record.Locality) until SetLocality.
 	LocalityUnknown bool
-	// SystemNamespaces are never managed.
-	SystemNamespaces []string
+	// Enrolment are the rules that decide which pods are managed (system
+	// namespaces, the Istio ambient namespace alias).
+	Enrolment enrolment.Rules
 	// UDSRoot is the CSI driver's socket root (<uds-csi-root>).
 	UDSRoot string
 	// PodWait bounds pod lookups of requests without a deadline.
@@ -123,14 +123,17 @@ func (NetnsProber) Healthy(rec *store.Record) bool {
 
 // Manager owns the pod records. Build it with New.
 type Manager struct {
-	cfg     Config
-	store   *store.Store
-	reg     registry.Registry
-	src     podsource.Source
-	log     *slog.Logger
-	metrics *telemetry.Metrics
-	prober  Prober
-	now     func() time.Time
+	cfg   Config
+	store *store.Store
+	reg   registry.Registry
+	src   podsource.Source
+	// namespaces are src's namespace labels, nil when src has none: then
+	// only the pod label enrols.
+	namespaces podsource.Namespaces
+	log        *slog.Logger
+	metrics    *telemetry.Metrics
+	prober     Prober
+	now        func() time.Time
 
 	mu          sync.Mutex // the lifecycle lock; never held across a registry or store call
 	entries     map[string]*entry
@@ -192,8 +195,9 @@ func New(cfg Config, st *store.Store, reg registry.Registry, src podsource.Sourc
 	if cfg.PodWait <= 0 {
 		cfg.PodWait = 5 * time.Second
 	}
+	namespaces, _ := src.(podsource.Namespaces)
 	return &Manager{
-		cfg: cfg, store: st, reg: reg, src: src, log: log, metrics: m, prober: prober, now: time.Now,
+		cfg: cfg, store: st, reg: reg, src: src, namespaces: namespaces, log: log, metrics: m, prober: prober, now: time.Now,
 		entries: map[string]*entry{}, terminating: map[string]time.Time{}, removals: map[string]Removal{},
 		retries: map[string]*retry{}, locality: cfg.Locality, localityUnknown: cfg.LocalityUnknown,
 	}
@@ -275,8 +279,17 @@ func (m *Manager) observeLocked(e *entry) {
 	m.cfg.Observer.RecordStored(e.rec, m.endpoint(e.rec, live))
 }
 
-func (m *Manager) isSystemNamespace(ns string) bool {
-	return slices.Contains(m.cfg.SystemNamespaces, ns)
+// decide applies the enrolment rules to p with its namespace's labels as
+// the source knows them; a namespace the source does not know (yet) counts
+// as unlabelled.
+func (m *Manager) decide(p *podsource.Pod, hasIPs bool) enrolment.Decision {
+	var nsLabels map[string]string
+	if m.namespaces != nil {
+		nsLabels, _ = m.namespaces.NamespaceLabels(p.Namespace)
+	}
+	return m.cfg.Enrolment.Decide(enrolment.Pod{
+		Namespace: p.Namespace, Labels: p.Labels, NamespaceLabels: nsLabels, HostNetwork: p.HostNetwork, HasIPs: hasIPs,
+	})
 }
 
 // lookupContext bounds the pod lookups of one AddPod: ctx's deadline, but
@@ -363,11 +376,12 @@ func (m *Manager) AddPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.PluginTimings) (cniv1.AddPodResponse_Result, error) {
 	ns, name, key := in.GetNamespace(), in.GetName(), in.GetContainerId()
 	log := m.log.With("namespace", ns, "name", name, "container_id", key)
-	p, res, err := m.admit(ctx, in, log)
+	p, via, res, err := m.admit(ctx, in, log)
 	if p == nil {
 		return res, err
 	}
 	rec := m.newRecord(in, p, timings)
+	rec.EnrolledVia = string(via)
 	e, restore := m.putEntry(key, rec, p)
 	var prepare func(*store.Record)
 	if p, ok := m.cfg.Observer.(Preparer); ok {
@@ -383,32 +397,34 @@ func (m *Manager) addPod(ctx context.Context, in *cniv1.CNIPod, timings *cniv1.P
 	return cniv1.AddPodResponse_RESULT_SUCCESS, nil
 }
 
-// admit is AddPod's first step: the source's pod for in, or nil with the
-// result for a pod that is not added: RESULT_IGNORED for a pod in a system
-// namespace, without IPs or not mesh-managed; RESULT_ERROR (and why) for
-// one the source cannot find in time, of another uid or scheduled to
-// another node. It changes nothing, so it has nothing to undo.
-func (m *Manager) admit(ctx context.Context, in *cniv1.CNIPod, log *slog.Logger) (*podsource.Pod, cniv1.AddPodResponse_Result, error) {
+// admit is AddPod's first step: the source's pod for in and the label that
+// enrols it, or nil with the result for a pod that is not added:
+// RESULT_IGNORED for a pod the enrolment rules leave out (a system
+// namespace or no IPs, decided without a lookup; host network, opted out,
+// not labelled); RESULT_ERROR (and why) for one the source cannot find in
+// time, of another uid or scheduled to another node. It changes nothing, so
+// it has nothing to undo.
+func (m *Manager) admit(ctx context.Context, in *cniv1.CNIPod, log *slog.Logger) (*podsource.Pod, enrolment.Via, cniv1.AddPodResponse_Result, error) {
 	ns, name := in.GetNamespace(), in.GetName()
-	if m.isSystemNamespace(ns) {
-		log.Debug("pod ignored", "reason", "system_namespace")
-		return nil, cniv1.AddPodResponse_RESULT_IGNORED, nil
+	if m.cfg.Enrolment.IsSystemNamespace(ns) {
+		log.Debug("pod ignored", "reason", string(enrolment.ReasonSystemNamespace))
+		return nil, "", cniv1.AddPodResponse_RESULT_IGNORED, nil
 	}
 	if len(in.GetIps()) == 0 {
-		log.Debug("pod ignored", "reason", "no_ips")
-		return nil, cniv1.AddPodResponse_RESULT_IGNORED, nil
+		log.Debug("pod ignored", "reason", string(enrolment.ReasonNoIPs))
+		return nil, "", cniv1.AddPodResponse_RESULT_IGNORED, nil
 	}
 	lctx, cancel := m.lookupContext(ctx)
 	defer cancel()
 	p, err := m.lookup(lctx, ns, name)
 	if err != nil {
-		return nil, cniv1.AddPodResponse_RESULT_ERROR, err
+		return nil, "", cniv1.AddPodResponse_RESULT_ERROR, err
 	}
 	// Never take a deleted pod's uid (or its terminating mark) for a new
 	// sandbox of the same name.
 	if p, err = m.samePod(lctx, in.GetUid(), p); err != nil {
 		log.Warn("pod refused: uid mismatch", "error", err.Error())
-		return nil, cniv1.AddPodResponse_RESULT_ERROR, err
+		return nil, "", cniv1.AddPodResponse_RESULT_ERROR, err
 	}
 	// Only a pod scheduled here: the kube source's GET on a cache miss
 	// answers for any node's pod (the manifests source keeps only this
@@ -416,13 +432,14 @@ func (m *Manager) admit(ctx context.Context, in *cniv1.CNIPod, log *slog.Logger)
 	if p.NodeName != m.cfg.Node {
 		err := fmt.Errorf("failed to add pod %s/%s: %w: its spec.nodeName is %q, this node is %q", ns, name, ErrPodOtherNode, p.NodeName, m.cfg.Node)
 		log.Warn("pod refused: not scheduled to this node", "node_name", p.NodeName, "node", m.cfg.Node, "uid", p.UID)
-		return nil, cniv1.AddPodResponse_RESULT_ERROR, err
+		return nil, "", cniv1.AddPodResponse_RESULT_ERROR, err
 	}
-	if p.Labels[ManagedLabel] != "true" {
-		log.Debug("pod ignored", "reason", "not_managed")
-		return nil, cniv1.AddPodResponse_RESULT_IGNORED, nil
+	d := m.decide(p, true)
+	if !d.Managed {
+		log.Debug("pod ignored", "reason", string(d.Reason))
+		return nil, "", cniv1.AddPodResponse_RESULT_IGNORED, nil
 	}
-	return p, cniv1.AddPodResponse_RESULT_SUCCESS, nil
+	return p, d.Via, cniv1.AddPodResponse_RESULT_SUCCESS, nil
 }
 
 // newRecord is the record of the pod the runtime adds: in, completed with

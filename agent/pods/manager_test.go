@@ -10,6 +10,7 @@ import (
 
 	"pgregory.net/rapid"
 
+	"aether.io/node/agent/enrolment"
 	"aether.io/node/agent/podsource"
 	"aether.io/node/agent/store"
 	cniv1 "aether.io/node/api/aether/cni/v1"
@@ -143,7 +144,7 @@ func TestNeverReregisterTerminating(t *testing.T) {
 				rt.Fatalf("open store: %v", err)
 			}
 			reg = &checkingRegistry{Registry: local.New(), terminating: isTerm, t: rt}
-			m = New(Config{Node: "n", SystemNamespaces: DefaultSystemNamespaces}, st, reg, src, alwaysHealthy{&healthy}, nil, nil)
+			m = New(Config{Node: "n", Enrolment: enrolment.Rules{SystemNamespaces: enrolment.DefaultSystemNamespaces}}, st, reg, src, alwaysHealthy{&healthy}, nil, nil)
 			if _, err := m.Replay(ctx); err != nil {
 				rt.Fatalf("replay: %v", err)
 			}

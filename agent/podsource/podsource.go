@@ -89,6 +89,15 @@ type Source interface {
 	List() []*Pod
 }
 
+// Namespaces knows the labels of the namespaces, which the enrolment rules
+// read (a namespace labelled aether.io/managed: "true" enrols its pods).
+// Both sources implement it.
+type Namespaces interface {
+	// NamespaceLabels returns namespace name's labels, and false when the
+	// source does not know the namespace (yet).
+	NamespaceLabels(name string) (map[string]string, bool)
+}
+
 // FromKube converts a Kubernetes Pod.
 func FromKube(k *corev1.Pod) *Pod {
 	p := &Pod{

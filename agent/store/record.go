@@ -45,6 +45,11 @@ type Record struct {
 	LastTimings *cniv1.PluginTimings
 	// AddedAt is when AddPod first stored the record.
 	AddedAt time.Time
+	// EnrolledVia says which label made the pod mesh-managed when the
+	// record was stored (agent/enrolment.Via: "pod_label",
+	// "namespace_label", "namespace_ambient"); empty on records written
+	// before it existed, which only the pod label could enrol.
+	EnrolledVia string
 	// Locality is the node's topology when the agent last wrote the record
 	// knowing it (read from its Node): what the pod's endpoint and WDS
 	// workload carry while a restarted agent cannot read its Node (the API
@@ -85,6 +90,7 @@ type envelope struct {
 	UncapturedError string          `json:"uncaptured_error,omitempty"`
 	LastTimings     json.RawMessage `json:"last_timings,omitempty"`
 	AddedAt         time.Time       `json:"added_at"`
+	EnrolledVia     string          `json:"enrolled_via,omitempty"`
 	// Locality is omitted when zero; an agent that predates it ignores it.
 	Locality *registry.Locality `json:"locality,omitempty"`
 }
@@ -100,7 +106,7 @@ func encodeEnvelope(r *Record) ([]byte, error) {
 	}
 	env := envelope{
 		Version: recordVersion, Pod: pod, Node: r.Node, Owner: r.Owner, HostNetwork: r.HostNetwork, FixedName: r.FixedName,
-		Uncaptured: r.Uncaptured, UncapturedError: r.UncapturedError, AddedAt: r.AddedAt.UTC(),
+		Uncaptured: r.Uncaptured, UncapturedError: r.UncapturedError, AddedAt: r.AddedAt.UTC(), EnrolledVia: r.EnrolledVia,
 	}
 	if r.Locality != (registry.Locality{}) {
 		l := r.Locality
@@ -130,7 +136,7 @@ func decodeEnvelope(body []byte) (*Record, error) {
 	}
 	r := &Record{
 		Pod: &cniv1.CNIPod{}, Node: env.Node, Owner: env.Owner, HostNetwork: env.HostNetwork, FixedName: env.FixedName,
-		Uncaptured: env.Uncaptured, UncapturedError: env.UncapturedError, AddedAt: env.AddedAt,
+		Uncaptured: env.Uncaptured, UncapturedError: env.UncapturedError, AddedAt: env.AddedAt, EnrolledVia: env.EnrolledVia,
 	}
 	if env.Locality != nil {
 		r.Locality = *env.Locality

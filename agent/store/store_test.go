@@ -25,6 +25,7 @@ func rec(i int) *Record {
 		Node: "n1", Owner: &registry.Owner{Kind: "ReplicaSet", Name: "rs"}, AddedAt: time.Unix(100, 0).UTC(),
 		LastTimings: &cniv1.PluginTimings{Total: durationpb.New(time.Millisecond)}, Uncaptured: true, UncapturedError: "x",
 		FixedName: i%2 == 0, Locality: registry.Locality{Region: "r1", Zone: fmt.Sprintf("z%d", i%3)},
+		EnrolledVia: []string{"pod_label", "namespace_label", ""}[i%3],
 	}
 }
 
@@ -32,7 +33,7 @@ func equal(t *testing.T, got, want *Record) {
 	t.Helper()
 	if !proto.Equal(got.Pod, want.Pod) || !proto.Equal(got.LastTimings, want.LastTimings) || got.Node != want.Node ||
 		*got.Owner != *want.Owner || !got.AddedAt.Equal(want.AddedAt) || got.Uncaptured != want.Uncaptured || got.UncapturedError != want.UncapturedError ||
-		got.FixedName != want.FixedName || got.Locality != want.Locality {
+		got.FixedName != want.FixedName || got.Locality != want.Locality || got.EnrolledVia != want.EnrolledVia {
 		t.Fatalf("record = %+v, want %+v", got, want)
 	}
 }

@@ -22,7 +22,7 @@ type command struct {
 }
 
 var commands = map[string]command{
-	"pods":      {ctl.RunPods, "list the agent's pod records (managed, terminating, registered, uncaptured, UDS)"},
+	"pods":      {ctl.RunPods, "list the agent's pod records (managed, how and since when enrolled, terminating, registered, uncaptured, UDS)"},
 	"pod":       {ctl.RunPod, "show one pod's records in detail: pod <namespace>/<name>"},
 	"workloads": {ctl.RunWorkloads, "list the agent's istio.workload.Workload resources over xDS"},
 	"services":  {ctl.RunServices, "list the Services of workload discovery: VIPs, ports and endpoints"},

@@ -22,8 +22,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"aether.io/node/meshcni/agentclient"
-	"aether.io/node/meshcni/capture"
-	"aether.io/node/meshcni/capture/capturetest"
+	"aether.io/node/pkg/capture"
+	"aether.io/node/pkg/capture/capturetest"
 	"aether.io/node/test/harness"
 )
 

@@ -17,9 +17,9 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/google/nftables"
 
-	"aether.io/node/meshcni/capture"
-	"aether.io/node/meshcni/capture/capturetest"
 	"aether.io/node/meshcni/e2e/agentproc"
+	"aether.io/node/pkg/capture"
+	"aether.io/node/pkg/capture/capturetest"
 	"aether.io/node/test/harness"
 )
 

@@ -63,6 +63,13 @@ type Pod struct {
 	InboundPolicy        string    `json:"inbound_policy,omitempty"`
 	InboundPolicyInvalid bool      `json:"inbound_policy_invalid,omitempty"`
 	AddedAt              time.Time `json:"added_at"`
+	// EnrolledVia says which label made the pod mesh-managed:
+	// "pod_label" (aether.io/managed: "true" on the pod),
+	// "namespace_label" (on its namespace) or "namespace_ambient"
+	// (istio.io/dataplane-mode: ambient on its namespace, with the agent's
+	// --ambient-namespaces); empty from an agent that predates it. The pod
+	// was enrolled at its CNI ADD, at AddedAt.
+	EnrolledVia string `json:"enrolled_via,omitempty"`
 	// LastTimings are the plugin's timings of the last ADD (AddPod's,
 	// completed by ReportAddResult).
 	LastTimings map[string]string `json:"last_timings,omitempty"`

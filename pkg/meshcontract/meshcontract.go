@@ -3,7 +3,7 @@
 // readiness endpoint, the socket mark that exempts the proxy's own upstream
 // sockets from capture, the fwmark and route table of diverted packets, and
 // the mark of the proxy's source-preserving inbound delivery.
-// meshcni/capture, xds/listener and proxy/dataplane take their defaults from
+// pkg/capture, xds/listener and proxy/dataplane take their defaults from
 // here, so the two sides cannot drift. The ports stay clear of Istio's 150xx
 // range so both meshes can share a node. It also fixes the UDS contract
 // between the csi.aether.io driver and aether-agent (uds.go), and the
@@ -21,7 +21,7 @@ const (
 	InboundPort = 18008
 	// HBONEPort is every mesh pod's HBONE listener (Istio's port, for
 	// interop): the proxy serves and dials it (proxy/hbone.DefaultPort) and
-	// the capture never redirects it (meshcni/capture.DefaultHBONEPort).
+	// the capture never redirects it (pkg/capture.DefaultHBONEPort).
 	HBONEPort = 15008
 	// ReadinessPath is the readiness endpoint aether-cni probes: 200 only
 	// while the pod's listeners are served, 503 while draining.

@@ -11,6 +11,6 @@
 //
 // Users: eni-vlan's pre-flight packet sockets (enivlan/preflight) and
 // aether-cni's netfilter socket after a divert commit that removed rules
-// (meshcni/capture). See README.md here (the contract, and the measured
+// (pkg/capture). See README.md here (the contract, and the measured
 // gain that keeps it) and enivlan/README.md, "Socket closer".
 package sockcloser

@@ -10,8 +10,8 @@ import (
 	"google.golang.org/protobuf/types/known/emptypb"
 
 	"aether.io/node/api/istio/security"
-	"aether.io/node/meshcni/capture"
 	"aether.io/node/pkg/authz"
+	"aether.io/node/pkg/capture"
 	"aether.io/node/proxy/dataplane"
 )
 

@@ -15,7 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"aether.io/node/meshcni/readiness"
+	"aether.io/node/pkg/readiness"
 	"aether.io/node/proxy/dataplane"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/proxytest"
@@ -416,7 +416,7 @@ func TestCaptureForwardsUDP(t *testing.T) {
 	}
 }
 
-// TestPluginReadinessProbe drives aether-cni's own prober (meshcni/readiness)
+// TestPluginReadinessProbe drives aether-cni's own prober (pkg/readiness)
 // against the proxy: it confirms a serving pod, and sees 503 while the pod
 // drains with a connection open.
 func TestPluginReadinessProbe(t *testing.T) {

@@ -5,7 +5,7 @@
 // connection with WDS peer metadata, and drains a pod's listeners when they
 // are removed.
 //
-// Contract with meshcni/capture (the divert aether-cni installs):
+// Contract with pkg/capture (the divert aether-cni installs):
 //   - the capture listeners are IP_TRANSPARENT (IPV6_TRANSPARENT) sockets
 //     on 0.0.0.0 and [::] at the capture port (18001), TCP and UDP; the
 //     divert's TPROXY rule hands them diverted packets, so an accepted TCP

@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"aether.io/node/meshcni/capture"
+	"aether.io/node/pkg/capture"
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/proxy/dataplane"
 	"aether.io/node/proxy/hbone"
@@ -28,7 +28,7 @@ func TestHBONEPortAgrees(t *testing.T) {
 }
 
 // TestInboundPolicy runs plaintext inbound connections through the server
-// pod's inbound redirect (meshcni/capture, inbound_capture) to the proxy's
+// pod's inbound redirect (pkg/capture, inbound_capture) to the proxy's
 // inbound listener: permissive delivers them to the app, strict resets them
 // (the app sees nothing, counted reason="inbound_policy_denied"), a policy
 // change applies from the next connection without rebinding, the kubelet's

@@ -9,7 +9,7 @@ import (
 
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 
-	"aether.io/node/meshcni/capture"
+	"aether.io/node/pkg/capture"
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/proxy/dataplane"
 	"aether.io/node/proxy/hbone/hbonetest"

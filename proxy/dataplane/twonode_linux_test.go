@@ -18,7 +18,7 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"golang.org/x/sys/unix"
 
-	"aether.io/node/meshcni/capture"
+	"aether.io/node/pkg/capture"
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/proxy/dataplane"
 	"aether.io/node/proxy/hbone/hbonetest"

@@ -10,7 +10,7 @@ import (
 	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 
-	"aether.io/node/meshcni/capture"
+	"aether.io/node/pkg/capture"
 	"aether.io/node/test/harness"
 )
 

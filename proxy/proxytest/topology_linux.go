@@ -1,6 +1,6 @@
 // Package proxytest (Linux only) builds the namespaces aether-proxy's integration tests
 // and benchmarks run in: a node netns holding a bridge, and pod netns joined
-// to it by veths, with the capture divert of meshcni/capture installed in the
+// to it by veths, with the capture divert of pkg/capture installed in the
 // pods that are captured, plus small TCP helpers that run inside a pod.
 // NewCluster builds several such nodes routed to each other over a fabric
 // bridge, each with its own pod subnets.
@@ -80,7 +80,7 @@ type Topology struct {
 }
 
 // New creates the node and one pod per name; pods listed in captured get
-// the divert (redirect-all, defaults) installed with meshcni/capture.
+// the divert (redirect-all, defaults) installed with pkg/capture.
 func New(tb testing.TB, names []string, captured ...string) *Topology {
 	tb.Helper()
 	t := &Topology{Node: harness.NewNS(tb, "node")}

@@ -247,7 +247,7 @@ var notForMeshCNI = []string{
 	// it calls the agent (and the CRI runtime) through
 	// meshcni/internal/grpcwire: grpc-go's init and size cost every exec.
 	"google.golang.org/grpc",
-	// the readiness probe's GET is written out (meshcni/readiness): net/http
+	// the readiness probe's GET is written out (pkg/readiness): net/http
 	// brings crypto/tls and x509 into every exec.
 	"net/http",
 }

@@ -15,8 +15,8 @@ import (
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
 	"aether.io/node/meshcni/agentclient"
-	"aether.io/node/meshcni/capture"
 	"aether.io/node/meshcni/e2e/agentproc"
+	"aether.io/node/pkg/capture"
 	"aether.io/node/test/containerd"
 	"aether.io/node/test/harness"
 )

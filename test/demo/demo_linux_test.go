@@ -25,7 +25,7 @@ import (
 	"aether.io/node/agent/identity/identitytest"
 	"aether.io/node/enivlan"
 	"aether.io/node/enivlan/enivlantest"
-	"aether.io/node/meshcni/capture"
+	"aether.io/node/pkg/capture"
 	"aether.io/node/proxy/hbone"
 	"aether.io/node/test/harness"
 )

@@ -21,7 +21,7 @@ var (
 
 // VMModules are the kernel modules the demo needs on top of
 // vm.DefaultModules: the capture divert's TPROXY and fib expressions, and
-// xfrm_user, because meshcni/capture opens its netlink handle with every
+// xfrm_user, because pkg/capture opens its netlink handle with every
 // family (NETLINK_XFRM included) and the guest has no modprobe to load it
 // on demand.
 var VMModules = []string{"nft_tproxy", "nft_fib_inet", "xfrm_user"}

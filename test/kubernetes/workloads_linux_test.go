@@ -23,10 +23,10 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 
-	"aether.io/node/meshcni/capture"
-	"aether.io/node/meshcni/readiness"
 	"aether.io/node/pkg/adminapi"
+	"aether.io/node/pkg/capture"
 	"aether.io/node/pkg/meshcontract"
+	"aether.io/node/pkg/readiness"
 	"aether.io/node/test/harness"
 	"aether.io/node/test/kubetest"
 	workloadclient "aether.io/node/xds/workload/client"

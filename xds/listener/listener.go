@@ -5,7 +5,7 @@
 // The resources are standard envoy.config.listener.v3.Listener messages, so a
 // real Envoy could take the same configuration: every address carries
 // network_namespace_filepath (the pod's pinned netns), the capture listeners
-// are transparent (IP_TRANSPARENT, the TPROXY divert of meshcni/capture), and
+// are transparent (IP_TRANSPARENT, the TPROXY divert of pkg/capture), and
 // every generated Listener passes go-control-plane's ValidateAll.
 //
 // One pod gives up to four listeners, named "<prefix>/<container id>/<role>":

@@ -10,7 +10,7 @@ import (
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	"google.golang.org/protobuf/types/known/structpb"
 
-	"aether.io/node/meshcni/capture"
+	"aether.io/node/pkg/capture"
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/xds/listener"
 )

@@ -208,7 +208,14 @@ func TestView(t *testing.T) {
 	if v.DeclaredPortsKnown || v.DeclaredTCPPorts != nil {
 		t.Fatalf("declared ports of a record without them = %v %v, want unknown", v.DeclaredPortsKnown, v.DeclaredTCPPorts)
 	}
+	if v.EnrolledVia != "pod_label" {
+		t.Fatalf("enrolled via %q for a record that predates the field, want pod_label (the only way then)", v.EnrolledVia)
+	}
 	s := state("shop", "web", "c1")
+	s.Record.EnrolledVia = "namespace_label"
+	if v := View(s); v.EnrolledVia != "namespace_label" {
+		t.Fatalf("enrolled via %q, want the record's namespace_label", v.EnrolledVia)
+	}
 	s.Record.Pod.DeclaredPorts = &cniv1.DeclaredPorts{Tcp: []uint32{80, 8080}}
 	if v := View(s); !v.DeclaredPortsKnown || !reflect.DeepEqual(v.DeclaredTCPPorts, []uint32{80, 8080}) {
 		t.Fatalf("declared ports = %v %v, want known [80 8080]", v.DeclaredPortsKnown, v.DeclaredTCPPorts)

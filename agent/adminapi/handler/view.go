@@ -9,6 +9,7 @@ import (
 
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	"aether.io/node/agent/enrolment"
 	"aether.io/node/agent/pods"
 	cniv1 "aether.io/node/api/aether/cni/v1"
 	"aether.io/node/pkg/adminapi"
@@ -24,6 +25,9 @@ func View(s pods.PodState) adminapi.Pod {
 		Managed: true, Terminating: p.GetTerminating(), Registered: s.Registered, Healthy: s.Healthy,
 		Uncaptured: r.Uncaptured, UncapturedError: r.UncapturedError, UDSPath: s.UDSPath, UDSRefusal: s.UDSRefusal,
 		Volumes: p.GetVolumes(), UDSCSIVolume: p.GetUdsCsiVolume(), UDSCSIVolumes: p.GetUdsCsiVolumes(), AddedAt: r.AddedAt,
+	}
+	if v.EnrolledVia = r.EnrolledVia; v.EnrolledVia == "" {
+		v.EnrolledVia = string(enrolment.ViaPodLabel) // a record written before the field: only the pod label enrolled
 	}
 	if dp := p.GetDeclaredPorts(); dp != nil {
 		v.DeclaredPortsKnown, v.DeclaredTCPPorts = true, dp.GetTcp()

@@ -1,6 +1,7 @@
 // Package kube is the pod source backed by the Kubernetes API: one informer
 // on this node's pods (fieldSelector spec.nodeName=<node>), with a direct GET
-// on a cache miss so a pod created a moment ago is found at CNI ADD.
+// on a cache miss so a pod created a moment ago is found at CNI ADD, and one
+// on the cluster's namespaces, whose labels the enrolment rules read.
 package kube
 
 import (
@@ -45,10 +46,16 @@ type Source struct {
 	node     string
 	log      *slog.Logger
 	informer cache.SharedIndexInformer
-	synced   chan struct{}
+	// nsInformer follows every namespace (list and watch namespaces):
+	// their labels enrol pods.
+	nsInformer cache.SharedIndexInformer
+	synced     chan struct{}
 }
 
-var _ podsource.Source = (*Source)(nil)
+var (
+	_ podsource.Source     = (*Source)(nil)
+	_ podsource.Namespaces = (*Source)(nil)
+)
 
 // New builds a source for node; it does no I/O until Run.
 func New(client kubernetes.Interface, node string, resync time.Duration, log *slog.Logger) *Source {
@@ -67,7 +74,26 @@ func New(client kubernetes.Interface, node string, resync time.Duration, log *sl
 		},
 	}
 	inf := cache.NewSharedIndexInformer(lw, &corev1.Pod{}, resync, cache.Indexers{})
-	return &Source{client: client, node: node, log: log, informer: inf, synced: make(chan struct{})}
+	nslw := &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtimeObject, error) {
+			return client.CoreV1().Namespaces().List(ctx, o)
+		},
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watchInterface, error) {
+			return client.CoreV1().Namespaces().Watch(ctx, o)
+		},
+	}
+	nsInf := cache.NewSharedIndexInformer(nslw, &corev1.Namespace{}, resync, cache.Indexers{})
+	return &Source{client: client, node: node, log: log, informer: inf, nsInformer: nsInf, synced: make(chan struct{})}
+}
+
+// NamespaceLabels returns the labels of namespace name from the namespace
+// informer's cache; false before the informer has seen it.
+func (s *Source) NamespaceLabels(name string) (map[string]string, bool) {
+	obj, ok, err := s.nsInformer.GetStore().GetByKey(name)
+	if err != nil || !ok {
+		return nil, false
+	}
+	return obj.(*corev1.Namespace).Labels, true
 }
 
 // Get returns the pod from the informer's cache, else from the API.
@@ -100,7 +126,7 @@ func (s *Source) List() []*podsource.Pod {
 	return out
 }
 
-// Synced is closed after the informer's first sync.
+// Synced is closed after both informers' first sync.
 func (s *Source) Synced() <-chan struct{} { return s.synced }
 
 // Run starts the informer and delivers its events to h until ctx ends.
@@ -129,8 +155,10 @@ func (s *Source) Run(ctx context.Context, h podsource.Handler) error {
 		return fmt.Errorf("failed to add pod event handler: %w", err)
 	}
 	go s.informer.RunWithContext(ctx)
+	go s.nsInformer.RunWithContext(ctx)
 	go func() {
-		if cache.WaitForCacheSync(ctx.Done(), s.informer.HasSynced) {
+		// Namespaces first: a pod is decided with its namespace's labels.
+		if cache.WaitForCacheSync(ctx.Done(), s.nsInformer.HasSynced, s.informer.HasSynced) {
 			close(s.synced)
 			s.log.Info("pod source synced", "pod_source", "kubernetes", "node", s.node)
 		}

@@ -2,7 +2,8 @@
 // directory of Pod manifests (YAML or JSON, several documents per file
 // allowed), rescanned on an interval and on every lookup miss. Removing a
 // manifest deletes its pods; setting metadata.deletionTimestamp marks them
-// terminating.
+// terminating. Namespace objects in the directory carry the labels the
+// enrolment rules read; a namespace without one has no labels.
 package manifests
 
 import (
@@ -50,6 +51,9 @@ type Objects struct {
 	Pods           []*corev1.Pod
 	Services       []*corev1.Service
 	EndpointSlices []*discoveryv1.EndpointSlice
+	// Namespaces are the Namespace objects (cluster-scoped: their
+	// namespace stays empty).
+	Namespaces []*corev1.Namespace
 	// AuthorizationPolicies are security.istio.io AuthorizationPolicy
 	// objects as JSON, for the agent's policy model to decode with Istio's
 	// types (agent/policy.ParseObject).
@@ -64,16 +68,18 @@ const (
 	kindPod           = "v1 Pod"
 	kindService       = "v1 Service"
 	kindEndpointSlice = "discovery.k8s.io/v1 EndpointSlice"
+	kindNamespace     = "v1 Namespace"
 	kindAuthzV1       = "security.istio.io/v1 AuthorizationPolicy"
 	kindAuthzV1beta1  = "security.istio.io/v1beta1 AuthorizationPolicy"
 	kindPeerV1        = "security.istio.io/v1 PeerAuthentication"
 	kindPeerV1beta1   = "security.istio.io/v1beta1 PeerAuthentication"
 )
 
-// ParseObjects decodes every Pod, Service and EndpointSlice in a YAML or
-// JSON stream (several documents allowed). Another kind is an error that
-// names the allowed ones, and so is an object without a name; an empty
-// namespace becomes "default".
+// ParseObjects decodes every Pod, Service, EndpointSlice, Namespace and
+// Istio security policy in a YAML or JSON stream (several documents
+// allowed). Another kind is an error that names the allowed ones, and so is
+// an object without a name; an empty namespace of a namespaced object
+// becomes "default".
 func ParseObjects(data []byte) (Objects, error) {
 	var out Objects
 	if len(data) > MaxManifestBytes {
@@ -100,7 +106,7 @@ func ParseObjects(data []byte) (Objects, error) {
 			continue // an empty object
 		}
 		apiVersion := head.APIVersion
-		if apiVersion == "" && (head.Kind == "Pod" || head.Kind == "Service") {
+		if apiVersion == "" && (head.Kind == "Pod" || head.Kind == "Service" || head.Kind == "Namespace") {
 			apiVersion = "v1"
 		}
 		var obj interface {
@@ -132,9 +138,19 @@ func ParseObjects(data []byte) (Objects, error) {
 		case kindEndpointSlice:
 			es := &discoveryv1.EndpointSlice{}
 			out.EndpointSlices, obj = append(out.EndpointSlices, es), es
+		case kindNamespace:
+			n := &corev1.Namespace{}
+			if err := yaml.Unmarshal(raw, n); err != nil {
+				return Objects{}, fmt.Errorf("failed to parse manifest document %d (Namespace): %w", i, err)
+			}
+			if n.Name == "" {
+				return Objects{}, fmt.Errorf("failed to parse manifest document %d (Namespace): metadata.name is required", i)
+			}
+			out.Namespaces = append(out.Namespaces, n)
+			continue
 		default:
-			return Objects{}, fmt.Errorf("failed to parse manifest document %d: kind %q apiVersion %q, only %s, %s, %s, %s and %s are allowed",
-				i, head.Kind, head.APIVersion, kindPod, kindService, kindEndpointSlice, kindAuthzV1, kindPeerV1)
+			return Objects{}, fmt.Errorf("failed to parse manifest document %d: kind %q apiVersion %q, only %s, %s, %s, %s, %s and %s are allowed",
+				i, head.Kind, head.APIVersion, kindPod, kindService, kindEndpointSlice, kindNamespace, kindAuthzV1, kindPeerV1)
 		}
 		// sigs.k8s.io/yaml converts by the target's types, as kubelet's
 		// decoder does (an unquoted `nodeName: n` arrives as "false").
@@ -187,12 +203,14 @@ type Source struct {
 	interval time.Duration
 	log      *slog.Logger
 
-	mu     sync.Mutex
-	pods   map[string]*podsource.Pod // ns/name
-	files  map[string]fileStamp
-	synced chan struct{}
-	h      podsource.Handler
-	scanMu sync.Mutex
+	mu   sync.Mutex
+	pods map[string]*podsource.Pod // ns/name
+	// namespaces are the labels of the directory's Namespace objects.
+	namespaces map[string]map[string]string
+	files      map[string]fileStamp
+	synced     chan struct{}
+	h          podsource.Handler
+	scanMu     sync.Mutex
 	// pending are the changes scans found, in order, for Run to deliver:
 	// a scan never calls the handler, so a slow handler (a registry write
 	// while etcd is away) never holds up Get's rescan on a miss.
@@ -207,12 +225,16 @@ type change struct {
 }
 
 type fileStamp struct {
-	size int64
-	mod  time.Time
-	pods []string
+	size       int64
+	mod        time.Time
+	pods       []string
+	namespaces []string
 }
 
-var _ podsource.Source = (*Source)(nil)
+var (
+	_ podsource.Source     = (*Source)(nil)
+	_ podsource.Namespaces = (*Source)(nil)
+)
 
 // New returns a source for dir. Pods whose spec.nodeName names another node
 // are skipped; an empty nodeName means this node. interval <= 0 means 1s.
@@ -225,7 +247,7 @@ func New(dir, node string, interval time.Duration, log *slog.Logger) *Source {
 	}
 	return &Source{
 		dir: dir, node: node, interval: interval, log: log, pods: map[string]*podsource.Pod{},
-		files: map[string]fileStamp{}, synced: make(chan struct{}), kick: make(chan struct{}, 1),
+		namespaces: map[string]map[string]string{}, files: map[string]fileStamp{}, synced: make(chan struct{}), kick: make(chan struct{}, 1),
 	}
 }
 
@@ -251,6 +273,15 @@ func (s *Source) Fetch(_ context.Context, namespace, name string) (*podsource.Po
 		return p, nil
 	}
 	return nil, fmt.Errorf("failed to find pod %q in %s: %w", id, s.dir, podsource.ErrNotFound)
+}
+
+// NamespaceLabels returns the labels of the directory's Namespace object
+// called name; a namespace without one is known and unlabelled (a
+// standalone node has no API server that could still name it).
+func (s *Source) NamespaceLabels(name string) (map[string]string, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.namespaces[name], true
 }
 
 // List returns every known pod.
@@ -354,7 +385,7 @@ func (s *Source) scan() {
 			s.log.Error("failed to read pod manifest", "path", path, "error", err.Error())
 			continue
 		}
-		kpods, err := Parse(data)
+		objs, err := ParseObjects(data)
 		if err != nil {
 			// Keep the previous content of a file being rewritten or
 			// broken; logged once per content (the stamp is taken).
@@ -364,8 +395,13 @@ func (s *Source) scan() {
 			continue
 		}
 		stamp := fileStamp{size: info.Size(), mod: info.ModTime()}
+		s.forgetNamespacesLocked(old.namespaces)
+		for _, n := range objs.Namespaces {
+			s.namespaces[n.Name] = n.Labels
+			stamp.namespaces = append(stamp.namespaces, n.Name)
+		}
 		now := map[string]bool{}
-		for _, kp := range kpods {
+		for _, kp := range objs.Pods {
 			if kp.Spec.NodeName != "" && s.node != "" && kp.Spec.NodeName != s.node {
 				s.logOtherNode(path, kp)
 				continue
@@ -393,6 +429,7 @@ func (s *Source) scan() {
 		if seen[path] {
 			continue
 		}
+		s.forgetNamespacesLocked(st.namespaces)
 		for _, id := range st.pods {
 			if p, ok := s.pods[id]; ok {
 				delete(s.pods, id)
@@ -409,6 +446,14 @@ func (s *Source) scan() {
 		}
 	}
 	s.mu.Unlock()
+}
+
+// forgetNamespacesLocked drops the labels of namespaces a file held (a
+// file read again or removed); s.mu is held.
+func (s *Source) forgetNamespacesLocked(names []string) {
+	for _, n := range names {
+		delete(s.namespaces, n)
+	}
 }
 
 // logOtherNode says why a manifest's pod is not served here. YAML 1.1 reads

@@ -26,7 +26,7 @@ func TestParse(t *testing.T) {
 		{"json", `{"apiVersion":"v1","kind":"Pod","metadata":{"name":"j","namespace":"n"}}`, []string{"n/j"}, ""},
 		{"empty docs skipped", "---\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: a}\n", []string{"default/a"}, ""},
 		{"services skipped", "apiVersion: v1\nkind: Service\nmetadata: {name: s}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: s-1}\naddressType: IPv4\nendpoints: []\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: a}\n", []string{"default/a"}, ""},
-		{"other kind", "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\n", nil, "only v1 Pod, v1 Service, discovery.k8s.io/v1 EndpointSlice, security.istio.io/v1 AuthorizationPolicy and security.istio.io/v1 PeerAuthentication are allowed"},
+		{"other kind", "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: a}\n", nil, "only v1 Pod, v1 Service, discovery.k8s.io/v1 EndpointSlice, v1 Namespace, security.istio.io/v1 AuthorizationPolicy and security.istio.io/v1 PeerAuthentication are allowed"},
 		{"no name", "apiVersion: v1\nkind: Pod\nmetadata: {namespace: a}\n", nil, "metadata.name is required"},
 		{"garbage", "apiVersion: [\n", nil, "failed to parse"},
 	} {
@@ -286,5 +286,59 @@ func TestBrokenManifestLoggedOnce(t *testing.T) {
 	}
 	if _, err := s.Fetch(context.Background(), "default", "b"); err != nil {
 		t.Fatalf("the fixed manifest is not read again: %v", err)
+	}
+}
+
+// TestNamespaceLabels: a Namespace object in the directory gives its
+// labels; rewriting it without them, or removing its file, takes them
+// away; a namespace without an object is known and unlabelled.
+func TestNamespaceLabels(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "shop.yaml")
+	write := func(labels string, mod time.Time) {
+		t.Helper()
+		m := "apiVersion: v1\nkind: Namespace\nmetadata: {name: shop" + labels + "}\n---\n" +
+			"apiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: shop}\n"
+		if err := os.WriteFile(path, []byte(m), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chtimes(path, mod, mod); err != nil { // a new stamp even within the clock's resolution
+			t.Fatal(err)
+		}
+	}
+	s := New(dir, "n", time.Hour, nil)
+	labelsOf := func(ns string) string {
+		t.Helper()
+		s.scan()
+		l, ok := s.NamespaceLabels(ns)
+		if !ok {
+			t.Fatalf("NamespaceLabels(%q): not known", ns)
+		}
+		return fmt.Sprint(l)
+	}
+	base := time.Now()
+	write(", labels: {aether.io/managed: \"true\"}", base)
+	if got := labelsOf("shop"); got != "map[aether.io/managed:true]" {
+		t.Fatalf("labels of shop = %s, want aether.io/managed=true", got)
+	}
+	if _, err := s.Get(context.Background(), "shop", "web"); err != nil {
+		t.Fatalf("the pod beside the Namespace object: %v", err)
+	}
+	write("", base.Add(time.Second))
+	if got := labelsOf("shop"); got != "map[]" {
+		t.Fatalf("labels of shop after the label was removed = %s, want none", got)
+	}
+	write(", labels: {aether.io/managed: \"true\"}", base.Add(2*time.Second))
+	if got := labelsOf("shop"); got != "map[aether.io/managed:true]" {
+		t.Fatalf("labels of shop after the label came back = %s, want aether.io/managed=true", got)
+	}
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	if got := labelsOf("shop"); got != "map[]" {
+		t.Fatalf("labels of shop after its file was removed = %s, want none", got)
+	}
+	if got := labelsOf("other"); got != "map[]" {
+		t.Fatalf("labels of a namespace without an object = %s, want none", got)
 	}
 }

@@ -48,10 +48,12 @@ const (
 	AddPodResponse_RESULT_SUCCESS AddPodResponse_Result = 1
 	// RESULT_ERROR: the agent could not take the pod; the ADD fails.
 	AddPodResponse_RESULT_ERROR AddPodResponse_Result = 2
-	// RESULT_IGNORED: the pod is not mesh-managed (aether.io/managed != "true",
-	// a system namespace, or no IPs) — the agent stored no config and the CNI
-	// plugin must install NO capture/redirect (the label is only visible to the
-	// agent, which fetches it from the API; the CNI cannot see labels via CRI).
+	// RESULT_IGNORED: the pod is not mesh-managed (neither its own nor its
+	// namespace's aether.io/managed label enrols it, it opted out with "false",
+	// or it is in a system namespace, in the host network or without IPs) —
+	// the agent stored no config and the CNI plugin must install NO
+	// capture/redirect (the labels are only visible to the agent, which
+	// fetches them from the API; the CNI cannot see labels via CRI).
 	AddPodResponse_RESULT_IGNORED AddPodResponse_Result = 3
 )
 

@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"aether.io/node/meshcni/capture"
+	"aether.io/node/pkg/capture"
 	"aether.io/node/pkg/sockcloser"
 	"aether.io/node/pkg/sockcloser/sockclosertest"
 )

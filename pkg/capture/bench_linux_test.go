@@ -10,9 +10,8 @@ import (
 
 	"github.com/google/nftables"
 
-	"aether.io/node/meshcni/capture"
-	"aether.io/node/meshcni/capture/capturetest"
-	"aether.io/node/meshcni/internal/benchutil"
+	"aether.io/node/pkg/capture"
+	"aether.io/node/pkg/capture/capturetest"
 	"aether.io/node/test/harness"
 )
 
@@ -79,7 +78,7 @@ func BenchmarkCaptureInstall(b *testing.B) {
 		run(b, func(ns *harness.FdNS) error {
 			return ns.Do(func() error {
 				cmd := exec.Command("nft", "-f", "-")
-				cmd.Stdin = strings.NewReader(benchutil.IstioInPodRuleset)
+				cmd.Stdin = strings.NewReader(capturetest.IstioInPodRuleset)
 				var stderr bytes.Buffer
 				cmd.Stderr = &stderr
 				if err := cmd.Run(); err != nil {
@@ -126,7 +125,7 @@ func runPrepared(b *testing.B, prepare, install func(ns *harness.FdNS) error) {
 // runPreparedEach is runPrepared with after (if set) run after each op,
 // outside the measurement.
 func runPreparedEach(b *testing.B, prepare, install func(ns *harness.FdNS) error, after func()) {
-	var lat benchutil.Latencies
+	var lat capturetest.Latencies
 	b.ResetTimer()
 	for range b.N {
 		b.StopTimer()

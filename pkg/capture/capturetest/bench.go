@@ -1,7 +1,8 @@
-// Package benchutil holds what meshcni's comparison benchmarks share: the
+package capturetest
+
+// What the capture and meshcni comparison benchmarks share: the
 // per-operation latency recorder that reports p50-ns and p99-ns, and the
 // Istio-equivalent in-pod ruleset the peer installs with `nft -f`.
-package benchutil
 
 import (
 	"slices"

@@ -6,7 +6,7 @@ import (
 	"strings"
 	"testing"
 
-	"aether.io/node/meshcni/capture"
+	"aether.io/node/pkg/capture"
 	"aether.io/node/test/harness"
 )
 

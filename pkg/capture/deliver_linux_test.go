@@ -11,7 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"aether.io/node/meshcni/capture"
+	"aether.io/node/pkg/capture"
 	"aether.io/node/test/harness"
 )
 

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"aether.io/node/meshcni/readiness"
+	"aether.io/node/pkg/readiness"
 	"aether.io/node/test/harness"
 )
 

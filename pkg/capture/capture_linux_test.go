@@ -19,8 +19,8 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
-	"aether.io/node/meshcni/capture"
-	"aether.io/node/meshcni/capture/capturetest"
+	"aether.io/node/pkg/capture"
+	"aether.io/node/pkg/capture/capturetest"
 	"aether.io/node/test/harness"
 )
 
@@ -118,6 +118,9 @@ var goldenConfigs = map[string]capture.Config{
 		RouteTable: 200, RulePriority: 1000,
 	},
 	"inbound-default": {Ports: []uint16{capture.DefaultOutboundPort}, InboundCapture: true},
+	// A divert put into a running pod (live enrolment).
+	"live-redirect-all": {RedirectAll: true, SpareEstablished: true},
+	"live-inbound":      {Ports: []uint16{80, 8080}, InboundCapture: true, SpareEstablished: true},
 	"inbound-excluded": {
 		RedirectAll: true, InboundCapture: true, InboundPort: 19008,
 		ExcludeInboundPorts: []uint16{9090, 22, 22},
@@ -140,7 +143,7 @@ func TestGoldenRuleset(t *testing.T) {
 			}
 			want, err := os.ReadFile(path)
 			if err != nil {
-				t.Fatalf("missing golden (run go test ./meshcni/capture -update): %v", err)
+				t.Fatalf("missing golden (run go test ./pkg/capture -update): %v", err)
 			}
 			if got != string(want) {
 				t.Fatalf("ruleset for %s differs from %s:\n--- got\n%s--- want\n%s", name, path, got, want)
@@ -159,6 +162,9 @@ func TestValidate(t *testing.T) {
 		{"all", capture.Config{RedirectAll: true}, true},
 		{"nothing captured", capture.Config{}, false},
 		{"same marks", capture.Config{RedirectAll: true, BypassMark: 5, DivertMark: 5}, false},
+		{"live", capture.Config{RedirectAll: true, SpareEstablished: true}, true},
+		{"live, captured mark = divert mark", capture.Config{RedirectAll: true, SpareEstablished: true, CapturedMark: capture.DefaultDivertMark}, false},
+		{"captured mark unused without SpareEstablished", capture.Config{RedirectAll: true, CapturedMark: capture.DefaultDivertMark}, true},
 	} {
 		err := tc.cfg.Normalize().Validate()
 		if (err == nil) != tc.ok {
@@ -384,6 +390,33 @@ func TestGoldenMatchesKernel(t *testing.T) {
 	}
 }
 
+// nsSnapshot is the namespace's ip rules, routes of every table and
+// nftables ruleset.
+func nsSnapshot(t *testing.T, pod *harness.NS) string {
+	t.Helper()
+	var b strings.Builder
+	cmds := [][]string{
+		{"ip", "-4", "rule"},
+		{"ip", "-6", "rule"},
+		{"ip", "-4", "route", "show", "table", "all"},
+		{"ip", "-6", "route", "show", "table", "all"},
+		{"nft", "list", "ruleset"},
+	}
+	for _, args := range cmds {
+		var out []byte
+		pod.MustDo(t, func() error {
+			var err error
+			out, err = exec.Command(args[0], args[1:]...).CombinedOutput()
+			if err != nil {
+				return fmt.Errorf("%v: %w: %s", args, err, out)
+			}
+			return nil
+		})
+		fmt.Fprintf(&b, "## %s\n%s", strings.Join(args, " "), out)
+	}
+	return b.String()
+}
+
 // TestRemoveLeavesNothing: Remove takes out the table, the fwmark rules
 // and the local routes of both families (the namespace is as before the
 // install), also after an install that left only the routing behind, and
@@ -392,30 +425,7 @@ func TestRemoveLeavesNothing(t *testing.T) {
 	pod, _ := topology(t)
 	inst := capture.Installer{}
 	rs := capture.Build(goldenConfigs["redirect-all-excluded"])
-	snapshot := func() string {
-		t.Helper()
-		var b strings.Builder
-		cmds := [][]string{
-			{"ip", "-4", "rule"},
-			{"ip", "-6", "rule"},
-			{"ip", "-4", "route", "show", "table", "all"},
-			{"ip", "-6", "route", "show", "table", "all"},
-			{"nft", "list", "ruleset"},
-		}
-		for _, args := range cmds {
-			var out []byte
-			pod.MustDo(t, func() error {
-				var err error
-				out, err = exec.Command(args[0], args[1:]...).CombinedOutput()
-				if err != nil {
-					return fmt.Errorf("%v: %w: %s", args, err, out)
-				}
-				return nil
-			})
-			fmt.Fprintf(&b, "## %s\n%s", strings.Join(args, " "), out)
-		}
-		return b.String()
-	}
+	snapshot := func() string { return nsSnapshot(t, pod) }
 	before := snapshot()
 	if err := inst.Install(pod.Path(), rs); err != nil {
 		t.Fatal(err)

@@ -44,6 +44,9 @@ const (
 	DefaultRouteTable = meshcontract.RouteTable
 	// DefaultRulePriority is the priority of the fwmark ip rules.
 	DefaultRulePriority = 133
+	// DefaultCapturedMark is the conntrack mark of the connections a
+	// divert with SpareEstablished captured (never a socket mark).
+	DefaultCapturedMark = 0xae80
 )
 
 // builtinExcluded are destinations never diverted: link-local and multicast.
@@ -82,6 +85,16 @@ type Config struct {
 	RouteTable int
 	// RulePriority is the priority of the fwmark ip rules.
 	RulePriority int
+	// SpareEstablished leaves the connections that were established
+	// before the divert was installed as they are (a divert put into a
+	// running pod: live enrolment): only connections that start after it
+	// are captured, each marked CapturedMark in conntrack so its later
+	// packets follow its first. Without it every packet of a diverted
+	// destination goes to the proxy, which resets a connection it never
+	// accepted; at CNI ADD the pod has no connection yet.
+	SpareEstablished bool
+	// CapturedMark is that conntrack mark (SpareEstablished only).
+	CapturedMark uint32
 
 	// InboundCapture turns the inbound redirect on: TCP arriving at the
 	// pod from outside (not on lo, not a reply, not to HBONEPort, the
@@ -126,6 +139,9 @@ func (c Config) Normalize() Config {
 	}
 	if c.RulePriority == 0 {
 		c.RulePriority = DefaultRulePriority
+	}
+	if c.SpareEstablished && c.CapturedMark == 0 {
+		c.CapturedMark = DefaultCapturedMark
 	}
 	if c.InboundPort == 0 {
 		c.InboundPort = DefaultInboundPort
@@ -179,6 +195,9 @@ func (c Config) Validate() error {
 	}
 	if c.DeliverMark == 0 || c.DeliverMark == c.BypassMark || c.DeliverMark == c.DivertMark {
 		return fmt.Errorf("deliver mark %#x must be non-zero and differ from the bypass mark %#x and the divert mark %#x", c.DeliverMark, c.BypassMark, c.DivertMark)
+	}
+	if c.SpareEstablished && slices.Contains([]uint32{0, c.BypassMark, c.DivertMark, c.DeliverMark}, c.CapturedMark) {
+		return fmt.Errorf("captured mark %#x must be non-zero and differ from the bypass, divert and deliver marks", c.CapturedMark)
 	}
 	for _, p := range c.Ports {
 		if p == 0 {
@@ -268,10 +287,40 @@ func (b *ruleBuilder) ctDirection(dir byte, name string) *ruleBuilder {
 		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{dir}})
 }
 
-func (b *ruleBuilder) ctMarkEq(mark uint32) *ruleBuilder {
-	return b.add(fmt.Sprintf("ct mark 0x%08x", mark),
+func (b *ruleBuilder) ctMarkEq(mark uint32) *ruleBuilder { return b.ctMark(expr.CmpOpEq, "", mark) }
+
+func (b *ruleBuilder) ctMarkNeq(mark uint32) *ruleBuilder {
+	return b.ctMark(expr.CmpOpNeq, "!= ", mark)
+}
+
+// ctMark compares the conntrack mark with mark (op, rendered as opText).
+func (b *ruleBuilder) ctMark(op expr.CmpOp, opText string, mark uint32) *ruleBuilder {
+	return b.add(fmt.Sprintf("ct mark %s0x%08x", opText, mark),
 		&expr.Ct{Key: expr.CtKeyMARK, Register: 1},
-		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: u32(mark)})
+		&expr.Cmp{Op: op, Register: 1, Data: u32(mark)})
+}
+
+// spareEstablished are the rules that return from the chain for a packet
+// of a connection the divert did not capture (its conntrack entry lacks
+// mark, which the divert gives every connection it captures): one that
+// conntrack saw established, and a TCP segment that does not open a
+// connection (no SYN, or an ACK with it), which is how a connection that
+// predates conntrack in the namespace shows up: conntrack starts tracking
+// only once the divert's table uses it, and picks such a connection up
+// mid-stream as a new one.
+func spareEstablished(mark uint32) []Rule {
+	established := new(ruleBuilder).add("ct state established,related",
+		&expr.Ct{Key: expr.CtKeySTATE, Register: 1},
+		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4, Mask: u32(expr.CtStateBitESTABLISHED | expr.CtStateBitRELATED), Xor: u32(0)},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: u32(0)}).ctMarkNeq(mark).verdict(expr.VerdictReturn, "")
+	const syn, ack = 0x02, 0x10
+	// nft lists the l4proto match as the tcp header's implied dependency.
+	midStream := new(ruleBuilder).add("", &expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
+		&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{unix.IPPROTO_TCP}}).add("tcp flags != syn / syn,ack",
+		&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 13, Len: 1},
+		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 1, Mask: []byte{syn | ack}, Xor: []byte{0}},
+		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: []byte{syn}}).ctMarkNeq(mark).verdict(expr.VerdictReturn, "")
+	return []Rule{established.rule(), midStream.rule()}
 }
 
 // ctStateNew matches the first packet of a connection conntrack has not
@@ -384,6 +433,9 @@ func Build(c Config) Ruleset {
 	// as they are: diverting them would hand a reply to the capture
 	// listener and break every inbound connection of a captured pod.
 	dv.Rules = append(dv.Rules, new(ruleBuilder).ctDirection(1, "reply").verdict(expr.VerdictReturn, "").rule())
+	if c.SpareEstablished {
+		dv.Rules = append(dv.Rules, spareEstablished(c.CapturedMark)...)
+	}
 	// Loopback, the pod's own addresses and the replies of the proxy's
 	// transparent sockets (sourced from the original destination, sent to
 	// the pod) are local destinations.
@@ -399,7 +451,12 @@ func Build(c Config) Ruleset {
 	for _, port := range c.ExcludePorts {
 		dv.Rules = append(dv.Rules, new(ruleBuilder).thDport(port).verdict(expr.VerdictReturn, "").rule())
 	}
-	setMark := func(b *ruleBuilder) *ruleBuilder { return b.setMetaMark(c.DivertMark) }
+	setMark := func(b *ruleBuilder) *ruleBuilder {
+		if c.SpareEstablished {
+			b.setCtMark(c.CapturedMark)
+		}
+		return b.setMetaMark(c.DivertMark)
+	}
 	if c.RedirectAll {
 		dv.Rules = append(dv.Rules, setMark(new(ruleBuilder)).rule())
 	} else {
@@ -457,6 +514,9 @@ func inbound(c Config) Chain {
 	// Replies of the pod's own outbound connections (and of the proxy's
 	// upstream sockets).
 	ret(new(ruleBuilder).ctDirection(1, "reply"))
+	if c.SpareEstablished {
+		ch.Rules = append(ch.Rules, spareEstablished(c.CapturedMark)...)
+	}
 	// HBONE (the proxy's :15008 authenticates it) and the proxy's own
 	// listeners, then the operator's exclusions.
 	for _, port := range sortedPorts([]uint16{c.HBONEPort, c.CapturePort, c.InboundPort, c.OutboundPort}) {
@@ -474,6 +534,9 @@ func inbound(c Config) Chain {
 	}{{unix.NFPROTO_IPV4, "ip"}, {unix.NFPROTO_IPV6, "ip6"}} {
 		nfname := map[string]string{"ip": "ipv4", "ip6": "ipv6"}[fam.name]
 		b := new(ruleBuilder).nfproto(fam.num, nfname).l4proto(unix.IPPROTO_TCP, "tcp")
+		if c.SpareEstablished {
+			b.setCtMark(c.CapturedMark)
+		}
 		b.add(fmt.Sprintf("tproxy %s to :%d", fam.name, c.InboundPort),
 			&expr.Immediate{Register: 1, Data: be16(c.InboundPort)},
 			&expr.TProxy{Family: fam.num, TableFamily: unix.NFPROTO_INET, RegPort: 1})
