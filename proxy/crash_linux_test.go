@@ -36,10 +36,13 @@ type proxyProc struct {
 	done chan struct{}
 }
 
-func startProxyProc(t *testing.T, bin, xds string) *proxyProc {
+// startProxyProc starts aether-proxy on the agent's socket xds with no
+// hand-over socket, then the flags of extra (which win).
+func startProxyProc(t *testing.T, bin, xds string, extra ...string) *proxyProc {
 	t.Helper()
 	p := &proxyProc{out: &lockedBuffer{}, done: make(chan struct{})}
-	p.cmd = exec.Command(bin, "-xds-address", "unix://"+xds, "-node-id", "node-1", "-admin-address", "", "-log-level", "warn")
+	args := append([]string{"-xds-address", "unix://" + xds, "-node-id", "node-1", "-admin-address", "", "-log-level", "warn", "-handover-socket", ""}, extra...)
+	p.cmd = exec.Command(bin, args...)
 	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
 	if err := p.cmd.Start(); err != nil {
 		t.Fatal(err)

@@ -19,6 +19,7 @@ import (
 	"aether.io/node/proxy/hbone"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"
+	"aether.io/node/xds/listener"
 )
 
 // HBONE in the data plane (see proxy/hbone/README.md "How the data plane uses
@@ -105,7 +106,7 @@ func (p *pod) bindHBONE(seq uint64) error {
 	}
 	err = p.netns.do(func() error {
 		for i := 0; i < len(binds); i += 2 {
-			ln, err := (&net.ListenConfig{}).Listen(context.Background(), binds[i], binds[i+1])
+			ln, _, err := p.listen(listener.Spec{Name: hboneName}, listener.Bind{Addr: netip.MustParseAddrPort(binds[i+1])})
 			if err != nil {
 				return fmt.Errorf("failed to bind %s hbone listener on %s: %w", binds[i], binds[i+1], err)
 			}

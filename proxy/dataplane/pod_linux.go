@@ -79,9 +79,10 @@ type pod struct {
 type closer interface{ abort() }
 
 type tcpListener struct {
-	spec listener.Spec
-	ln   *net.TCPListener
-	port uint16
+	spec    listener.Spec
+	ln      *net.TCPListener
+	port    uint16
+	network string // tcp4 or tcp6
 }
 
 func transparentControl(udp bool) func(network, address string, rc syscall.RawConn) error {
@@ -172,28 +173,48 @@ func (p *pod) bind() error {
 	return p.netns.do(func() error {
 		for _, s := range p.specs {
 			for _, b := range s.Binds {
-				lc := net.ListenConfig{}
-				if s.Transparent {
-					lc.Control = transparentControl(b.UDP)
+				ln, pc, err := p.listen(s, b)
+				if err != nil {
+					return fmt.Errorf("failed to bind %s listener %q on %s: %w", network(b), s.Name, b.Addr, err)
 				}
-				addr := b.Addr.String()
 				if b.UDP {
-					pc, err := lc.ListenPacket(context.Background(), network(b), addr)
-					if err != nil {
-						return fmt.Errorf("failed to bind %s listener %q on %s: %w", network(b), s.Name, addr, err)
-					}
-					p.udp = append(p.udp, &udpListener{conn: pc.(*net.UDPConn), port: b.Addr.Port()})
+					p.udp = append(p.udp, &udpListener{conn: pc.(*net.UDPConn), port: b.Addr.Port(), name: s.Name, network: network(b)})
 					continue
 				}
-				ln, err := lc.Listen(context.Background(), network(b), addr)
-				if err != nil {
-					return fmt.Errorf("failed to bind %s listener %q on %s: %w", network(b), s.Name, addr, err)
-				}
-				p.tcp = append(p.tcp, &tcpListener{spec: s, ln: ln.(*net.TCPListener), port: b.Addr.Port()})
+				p.tcp = append(p.tcp, &tcpListener{spec: s, ln: ln.(*net.TCPListener), port: b.Addr.Port(), network: network(b)})
 			}
 		}
 		return nil
 	})
+}
+
+// listen opens the socket of bind b of listener s: the one a predecessor
+// handed over (proxy/handover) when there is one, else a new one. It runs
+// in the pod's netns.
+func (p *pod) listen(s listener.Spec, b listener.Bind) (net.Listener, net.PacketConn, error) {
+	f, err := p.inheritedSocket(s.Name, b)
+	if err != nil {
+		p.log.Warn("inherited listener refused; binding a new one", "error", err.Error())
+	}
+	if f != nil {
+		defer f.Close() // the listener holds its own copy
+		if b.UDP {
+			pc, err := net.FilePacketConn(f)
+			return nil, pc, err
+		}
+		ln, err := net.FileListener(f)
+		return ln, nil, err
+	}
+	lc := net.ListenConfig{}
+	if s.Transparent {
+		lc.Control = transparentControl(b.UDP)
+	}
+	if b.UDP {
+		pc, err := lc.ListenPacket(context.Background(), network(b), b.Addr.String())
+		return nil, pc, err
+	}
+	ln, err := lc.Listen(context.Background(), network(b), b.Addr.String())
+	return ln, nil, err
 }
 
 // serve starts one loop per socket.
