@@ -3,9 +3,11 @@ package proxy_test
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -304,5 +306,148 @@ func TestHandoverSuccessorFails(t *testing.T) {
 	allServed(t, e.pods, next)
 	if err := echoOnce(e.pods[0], e.dst, "after"); err != nil && !errors.Is(err, io.EOF) {
 		t.Fatalf("connection after the hand-over: %v", err)
+	}
+}
+
+// seqApp serves port on the pod: it reads 8-byte sequence numbers, checks
+// that each is the next one (no byte lost or duplicated on the way in),
+// echoes them, and reports how its read ended (nil: a FIN).
+func seqApp(t *testing.T, pod *proxytest.Pod, port uint16) chan error {
+	ends := make(chan error, 8)
+	pod.Handle(t, port, func(c net.Conn) {
+		var want uint64
+		buf := make([]byte, 8)
+		for {
+			if _, err := io.ReadFull(c, buf); err != nil {
+				if errors.Is(err, io.EOF) {
+					err = nil
+				}
+				ends <- err
+				return
+			}
+			if got := binary.BigEndian.Uint64(buf); got != want {
+				ends <- fmt.Errorf("app read sequence %d, want %d", got, want)
+				return
+			}
+			want++
+			if _, err := c.Write(buf); err != nil {
+				ends <- err
+				return
+			}
+		}
+	})
+	return ends
+}
+
+// seqConn sends sequence numbers on a connection every millisecond and
+// checks their echo; echoed counts them, end is how reading ended.
+type seqConn struct {
+	c      *net.TCPConn
+	echoed atomic.Uint64
+	end    chan error
+}
+
+func dialSeq(t *testing.T, pod *proxytest.Pod, dst netip.AddrPort) *seqConn {
+	t.Helper()
+	c, err := pod.Dial(context.Background(), dst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	s := &seqConn{c: c, end: make(chan error, 1)}
+	stop := make(chan struct{})
+	go func() {
+		defer close(stop)
+		buf := make([]byte, 8)
+		for {
+			if _, err := io.ReadFull(c, buf); err != nil {
+				if errors.Is(err, io.EOF) {
+					err = nil
+				}
+				s.end <- err
+				return
+			}
+			if got, want := binary.BigEndian.Uint64(buf), s.echoed.Load(); got != want {
+				s.end <- fmt.Errorf("echoed sequence %d, want %d", got, want)
+				return
+			}
+			s.echoed.Add(1)
+		}
+	}()
+	go func() {
+		buf := make([]byte, 8)
+		for i := uint64(0); ; i++ {
+			binary.BigEndian.PutUint64(buf, i)
+			if _, err := c.Write(buf); err != nil {
+				return
+			}
+			select {
+			case <-stop: // the other side finished: close cleanly
+				_ = c.CloseWrite()
+				return
+			case <-time.After(time.Millisecond):
+			}
+		}
+	}()
+	return s
+}
+
+// flowing waits until the connection echoed more than it had.
+func (s *seqConn) flowing(t *testing.T, what string) {
+	t.Helper()
+	n := s.echoed.Load()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if proxytest.WaitFor(ctx, func() bool { return s.echoed.Load() > n+50 }) != nil {
+		t.Fatalf("%s: the connection stopped at %d echoed", what, s.echoed.Load())
+	}
+}
+
+// TestHandoverLongLived: a connection streaming sequence numbers through
+// the old proxy keeps flowing across the hand-over with every number
+// echoed once and in order; at the old proxy's drain deadline it ends
+// with a FIN on both sides (the client and the app each read EOF, no
+// reset), and a connection opened after the hand-over, through the
+// successor, flows on after the old proxy exited.
+func TestHandoverLongLived(t *testing.T) {
+	e := newHandoverEnv(t)
+	ends := seqApp(t, e.pods[1], 8081)
+	dst := netip.AddrPortFrom(e.pods[1].IP4, 8081)
+	first := e.start(t, "-shutdown-drain", "2s")
+	allServed(t, e.pods, first)
+	old := dialSeq(t, e.pods[0], dst)
+	old.flowing(t, "before the hand-over")
+
+	second := e.start(t)
+	second.waitLog(t, "hand-over done")
+	old.flowing(t, "after the hand-over")
+	fresh := dialSeq(t, e.pods[0], dst)
+	fresh.flowing(t, "through the successor")
+
+	select {
+	case err := <-old.end:
+		if err != nil {
+			t.Fatalf("the connection older than the drain deadline ended with %v, want a FIN (EOF)", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatalf("the connection did not end at the drain deadline:\n%s", first.out.String())
+	}
+	select {
+	case err := <-ends:
+		if err != nil {
+			t.Fatalf("the app's side of the drained connection ended with %v, want a FIN (EOF)", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the app's side of the drained connection did not end")
+	}
+	t.Logf("drained connection: %d sequence numbers echoed, then a FIN both ways", old.echoed.Load())
+	if code := first.waitExit(t, 10*time.Second); code != 0 {
+		t.Fatalf("the old proxy exited with %d:\n%s", code, first.out.String())
+	}
+	fresh.flowing(t, "after the old proxy exited")
+	select {
+	case err := <-fresh.end:
+		t.Fatalf("the connection through the successor ended: %v", err)
+	default:
 	}
 }

@@ -406,10 +406,59 @@ func (p *pod) drainUntil(timeout time.Duration, abort <-chan struct{}) {
 	case <-t.C:
 		p.log.Warn("drain deadline passed; closing open connections", "open", p.openConns())
 		reason = telemetry.ReasonDrainDeadline
+		p.finishConns(finished)
 	case <-abort:
 	}
 	p.closeWith(reason)
 	<-p.done
+}
+
+// finisher is a connection that can end cleanly (FIN, not reset) at a
+// drain deadline.
+type finisher interface{ finish() }
+
+// finishConns ends the pod's open TCP connections cleanly and waits until
+// they closed (finished) or finishLinger and a margin passed; closeWith
+// then aborts what is left.
+func (p *pod) finishConns(finished <-chan struct{}) {
+	p.mu.Lock()
+	var fs []finisher
+	for c := range p.conns {
+		if f, ok := c.(finisher); ok {
+			fs = append(fs, f)
+		}
+	}
+	p.mu.Unlock()
+	if len(fs) == 0 {
+		return
+	}
+	for _, f := range fs {
+		f.finish()
+	}
+	t := time.NewTimer(finishLinger + 250*time.Millisecond)
+	defer t.Stop()
+	for p.openFinishers() > 0 {
+		select {
+		case <-finished:
+			return
+		case <-t.C:
+			return
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// openFinishers counts the open connections that finish cleanly.
+func (p *pod) openFinishers() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for c := range p.conns {
+		if _, ok := c.(finisher); ok {
+			n++
+		}
+	}
+	return n
 }
 
 // close aborts everything at once; done is closed when every goroutine of
