@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"time"
 
+	"aether.io/node/pkg/flowapi"
 	"aether.io/node/proxy/handover"
 	"aether.io/node/xds/adsclient"
 )
@@ -17,8 +18,10 @@ import (
 // serves on them once synced with the agent, then acknowledges; the old
 // proxy, acknowledged, accepts nothing and drains (Commit, then Run ends).
 
-// DefaultHandoverSocket is the hand-over socket in the proxy's own run dir.
-const DefaultHandoverSocket = "/run/aether/proxy-run/handover.sock"
+// DefaultHandoverSocket is the hand-over socket in the proxy's own run dir
+// (the flows socket's, a hostPath only aether-proxy mounts, so the old and
+// the new proxy pod of a node share it).
+const DefaultHandoverSocket = flowapi.DefaultSocketDir + "/handover.sock"
 
 // DefaultHandoverTimeout bounds a successor's sync with the agent before
 // its ack; past it the successor gives up and the old proxy serves on.
@@ -30,6 +33,7 @@ func (p *Proxy) takeOver(ctx context.Context) (*handover.Session, error) {
 	if p.cfg.HandoverSocket == "" {
 		return nil, nil
 	}
+	started := time.Now()
 	s, err := handover.Take(ctx, p.cfg.HandoverSocket)
 	if errors.Is(err, handover.ErrNoPredecessor) {
 		return nil, nil
@@ -49,7 +53,7 @@ func (p *Proxy) takeOver(ctx context.Context) (*handover.Session, error) {
 		pods = append(pods, sock)
 	}
 	p.Manager.Inherit(pods)
-	p.log.Info("took over the running proxy's listeners", "sockets", len(s.Sockets), "refused", len(s.Rejected))
+	p.log.Info("took over the running proxy's listeners", "sockets", len(s.Sockets), "refused", len(s.Rejected), "took", time.Since(started).String())
 	return s, nil
 }
 
@@ -59,13 +63,13 @@ func (p *Proxy) takeOver(ctx context.Context) (*handover.Session, error) {
 // successor, and ends the proxy (stop, which drains) once one took over.
 func (p *Proxy) handover(ctx context.Context, sess *handover.Session, stop context.CancelFunc) error {
 	if sess != nil {
-		started := time.Now()
-		err := p.ackTakeOver(ctx, sess)
+		var steps handoverSteps
+		err := p.ackTakeOver(ctx, sess, &steps)
 		sess.Close()
 		if err != nil {
 			return err
 		}
-		p.log.Info("hand-over done: the old proxy accepts nothing", "took", time.Since(started).String(), "unused", p.Manager.DropInherited())
+		p.log.Info("hand-over done: the old proxy accepts nothing", "sync", steps.sync.String(), "serve", steps.serve.String(), "ack", steps.ack.String(), "unused", p.Manager.DropInherited())
 	}
 	ln, err := handover.Listen(p.cfg.HandoverSocket)
 	if err != nil {
@@ -79,9 +83,14 @@ func (p *Proxy) handover(ctx context.Context, sess *handover.Session, stop conte
 	return nil
 }
 
-func (p *Proxy) ackTakeOver(ctx context.Context, sess *handover.Session) error {
+// handoverSteps are how long a take-over's steps took, for the log.
+type handoverSteps struct{ sync, serve, ack time.Duration }
+
+func (p *Proxy) ackTakeOver(ctx context.Context, sess *handover.Session, steps *handoverSteps) error {
 	ctx, cancel := context.WithTimeout(ctx, p.cfg.HandoverTimeout)
 	defer cancel()
+	t := time.Now()
+	lap := func(d *time.Duration) { *d, t = time.Since(t), time.Now() }
 	for _, c := range []*adsclient.Client{p.XDS, p.LDS} {
 		if c == nil {
 			continue
@@ -92,10 +101,14 @@ func (p *Proxy) ackTakeOver(ctx context.Context, sess *handover.Session) error {
 			return fmt.Errorf("failed to sync with the agent before the hand-over (the old proxy serves on): %w", ctx.Err())
 		}
 	}
+	lap(&steps.sync)
 	if err := p.Manager.Settle(ctx); err != nil {
 		return fmt.Errorf("failed to serve the pods before the hand-over (the old proxy serves on): %w", err)
 	}
-	return sess.Ack(ctx)
+	lap(&steps.serve)
+	err := sess.Ack(ctx)
+	lap(&steps.ack)
+	return err
 }
 
 // Offer is handover.Offerer: every pod's listening sockets and the admin

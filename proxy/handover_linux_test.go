@@ -32,7 +32,7 @@ type handoverEnv struct {
 	dst              netip.AddrPort
 }
 
-func newHandoverEnv(t *testing.T, names ...string) *handoverEnv {
+func newHandoverEnv(t testing.TB, names ...string) *handoverEnv {
 	t.Helper()
 	if len(names) == 0 {
 		names = []string{"client", "server"}
@@ -50,19 +50,19 @@ func newHandoverEnv(t *testing.T, names ...string) *handoverEnv {
 }
 
 // start runs a proxy on the env's hand-over socket (flags of extra win).
-func (e *handoverEnv) start(t *testing.T, extra ...string) *proxyProc {
+func (e *handoverEnv) start(t testing.TB, extra ...string) *proxyProc {
 	t.Helper()
 	return e.startOn(t, e.ag.socket, extra...)
 }
 
 // startOn is start on the xDS socket xds.
-func (e *handoverEnv) startOn(t *testing.T, xds string, extra ...string) *proxyProc {
+func (e *handoverEnv) startOn(t testing.TB, xds string, extra ...string) *proxyProc {
 	t.Helper()
 	return startProxyProc(t, e.bin, xds, append([]string{"-handover-socket", e.sock, "-flows-socket", e.flows, "-log-level", "info", "-shutdown-drain", "10s"}, extra...)...)
 }
 
 // waitLog waits until the process logged s.
-func (p *proxyProc) waitLog(t *testing.T, s string) {
+func (p *proxyProc) waitLog(t testing.TB, s string) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -72,7 +72,7 @@ func (p *proxyProc) waitLog(t *testing.T, s string) {
 }
 
 // waitExit waits for the process to exit and returns its exit code.
-func (p *proxyProc) waitExit(t *testing.T, within time.Duration) int {
+func (p *proxyProc) waitExit(t testing.TB, within time.Duration) int {
 	t.Helper()
 	select {
 	case <-p.done:
@@ -83,7 +83,7 @@ func (p *proxyProc) waitExit(t *testing.T, within time.Duration) int {
 	}
 }
 
-func (p *proxyProc) term(t *testing.T) {
+func (p *proxyProc) term(t testing.TB) {
 	t.Helper()
 	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)

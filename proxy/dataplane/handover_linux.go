@@ -154,17 +154,37 @@ func (m *Manager) takeInherited(key string) *os.File {
 	return f
 }
 
+// inNetNS runs fn, which binds the listeners names[i] on binds[i], on a
+// thread in the pod's netns; when every one of them is inherited, no new
+// socket is created and fn runs where it is (entering a netns costs more
+// than the whole adoption of a socket).
+func (p *pod) inNetNS(names []string, binds []listener.Bind, fn func() error) error {
+	p.m.inhMu.Lock()
+	all := len(p.m.inherited) > 0
+	for i := 0; all && i < len(binds); i++ {
+		_, all = p.m.inherited[inheritedKey(p.key, names[i], binds[i])]
+	}
+	p.m.inhMu.Unlock()
+	if all {
+		return fn()
+	}
+	return p.netns.do(fn)
+}
+
+func inheritedKey(pod, name string, b listener.Bind) string {
+	return handover.Key(pod, name, network(b), netip.AddrPortFrom(b.Addr.Addr().Unmap(), b.Addr.Port()).String())
+}
+
 // inheritedSocket returns the inherited socket of the pod's listener name
 // on b, when there is one in the pod's netns (nil: bind a new one).
 func (p *pod) inheritedSocket(name string, b listener.Bind) (*os.File, error) {
-	ap := netip.AddrPortFrom(b.Addr.Addr().Unmap(), b.Addr.Port())
-	f := p.m.takeInherited(handover.Key(p.key, name, network(b), ap.String()))
+	f := p.m.takeInherited(inheritedKey(p.key, name, b))
 	if f == nil {
 		return nil, nil
 	}
 	if err := handover.WithFd(f, p.netns.owns); err != nil {
 		_ = f.Close()
-		return nil, fmt.Errorf("inherited %s listener %q on %s: %w", network(b), name, ap, err)
+		return nil, fmt.Errorf("inherited %s listener %q on %s: %w", network(b), name, b.Addr, err)
 	}
 	return f, nil
 }

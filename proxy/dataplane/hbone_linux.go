@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -104,7 +105,11 @@ func (p *pod) bindHBONE(seq uint64) error {
 	if v6 {
 		binds = append(binds, "tcp6", netip.AddrPortFrom(netip.IPv6Unspecified(), p.m.cfg.HBONEPort).String())
 	}
-	err = p.netns.do(func() error {
+	var lbs []listener.Bind
+	for i := 1; i < len(binds); i += 2 {
+		lbs = append(lbs, listener.Bind{Addr: netip.MustParseAddrPort(binds[i])})
+	}
+	err = p.inNetNS(slices.Repeat([]string{hboneName}, len(lbs)), lbs, func() error {
 		for i := 0; i < len(binds); i += 2 {
 			ln, _, err := p.listen(listener.Spec{Name: hboneName}, listener.Bind{Addr: netip.MustParseAddrPort(binds[i+1])})
 			if err != nil {

@@ -170,7 +170,14 @@ func (m *Manager) startPod(ctx context.Context, key string, specs []listener.Spe
 }
 
 func (p *pod) bind() error {
-	return p.netns.do(func() error {
+	var binds []listener.Bind
+	var names []string
+	for _, s := range p.specs {
+		for _, b := range s.Binds {
+			binds, names = append(binds, b), append(names, s.Name)
+		}
+	}
+	return p.inNetNS(names, binds, func() error {
 		for _, s := range p.specs {
 			for _, b := range s.Binds {
 				ln, pc, err := p.listen(s, b)

@@ -51,14 +51,19 @@ func Key(pod, name, network, addr string) string {
 
 // message is one SOCK_SEQPACKET datagram of the protocol.
 type message struct {
-	// Op is take (successor: send me your sockets), socket (one, its
-	// descriptor attached), end (all sent), ack (successor: I accept on
-	// them, stop accepting) or done (old: I accept nothing any more).
-	Op      string  `json:"op"`
-	Version int     `json:"version,omitempty"`
-	Socket  *Socket `json:"socket,omitempty"`
-	Count   int     `json:"count,omitempty"`
+	// Op is take (successor: send me your sockets), sockets (a batch, its
+	// descriptors attached in order), end (all sent), ack (successor: I
+	// accept on them, stop accepting) or done (old: I accept nothing any
+	// more).
+	Op      string   `json:"op"`
+	Version int      `json:"version,omitempty"`
+	Sockets []Socket `json:"sockets,omitempty"`
+	Count   int      `json:"count,omitempty"`
 }
+
+// batch is the most descriptors one message carries (the kernel's
+// SCM_MAX_FD is 253).
+const batch = 250
 
 // ErrNoPredecessor: no proxy serves the hand-over socket (none runs, or
 // the socket is stale); the caller binds as a first proxy does.
@@ -113,20 +118,25 @@ func peerAllowed(c *net.UnixConn) error {
 	return nil
 }
 
-func send(c *net.UnixConn, m message, f *os.File) error {
+// send writes m with the descriptors of files attached, in order.
+func send(c *net.UnixConn, m message, files []*os.File) error {
 	b, err := json.Marshal(m)
 	if err != nil {
 		return err
 	}
-	if f == nil {
-		_, _, err = c.WriteMsgUnix(b, nil, nil)
-	} else {
-		err = WithFd(f, func(fd int) error {
-			_, _, err := c.WriteMsgUnix(b, unix.UnixRights(fd), nil)
-			return err
-		})
+	fds := make([]int, 0, len(files))
+	for _, f := range files {
+		// The caller holds every file open until send returns, so the
+		// numbers stay theirs.
+		if err := WithFd(f, func(fd int) error { fds = append(fds, fd); return nil }); err != nil {
+			return fmt.Errorf("failed to send hand-over %s: %w", m.Op, err)
+		}
 	}
-	if err != nil {
+	var oob []byte
+	if len(fds) > 0 {
+		oob = unix.UnixRights(fds...)
+	}
+	if _, _, err := c.WriteMsgUnix(b, oob, nil); err != nil {
 		return fmt.Errorf("failed to send hand-over %s: %w", m.Op, err)
 	}
 	return nil
@@ -149,39 +159,34 @@ func WithFd(f *os.File, fn func(fd int) error) error {
 	return ferr
 }
 
-// recv reads one message and the descriptor it carries (-1: none).
-func recv(c *net.UnixConn) (message, int, error) {
+// recv reads one message and the descriptors it carries (the caller
+// closes them, also on error).
+func recv(c *net.UnixConn) (message, []int, error) {
 	var m message
-	buf, oob := make([]byte, 64<<10), make([]byte, unix.CmsgSpace(4*4))
+	buf, oob := make([]byte, 256<<10), make([]byte, unix.CmsgSpace(4*batch))
 	n, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
 	if err != nil {
-		return m, -1, fmt.Errorf("failed to read hand-over message: %w", err)
+		return m, nil, fmt.Errorf("failed to read hand-over message: %w", err)
 	}
-	fd := -1
+	var fds []int
 	if oobn > 0 {
 		cms, err := unix.ParseSocketControlMessage(oob[:oobn])
 		for _, cm := range cms {
-			fds, ferr := unix.ParseUnixRights(&cm)
-			for _, x := range fds {
-				if fd < 0 {
-					fd = x
-				} else {
-					_ = unix.Close(x) // one descriptor per message
-				}
-			}
+			got, ferr := unix.ParseUnixRights(&cm)
+			fds = append(fds, got...)
 			err = errors.Join(err, ferr)
 		}
 		if err != nil {
-			return m, fd, fmt.Errorf("failed to parse hand-over descriptors: %w", err)
+			return m, fds, fmt.Errorf("failed to parse hand-over descriptors: %w", err)
 		}
 	}
 	if n == 0 {
-		return m, fd, fmt.Errorf("failed to read hand-over message: %w", net.ErrClosed)
+		return m, fds, fmt.Errorf("failed to read hand-over message: %w", net.ErrClosed)
 	}
 	if err := json.Unmarshal(buf[:n], &m); err != nil {
-		return m, fd, fmt.Errorf("failed to decode hand-over message: %w", err)
+		return m, fds, fmt.Errorf("failed to decode hand-over message: %w", err)
 	}
-	return m, fd, nil
+	return m, fds, nil
 }
 
 // validate checks that fd is what s says: the socket type and family of

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
 	"time"
 )
 
@@ -54,8 +55,8 @@ func session(ctx context.Context, c *net.UnixConn, o Offerer, ackTimeout time.Du
 		return false, err
 	}
 	deadline(ctx, c, 5*time.Second)
-	m, fd, err := recv(c)
-	closeFd(fd)
+	m, fds, err := recv(c)
+	closeFds(fds)
 	if err != nil {
 		return false, err
 	}
@@ -74,8 +75,8 @@ func session(ctx context.Context, c *net.UnixConn, o Offerer, ackTimeout time.Du
 		return false, err
 	}
 	deadline(ctx, c, ackTimeout)
-	m, fd, err = recv(c)
-	closeFd(fd)
+	m, fds, err = recv(c)
+	closeFds(fds)
 	if err != nil {
 		return false, fmt.Errorf("successor ended the hand-over before its ack: %w", err)
 	}
@@ -91,11 +92,19 @@ func session(ctx context.Context, c *net.UnixConn, o Offerer, ackTimeout time.Du
 	return true, nil
 }
 
+// sendAll sends socks in batches of descriptors, then end.
 func sendAll(c *net.UnixConn, socks []Socket) error {
-	for i := range socks {
-		if err := send(c, message{Op: "socket", Socket: &socks[i]}, socks[i].File); err != nil {
+	total := len(socks)
+	for len(socks) > 0 {
+		n := min(len(socks), batch)
+		files := make([]*os.File, n)
+		for i := range files {
+			files[i] = socks[i].File
+		}
+		if err := send(c, message{Op: "sockets", Sockets: socks[:n]}, files); err != nil {
 			return err
 		}
+		socks = socks[n:]
 	}
-	return send(c, message{Op: "end", Count: len(socks)}, nil)
+	return send(c, message{Op: "end", Count: total}, nil)
 }

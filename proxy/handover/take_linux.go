@@ -52,29 +52,37 @@ func (s *Session) receive(ctx context.Context) error {
 	if err := send(s.c, message{Op: "take", Version: Version}, nil); err != nil {
 		return err
 	}
-	for n := 0; ; n++ {
-		m, fd, err := recv(s.c)
+	for {
+		m, fds, err := recv(s.c)
 		if err != nil {
-			closeFd(fd)
+			closeFds(fds)
 			return err
 		}
 		switch {
-		case m.Op == "end" && m.Count == n:
-			closeFd(fd)
-			return nil
-		case m.Op == "socket" && m.Socket != nil && fd >= 0:
-			if err := validate(*m.Socket, fd); err != nil {
-				closeFd(fd)
-				s.Rejected = append(s.Rejected, fmt.Errorf("handed-over socket %s %s of %q: %w", m.Socket.Network, m.Socket.Addr, m.Socket.Name, err))
-				continue
+		case m.Op == "end" && len(fds) == 0:
+			if got := len(s.Sockets) + len(s.Rejected); got != m.Count {
+				return fmt.Errorf("hand-over ended after %d sockets: the old proxy sent %d", got, m.Count)
 			}
-			sock := *m.Socket
-			sock.File = os.NewFile(uintptr(fd), "handover:"+sock.Key())
-			s.Sockets = append(s.Sockets, sock)
+			return nil
+		case m.Op == "sockets" && len(fds) == len(m.Sockets):
+			s.add(m.Sockets, fds)
 		default:
-			closeFd(fd)
-			return fmt.Errorf("hand-over message %q (socket %v, descriptor %v, %d sent): want socket or end", m.Op, m.Socket != nil, fd >= 0, n)
+			closeFds(fds)
+			return fmt.Errorf("hand-over message %q with %d sockets and %d descriptors: want sockets (one descriptor each) or end", m.Op, len(m.Sockets), len(fds))
 		}
+	}
+}
+
+// add validates each socket against its descriptor and keeps the valid.
+func (s *Session) add(socks []Socket, fds []int) {
+	for i, sock := range socks {
+		if err := validate(sock, fds[i]); err != nil {
+			closeFd(fds[i])
+			s.Rejected = append(s.Rejected, fmt.Errorf("handed-over socket %s %s of %q: %w", sock.Network, sock.Addr, sock.Name, err))
+			continue
+		}
+		sock.File = os.NewFile(uintptr(fds[i]), "handover:"+sock.Key())
+		s.Sockets = append(s.Sockets, sock)
 	}
 }
 
@@ -86,8 +94,8 @@ func (s *Session) Ack(ctx context.Context) error {
 	if err := send(s.c, message{Op: "ack"}, nil); err != nil {
 		return err
 	}
-	m, fd, err := recv(s.c)
-	closeFd(fd)
+	m, fds, err := recv(s.c)
+	closeFds(fds)
 	if err != nil {
 		return fmt.Errorf("failed to hear the old proxy stop accepting: %w", err)
 	}
@@ -101,8 +109,10 @@ func (s *Session) Ack(ctx context.Context) error {
 // nothing happened. The received Files stay the caller's.
 func (s *Session) Close() { _ = s.c.Close() }
 
-func closeFd(fd int) {
-	if fd >= 0 {
-		_ = unix.Close(fd)
+func closeFd(fd int) { _ = unix.Close(fd) }
+
+func closeFds(fds []int) {
+	for _, fd := range fds {
+		closeFd(fd)
 	}
 }
