@@ -477,7 +477,7 @@ func (p *Proxy) listenMetrics() (net.Listener, lifecycle.Server, error) {
 // listenFlows opens the flows socket; its clients are closed at once at
 // stop.
 func (p *Proxy) listenFlows() (net.Listener, lifecycle.Server, error) {
-	var ln net.Listener = p.inheritedOwn("flows", p.cfg.FlowsSocket)
+	ln := p.inheritedOwn("flows", p.cfg.FlowsSocket)
 	if ln == nil {
 		ul, err := flowserver.Listen(p.cfg.FlowsSocket)
 		if err != nil {

@@ -567,6 +567,21 @@ type streamPair struct {
 	once sync.Once
 	act  activity
 	end  telemetry.End
+	// finishing: finish ended the pair at a drain deadline (tcpPair's).
+	finishing atomic.Bool
+}
+
+// finish ends the pair cleanly at a drain deadline: a FIN to the client
+// and an END_STREAM to the peer at once; what the client still sends is
+// discarded until its FIN or finishLinger, what the stream still carries
+// until the peer's END_STREAM (the pod's close aborts a peer that sends
+// none: the stream has no read deadline).
+func (t *streamPair) finish() {
+	t.end.Force(telemetry.ReasonDrainDeadline)
+	t.finishing.Store(true)
+	_ = t.down.CloseWrite()
+	_ = t.up.CloseWrite()
+	_ = t.down.SetReadDeadline(time.Now().Add(finishLinger))
 }
 
 func (t *streamPair) endWith(r telemetry.CloseReason) { t.end.Force(r) }
@@ -630,7 +645,12 @@ func (t *streamPair) pipe(tc *telemetry.Conn) (telemetry.CloseReason, error) {
 		// Large raw reads of the client's socket, no buffer while idle,
 		// framed in place into the stream (countWriter is an
 		// hbone.StreamWriter).
-		if err := hbone.Copy(countWriter{t.up, tc.Received, &t.act}, t.down); err != nil {
+		err := hbone.Copy(countWriter{t.up, tc.Received, &t.act}, t.down)
+		if t.finishing.Load() {
+			_, _ = io.Copy(io.Discard, t.down)
+			return
+		}
+		if err != nil {
 			upErr = err
 			t.end.Force(telemetry.ReasonReset)
 			t.abort()
@@ -640,7 +660,10 @@ func (t *streamPair) pipe(tc *telemetry.Conn) (telemetry.CloseReason, error) {
 		_ = t.up.CloseWrite()
 	}()
 	_, downErr := io.Copy(countWriter{t.down, tc.Sent, &t.act}, t.up)
-	if downErr != nil {
+	if t.finishing.Load() {
+		_, _ = io.Copy(io.Discard, t.up)
+		downErr = nil
+	} else if downErr != nil {
 		t.end.Force(telemetry.ReasonReset)
 		t.abort()
 	} else {

@@ -388,15 +388,7 @@ func (p *pod) drainUntil(timeout time.Duration, abort <-chan struct{}) {
 	p.draining.Store(true)
 	p.stopAccepting()
 	// UDP flows have no end of their own: they stop with the listeners.
-	p.mu.Lock()
-	var flows []closer
-	for c := range p.conns {
-		if _, ok := c.(*udpFlow); ok {
-			flows = append(flows, c)
-		}
-	}
-	p.mu.Unlock()
-	for _, f := range flows {
+	for _, f := range connsOf[*udpFlow](p) {
 		f.abort()
 	}
 	finished := make(chan struct{})
@@ -428,14 +420,7 @@ type finisher interface{ finish() }
 // they closed (finished) or finishLinger and a margin passed; closeWith
 // then aborts what is left.
 func (p *pod) finishConns(finished <-chan struct{}) {
-	p.mu.Lock()
-	var fs []finisher
-	for c := range p.conns {
-		if f, ok := c.(finisher); ok {
-			fs = append(fs, f)
-		}
-	}
-	p.mu.Unlock()
+	fs := connsOf[finisher](p)
 	if len(fs) == 0 {
 		return
 	}
@@ -444,7 +429,7 @@ func (p *pod) finishConns(finished <-chan struct{}) {
 	}
 	t := time.NewTimer(finishLinger + 250*time.Millisecond)
 	defer t.Stop()
-	for p.openFinishers() > 0 {
+	for len(connsOf[finisher](p)) > 0 {
 		select {
 		case <-finished:
 			return
@@ -455,17 +440,17 @@ func (p *pod) finishConns(finished <-chan struct{}) {
 	}
 }
 
-// openFinishers counts the open connections that finish cleanly.
-func (p *pod) openFinishers() int {
+// connsOf returns the pod's open connections and flows that are a T.
+func connsOf[T any](p *pod) []T {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	n := 0
+	var out []T
 	for c := range p.conns {
-		if _, ok := c.(finisher); ok {
-			n++
+		if t, ok := c.(T); ok {
+			out = append(out, t)
 		}
 	}
-	return n
+	return out
 }
 
 // close aborts everything at once; done is closed when every goroutine of

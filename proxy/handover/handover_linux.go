@@ -65,8 +65,8 @@ type message struct {
 // SCM_MAX_FD is 253).
 const batch = 250
 
-// ErrNoPredecessor: no proxy serves the hand-over socket (none runs, or
-// the socket is stale); the caller binds as a first proxy does.
+// ErrNoPredecessor says no proxy serves the hand-over socket (none runs,
+// or the socket is stale); the caller binds as a first proxy does.
 var ErrNoPredecessor = errors.New("no running proxy to take over from")
 
 // Listen binds the hand-over socket at path (mode 0600 in a dir of mode
@@ -84,7 +84,8 @@ func Listen(path string) (*net.UnixListener, error) {
 	}
 	// The successor replaces the path: never unlink it at close.
 	ln.SetUnlinkOnClose(false)
-	if err := os.Chmod(tmp, 0o600); err == nil {
+	err = os.Chmod(tmp, 0o600)
+	if err == nil {
 		err = os.Rename(tmp, path)
 	}
 	if err != nil {
@@ -206,15 +207,15 @@ func validate(s Socket, fd int) error {
 	default:
 		return fmt.Errorf("network %q: want tcp4, tcp6, udp4, udp6 or unix", s.Network)
 	}
-	if v, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_TYPE); err != nil || v != typ {
-		return fmt.Errorf("socket type %d (%v): want %d for %s", v, err, typ, s.Network)
+	if err := sockopt(fd, unix.SO_TYPE, "SO_TYPE", typ); err != nil {
+		return fmt.Errorf("not a %s socket: %w", s.Network, err)
 	}
-	if v, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_DOMAIN); err != nil || v != family {
-		return fmt.Errorf("socket family %d (%v): want %d for %s", v, err, family, s.Network)
+	if err := sockopt(fd, unix.SO_DOMAIN, "SO_DOMAIN", family); err != nil {
+		return fmt.Errorf("not a %s socket: %w", s.Network, err)
 	}
 	if typ == unix.SOCK_STREAM {
-		if v, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN); err != nil || v != 1 {
-			return fmt.Errorf("tcp socket is not listening (SO_ACCEPTCONN %d, %v)", v, err)
+		if err := sockopt(fd, unix.SO_ACCEPTCONN, "SO_ACCEPTCONN", 1); err != nil {
+			return fmt.Errorf("socket is not listening: %w", err)
 		}
 	}
 	sa, err := unix.Getsockname(fd)
@@ -241,6 +242,18 @@ func validate(s Socket, fd int) error {
 	got, want = netip.AddrPortFrom(got.Addr().Unmap(), got.Port()), netip.AddrPortFrom(want.Addr().Unmap(), want.Port())
 	if got != want {
 		return fmt.Errorf("socket bound to %s: want %s", got, want)
+	}
+	return nil
+}
+
+// sockopt checks that the SOL_SOCKET option opt (named name) of fd is want.
+func sockopt(fd, opt int, name string, want int) error {
+	v, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, opt)
+	if err != nil {
+		return fmt.Errorf("failed to read %s: %w", name, err)
+	}
+	if v != want {
+		return fmt.Errorf("%s is %d: want %d", name, v, want)
 	}
 	return nil
 }
