@@ -237,16 +237,8 @@ func TestUpstreamResetPropagates(t *testing.T) {
 		_ = c.(*net.TCPConn).SetLinger(0)
 		c.Close()
 	}()
-	c, err := e.client.Dial(ctx10(t), netip.AddrPortFrom(e.server.IP4, 7070))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
-	if _, err := c.Write([]byte("ping")); err != nil {
-		t.Fatal(err)
-	}
-	_, err = c.Read(make([]byte, 1))
+	c := dialPing(t, e.client, netip.AddrPortFrom(e.server.IP4, 7070))
+	_, err := c.Read(make([]byte, 1))
 	if err == nil || !strings.Contains(err.Error(), "reset") {
 		t.Fatalf("read after the server's reset = %v, want a reset", err)
 	}

@@ -351,15 +351,7 @@ func TestHBONEDrainDeadline(t *testing.T) {
 		_, err := io.Copy(c, c)
 		appEnd <- err
 	})
-	c, err := e.client.Dial(ctx10(t), netip.AddrPortFrom(e.server.IP4, 7071))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
-	if _, err := c.Write([]byte("ping")); err != nil {
-		t.Fatal(err)
-	}
+	c := dialPing(t, e.client, netip.AddrPortFrom(e.server.IP4, 7071))
 	if _, err := io.ReadFull(c, make([]byte, 4)); err != nil {
 		t.Fatal(err)
 	}
@@ -375,4 +367,20 @@ func TestHBONEDrainDeadline(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the app's side did not end")
 	}
+}
+
+// dialPing connects from pod from to dst (closed at the test's end, within
+// 10 s) and writes "ping".
+func dialPing(t *testing.T, from *proxytest.Pod, dst netip.AddrPort) *net.TCPConn {
+	t.Helper()
+	c, err := from.Dial(ctx10(t), dst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Write([]byte("ping")); err != nil {
+		t.Fatal(err)
+	}
+	return c
 }
