@@ -73,7 +73,10 @@ func (p *Proxy) handover(ctx context.Context, sess *handover.Session, stop conte
 	}
 	ln, err := handover.Listen(p.cfg.HandoverSocket)
 	if err != nil {
-		return err
+		// Serving goes on; only a successor's take-over is lost (it binds
+		// its own listeners once this proxy stopped).
+		p.log.Error("no hand-over socket: a successor cannot take over this proxy's listeners", "error", err.Error())
+		return nil
 	}
 	if err := handover.Serve(ctx, ln, p, handover.DefaultAckTimeout, p.log.With("component", "handover")); err != nil {
 		return nil // ctx ended: the proxy stops anyway
@@ -202,12 +205,17 @@ func (p *Proxy) listenOwn(name, address string) (net.Listener, error) {
 
 // sameAddress reports whether the configured address names the bound one.
 func sameAddress(configured, bound string) bool {
-	c, err := netip.ParseAddrPort(configured)
-	b, berr := netip.ParseAddrPort(bound)
-	if err != nil || berr != nil {
+	b, err := netip.ParseAddrPort(bound)
+	if err != nil {
 		return false
 	}
-	return c.Addr().Unmap() == b.Addr().Unmap() && (c.Port() == 0 || c.Port() == b.Port())
+	ta, err := net.ResolveTCPAddr("tcp", configured) // a name: "localhost:18090"
+	if err != nil {
+		return false
+	}
+	c := ta.AddrPort()
+	same := c.Addr().Unmap() == b.Addr().Unmap() || (!c.Addr().IsValid() && b.Addr().IsUnspecified()) // ":18090"
+	return same && (c.Port() == 0 || c.Port() == b.Port())
 }
 
 // closeOwn closes the inherited own sockets no listener took.
