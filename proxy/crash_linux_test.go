@@ -36,10 +36,13 @@ type proxyProc struct {
 	done chan struct{}
 }
 
-func startProxyProc(t *testing.T, bin, xds string) *proxyProc {
+// startProxyProc starts aether-proxy on the agent's socket xds with no
+// hand-over socket, then the flags of extra (which win).
+func startProxyProc(t testing.TB, bin, xds string, extra ...string) *proxyProc {
 	t.Helper()
 	p := &proxyProc{out: &lockedBuffer{}, done: make(chan struct{})}
-	p.cmd = exec.Command(bin, "-xds-address", "unix://"+xds, "-node-id", "node-1", "-admin-address", "", "-log-level", "warn")
+	args := append([]string{"-xds-address", "unix://" + xds, "-node-id", "node-1", "-admin-address", "", "-log-level", "warn", "-handover-socket", ""}, extra...)
+	p.cmd = exec.Command(bin, args...)
 	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
 	if err := p.cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -62,7 +65,7 @@ func (p *proxyProc) kill() {
 
 // allServed waits until every pod's readiness endpoint answers 200 (its
 // listeners bound and served by the proxy) and returns when that was.
-func allServed(t *testing.T, pods []*proxytest.Pod, p *proxyProc) time.Time {
+func allServed(t testing.TB, pods []*proxytest.Pod, p *proxyProc) time.Time {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()

@@ -32,6 +32,7 @@ import (
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/proxy/dataplane"
 	"aether.io/node/proxy/flowserver"
+	"aether.io/node/proxy/handover"
 	"aether.io/node/proxy/identity"
 	"aether.io/node/proxy/identity/spire"
 	"aether.io/node/proxy/peers"
@@ -97,6 +98,13 @@ type Config struct {
 	// FlowsAllowedUIDs are the peer uids (SO_PEERCRED) that may follow the
 	// flows; empty means uid 0 only.
 	FlowsAllowedUIDs []uint32
+	// HandoverSocket is the unix socket (root only) a starting proxy takes
+	// the running one's listening sockets over (proxy/handover); empty
+	// turns the hand-over off: the proxy binds every listener itself.
+	HandoverSocket string
+	// HandoverTimeout bounds a successor's sync with the agent before it
+	// acknowledges a hand-over (0: DefaultHandoverTimeout).
+	HandoverTimeout time.Duration
 }
 
 // Proxy is aether-proxy. Construct with New, then Run.
@@ -124,6 +132,10 @@ type Proxy struct {
 	mu        sync.Mutex
 	listeners map[string]listener.Spec
 	adminAddr chan net.Addr
+	// adminLn, metricsLn and flowsLn are the proxy's own listeners (offered
+	// to a successor); own are those a predecessor handed over, by name.
+	adminLn, metricsLn, flowsLn net.Listener
+	own                         map[string]handover.Socket
 }
 
 // New builds the proxy; it does no network I/O.
@@ -156,7 +168,10 @@ func New(cfg Config, log *slog.Logger) (*Proxy, error) {
 	}
 	p := &Proxy{
 		cfg: cfg, log: log, Metrics: telemetry.NewWithAccessLog(al), Peers: peers.NewIndex(), Services: peers.NewServices(), Authz: authz.NewTable(),
-		listeners: map[string]listener.Spec{}, adminAddr: make(chan net.Addr, 1),
+		listeners: map[string]listener.Spec{}, adminAddr: make(chan net.Addr, 1), own: map[string]handover.Socket{},
+	}
+	if p.cfg.HandoverTimeout == 0 {
+		p.cfg.HandoverTimeout = DefaultHandoverTimeout
 	}
 	dp := cfg.Dataplane
 	dp.Services = p.Services
@@ -383,6 +398,13 @@ func (p *Proxy) Handler() http.Handler {
 // while the pods drain). Every goroutine has returned when Run does;
 // a failed start (the admin address in use) stops what started.
 func (p *Proxy) Run(ctx context.Context) error {
+	ctx, stop := context.WithCancel(ctx)
+	defer stop()
+	sess, err := p.takeOver(ctx)
+	if err != nil {
+		return err
+	}
+	defer p.closeOwn()
 	lc := lifecycle.New(p.log, 0)
 	if p.cfg.AdminAddress != "" {
 		lc.Serve("admin", p.listenAdmin)
@@ -414,15 +436,21 @@ func (p *Proxy) Run(ctx context.Context) error {
 	if p.LDS != nil {
 		lc.Go("lds_client", p.LDS.Run)
 	}
+	if p.cfg.HandoverSocket != "" {
+		lc.Go("handover", func(ctx context.Context) error { return p.handover(ctx, sess, stop) })
+	}
 	return lc.Run(ctx)
 }
 
 // listenAdmin opens the admin address; the server is closed at once at stop.
 func (p *Proxy) listenAdmin() (net.Listener, lifecycle.Server, error) {
-	ln, err := net.Listen("tcp", p.cfg.AdminAddress)
+	ln, err := p.listenOwn("admin", p.cfg.AdminAddress)
 	if err != nil {
 		return nil, lifecycle.Server{}, fmt.Errorf("failed to listen on admin address %q: %w", p.cfg.AdminAddress, err)
 	}
+	p.mu.Lock()
+	p.adminLn = ln
+	p.mu.Unlock()
 	p.adminAddr <- ln.Addr()
 	srv := &http.Server{Handler: p.Handler(), ReadHeaderTimeout: 5 * time.Second}
 	return ln, lifecycle.Server{Serve: srv.Serve, Shutdown: func(context.Context) { _ = srv.Close() }}, nil
@@ -432,10 +460,13 @@ func (p *Proxy) listenAdmin() (net.Listener, lifecycle.Server, error) {
 // reaching the node's address sees neither /healthz nor /debug/pods (which
 // lists every pod's listeners).
 func (p *Proxy) listenMetrics() (net.Listener, lifecycle.Server, error) {
-	ln, err := net.Listen("tcp", p.cfg.MetricsAddress)
+	ln, err := p.listenOwn("metrics", p.cfg.MetricsAddress)
 	if err != nil {
 		return nil, lifecycle.Server{}, fmt.Errorf("failed to listen on metrics address %q: %w", p.cfg.MetricsAddress, err)
 	}
+	p.mu.Lock()
+	p.metricsLn = ln
+	p.mu.Unlock()
 	p.log.Info("metrics listening", "addr", ln.Addr().String())
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(p.Metrics.Registry, promhttp.HandlerOpts{}))
@@ -446,10 +477,17 @@ func (p *Proxy) listenMetrics() (net.Listener, lifecycle.Server, error) {
 // listenFlows opens the flows socket; its clients are closed at once at
 // stop.
 func (p *Proxy) listenFlows() (net.Listener, lifecycle.Server, error) {
-	ln, err := flowserver.Listen(p.cfg.FlowsSocket)
-	if err != nil {
-		return nil, lifecycle.Server{}, err
+	ln := p.inheritedOwn("flows", p.cfg.FlowsSocket)
+	if ln == nil {
+		ul, err := flowserver.Listen(p.cfg.FlowsSocket)
+		if err != nil {
+			return nil, lifecycle.Server{}, err
+		}
+		ln = ul
 	}
+	p.mu.Lock()
+	p.flowsLn = ln
+	p.mu.Unlock()
 	srv := flowserver.New(p.Metrics.Flows(), flowserver.Options{AllowedUIDs: p.cfg.FlowsAllowedUIDs, Logger: p.log.With("component", "flows")})
 	p.log.Info("flows socket listening", "path", p.cfg.FlowsSocket)
 	return ln, lifecycle.Server{Serve: srv.Serve, Shutdown: func(context.Context) { srv.Close() }}, nil

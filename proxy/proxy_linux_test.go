@@ -48,14 +48,14 @@ type agent struct {
 	stop func()
 }
 
-func startAgent(t *testing.T) *agent {
+func startAgent(t testing.TB) *agent {
 	t.Helper()
 	return startAgentAt(t, filepath.Join(t.TempDir(), "xds.sock"))
 }
 
 // startAgentAt is startAgent serving socket (an agent restarted on the
 // socket of one that stopped: fresh caches, the resources yet to add).
-func startAgentAt(t *testing.T, socket string) *agent {
+func startAgentAt(t testing.TB, socket string) *agent {
 	t.Helper()
 	a := &agent{
 		requests:  make(chan *discovery.DeltaDiscoveryRequest, 256),
@@ -92,7 +92,7 @@ func startAgentAt(t *testing.T, socket string) *agent {
 
 // addPod publishes the pod's listeners and workload, as the agent does at
 // AddPod.
-func (a *agent) addPod(t *testing.T, p *proxytest.Pod) {
+func (a *agent) addPod(t testing.TB, p *proxytest.Pod) {
 	t.Helper()
 	ls, err := listener.Build(p.Record())
 	if err != nil {

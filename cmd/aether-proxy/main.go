@@ -65,6 +65,8 @@ func main() {
 	flag.BoolVar(&cfg.AccessLogOpens, "access-log-open", false, "with -access-log=all, also write a line when a connection opens (\"connection opened\", the same keys)")
 	accessRate := flag.Float64("access-log-sample-rate", 1, "share of connections whose access-log lines are kept, 0 to 1 (0: none)")
 	flag.StringVar(&cfg.FlowsSocket, "flows-socket", flowapi.DefaultSocket, "unix socket (mode 0600) streaming the node's live connection events to aetherctl flows; its directory must be the proxy's own, never "+meshcontract.ProxySocketDir+" nor one a pod reaches; empty disables")
+	flag.StringVar(&cfg.HandoverSocket, "handover-socket", proxy.DefaultHandoverSocket, "unix socket (root only, in the proxy's own run dir) a starting proxy takes the running proxy's listening sockets over on, so an upgrade refuses no connection; empty turns the hand-over off (each proxy binds its own; stop-then-start)")
+	flag.DurationVar(&cfg.HandoverTimeout, "handover-timeout", proxy.DefaultHandoverTimeout, "how long a starting proxy may take to sync with the agent before it completes a hand-over; past it, it exits and the running proxy serves on")
 	flowsUIDs := flag.String("flows-allowed-uids", "0", "comma-separated peer uids (SO_PEERCRED) allowed to follow -flows-socket")
 	flag.Parse()
 	var err error

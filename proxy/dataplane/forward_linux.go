@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -147,6 +148,39 @@ type tcpPair struct {
 	// az, for an inbound plaintext pair, is what it was authorized on
 	// (Manager.Reauthorize); nil for outbound pairs.
 	az *authz.Conn
+	// finishing: finish ended the pair cleanly (a drain deadline); copy
+	// errors from then on are its doing, not a reset.
+	finishing atomic.Bool
+}
+
+// finishLinger is how long a pair finished at a drain deadline reads (and
+// discards) what either side still sends before it closes: a close with
+// unread data in a receive buffer would send a reset instead of a FIN.
+const finishLinger = time.Second
+
+// finish ends the pair with a clean close at a drain deadline: a FIN to
+// both sides (shutdown SHUT_WR) at once; what either still sends is read
+// and discarded until its own FIN or finishLinger, then pipe closes both.
+func (t *tcpPair) finish() {
+	t.end.Force(telemetry.ReasonDrainDeadline)
+	t.finishing.Store(true)
+	dl := time.Now().Add(finishLinger)
+	_ = t.down.CloseWrite()
+	_ = t.up.CloseWrite()
+	_ = t.down.SetReadDeadline(dl)
+	_ = t.up.SetReadDeadline(dl)
+}
+
+// copyHalf copies src to dst (pipe's one direction) and reports whether
+// it ended in error. A pair being finished discards what src still sends
+// instead, and never counts as failed.
+func (t *tcpPair) copyHalf(pool *pipePool, dst, src net.Conn, add func(int64)) error {
+	_, err := copyConn(pool, dst, src, add)
+	if t.finishing.Load() {
+		_, _ = io.Copy(io.Discard, src) // until the peer's FIN or the linger deadline
+		return nil
+	}
+	return err
 }
 
 func (t *tcpPair) authorized() (authz.Conn, bool) {
@@ -277,7 +311,7 @@ func pipe(pool *pipePool, t *tcpPair, tc *telemetry.Conn) (telemetry.CloseReason
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		if _, err := copyConn(pool, t.up, t.down, tc.Received); err != nil {
+		if err := t.copyHalf(pool, t.up, t.down, tc.Received); err != nil {
 			upErr = err
 			t.end.Force(telemetry.ReasonReset)
 			t.abort()
@@ -286,7 +320,7 @@ func pipe(pool *pipePool, t *tcpPair, tc *telemetry.Conn) (telemetry.CloseReason
 		t.end.Finished(telemetry.ReasonClientClosed)
 		_ = t.up.CloseWrite()
 	}()
-	_, downErr := copyConn(pool, t.down, t.up, tc.Sent)
+	downErr := t.copyHalf(pool, t.down, t.up, tc.Sent)
 	if downErr != nil {
 		t.end.Force(telemetry.ReasonReset)
 		t.abort()

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -19,6 +20,7 @@ import (
 	"aether.io/node/proxy/hbone"
 	"aether.io/node/proxy/peers"
 	"aether.io/node/proxy/telemetry"
+	"aether.io/node/xds/listener"
 )
 
 // HBONE in the data plane (see proxy/hbone/README.md "How the data plane uses
@@ -103,9 +105,13 @@ func (p *pod) bindHBONE(seq uint64) error {
 	if v6 {
 		binds = append(binds, "tcp6", netip.AddrPortFrom(netip.IPv6Unspecified(), p.m.cfg.HBONEPort).String())
 	}
-	err = p.netns.do(func() error {
+	var lbs []listener.Bind
+	for i := 1; i < len(binds); i += 2 {
+		lbs = append(lbs, listener.Bind{Addr: netip.MustParseAddrPort(binds[i])})
+	}
+	err = p.inNetNS(slices.Repeat([]string{hboneName}, len(lbs)), lbs, func() error {
 		for i := 0; i < len(binds); i += 2 {
-			ln, err := (&net.ListenConfig{}).Listen(context.Background(), binds[i], binds[i+1])
+			ln, _, err := p.listen(listener.Spec{Name: hboneName}, listener.Bind{Addr: netip.MustParseAddrPort(binds[i+1])})
 			if err != nil {
 				return fmt.Errorf("failed to bind %s hbone listener on %s: %w", binds[i], binds[i+1], err)
 			}
@@ -561,6 +567,21 @@ type streamPair struct {
 	once sync.Once
 	act  activity
 	end  telemetry.End
+	// finishing: finish ended the pair at a drain deadline (tcpPair's).
+	finishing atomic.Bool
+}
+
+// finish ends the pair cleanly at a drain deadline: a FIN to the client
+// and an END_STREAM to the peer at once; what the client still sends is
+// discarded until its FIN or finishLinger, what the stream still carries
+// until the peer's END_STREAM (the pod's close aborts a peer that sends
+// none: the stream has no read deadline).
+func (t *streamPair) finish() {
+	t.end.Force(telemetry.ReasonDrainDeadline)
+	t.finishing.Store(true)
+	_ = t.down.CloseWrite()
+	_ = t.up.CloseWrite()
+	_ = t.down.SetReadDeadline(time.Now().Add(finishLinger))
 }
 
 func (t *streamPair) endWith(r telemetry.CloseReason) { t.end.Force(r) }
@@ -624,7 +645,12 @@ func (t *streamPair) pipe(tc *telemetry.Conn) (telemetry.CloseReason, error) {
 		// Large raw reads of the client's socket, no buffer while idle,
 		// framed in place into the stream (countWriter is an
 		// hbone.StreamWriter).
-		if err := hbone.Copy(countWriter{t.up, tc.Received, &t.act}, t.down); err != nil {
+		err := hbone.Copy(countWriter{t.up, tc.Received, &t.act}, t.down)
+		if t.finishing.Load() {
+			_, _ = io.Copy(io.Discard, t.down)
+			return
+		}
+		if err != nil {
 			upErr = err
 			t.end.Force(telemetry.ReasonReset)
 			t.abort()
@@ -634,7 +660,10 @@ func (t *streamPair) pipe(tc *telemetry.Conn) (telemetry.CloseReason, error) {
 		_ = t.up.CloseWrite()
 	}()
 	_, downErr := io.Copy(countWriter{t.down, tc.Sent, &t.act}, t.up)
-	if downErr != nil {
+	if t.finishing.Load() {
+		_, _ = io.Copy(io.Discard, t.up)
+		downErr = nil
+	} else if downErr != nil {
 		t.end.Force(telemetry.ReasonReset)
 		t.abort()
 	} else {

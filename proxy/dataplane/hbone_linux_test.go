@@ -339,3 +339,48 @@ func TestHBONERotation(t *testing.T) {
 		t.Fatalf("new connection after rotation: %q, %v", reply, err)
 	}
 }
+
+// TestHBONEDrainDeadline: a captured connection tunnelled over HBONE that
+// is still open when its pod's drain deadline passes ends cleanly: the
+// client reads EOF (a FIN, no reset) and the app's side reads EOF too (the
+// stream ended with END_STREAM, not RST_STREAM).
+func TestHBONEDrainDeadline(t *testing.T) {
+	e := setupHBONEConfig(t, dataplane.Config{ConnectTimeout: 3 * time.Second, DrainTimeout: 300 * time.Millisecond})
+	appEnd := make(chan error, 1)
+	e.server.Handle(t, 7071, func(c net.Conn) {
+		_, err := io.Copy(c, c)
+		appEnd <- err
+	})
+	c := dialPing(t, e.client, netip.AddrPortFrom(e.server.IP4, 7071))
+	if _, err := io.ReadFull(c, make([]byte, 4)); err != nil {
+		t.Fatal(err)
+	}
+	e.mgr.SetListeners(e.server.Specs(t)) // the client pod is removed: its drain starts
+	if _, err := io.ReadAll(c); err != nil {
+		t.Fatalf("the tunnelled connection at the drain deadline ended with %v, want a FIN (EOF)", err)
+	}
+	select {
+	case err := <-appEnd:
+		if err != nil {
+			t.Fatalf("the app's side ended with %v, want EOF (END_STREAM)", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the app's side did not end")
+	}
+}
+
+// dialPing connects from pod from to dst (closed at the test's end, within
+// 10 s) and writes "ping".
+func dialPing(t *testing.T, from *proxytest.Pod, dst netip.AddrPort) *net.TCPConn {
+	t.Helper()
+	c, err := from.Dial(ctx10(t), dst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Write([]byte("ping")); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}

@@ -203,15 +203,7 @@ func (m *Manager) closeIdle() {
 }
 
 func (p *pod) closeIdle(timeout time.Duration) {
-	p.mu.Lock()
-	var conns []idler
-	for c := range p.conns {
-		if t, ok := c.(idler); ok {
-			conns = append(conns, t)
-		}
-	}
-	p.mu.Unlock()
-	for _, c := range conns {
+	for _, c := range connsOf[idler](p) {
 		if c.idle() >= timeout {
 			p.m.metrics.LimitHit(telemetry.LimitTCPIdle)
 			p.log.Debug("closing idle connection", "conn", c.String(), "timeout", timeout)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"os"
 	"slices"
 	"sort"
 	"sync"
@@ -311,6 +312,16 @@ type Manager struct {
 
 	// pipes are the splice pipes of the TCP copies (closed with Close).
 	pipes pipePool
+
+	// handedOff: the pods were handed over to a successor (Retire); no pod
+	// is bound any more.
+	handedOff bool
+	// inherited are the sockets a predecessor handed over that no pod took
+	// yet, by handover.Key (handover_linux.go).
+	inhMu     sync.Mutex
+	inherited map[string]*os.File
+	// settle asks Run for a reconcile whose end closes the channel sent.
+	settle chan chan struct{}
 }
 
 // New returns a manager. It opens the process's own netns (to return to
@@ -338,6 +349,7 @@ func New(cfg Config, lookup PeerLookup, m *telemetry.Metrics, log *slog.Logger) 
 		cfg: cfg, log: log, peers: lookup, metrics: m, home: home,
 		desired: map[string][]listener.Spec{}, pods: map[string]*pod{}, draining: map[*pod]struct{}{},
 		failed: map[string]string{}, kick: make(chan struct{}, 1), servers: map[*hbone.Server]struct{}{},
+		inherited: map[string]*os.File{}, settle: make(chan chan struct{}),
 	}
 	if cfg.Certs != nil {
 		mg.hbBudget, err = hbone.NewBudget(hbone.BudgetConfig{
@@ -396,6 +408,9 @@ func (m *Manager) Run(ctx context.Context) error {
 			m.shutdown()
 			return nil
 		case <-m.kick:
+		case done := <-m.settle:
+			m.reconcile(ctx)
+			close(done)
 		case <-t.C:
 			m.checkVanished()
 			m.closeIdle()
@@ -484,7 +499,7 @@ func (m *Manager) reconcile(ctx context.Context) {
 	}
 	var starts []start
 	for key, specs := range m.desired {
-		if _, ok := m.pods[key]; ok {
+		if _, ok := m.pods[key]; ok || m.handedOff {
 			continue
 		}
 		busy := false
@@ -602,6 +617,7 @@ func (m *Manager) Close() error {
 		_ = m.tunnel.Close()
 	}
 	m.pipes.close()
+	m.DropInherited()
 	return closeFd(m.home)
 }
 

@@ -79,9 +79,10 @@ type pod struct {
 type closer interface{ abort() }
 
 type tcpListener struct {
-	spec listener.Spec
-	ln   *net.TCPListener
-	port uint16
+	spec    listener.Spec
+	ln      *net.TCPListener
+	port    uint16
+	network string // tcp4 or tcp6
 }
 
 func transparentControl(udp bool) func(network, address string, rc syscall.RawConn) error {
@@ -169,31 +170,58 @@ func (m *Manager) startPod(ctx context.Context, key string, specs []listener.Spe
 }
 
 func (p *pod) bind() error {
-	return p.netns.do(func() error {
+	var binds []listener.Bind
+	var names []string
+	for _, s := range p.specs {
+		for _, b := range s.Binds {
+			binds, names = append(binds, b), append(names, s.Name)
+		}
+	}
+	return p.inNetNS(names, binds, func() error {
 		for _, s := range p.specs {
 			for _, b := range s.Binds {
-				lc := net.ListenConfig{}
-				if s.Transparent {
-					lc.Control = transparentControl(b.UDP)
+				ln, pc, err := p.listen(s, b)
+				if err != nil {
+					return fmt.Errorf("failed to bind %s listener %q on %s: %w", network(b), s.Name, b.Addr, err)
 				}
-				addr := b.Addr.String()
 				if b.UDP {
-					pc, err := lc.ListenPacket(context.Background(), network(b), addr)
-					if err != nil {
-						return fmt.Errorf("failed to bind %s listener %q on %s: %w", network(b), s.Name, addr, err)
-					}
-					p.udp = append(p.udp, &udpListener{conn: pc.(*net.UDPConn), port: b.Addr.Port()})
+					p.udp = append(p.udp, &udpListener{conn: pc.(*net.UDPConn), port: b.Addr.Port(), name: s.Name, network: network(b)})
 					continue
 				}
-				ln, err := lc.Listen(context.Background(), network(b), addr)
-				if err != nil {
-					return fmt.Errorf("failed to bind %s listener %q on %s: %w", network(b), s.Name, addr, err)
-				}
-				p.tcp = append(p.tcp, &tcpListener{spec: s, ln: ln.(*net.TCPListener), port: b.Addr.Port()})
+				p.tcp = append(p.tcp, &tcpListener{spec: s, ln: ln.(*net.TCPListener), port: b.Addr.Port(), network: network(b)})
 			}
 		}
 		return nil
 	})
+}
+
+// listen opens the socket of bind b of listener s: the one a predecessor
+// handed over (proxy/handover) when there is one, else a new one. It runs
+// in the pod's netns.
+func (p *pod) listen(s listener.Spec, b listener.Bind) (net.Listener, net.PacketConn, error) {
+	f, err := p.inheritedSocket(s.Name, b)
+	if err != nil {
+		p.log.Warn("inherited listener refused; binding a new one", "error", err.Error())
+	}
+	if f != nil {
+		defer f.Close() // the listener holds its own copy
+		if b.UDP {
+			pc, err := net.FilePacketConn(f)
+			return nil, pc, err
+		}
+		ln, err := net.FileListener(f)
+		return ln, nil, err
+	}
+	lc := net.ListenConfig{}
+	if s.Transparent {
+		lc.Control = transparentControl(b.UDP)
+	}
+	if b.UDP {
+		pc, err := lc.ListenPacket(context.Background(), network(b), b.Addr.String())
+		return nil, pc, err
+	}
+	ln, err := lc.Listen(context.Background(), network(b), b.Addr.String())
+	return ln, nil, err
 }
 
 // serve starts one loop per socket.
@@ -360,15 +388,7 @@ func (p *pod) drainUntil(timeout time.Duration, abort <-chan struct{}) {
 	p.draining.Store(true)
 	p.stopAccepting()
 	// UDP flows have no end of their own: they stop with the listeners.
-	p.mu.Lock()
-	var flows []closer
-	for c := range p.conns {
-		if _, ok := c.(*udpFlow); ok {
-			flows = append(flows, c)
-		}
-	}
-	p.mu.Unlock()
-	for _, f := range flows {
+	for _, f := range connsOf[*udpFlow](p) {
 		f.abort()
 	}
 	finished := make(chan struct{})
@@ -385,10 +405,52 @@ func (p *pod) drainUntil(timeout time.Duration, abort <-chan struct{}) {
 	case <-t.C:
 		p.log.Warn("drain deadline passed; closing open connections", "open", p.openConns())
 		reason = telemetry.ReasonDrainDeadline
+		p.finishConns(finished)
 	case <-abort:
 	}
 	p.closeWith(reason)
 	<-p.done
+}
+
+// finisher is a connection that can end cleanly (FIN, not reset) at a
+// drain deadline.
+type finisher interface{ finish() }
+
+// finishConns ends the pod's open TCP connections cleanly and waits until
+// they closed (finished) or finishLinger and a margin passed; closeWith
+// then aborts what is left.
+func (p *pod) finishConns(finished <-chan struct{}) {
+	fs := connsOf[finisher](p)
+	if len(fs) == 0 {
+		return
+	}
+	for _, f := range fs {
+		f.finish()
+	}
+	t := time.NewTimer(finishLinger + 250*time.Millisecond)
+	defer t.Stop()
+	for len(connsOf[finisher](p)) > 0 {
+		select {
+		case <-finished:
+			return
+		case <-t.C:
+			return
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// connsOf returns the pod's open connections and flows that are a T.
+func connsOf[T any](p *pod) []T {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var out []T
+	for c := range p.conns {
+		if t, ok := c.(T); ok {
+			out = append(out, t)
+		}
+	}
+	return out
 }
 
 // close aborts everything at once; done is closed when every goroutine of

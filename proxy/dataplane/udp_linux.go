@@ -32,6 +32,8 @@ import (
 type udpListener struct {
 	conn *net.UDPConn
 	port uint16
+	// name and network (udp4, udp6) are its listener's, for the hand-over.
+	name, network string
 }
 
 type flowKey struct{ src, dst netip.AddrPort }
