@@ -51,7 +51,9 @@ type execSample struct {
 // jobs lands on both sides alike. One untimed pair warms both sides up.
 // -benchtime Nx runs N pairs; a duration runs pairs (an even number) until
 // the slower side's timed ops add up to it. Then the sub-benchmarks "ours"
-// and "peer" report their side's samples (see reportExec).
+// and "peer" report their side's samples (see reportExec). go test's
+// -count repeats sub-benchmarks, not their parent, so it repeats the same
+// report: independent rounds are separate runs (make bench's -rounds).
 func ExecBench(b *testing.B, verb Verb, ours, peer ExecSide) {
 	b.Helper()
 	if _, err := os.Stat(GNUTime); err != nil {
