@@ -24,7 +24,6 @@ import (
 
 	adminhandler "aether.io/node/agent/adminapi/handler"
 	"aether.io/node/agent/cniserver"
-	"aether.io/node/agent/enrolment"
 	"aether.io/node/agent/identity"
 	"aether.io/node/agent/nodegate"
 	"aether.io/node/agent/pods"
@@ -34,6 +33,7 @@ import (
 	"aether.io/node/agent/store"
 	"aether.io/node/agent/telemetry"
 	"aether.io/node/pkg/adminapi"
+	"aether.io/node/pkg/enrolment"
 	"aether.io/node/pkg/lifecycle"
 	"aether.io/node/pkg/unixsock"
 	"aether.io/node/registry"
@@ -368,7 +368,7 @@ func newRegistry(c *Config, client kubernetes.Interface, log *slog.Logger, metri
 	case "etcd":
 	case "kube":
 		r, err := kubereg.New(kubereg.Options{
-			Client: client, Node: c.NodeName, ManagedLabel: pods.ManagedLabel, SystemNamespaces: c.SystemNamespaces,
+			Client: client, Node: c.NodeName, Rules: enrolment.Rules{SystemNamespaces: c.SystemNamespaces, AmbientAlias: c.AmbientNamespaces},
 			Logger: log.With("component", "registry_kube"),
 		})
 		if err != nil {

@@ -16,8 +16,8 @@ import (
 	"github.com/spiffe/go-spiffe/v2/spiffeid"
 	"k8s.io/apimachinery/pkg/util/validation"
 
-	"aether.io/node/agent/enrolment"
 	"aether.io/node/agent/identity"
+	"aether.io/node/pkg/enrolment"
 	"aether.io/node/pkg/meshcontract"
 	"aether.io/node/pkg/tlsfiles"
 	"aether.io/node/registry"

@@ -32,17 +32,17 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
-	"aether.io/node/agent/enrolment"
 	"aether.io/node/agent/podsource"
 	"aether.io/node/agent/store"
 	"aether.io/node/agent/telemetry"
 	"aether.io/node/agent/uds"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/pkg/enrolment"
 	"aether.io/node/registry"
 )
 
 // ManagedLabel marks a mesh-managed pod, or a namespace whose pods are,
-// when its value is "true" (agent/enrolment has the rules).
+// when its value is "true" (pkg/enrolment has the rules).
 const ManagedLabel = enrolment.ManagedLabel
 
 // ErrPodUnavailable means the pod source did not know the pod within the

@@ -10,10 +10,10 @@ import (
 
 	"pgregory.net/rapid"
 
-	"aether.io/node/agent/enrolment"
 	"aether.io/node/agent/podsource"
 	"aether.io/node/agent/store"
 	cniv1 "aether.io/node/api/aether/cni/v1"
+	"aether.io/node/pkg/enrolment"
 	"aether.io/node/registry"
 	"aether.io/node/registry/local"
 )

@@ -46,7 +46,7 @@ type Record struct {
 	// AddedAt is when AddPod first stored the record.
 	AddedAt time.Time
 	// EnrolledVia says which label made the pod mesh-managed when the
-	// record was stored (agent/enrolment.Via: "pod_label",
+	// record was stored (pkg/enrolment.Via: "pod_label",
 	// "namespace_label", "namespace_ambient"); empty on records written
 	// before it existed, which only the pod label could enrol.
 	EnrolledVia string

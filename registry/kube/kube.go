@@ -2,7 +2,8 @@
 // Kubernetes API, with nothing to run beside it: this node's endpoints are
 // written by the agent as with the embedded backend, and every other node's
 // mesh-managed pods are read from one cluster-wide, field-trimmed pod watch
-// (plus a Node watch for their locality). It is the chart's default, so a
+// (plus a Node watch for their locality and a Namespace watch for the
+// enrolment rules). It is the chart's default, so a
 // multi-node cluster is one mesh out of the box; registry/etcd stays for
 // operators who keep discovery off the API server. Costs and limits are in
 // the package README.
@@ -13,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net/netip"
 	"slices"
 	"strings"
@@ -21,12 +23,12 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 
+	"aether.io/node/pkg/enrolment"
 	"aether.io/node/registry"
 	"aether.io/node/registry/local"
 )
@@ -46,11 +48,12 @@ type Options struct {
 	// Node is this node's name: its pods come from Register, never from
 	// the watch.
 	Node string
-	// ManagedLabel and its value "true" select the mesh-managed pods the
-	// watch asks for (a label selector, evaluated by the API server).
-	ManagedLabel string
-	// SystemNamespaces are never served, whatever their labels.
-	SystemNamespaces []string
+	// Rules decide which pods are mesh-managed, as this node's agent
+	// decides for its own (the pod's label, its namespace's, the system
+	// namespaces, never served whatever their labels): every agent must
+	// agree, or another node's namespace-enrolled pod is reached in
+	// plaintext.
+	Rules enrolment.Rules
 	// Logger receives the backend's logs (nil: discarded).
 	Logger *slog.Logger
 }
@@ -62,11 +65,13 @@ type Registry struct {
 	log   *slog.Logger
 	store *local.Registry // this node's endpoints and every other node's
 
-	pods  cache.SharedIndexInformer
-	nodes cache.SharedIndexInformer
+	pods       cache.SharedIndexInformer
+	nodes      cache.SharedIndexInformer
+	namespaces cache.SharedIndexInformer
 
 	mu       sync.Mutex
 	locality map[string]registry.Locality // node name -> its topology
+	nsLabels map[string]map[string]string // namespace -> its labels
 	cancel   context.CancelFunc
 	done     chan struct{}
 }
@@ -81,22 +86,22 @@ func New(o Options) (*Registry, error) {
 	if o.Node == "" {
 		return nil, errors.New("kube registry: node name is empty")
 	}
-	if o.ManagedLabel == "" {
-		return nil, errors.New("kube registry: managed label is empty")
-	}
 	log := o.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	r := &Registry{opts: o, log: log, store: local.New(), locality: map[string]registry.Locality{}}
+	r := &Registry{opts: o, log: log, store: local.New(), locality: map[string]registry.Locality{}, nsLabels: map[string]map[string]string{}}
 	// No resync timer: every change arrives as an event, and a resync would
 	// only re-Put unchanged pods.
-	r.pods = cache.NewSharedIndexInformer(r.podListWatch(), &corev1.Pod{}, 0, cache.Indexers{nodeIndex: func(obj any) ([]string, error) {
-		if p, ok := obj.(*corev1.Pod); ok {
-			return []string{p.Spec.NodeName}, nil
-		}
-		return nil, nil
-	}})
+	r.pods = cache.NewSharedIndexInformer(r.podListWatch(), &corev1.Pod{}, 0, cache.Indexers{
+		nodeIndex: func(obj any) ([]string, error) {
+			if p, ok := obj.(*corev1.Pod); ok {
+				return []string{p.Spec.NodeName}, nil
+			}
+			return nil, nil
+		},
+		cache.NamespaceIndex: cache.MetaNamespaceIndexFunc,
+	})
 	if err := r.pods.SetTransform(trimPod); err != nil {
 		return nil, fmt.Errorf("kube registry: %w", err)
 	}
@@ -104,18 +109,29 @@ func New(o Options) (*Registry, error) {
 	if err := r.nodes.SetTransform(trimNode); err != nil {
 		return nil, fmt.Errorf("kube registry: %w", err)
 	}
+	r.namespaces = cache.NewSharedIndexInformer(r.namespaceListWatch(), &corev1.Namespace{}, 0, cache.Indexers{})
+	if err := r.namespaces.SetTransform(trimNamespace); err != nil {
+		return nil, fmt.Errorf("kube registry: %w", err)
+	}
 	return r, nil
 }
 
-// podListWatch lists and watches the managed pods of every other node that
-// are running: the API server filters, so pods the mesh does not serve cost
-// this agent nothing.
+// podListWatch lists and watches the running pods of every other node
+// outside the system namespaces, but for those that opt out
+// (aether.io/managed: "false"): a pod without the label is managed when its
+// namespace is enrolled, which a label selector cannot say, so the rules
+// decide here (the cache holds a trimmed pod, a few hundred bytes, per such
+// pod of the cluster).
 func (r *Registry) podListWatch() *cache.ListWatch {
-	fsel := fields.AndSelectors(
+	sel := []fields.Selector{
 		fields.OneTermNotEqualSelector("spec.nodeName", r.opts.Node),
 		fields.OneTermEqualSelector("status.phase", string(corev1.PodRunning)),
-	).String()
-	lsel := labels.SelectorFromSet(labels.Set{r.opts.ManagedLabel: "true"}).String()
+	}
+	for _, ns := range r.opts.Rules.SystemNamespaces {
+		sel = append(sel, fields.OneTermNotEqualSelector("metadata.namespace", ns))
+	}
+	fsel := fields.AndSelectors(sel...).String()
+	lsel := enrolment.ManagedLabel + "!=false"
 	pods := r.opts.Client.CoreV1().Pods(metav1.NamespaceAll)
 	return &cache.ListWatch{
 		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
@@ -125,6 +141,20 @@ func (r *Registry) podListWatch() *cache.ListWatch {
 		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
 			o.FieldSelector, o.LabelSelector = fsel, lsel
 			return pods.Watch(ctx, o)
+		},
+	}
+}
+
+// namespaceListWatch lists and watches every namespace (their labels
+// enrol their pods).
+func (r *Registry) namespaceListWatch() *cache.ListWatch {
+	nss := r.opts.Client.CoreV1().Namespaces()
+	return &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			return nss.List(ctx, o)
+		},
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			return nss.Watch(ctx, o)
 		},
 	}
 }
@@ -185,6 +215,15 @@ func trimNode(obj any) (any, error) {
 	return t, nil
 }
 
+// trimNamespace keeps a Namespace's name and labels.
+func trimNamespace(obj any) (any, error) {
+	n, ok := obj.(*corev1.Namespace)
+	if !ok {
+		return obj, nil
+	}
+	return &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: n.Name, ResourceVersion: n.ResourceVersion, Labels: n.Labels}}, nil
+}
+
 // SubzoneLabel is the Node label Istio reads a subzone from.
 const SubzoneLabel = "topology.istio.io/subzone"
 
@@ -197,6 +236,19 @@ func (r *Registry) Start() error {
 	})
 	if err != nil {
 		return fmt.Errorf("kube registry: failed to add node handler: %w", err)
+	}
+	_, err = r.namespaces.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(o any) { r.onNamespace(o, false) },
+		UpdateFunc: func(_, o any) { r.onNamespace(o, false) },
+		DeleteFunc: func(o any) {
+			if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
+				o = t.Obj
+			}
+			r.onNamespace(o, true)
+		},
+	})
+	if err != nil {
+		return fmt.Errorf("kube registry: failed to add namespace handler: %w", err)
 	}
 	_, err = r.pods.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(o any) { r.onPod(o) },
@@ -222,7 +274,8 @@ func (r *Registry) Start() error {
 		var wg sync.WaitGroup
 		wg.Go(func() { r.nodes.RunWithContext(ctx) })
 		wg.Go(func() { r.pods.RunWithContext(ctx) })
-		if cache.WaitForCacheSync(ctx.Done(), r.nodes.HasSynced, r.pods.HasSynced) {
+		wg.Go(func() { r.namespaces.RunWithContext(ctx) })
+		if cache.WaitForCacheSync(ctx.Done(), r.nodes.HasSynced, r.pods.HasSynced, r.namespaces.HasSynced) {
 			r.log.Info("kube registry synced", "node", r.opts.Node, "remote_endpoints", len(r.pods.GetStore().ListKeys()))
 		}
 		wg.Wait()
@@ -230,8 +283,10 @@ func (r *Registry) Start() error {
 	return nil
 }
 
-// HasSynced reports whether both watches delivered their first listing.
-func (r *Registry) HasSynced() bool { return r.nodes.HasSynced() && r.pods.HasSynced() }
+// HasSynced reports whether the watches delivered their first listing.
+func (r *Registry) HasSynced() bool {
+	return r.nodes.HasSynced() && r.pods.HasSynced() && r.namespaces.HasSynced()
+}
 
 // Close stops the watches and waits for them.
 func (r *Registry) Close() {
@@ -267,6 +322,33 @@ func (r *Registry) onNode(o any) {
 	}
 }
 
+// onNamespace records a namespace's labels (none once deleted) and, when
+// they changed, decides again for its pods.
+func (r *Registry) onNamespace(o any, deleted bool) {
+	n, ok := o.(*corev1.Namespace)
+	if !ok {
+		return
+	}
+	r.mu.Lock()
+	old, had := r.nsLabels[n.Name]
+	if deleted {
+		delete(r.nsLabels, n.Name)
+	} else {
+		r.nsLabels[n.Name] = n.Labels
+	}
+	r.mu.Unlock()
+	if had && !deleted && maps.Equal(old, n.Labels) {
+		return
+	}
+	objs, err := r.pods.GetIndexer().ByIndex(cache.NamespaceIndex, n.Name)
+	if err != nil {
+		return
+	}
+	for _, p := range objs {
+		r.onPod(p)
+	}
+}
+
 func (r *Registry) onPod(o any) {
 	p, ok := o.(*corev1.Pod)
 	if !ok {
@@ -275,8 +357,9 @@ func (r *Registry) onPod(o any) {
 	key := KeyPrefix + string(p.UID)
 	r.mu.Lock()
 	loc := r.locality[p.Spec.NodeName]
+	nsLabels := r.nsLabels[p.Namespace]
 	r.mu.Unlock()
-	ep, why := r.endpoint(p, loc)
+	ep, why := r.endpoint(p, loc, nsLabels)
 	if why != "" {
 		r.log.Debug("remote pod not served", "namespace", p.Namespace, "name", p.Name, "node", p.Spec.NodeName, "reason", why)
 		r.deregister(key)
@@ -295,9 +378,11 @@ func (r *Registry) deregister(key string) {
 
 // endpoint builds another node's pod as an endpoint, or says why it is not
 // served: terminating (never re-registered, as the registry's invariant
-// wants), no IPs yet, a system namespace, or a pod the selectors should have
-// kept away (this node's, not running, not managed).
-func (r *Registry) endpoint(p *corev1.Pod, loc registry.Locality) (registry.Endpoint, string) {
+// wants), a pod the selectors should have kept away (this node's, not
+// running), or one the enrolment rules do not manage (with nsLabels, its
+// namespace's labels).
+func (r *Registry) endpoint(p *corev1.Pod, loc registry.Locality, nsLabels map[string]string) (registry.Endpoint, string) {
+	ips := podIPs(p)
 	switch {
 	case p.DeletionTimestamp != nil:
 		return registry.Endpoint{}, "terminating"
@@ -305,14 +390,12 @@ func (r *Registry) endpoint(p *corev1.Pod, loc registry.Locality) (registry.Endp
 		return registry.Endpoint{}, "not_another_node"
 	case p.Status.Phase != corev1.PodRunning:
 		return registry.Endpoint{}, "not_running"
-	case p.Labels[r.opts.ManagedLabel] != "true":
-		return registry.Endpoint{}, "not_managed"
-	case slices.Contains(r.opts.SystemNamespaces, p.Namespace):
-		return registry.Endpoint{}, "system_namespace"
 	}
-	ips := podIPs(p)
-	if len(ips) == 0 {
-		return registry.Endpoint{}, "no_ips"
+	d := r.opts.Rules.Decide(enrolment.Pod{
+		Namespace: p.Namespace, Labels: p.Labels, NamespaceLabels: nsLabels, HostNetwork: p.Spec.HostNetwork, HasIPs: len(ips) > 0,
+	})
+	if !d.Managed {
+		return registry.Endpoint{}, string(d.Reason)
 	}
 	sa := p.Spec.ServiceAccountName
 	if sa == "" {

@@ -11,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
 
+	"aether.io/node/pkg/enrolment"
 	"aether.io/node/registry"
 	"aether.io/node/registry/kube"
 	"aether.io/node/test/harness"
@@ -111,7 +112,7 @@ func TestKubeRegistry(t *testing.T) {
 	}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	r, err := kube.New(kube.Options{Client: cl.Client, Node: "node-a", ManagedLabel: managed, SystemNamespaces: []string{"kube-system"}})
+	r, err := kube.New(kube.Options{Client: cl.Client, Node: "node-a", Rules: enrolment.Rules{SystemNamespaces: []string{"kube-system"}}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -211,6 +212,39 @@ func TestKubeRegistry(t *testing.T) {
 	ev.waitFor(t, "web-2 withdrawn while terminating", func(v map[string]registry.Endpoint) bool { _, ok := v[key2]; return !ok })
 	if p, err := cl.Client.CoreV1().Pods("shop").Get(ctx, "web-2", metav1.GetOptions{}); err != nil || p.DeletionTimestamp == nil {
 		t.Fatalf("web-2 should still exist, terminating: %v, %v", p, err)
+	}
+
+	testNamespaceEnrolment(t, cl, ev)
+}
+
+// testNamespaceEnrolment: another node's pod without a label is served while
+// its namespace is enrolled (as its own agent decides at ADD), one that opts
+// out never is, and the namespace's label removed withdraws it.
+func testNamespaceEnrolment(t *testing.T, cl *kubetest.Cluster, ev *events) {
+	ctx := context.Background()
+	ns, err := cl.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{
+		Name: "enrolled", Labels: map[string]string{managed: "true"},
+	}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cl.Client.CoreV1().ServiceAccounts(ns.Name).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "web"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	plain := createPod(t, cl, ns.Name, "plain-1", "node-b", map[string]string{"app": "plain"}, "10.2.0.9")
+	out := createPod(t, cl, ns.Name, "out-1", "node-b", map[string]string{"app": "out", managed: "false"}, "10.2.0.10")
+	key, outKey := kube.KeyPrefix+string(plain.UID), kube.KeyPrefix+string(out.UID)
+	ev.waitFor(t, "the unlabelled pod of the enrolled namespace", func(v map[string]registry.Endpoint) bool { return v[key].Healthy })
+	if _, ok := ev.seen[outKey]; ok {
+		t.Fatal("a pod labelled aether.io/managed=false in an enrolled namespace was served")
+	}
+	ns.Labels = nil
+	if _, err := cl.Client.CoreV1().Namespaces().Update(ctx, ns, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	ev.waitFor(t, "the pod withdrawn once its namespace is not enrolled", func(v map[string]registry.Endpoint) bool { _, ok := v[key]; return !ok })
+	if _, ok := ev.seen[outKey]; ok {
+		t.Fatal("the opted-out pod was served")
 	}
 }
 

@@ -51,7 +51,7 @@ func typicalPod(i int) *corev1.Pod {
 func BenchmarkRemotePodMemory(b *testing.B) {
 	const n = 20000
 	for b.Loop() {
-		r, err := New(Options{Client: fake.NewClientset(), Node: "self", ManagedLabel: "aether.io/managed"})
+		r, err := New(Options{Client: fake.NewClientset(), Node: "self"})
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -9,10 +9,10 @@ import (
 
 	"google.golang.org/protobuf/types/known/durationpb"
 
-	"aether.io/node/agent/enrolment"
 	"aether.io/node/agent/pods"
 	cniv1 "aether.io/node/api/aether/cni/v1"
 	"aether.io/node/pkg/adminapi"
+	"aether.io/node/pkg/enrolment"
 )
 
 // View renders a pod state as the admin API returns it.
