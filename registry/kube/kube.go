@@ -105,11 +105,11 @@ func New(o Options) (*Registry, error) {
 	if err := r.pods.SetTransform(trimPod); err != nil {
 		return nil, fmt.Errorf("kube registry: %w", err)
 	}
-	r.nodes = cache.NewSharedIndexInformer(r.nodeListWatch(), &corev1.Node{}, 0, cache.Indexers{})
+	r.nodes = cache.NewSharedIndexInformer(listWatchAll[*corev1.NodeList](o.Client.CoreV1().Nodes()), &corev1.Node{}, 0, cache.Indexers{})
 	if err := r.nodes.SetTransform(trimNode); err != nil {
 		return nil, fmt.Errorf("kube registry: %w", err)
 	}
-	r.namespaces = cache.NewSharedIndexInformer(r.namespaceListWatch(), &corev1.Namespace{}, 0, cache.Indexers{})
+	r.namespaces = cache.NewSharedIndexInformer(listWatchAll[*corev1.NamespaceList](o.Client.CoreV1().Namespaces()), &corev1.Namespace{}, 0, cache.Indexers{})
 	if err := r.namespaces.SetTransform(trimNamespace); err != nil {
 		return nil, fmt.Errorf("kube registry: %w", err)
 	}
@@ -145,28 +145,21 @@ func (r *Registry) podListWatch() *cache.ListWatch {
 	}
 }
 
-// namespaceListWatch lists and watches every namespace (their labels
-// enrol their pods).
-func (r *Registry) namespaceListWatch() *cache.ListWatch {
-	nss := r.opts.Client.CoreV1().Namespaces()
-	return &cache.ListWatch{
-		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			return nss.List(ctx, o)
-		},
-		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			return nss.Watch(ctx, o)
-		},
-	}
+// lister is a typed client of one kind of object (Nodes(), Namespaces()).
+type lister[L runtime.Object] interface {
+	List(ctx context.Context, o metav1.ListOptions) (L, error)
+	Watch(ctx context.Context, o metav1.ListOptions) (watch.Interface, error)
 }
 
-func (r *Registry) nodeListWatch() *cache.ListWatch {
-	nodes := r.opts.Client.CoreV1().Nodes()
+// listWatchAll lists and watches every object c serves: the Nodes (their
+// locality) and the Namespaces (their labels enrol their pods).
+func listWatchAll[L runtime.Object](c lister[L]) *cache.ListWatch {
 	return &cache.ListWatch{
 		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			return nodes.List(ctx, o)
+			return c.List(ctx, o)
 		},
 		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			return nodes.Watch(ctx, o)
+			return c.Watch(ctx, o)
 		},
 	}
 }
